@@ -1,0 +1,318 @@
+"""``DPModel``: DP-SGD for any Keras 2 model through plain ``model.fit``.
+
+One call of :meth:`DPModel.train_step` is one DP-SGD step, i.e. one
+Poisson-subsampled Gaussian mechanism (Abadi et al. 2016)::
+
+    S_t   = sum_{i in B_t} g_i / max(1, ||g_i||_2 / C)        (per-example clipping)
+    g~_t  = (S_t + N(0, sigma^2 C^2 I)) / (q n)               (noise, expected batch size)
+    theta <- optimizer(theta, g~_t)                           (trainable coordinates only)
+
+* ``g_i`` is restricted to the trainable set (:attr:`DPModel.dp_variables`):
+  norms, clipping and noise cover exactly those coordinates; every other
+  coordinate is never read by the optimizer and stays bit-identical.
+* A batch element is ``(x, y, sample_weight)`` of length ``k * P`` (see
+  :mod:`sparta_tf.privacy.sampling`): it is processed as ``k`` micro-batches
+  of the physical batch size ``P`` whose clipped sums are accumulated before
+  the single noisy update; examples with ``sample_weight == 0`` are padding
+  and contribute exactly zero.
+* Under ``tf.distribute`` the clipped sums are all-reduced across replicas
+  and the noise, drawn from a key shared by all replicas
+  (:mod:`sparta_tf.noise`), is added once to the global sum.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import tensorflow as tf
+
+from sparta_tf.clipping import clipped_sum
+from sparta_tf.losses import per_example_loss_fn
+from sparta_tf.model_checks import reject_batchnorm_in_training_mode
+from sparta_tf.noise import gaussian_noise, new_seed
+from sparta_tf.per_example import make_engine
+from sparta_tf.privacy.accounting import check_noise_multiplier, check_sample_rate
+from sparta_tf.privacy.callbacks import PrivacyCallback
+from sparta_tf.privacy.ledger import PrivacyLedger
+from sparta_tf.privacy.sampling import (
+    PoissonSampler,
+    default_physical_batch_size,
+    shuffled_dataset,
+    shuffled_steps_per_epoch,
+)
+from sparta_tf.xla import JitCompile, resolve_jit_compile
+
+SAMPLING_MODES = ("poisson", "shuffle")
+
+
+def _check_positive(name: str, value: float) -> float:
+    if not value > 0:
+        raise ValueError(f"{name}={value!r} must be > 0")
+    return value
+
+
+class DPModel(tf.keras.Model):
+    """Wraps a Keras model so that ``fit`` trains it with DP-SGD.
+
+    Args:
+      model: any Keras 2 model (Sequential, functional or subclassed) without
+        BatchNormalization in training mode.
+      noise_multiplier: ``sigma``; the noise std on each trainable coordinate
+        of the summed clipped gradient is ``sigma * clip_norm``.
+      clip_norm: ``C``, the per-example L2 bound.
+      sample_rate: Poisson rate ``q``. When ``fit`` gets arrays and
+        ``sampling="shuffle"``, ``q`` is only used as ``batch = round(q n)``.
+      dataset_size: ``n``; taken from the arrays given to ``fit`` when omitted.
+      physical_batch_size: micro-batch size ``P`` processed at once; default
+        ``qn + 4`` standard deviations (see ``default_physical_batch_size``).
+      sampling: ``"poisson"`` (what the accountant assumes) or ``"shuffle"``
+        (fixed-size shuffled batches; the privacy report says the accountant
+        does not cover it).
+      delta: when given, a :class:`PrivacyLedger` records every step and
+        ``fit`` logs ``epsilon``; with ``target_epsilon`` training refuses to
+        start (or stops, after ``on_budget_exhausted``) rather than overspend.
+      seed: seed of the sampling and noise streams (tests, reproducibility).
+        ``None``: a secret seed from the OS (see :mod:`sparta_tf.noise`).
+      engine: per-example gradient engine, ``"auto"``, ``"layerwise"`` or
+        ``"vectorized"`` (see :mod:`sparta_tf.per_example`).
+      jit_compile: ``"auto"`` (XLA on GPU/TPU, off on CPU), True or False.
+    """
+
+    def __init__(
+        self,
+        model: tf.keras.Model,
+        *,
+        noise_multiplier: float,
+        clip_norm: float = 1.0,
+        sample_rate: float,
+        dataset_size: int | None = None,
+        physical_batch_size: int | None = None,
+        sampling: str = "poisson",
+        delta: float | None = None,
+        target_epsilon: float | None = None,
+        accountant: str = "pld",
+        seed: int | None = None,
+        engine: str = "auto",
+        jit_compile: JitCompile = "auto",
+        name: str | None = None,
+    ):
+        super().__init__(name=name or f"dp_{model.name}")
+        reject_batchnorm_in_training_mode(model)
+        if sampling not in SAMPLING_MODES:
+            raise ValueError(f"sampling={sampling!r} is not one of {SAMPLING_MODES}")
+        self.model = model
+        self.noise_multiplier = check_noise_multiplier(noise_multiplier)
+        self.clip_norm = _check_positive("clip_norm", clip_norm)
+        self.sample_rate = check_sample_rate(sample_rate)
+        self.dataset_size = dataset_size
+        self.physical_batch_size = physical_batch_size
+        self.sampling = sampling
+        self.engine_name = engine
+        self._jit_compile_setting = jit_compile
+        seed = new_seed() if seed is None else int(seed)
+        self._sampling_seed = seed
+        self.dp_step = tf.Variable(
+            0, dtype=tf.int64, trainable=False, name="dp_step",
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+        )
+        self._noise_seed = tf.Variable(seed, dtype=tf.int64, trainable=False, name="noise_seed")
+        self.ledger = (
+            PrivacyLedger(delta, accountant=accountant, target_epsilon=target_epsilon, sampling=sampling)
+            if delta is not None else None
+        )
+        self._dp_variables: list[tf.Variable] = []
+        self._engine = None
+        self._per_example_loss = None
+        self._loss_tracker = tf.keras.metrics.Mean(name="loss")
+
+    # ------------------------------------------------------------------ model
+
+    def call(self, inputs, training=None):
+        return self.model(inputs, training=training)
+
+    @property
+    def dp_variables(self) -> list[tf.Variable]:
+        """The trainable set: variables whose coordinates DP-SGD clips, noises and updates."""
+        return list(self._dp_variables) or list(self.model.trainable_variables)
+
+    def set_dp_variables(self, variables: Sequence[tf.Variable]) -> None:
+        """Restricts DP-SGD to ``variables`` (e.g. biases + head for a warm-up phase)."""
+        known = {id(v) for v in self.model.trainable_variables}
+        unknown = [v.name for v in variables if id(v) not in known]
+        if unknown:
+            raise ValueError(f"not trainable variables of the wrapped model: {unknown[:3]}")
+        if not variables:
+            raise ValueError("the trainable set is empty: pass at least one variable")
+        self._dp_variables = list(variables)
+        self._engine = None
+        self.train_function = None  # retrace with the new trainable set
+
+    @property
+    def metrics(self):
+        """The mean per-example loss over real examples, then the compiled metrics."""
+        compiled = self.compiled_metrics.metrics if self.compiled_metrics is not None else []
+        return [self._loss_tracker] + list(compiled)
+
+    def _update_metrics(self, y, predictions, losses, weights):
+        self._loss_tracker.update_state(losses, sample_weight=weights)
+        self.compiled_metrics.update_state(y, predictions, weights)
+
+    def test_step(self, data):
+        x, y, weights = tf.keras.utils.unpack_x_y_sample_weight(data)
+        predictions = self(x, training=False)
+        self._update_metrics(y, predictions, self._per_example_loss(y, predictions), weights)
+        return self.get_metrics_result()
+
+    # ---------------------------------------------------------------- compile
+
+    def compile(self, optimizer="sgd", loss=None, metrics=None, jit_compile=None, **kwargs):
+        """Like ``keras.Model.compile``; ``loss`` must be per-example (any built-in is)."""
+        self._per_example_loss = per_example_loss_fn(loss)
+        if jit_compile is not None:
+            self._jit_compile_setting = jit_compile
+        super().compile(
+            optimizer=optimizer, loss=loss, metrics=metrics,
+            jit_compile=resolve_jit_compile(self._jit_compile_setting), **kwargs,
+        )
+        if self.model.built:
+            self.optimizer.build(self.model.trainable_variables)
+
+    # ------------------------------------------------------------- train step
+
+    def _get_engine(self):
+        if self._engine is None:
+            self._engine = make_engine(self.model, self.dp_variables, self.engine_name)
+        return self._engine
+
+    def _micro_batch_size(self) -> int | None:
+        if self.physical_batch_size is None:
+            return None
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        if self.physical_batch_size % replicas:
+            raise ValueError(
+                f"physical_batch_size={self.physical_batch_size} is not divisible by the "
+                f"{replicas} replicas; use a multiple of {replicas}"
+            )
+        return self.physical_batch_size // replicas
+
+    def _clipped_micro_batch_sum(self, x, y, weights):
+        valid = weights > 0
+        result = self._get_engine()(x, y, self._per_example_loss, valid)
+        sums, _ = clipped_sum(result.grads, self.clip_norm, valid)
+        self._update_metrics(y, result.predictions, result.losses, weights)
+        return sums
+
+    def _clipped_sum(self, x, y, weights):
+        """Sum of clipped per-example gradients over all micro-batches of the element."""
+        micro = self._micro_batch_size()
+        if micro is None:
+            return self._clipped_micro_batch_sum(x, y, weights)
+        total = tf.shape(weights)[0]
+        tf.debugging.assert_equal(
+            total % micro, 0,
+            message="batch length is not a multiple of the physical batch size; feed "
+            "batches from sparta_tf.privacy.PoissonSampler with the same physical_batch_size",
+        )
+
+        def micro_batch(t, i):
+            return tf.reshape(t, [-1, micro] + t.shape[1:].as_list())[i]
+
+        def body(i, sums):
+            part = tf.nest.map_structure(lambda t: micro_batch(t, i), (x, y, weights))
+            new = self._clipped_micro_batch_sum(*part)
+            return i + 1, [a + b for a, b in zip(sums, new)]
+
+        zeros = [tf.zeros_like(v) for v in self.dp_variables]
+        _, sums = tf.while_loop(lambda i, _: i < total // micro, body, (tf.constant(0), zeros))
+        return sums
+
+    def _noisy_mean(self, sums):
+        """``(S + N(0, sigma^2 C^2)) / (q n)``, identical on every replica."""
+        if self.dataset_size is None:
+            raise ValueError("dataset_size is unknown: pass DPModel(dataset_size=n) or fit arrays")
+        std = self.noise_multiplier * self.clip_norm
+        noise = gaussian_noise([s.shape for s in sums], std, self._noise_seed, self.dp_step)
+        expected_batch = self.sample_rate * self.dataset_size
+        return [(s + z) / expected_batch for s, z in zip(sums, noise)]
+
+    def train_step(self, data):
+        if self.model.losses:
+            raise ValueError(
+                "the model has regularization losses, which DP-SGD would leave unclipped; "
+                "remove kernel/activity regularizers and use the optimizer's weight_decay"
+            )
+        x, y, weights = tf.keras.utils.unpack_x_y_sample_weight(data)
+        if weights is None:
+            weights = tf.ones(tf.shape(tf.nest.flatten(x)[0])[:1], tf.float32)
+        sums = self._clipped_sum(x, y, weights)
+        context = tf.distribute.get_replica_context()
+        if context is not None and context.num_replicas_in_sync > 1:
+            sums = context.all_reduce(tf.distribute.ReduceOp.SUM, sums)
+        grads = self._noisy_mean(sums)
+        self.optimizer.apply_gradients(zip(grads, self.dp_variables), skip_gradients_aggregation=True)
+        self.dp_step.assign_add(1)
+        return self.get_metrics_result()
+
+    # -------------------------------------------------------------------- fit
+
+    def _input_pipeline(self, x, y, initial_step: int):
+        """(dataset, steps_per_epoch) for in-memory arrays, Poisson or shuffled."""
+        n = len(tf.nest.flatten(x)[0])
+        if self.dataset_size is None:
+            self.dataset_size = n
+        elif self.dataset_size != n:
+            raise ValueError(f"dataset_size={self.dataset_size} but fit got {n} examples; they must agree")
+        if self.sampling == "shuffle":
+            batch = max(1, round(self.sample_rate * n))
+            dataset = shuffled_dataset(x, y, batch, seed=self._sampling_seed, start_step=initial_step)
+            return dataset, shuffled_steps_per_epoch(n, batch)
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        if self.physical_batch_size is None:
+            self.physical_batch_size = default_physical_batch_size(n, self.sample_rate, multiple_of=replicas)
+        sampler = PoissonSampler(n, self.sample_rate, self.physical_batch_size, seed=self._sampling_seed)
+        return sampler.dataset(x, y, start_step=initial_step), sampler.steps_per_epoch
+
+    def _privacy_callback(self, callbacks, steps_per_epoch, on_budget_exhausted):
+        existing = [c for c in callbacks if isinstance(c, PrivacyCallback)]
+        if existing or self.ledger is None:
+            return existing[0] if existing else None
+        return PrivacyCallback(
+            self.ledger, self.noise_multiplier, self.sample_rate, steps_per_epoch,
+            step_counter=self.dp_step, on_budget_exhausted=on_budget_exhausted,
+        )
+
+    def fit(
+        self,
+        x=None,
+        y=None,
+        epochs: int = 1,
+        verbose="auto",
+        callbacks=None,
+        steps_per_epoch: int | None = None,
+        on_budget_exhausted=None,
+        **kwargs,
+    ):
+        """``keras.Model.fit`` with DP input and privacy bookkeeping.
+
+        Arrays ``x, y`` are fed as Poisson samples (or shuffled batches when
+        ``sampling="shuffle"``) with ``round(1/q)`` steps per epoch; a
+        ``tf.data.Dataset`` is used as given (it must come from
+        :class:`sparta_tf.privacy.PoissonSampler` for the accounting to hold).
+        When the model has a ledger, ``epsilon`` is logged every epoch.
+        """
+        if x is not None and not isinstance(x, tf.data.Dataset):
+            if y is None:
+                raise ValueError("fit(x, y): labels y are required with array inputs")
+            x, steps_per_epoch = self._input_pipeline(x, y, int(self.dp_step.numpy()))
+            y = None
+        callbacks = list(callbacks or [])
+        privacy = self._privacy_callback(callbacks, steps_per_epoch, on_budget_exhausted)
+        if privacy is not None and privacy not in callbacks:
+            callbacks.insert(0, privacy)
+        if verbose != 0 and not any(isinstance(c, tf.keras.callbacks.ProgbarLogger) for c in callbacks):
+            # After the privacy callback, so that the progbar shows epsilon.
+            callbacks.append(tf.keras.callbacks.ProgbarLogger(count_mode="steps"))
+        return super().fit(
+            x, y, epochs=epochs, verbose=verbose, callbacks=callbacks,
+            steps_per_epoch=steps_per_epoch, **kwargs,
+        )

@@ -1,0 +1,166 @@
+"""Per-example gradient engines.
+
+An engine maps a batch ``(x, y)`` and a per-example loss to
+
+* ``grads[k]``: ``[B, *variables[k].shape]``, the gradient of ``L_i`` w.r.t.
+  ``variables[k]`` for every example ``i``;
+* ``losses``: ``[B]`` per-example losses ``L_i``;
+* ``predictions``: the model output on the batch (for metrics).
+
+Two engines compute the same quantity:
+
+* :class:`LayerwiseEngine` ("book-keeping"): one batched forward and one
+  batched backward pass to the layer outputs, then a per-layer rule turns
+  layer inputs and output gradients into per-example weight gradients
+  (:mod:`sparta_tf.per_example.layer_rules`). Used when every variable asked
+  for belongs to a layer that owns it directly.
+* :class:`VectorizedEngine`: ``tf.vectorized_map`` over examples of the
+  gradient of a batch-of-one forward pass. Works for any Keras model.
+
+:func:`make_engine` picks the layer-wise engine when it covers the variables
+and says why it falls back otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, NamedTuple, Sequence
+
+import tensorflow as tf
+
+from sparta_tf.per_example.layer_rules import LayerRule, rule_for
+from sparta_tf.per_example.recording import install_hook, recording
+
+logger = logging.getLogger(__name__)
+
+PerExampleLoss = Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
+
+
+class PerExampleGradients(NamedTuple):
+    grads: list  # [B, *variable.shape] per variable
+    losses: tf.Tensor  # [B]
+    predictions: object  # model output structure
+
+
+def _leaf_layers_owning_variables(model: tf.keras.Model) -> list[tf.keras.layers.Layer]:
+    """Layers (including nested ones) that create trainable or frozen weights themselves."""
+    layers = []
+    for module in model._flatten_layers(include_self=False, recursive=True):
+        own = list(module._trainable_weights) + list(module._non_trainable_weights)
+        if own:
+            layers.append(module)
+    return layers
+
+
+def _owned_weights(layer) -> list[tf.Variable]:
+    return list(layer._trainable_weights) + list(layer._non_trainable_weights)
+
+
+class LayerwiseEngine:
+    """Per-example gradients from layer inputs and output gradients (see module doc)."""
+
+    name = "layerwise"
+
+    def __init__(self, model: tf.keras.Model, variables: Sequence[tf.Variable], plan):
+        self.model = model
+        self.variables = list(variables)
+        # plan: list of (layer, rule, [variable indices into self.variables])
+        self._plan = plan
+        for layer, rule, _ in plan:
+            install_hook(layer, rule)
+        self._layers = [layer for layer, _, _ in plan]
+
+    @classmethod
+    def plan_for(cls, model: tf.keras.Model, variables: Sequence[tf.Variable]):
+        """(plan, None) when every variable is covered, else (None, reason)."""
+        index_of = {id(v): k for k, v in enumerate(variables)}
+        covered: set[int] = set()
+        plan = []
+        for layer in _leaf_layers_owning_variables(model):
+            wanted = [index_of[id(v)] for v in _owned_weights(layer) if id(v) in index_of]
+            if not wanted:
+                continue
+            sublayers_with_weights = [
+                sub for sub in layer._flatten_layers(include_self=False, recursive=True)
+                if _owned_weights(sub)
+            ]
+            if sublayers_with_weights:
+                return None, f"layer {layer.name!r} owns weights and has sublayers with weights"
+            plan.append((layer, rule_for(layer), wanted))
+            covered.update(wanted)
+        missing = [variables[k].name for k in range(len(variables)) if k not in covered]
+        if missing:
+            return None, f"variables not owned by a layer: {missing[:3]}"
+        return plan, None
+
+    def __call__(self, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor) -> PerExampleGradients:
+        with tf.GradientTape(watch_accessed_variables=False, persistent=False) as tape:
+            with recording(tape, self._layers) as rec:
+                predictions = self.model(x, training=True)
+            losses = loss_fn(y, predictions)
+            total = tf.reduce_sum(tf.where(valid, losses, tf.zeros_like(losses)))
+        deltas = tape.gradient(total, [call.probe for call in rec.calls])
+        per_layer_calls: dict[int, list] = {}
+        for call, delta in zip(rec.calls, deltas):
+            per_layer_calls.setdefault(id(call.layer), []).append((call, delta))
+        grads: list = [None] * len(self.variables)
+        for layer, rule, indices in self._plan:
+            variables = [self.variables[k] for k in indices]
+            for call, delta in per_layer_calls.get(id(layer), []):
+                if delta is None:
+                    continue
+                for k, g in zip(indices, rule.per_example_grads(layer, call, delta, variables)):
+                    grads[k] = g if grads[k] is None else grads[k] + g
+        batch = tf.shape(losses)[0]
+        grads = [
+            tf.zeros(tf.concat([[batch], v.shape], 0), v.dtype) if g is None else g
+            for g, v in zip(grads, self.variables)
+        ]
+        return PerExampleGradients(grads, losses, predictions)
+
+
+class VectorizedEngine:
+    """``tf.vectorized_map`` over examples of the gradient of a batch-of-one loss."""
+
+    name = "vectorized"
+
+    def __init__(self, model: tf.keras.Model, variables: Sequence[tf.Variable]):
+        self.model = model
+        self.variables = list(variables)
+
+    def __call__(self, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor) -> PerExampleGradients:
+        del valid  # padding is removed by the clipping step
+
+        def one_example(example):
+            x_i, y_i = tf.nest.map_structure(lambda t: t[None], example)
+            with tf.GradientTape(watch_accessed_variables=False) as tape:
+                tape.watch(self.variables)
+                prediction = self.model(x_i, training=True)
+                loss = loss_fn(y_i, prediction)[0]
+            grads = tape.gradient(
+                loss, self.variables, unconnected_gradients=tf.UnconnectedGradients.ZERO
+            )
+            prediction = tf.nest.map_structure(lambda t: t[0], prediction)
+            return grads, loss, prediction
+
+        grads, losses, predictions = tf.vectorized_map(one_example, (x, y))
+        return PerExampleGradients(list(grads), losses, predictions)
+
+
+def make_engine(model: tf.keras.Model, variables: Sequence[tf.Variable], engine: str = "auto"):
+    """The per-example gradient engine for ``variables`` of ``model``.
+
+    ``engine``: ``"auto"`` (layer-wise when possible), ``"layerwise"`` (error
+    if impossible) or ``"vectorized"``.
+    """
+    if engine not in ("auto", "layerwise", "vectorized"):
+        raise ValueError(f"engine={engine!r} is not one of 'auto', 'layerwise', 'vectorized'")
+    if engine == "vectorized":
+        return VectorizedEngine(model, variables)
+    plan, reason = LayerwiseEngine.plan_for(model, variables)
+    if plan is None:
+        if engine == "layerwise":
+            raise ValueError(f"engine='layerwise' cannot handle this model: {reason}; use engine='auto'")
+        logger.warning("per-example gradients: using tf.vectorized_map (%s)", reason)
+        return VectorizedEngine(model, variables)
+    return LayerwiseEngine(model, variables, plan)

@@ -1,0 +1,191 @@
+"""Per-example weight-gradient rules, one per layer type.
+
+For a layer ``z = f(a; W)`` applied to a batch, back-propagating the *sum* of
+per-example losses ``sum_i L_i`` gives, for every example, the output gradient
+``delta_i = dL_i / dz_i`` (no layer mixes examples: BatchNorm in training mode
+is rejected, see :mod:`sparta_tf.model_checks`). The per-example gradient of a
+weight then follows from the layer's own input ``a_i`` and ``delta_i``:
+
+* Dense, ``z = a W + b`` with ``a: [B, ..., in]``::
+
+      dL_i/dW = sum_t a_{i,t}^T delta_{i,t}       ([in, out])
+      dL_i/db = sum_t delta_{i,t}                  ([out])
+
+* Conv2D, ``z = conv(a, K) + b`` (channels last, ``groups = 1``): with
+  ``P(a_i)`` the im2col patches ``[H'W', kh*kw*c_in]``::
+
+      dL_i/dK = reshape(P(a_i)^T delta_i, [kh, kw, c_in, c_out])
+      dL_i/db = sum_{h,w} delta_{i,h,w}
+
+  One batched matmul, instead of the per-example ``Conv2DBackpropFilter``
+  that ``tf.vectorized_map`` has no vectorised rule for (it falls back to a
+  ``while_loop`` over the examples).
+
+* Any other layer owning variables: the per-example vector-Jacobian product
+  ``delta_i^T d f(a_i; W) / dW``, vectorised over examples with
+  ``tf.vectorized_map`` (cheap for normalisation layers, whose forward pass is
+  elementwise).
+
+Every rule returns materialised per-example gradients ``[B, *W.shape]`` for
+the variables it is asked about; the clipping module reduces them.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import tensorflow as tf
+
+from sparta_tf.per_example.patches import extract_patches
+
+Tensor = tf.Tensor
+
+
+class LayerRule:
+    """How to get per-example gradients of one layer's own variables.
+
+    ``probe_point`` says where the recording forward pass adds its zero probe
+    (whose gradient is ``delta``): ``"output"`` (after the whole layer) or
+    ``"convolution"`` (after the convolution, before bias and activation).
+    """
+
+    probe_point = "output"
+
+    def per_example_grads(
+        self,
+        layer: tf.keras.layers.Layer,
+        call: "RecordedCall",
+        delta: Tensor,
+        variables: Sequence[tf.Variable],
+    ) -> list[Tensor]:
+        raise NotImplementedError
+
+
+class RecordedCall:
+    """One call of a hooked layer during the recording forward pass."""
+
+    def __init__(self, layer, args, kwargs, probe, original_call: Callable):
+        self.layer = layer
+        self.args = args
+        self.kwargs = kwargs
+        self.probe = probe
+        self.original_call = original_call
+
+    @property
+    def inputs(self) -> Tensor:
+        return self.args[0]
+
+
+def _sum_over_middle_axes(t: Tensor) -> Tensor:
+    """[B, ..., C] -> [B, C]: sums every axis except the first and the last."""
+    rank = t.shape.rank
+    if rank == 2:
+        return t
+    return tf.reduce_sum(t, axis=list(range(1, rank - 1)))
+
+
+class DenseRule(LayerRule):
+    """Dense with linear activation: ``dW_i = sum_t a_it^T delta_it``, ``db_i = sum_t delta_it``."""
+
+    def per_example_grads(self, layer, call, delta, variables):
+        a = tf.cast(call.inputs, delta.dtype)
+        grads = []
+        for var in variables:
+            if var is layer.kernel:
+                if a.shape.rank == 2:
+                    grads.append(a[:, :, None] * delta[:, None, :])
+                else:
+                    batch = tf.shape(a)[0]
+                    a3 = tf.reshape(a, [batch, -1, a.shape[-1]])
+                    d3 = tf.reshape(delta, [batch, -1, delta.shape[-1]])
+                    grads.append(tf.matmul(a3, d3, transpose_a=True))
+            elif var is layer.bias:
+                grads.append(_sum_over_middle_axes(delta))
+            else:  # pragma: no cover - guarded by supports()
+                raise ValueError(f"DenseRule cannot handle variable {var.name}")
+        return grads
+
+
+class Conv2DRule(LayerRule):
+    """Conv2D (channels last, ``groups = 1``) via im2col patches and one batched matmul."""
+
+    probe_point = "convolution"
+
+    def per_example_grads(self, layer, call, delta, variables):
+        grads = []
+        for var in variables:
+            if var is layer.kernel:
+                grads.append(self._kernel_grads(layer, call.inputs, delta))
+            elif var is layer.bias:
+                grads.append(_sum_over_middle_axes(delta))
+            else:  # pragma: no cover - guarded by supports()
+                raise ValueError(f"Conv2DRule cannot handle variable {var.name}")
+        return grads
+
+    @staticmethod
+    def _kernel_grads(layer, inputs: Tensor, delta: Tensor) -> Tensor:
+        kernel_shape = layer.kernel.shape
+        patches = extract_patches(
+            tf.cast(inputs, delta.dtype),
+            kernel_size=tuple(layer.kernel_size),
+            strides=tuple(layer.strides),
+            dilations=tuple(layer.dilation_rate),
+            padding=layer.padding.upper(),
+        )
+        batch = tf.shape(patches)[0]
+        patches = tf.reshape(patches, [batch, -1, patches.shape[-1]])
+        delta = tf.reshape(delta, [batch, -1, delta.shape[-1]])
+        grads = tf.matmul(patches, delta, transpose_a=True)
+        return tf.reshape(grads, tf.concat([[batch], kernel_shape], axis=0))
+
+
+class VjpRule(LayerRule):
+    """Any layer: per-example VJP of the layer's own call, vectorised over examples.
+
+    ``dL_i/dW = delta_i^T J_W f(a_i; W)`` computed as ``tf.vectorized_map`` of a
+    batch-of-one re-run of the layer's original ``call`` with
+    ``output_gradients = delta_i``.
+    """
+
+    def per_example_grads(self, layer, call, delta, variables):
+        variables = list(variables)
+        args, kwargs = call.args, call.kwargs
+        tensor_args = tuple(args)
+
+        def one_example(elems):
+            example_args, example_delta = elems
+            batched = tf.nest.map_structure(lambda t: t[None], example_args)
+            with tf.GradientTape(watch_accessed_variables=False) as tape:
+                tape.watch(variables)
+                out = call.original_call(*batched, **kwargs)
+            return tape.gradient(
+                out, variables, output_gradients=example_delta[None],
+                unconnected_gradients=tf.UnconnectedGradients.ZERO,
+            )
+
+        return list(tf.vectorized_map(one_example, (tensor_args, delta)))
+
+
+DENSE_RULE = DenseRule()
+CONV2D_RULE = Conv2DRule()
+VJP_RULE = VjpRule()
+
+
+def rule_for(layer: tf.keras.layers.Layer) -> LayerRule | None:
+    """The fastest rule that is exact for ``layer``, or None if none applies.
+
+    None means the layer's variables cannot be handled layer-wise (its call
+    takes non-tensor positional inputs or returns a structure), and the engine
+    falls back to whole-model ``tf.vectorized_map``.
+    """
+    linear = getattr(layer, "activation", None) in (None, tf.keras.activations.linear)
+    if type(layer) is tf.keras.layers.Dense and linear:
+        return DENSE_RULE
+    if (
+        type(layer) is tf.keras.layers.Conv2D
+        and layer.groups == 1
+        and layer.data_format == "channels_last"
+        and layer.padding in ("same", "valid")
+    ):
+        return CONV2D_RULE
+    return VJP_RULE
