@@ -1,0 +1,335 @@
+"""Privacy accounting for DP-SGD-style training, built on ``dp_accounting``.
+
+The mechanism
+-------------
+One training step of DP-SGD (and each step of SPARTA's selection epoch) is a
+*Poisson-subsampled Gaussian mechanism*: every example joins the batch ``B``
+independently with probability ``q`` (the *sample rate*), the clipped
+per-example contributions (L2 sensitivity ``C``) are summed and Gaussian noise
+``N(0, sigma^2 C^2 I)`` is added::
+
+    M_{q,sigma}(D) = sum_{i in B} clip_C(g_i) + N(0, sigma^2 C^2 I),
+    B = {i : b_i = 1},  b_i ~ Bernoulli(q) i.i.d.
+
+``sigma`` is the *noise multiplier*. In ``dp_accounting`` this is
+``PoissonSampledDpEvent(q, GaussianDpEvent(sigma))``; ``T`` steps are its
+``T``-fold self-composition (``SelfComposedDpEvent``). With ``q = 1`` it is the
+plain Gaussian mechanism, whose ``T``-fold composition is exactly one Gaussian
+mechanism with noise multiplier ``sigma / sqrt(T)``.
+
+For a run, ``epsilon(delta)`` is the smallest ``epsilon`` such that the whole
+composition is ``(epsilon, delta)``-DP under the add/remove-one neighbouring
+relation (the relation that Poisson subsampling amplification requires).
+
+Accountants
+-----------
+``"pld"`` (default)
+    Privacy loss distributions (``dp_accounting.pld.PLDAccountant``), a tight
+    numerical upper bound. Its accuracy depends on the grid step of the
+    privacy-loss values (``value_discretization_interval``, ``h``): the
+    pessimistic connect-the-dots estimate over-states ``epsilon`` by roughly
+    ``c * T * h^2`` (measured here: ``+2.2%`` at ``h = 1e-4`` for
+    ``sigma = 50, q = 0.01, T = 5000``; ``+100%`` at ``h = 1e-3``), while the
+    cost grows like ``1/h`` and is largest where the error is smallest
+    (small ``sigma``, large ``epsilon``). No single ``h`` is both accurate and
+    fast everywhere, so :class:`RefinedPLDAccountant` walks down the grid
+    ``PLD_INTERVALS`` (``1e-2`` ... ``1e-5``, factor ``sqrt(10)``) and stops
+    when two successive estimates agree to ``PLD_RTOL`` (relative). Every
+    estimate is a valid upper bound; the returned one is the finest computed.
+``"rdp"``
+    Renyi DP (``dp_accounting.rdp.RdpAccountant``, default orders), looser by
+    typically 5-15% but fast and analytic.
+
+Only ``dp_accounting`` does privacy math here; this module composes events,
+picks discretisations, validates arguments and calibrates ``sigma``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Callable
+
+import dp_accounting
+from dp_accounting import mechanism_calibration
+from dp_accounting.pld import pld_privacy_accountant
+from dp_accounting.rdp import rdp_privacy_accountant
+
+ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
+"""Names accepted wherever an ``accountant`` argument is taken."""
+
+PLD_INTERVALS: tuple[float, ...] = (1e-2, 10**-2.5, 1e-3, 10**-3.5, 1e-4, 10**-4.5, 1e-5)
+"""PLD discretisation intervals tried by :class:`RefinedPLDAccountant`, coarse to fine."""
+
+PLD_RTOL: float = 1e-3
+"""Stop refining when two successive PLD estimates differ by at most this (relative)."""
+
+CALIBRATION_RTOL: float = 1e-4
+"""Default relative tolerance on sigma in :func:`calibrate_noise_multiplier`."""
+
+_SIGMA_SEARCH_RANGE = (1e-2, 1e6)
+
+
+class PrivacyBudgetExceededError(ValueError):
+    """A planned or running computation would spend more than the target epsilon."""
+
+
+# --------------------------------------------------------------------------
+# Argument validation (one-line messages naming the argument and the fix).
+# --------------------------------------------------------------------------
+
+
+def check_accountant(accountant: str) -> str:
+    """Returns ``accountant`` if it is one of :data:`ACCOUNTANTS`, else raises."""
+    if accountant not in ACCOUNTANTS:
+        raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}.")
+    return accountant
+
+
+def check_sample_rate(sample_rate: float) -> float:
+    """Returns ``q`` as float if ``0 < q <= 1``, else raises."""
+    if not _is_real(sample_rate) or not 0.0 < float(sample_rate) <= 1.0:
+        raise ValueError(
+            f"sample_rate must be in (0, 1], got {sample_rate!r}; "
+            "pass the Poisson rate q = expected_batch_size / dataset_size."
+        )
+    return float(sample_rate)
+
+
+def check_delta(delta: float) -> float:
+    """Returns ``delta`` as float if ``0 < delta < 1``, else raises."""
+    if not _is_real(delta) or not 0.0 < float(delta) < 1.0:
+        raise ValueError(
+            f"delta must be in (0, 1), got {delta!r}; the usual choice is delta < 1/dataset_size."
+        )
+    return float(delta)
+
+
+def check_steps(steps: int, name: str = "steps") -> int:
+    """Returns ``steps`` as int if it is an integer ``>= 0``, else raises."""
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {steps!r}.")
+    return int(steps)
+
+
+def check_noise_multiplier(noise_multiplier: float) -> float:
+    """Returns ``sigma`` as float if it is finite and ``>= 0``, else raises."""
+    if not _is_real(noise_multiplier) or not 0.0 <= float(noise_multiplier) < math.inf:
+        raise ValueError(
+            f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}; "
+            "use noise_multiplier=0 (epsilon = inf) for a run without noise."
+        )
+    return float(noise_multiplier)
+
+
+def check_target_epsilon(target_epsilon: float) -> float:
+    """Returns ``epsilon`` as float if it is finite and ``> 0``, else raises."""
+    if not _is_real(target_epsilon) or not 0.0 < float(target_epsilon) < math.inf:
+        raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}.")
+    return float(target_epsilon)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and not math.isnan(float(x))
+
+
+# --------------------------------------------------------------------------
+# Accountants.
+# --------------------------------------------------------------------------
+
+
+class RefinedPLDAccountant(dp_accounting.PrivacyAccountant):
+    """PLD accountant that refines its discretisation until ``epsilon`` converges.
+
+    ``get_epsilon(delta)`` composes the recorded events with
+    ``PLDAccountant(value_discretization_interval=h)`` for ``h`` in
+    ``intervals`` (coarse to fine) and returns ``eps_h`` for the first ``h``
+    with ``|eps_h_prev - eps_h| <= rtol * eps_h`` (or the finest one). Each
+    ``eps_h`` is a pessimistic (valid) PLD estimate; with a grid ratio of
+    ``sqrt(10)`` and an error ``O(h^2)`` the remaining over-estimate is about
+    ``rtol / 9`` relative. The composition itself is dp_accounting's; this class
+    only stores the events (the base class's ``ledger``) and picks ``h``.
+    """
+
+    def __init__(
+        self, intervals: tuple[float, ...] = PLD_INTERVALS, rtol: float = PLD_RTOL
+    ) -> None:
+        super().__init__(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+        self._intervals = tuple(intervals)
+        self._rtol = rtol
+        self.last_interval: float | None = None
+        """The interval that produced the last returned value (None before any)."""
+
+    def _maybe_compose(self, event, count, do_compose):
+        # Support check only; events are kept by the base class's ledger.
+        return pld_privacy_accountant.PLDAccountant()._maybe_compose(event, count, False)
+
+    def _at(self, interval: float) -> pld_privacy_accountant.PLDAccountant:
+        pld = pld_privacy_accountant.PLDAccountant(value_discretization_interval=interval)
+        return pld.compose(self.ledger)
+
+    def _refine(self, value_at: Callable[[float], float]) -> float:
+        previous = None
+        for interval in self._intervals:
+            value = value_at(interval)
+            self.last_interval = interval
+            if not math.isfinite(value) or value == 0.0:
+                return value
+            if previous is not None and abs(previous - value) <= self._rtol * value:
+                return value
+            previous = value
+        return value
+
+    def get_epsilon(self, target_delta: float) -> float:
+        """Refined PLD ``epsilon`` at ``target_delta`` (see class docstring)."""
+        return self._refine(lambda h: self._at(h).get_epsilon(target_delta))
+
+    def get_delta(self, target_epsilon: float) -> float:
+        """Refined PLD ``delta`` at ``target_epsilon`` (same refinement rule)."""
+        return self._refine(lambda h: self._at(h).get_delta(target_epsilon))
+
+
+def make_accountant(name: str = "pld") -> dp_accounting.PrivacyAccountant:
+    """Returns a fresh accountant: ``"pld"`` -> :class:`RefinedPLDAccountant`,
+    ``"rdp"`` -> ``dp_accounting.rdp.RdpAccountant()`` (add/remove-one)."""
+    check_accountant(name)
+    if name == "pld":
+        return RefinedPLDAccountant()
+    return rdp_privacy_accountant.RdpAccountant()
+
+
+# --------------------------------------------------------------------------
+# Events and epsilon.
+# --------------------------------------------------------------------------
+
+
+def gaussian_step_event(noise_multiplier: float, sample_rate: float) -> dp_accounting.DpEvent:
+    """One step: ``PoissonSampledDpEvent(q, GaussianDpEvent(sigma))``; ``q = 1`` -> Gaussian."""
+    sigma = check_noise_multiplier(noise_multiplier)
+    q = check_sample_rate(sample_rate)
+    gaussian = dp_accounting.GaussianDpEvent(sigma)
+    return gaussian if q == 1.0 else dp_accounting.PoissonSampledDpEvent(q, gaussian)
+
+
+def dp_sgd_event(noise_multiplier: float, sample_rate: float, steps: int) -> dp_accounting.DpEvent:
+    """``steps`` compositions of :func:`gaussian_step_event` (``NoOpDpEvent`` for 0 steps)."""
+    steps = check_steps(steps)
+    step = gaussian_step_event(noise_multiplier, sample_rate)
+    if steps == 0:
+        return dp_accounting.NoOpDpEvent()
+    return dp_accounting.SelfComposedDpEvent(step, steps)
+
+
+def epsilon_of_event(
+    event: dp_accounting.DpEvent, delta: float, accountant: str = "pld"
+) -> float:
+    """``epsilon(delta)`` of ``event`` under a fresh :func:`make_accountant` accountant.
+
+    Returns ``inf`` if the event contains a non-private part
+    (``NonPrivateDpEvent`` or a Gaussian with ``sigma = 0``).
+    """
+    delta = check_delta(delta)
+    return float(make_accountant(accountant).compose(event).get_epsilon(delta))
+
+
+def compute_epsilon(
+    noise_multiplier: float,
+    sample_rate: float,
+    steps: int,
+    delta: float,
+    accountant: str = "pld",
+) -> float:
+    """``epsilon(delta)`` of ``steps`` Poisson-subsampled Gaussian steps ``M_{q,sigma}``.
+
+    ``steps = 0`` -> ``0``; ``sigma = 0`` with ``steps > 0`` -> ``inf``.
+    """
+    event = dp_sgd_event(noise_multiplier, sample_rate, steps)
+    check_delta(delta)
+    check_accountant(accountant)
+    if steps == 0:
+        return 0.0
+    if noise_multiplier == 0:
+        return math.inf
+    return epsilon_of_event(event, delta, accountant)
+
+
+# --------------------------------------------------------------------------
+# Calibration.
+# --------------------------------------------------------------------------
+
+
+def calibrate_noise_multiplier(
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    accountant: str = "pld",
+    rtol: float = CALIBRATION_RTOL,
+) -> float:
+    """Smallest ``sigma`` with ``epsilon(sigma) <= target_epsilon`` for ``steps`` steps.
+
+    ``epsilon(sigma)`` is :func:`compute_epsilon` (decreasing in ``sigma``). The
+    root of ``epsilon(sigma) - target`` is found by
+    ``dp_accounting.calibrate_dp_mechanism`` (Brent's method) to an absolute
+    tolerance ``rtol * sigma``; dp_accounting then nudges the root so that
+    ``epsilon(sigma) <= target`` holds for the returned value. For ``"pld"``
+    the bracket comes from the (fast, looser) RDP solution ``sigma_rdp``:
+    RDP over-states epsilon, so ``epsilon_pld(sigma_rdp) <= target`` and the
+    PLD root lies a little below ``sigma_rdp``.
+    """
+    target = check_target_epsilon(target_epsilon)
+    delta = check_delta(delta)
+    q = check_sample_rate(sample_rate)
+    if check_steps(steps) == 0:
+        raise ValueError("steps must be >= 1 to calibrate a noise multiplier.")
+    check_accountant(accountant)
+    epsilon_at = lambda sigma, name: compute_epsilon(sigma, q, steps, delta, name)
+    lo, hi = _bracket(lambda s: epsilon_at(s, "rdp"), target)
+    if accountant == "rdp":
+        return _solve(target, delta, q, steps, "rdp", lo, hi, rtol)
+    sigma_rdp = _solve(target, delta, q, steps, "rdp", lo, hi, max(rtol, 1e-2))
+    try:  # Common case: the PLD root lies in [0.8 sigma_rdp, sigma_rdp].
+        return _solve(target, delta, q, steps, "pld", 0.8 * sigma_rdp, sigma_rdp, rtol)
+    except ValueError:  # Not bracketed: search from scratch with PLD.
+        lo, hi = _bracket(lambda s: epsilon_at(s, "pld"), target)
+        return _solve(target, delta, q, steps, "pld", lo, hi, rtol)
+
+
+def _solve(
+    target: float, delta: float, q: float, steps: int, accountant: str,
+    lo: float, hi: float, rtol: float,
+) -> float:
+    """``calibrate_dp_mechanism`` on the bracket ``[lo, hi]`` (``eps(lo) > target >= eps(hi)``)."""
+    return float(
+        mechanism_calibration.calibrate_dp_mechanism(
+            lambda: make_accountant(accountant),
+            lambda sigma: dp_sgd_event(sigma, q, steps),
+            target,
+            delta,
+            bracket_interval=mechanism_calibration.ExplicitBracketInterval(lo, hi),
+            tol=rtol * hi,
+        )
+    )
+
+
+def _bracket(epsilon_at: Callable[[float], float], target: float) -> tuple[float, float]:
+    """Geometric search from ``sigma = 1`` for ``eps(lo) > target >= eps(hi)``, ``hi = 2 lo``."""
+    smallest, largest = _SIGMA_SEARCH_RANGE
+    sigma = 1.0
+    if epsilon_at(sigma) > target:
+        while epsilon_at(2 * sigma) > target:
+            sigma *= 2
+            if sigma > largest:
+                raise ValueError(
+                    f"target_epsilon={target:g} needs noise_multiplier > {largest:g}; "
+                    "raise target_epsilon or lower the sample rate / number of steps."
+                )
+        return sigma, 2 * sigma
+    while epsilon_at(sigma / 2) <= target:
+        sigma /= 2
+        if sigma < smallest:
+            raise ValueError(
+                f"target_epsilon={target:g} is met even by noise_multiplier < {smallest:g}; "
+                "use a smaller target_epsilon."
+            )
+    return sigma / 2, sigma

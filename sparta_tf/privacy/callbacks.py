@@ -1,0 +1,298 @@
+"""Keras callback that records DP mechanism runs in a ledger and enforces the budget.
+
+Every noisy update the model performs is one run of the Poisson-subsampled
+Gaussian mechanism ``M_{q, sigma}`` (see :mod:`sparta_tf.privacy.accounting`).
+:class:`PrivacyCallback` counts those runs, records them in a
+:class:`~sparta_tf.privacy.ledger.PrivacyLedger` with the ``(sigma, q)`` that
+were in force, logs ``epsilon`` at each epoch end, and makes sure no update
+runs that would take the ledger past ``ledger.target_epsilon``.
+
+Keras 2.15 facts the design relies on (``Model.fit``):
+
+* ``params`` is ``{"verbose", "epochs", "steps"}``; the initial epoch is not in
+  it, so the whole-run budget check happens at the first ``on_epoch_begin``
+  (whose ``epoch`` is the initial epoch), still before any step runs.
+* ``model.stop_training`` is read only *after* a batch and after
+  ``on_epoch_end``. Setting it in ``on_epoch_begin`` would still let one batch
+  run, so the graceful stop is decided at the previous ``on_epoch_end``
+  (look-ahead); when a stop is needed where ``stop_training`` cannot prevent
+  the next step (``on_epoch_begin`` / ``on_train_batch_begin``, e.g. because
+  other code lowered ``sigma``), the callback records, calls the save hook and
+  raises :class:`PrivacyBudgetExceededError` instead.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import tensorflow as tf
+
+from sparta_tf.privacy import accounting
+from sparta_tf.privacy.accounting import PrivacyBudgetExceededError
+from sparta_tf.privacy.ledger import DEFAULT_KIND, PrivacyLedger
+
+__all__ = ["PrivacyCallback", "BUDGET_MODES"]
+
+BUDGET_MODES: tuple[str, ...] = ("strict", "until_exhausted")
+"""``"strict"``: refuse to start a fit whose planned epochs would exceed the
+target. ``"until_exhausted"``: start if the first epoch fits, then train
+whole epochs while the next one still fits and stop gracefully."""
+
+
+class PrivacyCallback(tf.keras.callbacks.Callback):
+    """Records mechanism runs in ``ledger``, logs ``epsilon``, enforces the budget.
+
+    Args:
+      ledger: the :class:`PrivacyLedger` to record into; its
+        ``target_epsilon`` is the budget (``None``: record and log only).
+      noise_multiplier: ``sigma`` of the updates the model performs now.
+      sample_rate: Poisson rate ``q`` of those updates.
+      steps_per_epoch: noisy updates per epoch, used to plan the budget;
+        ``None`` uses Keras's ``params["steps"]`` (one update per batch).
+      phase: label recorded with the runs (e.g. ``"warmup"``); ``None``: none.
+      kind: mechanism label recorded with the runs (default ``"dp_sgd_step"``).
+      step_counter: an integer ``tf.Variable`` the model increments once per
+        noisy update actually performed. ``None``: count training batches
+        (``on_train_batch_end`` calls, times ``steps_per_execution``).
+      on_budget_exhausted: zero-argument callable (a save hook), called after
+        the pending runs are recorded and before training stops for budget.
+      budget_mode: one of :data:`BUDGET_MODES` (default ``"strict"``).
+      verbose: print one line when training stops for budget.
+
+    ``noise_multiplier``, ``sample_rate``, ``phase`` and ``kind`` are settable
+    attributes. Setting one to a new value first records the runs performed so
+    far with the old values, so every run is recorded with the values in force.
+    The budget check assumes that the remaining epochs of the current ``fit``
+    use the current values.
+    """
+
+    def __init__(
+        self,
+        ledger: PrivacyLedger,
+        noise_multiplier: float,
+        sample_rate: float,
+        steps_per_epoch: int | None = None,
+        phase: str | None = None,
+        step_counter: tf.Variable | None = None,
+        on_budget_exhausted: Callable[[], object] | None = None,
+        kind: str = DEFAULT_KIND,
+        budget_mode: str = "strict",
+        verbose: int = 1,
+    ) -> None:
+        super().__init__()
+        if budget_mode not in BUDGET_MODES:
+            raise ValueError(f"budget_mode must be one of {BUDGET_MODES}, got {budget_mode!r}.")
+        self.ledger = ledger
+        self._sigma = accounting.check_noise_multiplier(noise_multiplier)
+        self._q = accounting.check_sample_rate(sample_rate)
+        self._phase = phase
+        self._kind = kind
+        self.steps_per_epoch = (
+            None if steps_per_epoch is None else accounting.check_steps(steps_per_epoch, "steps_per_epoch")
+        )
+        self.step_counter = step_counter
+        self.on_budget_exhausted = on_budget_exhausted
+        self.budget_mode = budget_mode
+        self.verbose = verbose
+        self.budget_exhausted = False
+        """True once training was stopped because the budget ran out."""
+        self._reset_progress()
+
+    # ------------------------------------------------------------ mechanism values
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self._sigma
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value: float) -> None:
+        value = accounting.check_noise_multiplier(value)
+        self._switch(value != self._sigma, "_sigma", value)
+
+    @property
+    def sample_rate(self) -> float:
+        return self._q
+
+    @sample_rate.setter
+    def sample_rate(self, value: float) -> None:
+        value = accounting.check_sample_rate(value)
+        self._switch(value != self._q, "_q", value)
+
+    @property
+    def phase(self) -> str | None:
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str | None) -> None:
+        self._switch(value != self._phase, "_phase", value)
+
+    @property
+    def kind(self) -> str:
+        return self._kind
+
+    @kind.setter
+    def kind(self, value: str) -> None:
+        self._switch(value != self._kind, "_kind", value)
+
+    def _switch(self, changed: bool, attribute: str, value: object) -> None:
+        """Records pending runs under the old values, then sets the new one."""
+        if changed:
+            self.flush()
+            self._allowance = None  # re-approve the rest of the epoch at the next batch
+        setattr(self, attribute, value)
+
+    # ------------------------------------------------------------ counting
+
+    def _reset_progress(self) -> None:
+        self._counter_mark = self._read_counter()  # counter value at the last flush
+        self._batches = 0  # fallback: batches run since the last flush
+        self._batch_begin = 0
+        self._recorded = 0  # runs recorded by this callback since on_train_begin
+        self._epoch_start = 0  # self._progress() at on_epoch_begin
+        self._allowance: int | None = None  # runs approved for the current epoch
+        self._plan_checked = False
+
+    def _read_counter(self) -> int:
+        return 0 if self.step_counter is None else int(tf.keras.backend.get_value(self.step_counter))
+
+    def pending_steps(self) -> int:
+        """Runs performed but not yet recorded in the ledger."""
+        if self.step_counter is None:
+            return self._batches
+        pending = self._read_counter() - self._counter_mark
+        if pending < 0:
+            raise RuntimeError("step_counter decreased during training; it must only count up.")
+        return pending
+
+    def flush(self) -> int:
+        """Records the pending runs with the current values; returns how many."""
+        pending = self.pending_steps()
+        self.ledger.record(self._sigma, self._q, pending, self._kind, self._phase)
+        self._counter_mark += pending if self.step_counter is not None else 0
+        self._batches = 0
+        self._recorded += pending
+        return pending
+
+    def _steps_per_call(self) -> int:
+        """Updates one train-function call may run (Keras ``steps_per_execution``)."""
+        variable = getattr(self.model, "_steps_per_execution", None)
+        return 1 if variable is None else max(int(tf.keras.backend.get_value(variable)), 1)
+
+    def _progress(self) -> int:
+        return self._recorded + self.pending_steps()
+
+    # ------------------------------------------------------------ budget
+
+    def _planned_steps_per_epoch(self) -> int | None:
+        if self.steps_per_epoch is not None:
+            return self.steps_per_epoch
+        return self.params.get("steps") if self.params else None
+
+    def _planned(self, extra_steps: int) -> list[tuple]:
+        """Pending runs plus ``extra_steps`` future ones, all at the current values."""
+        count = self.pending_steps() + extra_steps
+        return [(self._sigma, self._q, count, self._kind, self._phase)]
+
+    def _fits(self, extra_steps: int) -> bool:
+        return self.ledger.fits_budget(self._planned(extra_steps))
+
+    def _over_budget_message(self, what: str, extra_steps: int) -> str:
+        planned = self.ledger.epsilon_if(self._planned(extra_steps))
+        return (
+            f"{what} needs epsilon={planned:.4g} > target_epsilon={self.ledger.target_epsilon:g} "
+            f"(delta={self.ledger.delta:g}, {self.ledger.accountant}, "
+            f"noise_multiplier={self._sigma:g}, sample_rate={self._q:g}, "
+            f"already spent {self.ledger.epsilon():.4g}); "
+            "raise noise_multiplier, train fewer epochs, or lower the sample rate."
+        )
+
+    def _check_plan(self, epoch: int, steps_per_epoch: int) -> None:
+        """Before the first step of this fit: refuse a plan that exceeds the target."""
+        epochs = 1
+        if self.budget_mode == "strict":
+            epochs = max(self.params.get("epochs", epoch + 1) - epoch, 1)
+        if not self._fits(epochs * steps_per_epoch):
+            what = f"the planned run ({epochs} epoch(s) x {steps_per_epoch} steps)"
+            raise PrivacyBudgetExceededError(self._over_budget_message(what, epochs * steps_per_epoch))
+
+    def _exhaust(self, message: str) -> None:
+        """Records pending runs, calls the save hook and prints why training stops."""
+        self.flush()
+        self.budget_exhausted = True
+        if self.on_budget_exhausted is not None:
+            self.on_budget_exhausted()
+        if self.verbose:
+            print(f"PrivacyCallback: {message}", flush=True)
+
+    def _exhaust_and_raise(self, what: str, extra_steps: int) -> None:
+        message = self._over_budget_message(what, extra_steps)
+        self._exhaust(f"stopping before the privacy budget is exceeded: {message}")
+        raise PrivacyBudgetExceededError(message)
+
+    # ------------------------------------------------------------ Keras hooks
+
+    def on_train_begin(self, logs=None) -> None:
+        if self._read_counter() >= self._counter_mark:
+            self.flush()  # runs made outside fit() since the last record
+        self._reset_progress()  # a counter reset to 0 by fit() is fine too
+        self.budget_exhausted = False
+        if self.ledger.target_epsilon is not None and self._planned_steps_per_epoch() is None:
+            raise ValueError(
+                "steps_per_epoch is unknown (the dataset has no known length); "
+                "pass steps_per_epoch= to PrivacyCallback so the privacy budget can be planned."
+            )
+
+    def on_epoch_begin(self, epoch, logs=None) -> None:
+        self._epoch_start = self._progress()
+        self._allowance = None
+        if self.ledger.target_epsilon is None:
+            return
+        steps = self._planned_steps_per_epoch()
+        if not self._plan_checked:
+            self._plan_checked = True
+            self._check_plan(epoch, steps)
+        elif not self._fits(steps):
+            self._exhaust_and_raise(f"epoch {epoch + 1} ({steps} steps)", steps)
+        self._allowance = steps
+
+    def on_train_batch_begin(self, batch, logs=None) -> None:
+        self._batch_begin = batch
+        if self.ledger.target_epsilon is None:
+            return
+        done = self._progress() - self._epoch_start
+        upcoming = self._steps_per_call()
+        if self._allowance is not None and done + upcoming <= self._allowance:
+            return
+        remaining = max(self._planned_steps_per_epoch() - done, upcoming)
+        for extra in dict.fromkeys((remaining, upcoming)):
+            if self._fits(extra):
+                self._allowance = done + extra
+                return
+        what = "one more step" if upcoming == 1 else f"{upcoming} more steps (steps_per_execution)"
+        self._exhaust_and_raise(what, upcoming)
+
+    def on_train_batch_end(self, batch, logs=None) -> None:
+        if self.step_counter is None:
+            self._batches += batch - self._batch_begin + 1
+
+    def on_epoch_end(self, epoch, logs=None) -> None:
+        self.flush()
+        epsilon = self.ledger.epsilon()
+        if logs is not None:
+            logs["epsilon"] = epsilon
+        if self.ledger.target_epsilon is None or self.model.stop_training:
+            return
+        if epoch + 1 >= self.params.get("epochs", 0):
+            return
+        steps = self._planned_steps_per_epoch()
+        if not self._fits(steps):
+            planned = self.ledger.epsilon_if(self._planned(steps))
+            self.model.stop_training = True
+            self._exhaust(
+                f"privacy budget exhausted, stopping after epoch {epoch + 1}: epsilon={epsilon:.4g}, "
+                f"one more epoch ({steps} steps) would reach {planned:.4g} > "
+                f"target_epsilon={self.ledger.target_epsilon:g}."
+            )
+
+    def on_train_end(self, logs=None) -> None:
+        self.flush()

@@ -1,0 +1,363 @@
+"""A persistent record of every mechanism run of a training job, and its epsilon.
+
+The ledger is a list of entries ``(sigma_k, q_k, n_k, kind_k, phase_k)``: the
+Poisson-subsampled Gaussian mechanism ``M_{q_k, sigma_k}`` (see
+:mod:`sparta_tf.privacy.accounting`) was run ``n_k`` times. The privacy cost
+of the job is that of the adaptive composition of all runs::
+
+    event = ComposedDpEvent([SelfComposedDpEvent(M_{q_k, sigma_k}, n_k) for k])
+    epsilon_spent = epsilon(event, delta)        # dp_accounting PLD or RDP
+
+``kind`` ("dp_sgd_step", "sparta_selection", ...) and ``phase`` (free text,
+e.g. "warmup") do not change the math; they label the report. Consecutive
+records with the same ``(sigma, q, kind, phase)`` are merged, so a long run
+stays a handful of entries. A run can also be marked non-private
+(``record_nonprivate``): its epsilon is then ``inf`` for good.
+
+The ledger survives restarts: ``save(path)`` writes JSON atomically and
+``PrivacyLedger.load(path)`` restores it; epsilon is recomputed from the
+entries, so a round trip gives bit-identical epsilon.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import os
+import tempfile
+from typing import Any, Iterable, Sequence, Union
+
+import dp_accounting
+
+from sparta_tf.privacy import accounting
+from sparta_tf.privacy.accounting import PrivacyBudgetExceededError
+
+__all__ = ["LedgerEntry", "PrivacyLedger", "PrivacyBudgetExceededError"]
+
+LEDGER_FORMAT_VERSION = 1
+DEFAULT_KIND = "dp_sgd_step"
+POISSON = "poisson"
+_BUDGET_SLACK = 1e-9  # relative slack on the target (float noise only)
+_CACHE_SIZE = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class LedgerEntry:
+    """``count`` runs of ``M_{q, sigma}`` labelled ``kind`` / ``phase``."""
+
+    noise_multiplier: float
+    sample_rate: float
+    count: int
+    kind: str = DEFAULT_KIND
+    phase: str | None = None
+
+    def __post_init__(self) -> None:
+        # Validate and normalise to plain Python numbers (numpy scalars would not
+        # JSON-serialise, and keys must compare equal across restarts).
+        set_field = lambda name, value: object.__setattr__(self, name, value)
+        set_field("noise_multiplier", accounting.check_noise_multiplier(self.noise_multiplier))
+        set_field("sample_rate", accounting.check_sample_rate(self.sample_rate))
+        set_field("count", accounting.check_steps(self.count, "count"))
+        if not isinstance(self.kind, str) or not self.kind:
+            raise ValueError(f"kind must be a non-empty string, got {self.kind!r}.")
+        if self.phase is not None and not isinstance(self.phase, str):
+            raise ValueError(f"phase must be a string or None, got {self.phase!r}.")
+
+    @property
+    def key(self) -> tuple:
+        """Entries with equal keys are merged when consecutive."""
+        return (self.noise_multiplier, self.sample_rate, self.kind, self.phase)
+
+    def as_dp_event(self) -> dp_accounting.DpEvent:
+        """``SelfComposedDpEvent(M_{q, sigma}, count)``."""
+        step = accounting.gaussian_step_event(self.noise_multiplier, self.sample_rate)
+        return dp_accounting.SelfComposedDpEvent(step, self.count)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LedgerEntry:
+        return cls(
+            noise_multiplier=float(data["noise_multiplier"]),
+            sample_rate=float(data["sample_rate"]),
+            count=int(data["count"]),
+            kind=data.get("kind", DEFAULT_KIND),
+            phase=data.get("phase"),
+        )
+
+
+PlannedRun = Union[LedgerEntry, Sequence]
+"""A planned run: a :class:`LedgerEntry` or a tuple ``(sigma, q, count[, kind[, phase]])``."""
+
+
+def _as_entry(planned: PlannedRun) -> LedgerEntry:
+    if isinstance(planned, LedgerEntry):
+        return planned
+    if not isinstance(planned, Sequence) or not 3 <= len(planned) <= 5:
+        raise ValueError(
+            f"a planned run must be a LedgerEntry or (sigma, q, count[, kind[, phase]]), got {planned!r}."
+        )
+    return LedgerEntry(*planned)
+
+
+def _appended(entries: tuple[LedgerEntry, ...], new: LedgerEntry) -> tuple[LedgerEntry, ...]:
+    """``entries + (new,)``, merged into the last entry when the keys match."""
+    if new.count == 0:
+        return entries
+    if entries and entries[-1].key == new.key:
+        merged = dataclasses.replace(entries[-1], count=entries[-1].count + new.count)
+        return entries[:-1] + (merged,)
+    return entries + (new,)
+
+
+class PrivacyLedger:
+    """Records mechanism runs and reports the epsilon they spend.
+
+    Args:
+      delta: the ``delta`` at which epsilon is reported, in (0, 1).
+      accountant: ``"pld"`` (default) or ``"rdp"``, see
+        :mod:`sparta_tf.privacy.accounting`.
+      target_epsilon: the budget; ``None`` means no budget (report only).
+      sampling: how batches were drawn. ``"poisson"`` is what the accountant
+        assumes; any other name (e.g. ``"shuffle"``) is recorded and the
+        report states that the guarantee does not cover it.
+    """
+
+    def __init__(
+        self,
+        delta: float,
+        accountant: str = "pld",
+        target_epsilon: float | None = None,
+        sampling: str = POISSON,
+    ) -> None:
+        self.delta = accounting.check_delta(delta)
+        self.accountant = accounting.check_accountant(accountant)
+        self.target_epsilon = target_epsilon
+        if not isinstance(sampling, str) or not sampling:
+            raise ValueError(f"sampling must be a non-empty string such as 'poisson', got {sampling!r}.")
+        self.sampling = sampling
+        self._entries: tuple[LedgerEntry, ...] = ()
+        self._nonprivate: list[str] = []
+        self._cache: collections.OrderedDict[tuple, float] = collections.OrderedDict()
+
+    @property
+    def target_epsilon(self) -> float | None:
+        """The budget (``None``: no budget); settable, e.g. to extend a run's budget."""
+        return self._target_epsilon
+
+    @target_epsilon.setter
+    def target_epsilon(self, value: float | None) -> None:
+        self._target_epsilon = None if value is None else accounting.check_target_epsilon(value)
+
+    # ------------------------------------------------------------------ record
+
+    def record(
+        self,
+        noise_multiplier: float,
+        sample_rate: float,
+        count: int = 1,
+        kind: str = DEFAULT_KIND,
+        phase: str | None = None,
+    ) -> None:
+        """Records ``count`` runs of ``M_{q, sigma}`` (``count = 0`` records nothing)."""
+        if noise_multiplier is None:
+            raise ValueError(
+                "noise_multiplier must be a finite number >= 0, got None; "
+                "use record_nonprivate(reason) for a step without noise accounting."
+            )
+        entry = LedgerEntry(noise_multiplier, sample_rate, count, kind, phase)
+        self._entries = _appended(self._entries, entry)
+
+    def record_nonprivate(self, reason: str) -> None:
+        """Marks the run as NOT differentially private: epsilon is ``inf`` from now on."""
+        if not isinstance(reason, str) or not reason:
+            raise ValueError("reason must be a non-empty string saying what broke privacy.")
+        self._nonprivate.append(reason)
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def entries(self) -> tuple[LedgerEntry, ...]:
+        """The (merged) entries, oldest first."""
+        return self._entries
+
+    @property
+    def steps(self) -> int:
+        """Total number of mechanism runs recorded (all kinds)."""
+        return sum(entry.count for entry in self._entries)
+
+    @property
+    def nonprivate_reasons(self) -> tuple[str, ...]:
+        return tuple(self._nonprivate)
+
+    @property
+    def is_private(self) -> bool:
+        """False once a non-private run was recorded (a reason, or ``sigma = 0``)."""
+        return not self._nonprivate and all(e.noise_multiplier > 0 for e in self._entries)
+
+    @property
+    def covered_by_accountant(self) -> bool:
+        """True iff batches were Poisson-sampled, as the accountant assumes."""
+        return self.sampling == POISSON
+
+    def as_dp_event(self) -> dp_accounting.DpEvent:
+        """``ComposedDpEvent`` of one ``SelfComposedDpEvent`` per entry (+ ``NonPrivateDpEvent``s)."""
+        return _as_dp_event(self._entries, len(self._nonprivate))
+
+    # ------------------------------------------------------------------ epsilon
+
+    def epsilon(self) -> float:
+        """Epsilon spent so far at ``self.delta`` (cached until the next record)."""
+        return self._epsilon_of(self._entries)
+
+    def epsilon_if(self, planned: Iterable[PlannedRun]) -> float:
+        """Epsilon after the recorded runs plus ``planned`` ones (nothing is recorded).
+
+        ``planned`` holds :class:`LedgerEntry` objects or tuples
+        ``(sigma, q, count[, kind[, phase]])``; they are merged exactly as
+        :meth:`record` would, so ``epsilon_if(x)`` equals ``epsilon()`` after
+        recording ``x`` (and that value is then served from the cache).
+        """
+        entries = self._entries
+        for run in planned:
+            entries = _appended(entries, _as_entry(run))
+        return self._epsilon_of(entries)
+
+    def fits_budget(self, planned: Iterable[PlannedRun] = ()) -> bool:
+        """``epsilon_if(planned) <= target_epsilon`` (always True without a target)."""
+        if self.target_epsilon is None:
+            return True
+        return self.epsilon_if(planned) <= self.target_epsilon * (1 + _BUDGET_SLACK)
+
+    def _epsilon_of(self, entries: tuple[LedgerEntry, ...]) -> float:
+        if self._nonprivate:
+            return math.inf
+        if entries not in self._cache:
+            self._cache[entries] = _compute_epsilon(entries, self.delta, self.accountant)
+            if len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(entries)
+        return self._cache[entries]
+
+    # ------------------------------------------------------------------ persistence
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serialisable dict holding everything needed to recompute epsilon."""
+        return {
+            "version": LEDGER_FORMAT_VERSION,
+            "delta": self.delta,
+            "accountant": self.accountant,
+            "target_epsilon": self.target_epsilon,
+            "sampling": self.sampling,
+            "entries": [entry.to_dict() for entry in self._entries],
+            "nonprivate": list(self._nonprivate),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PrivacyLedger:
+        """Inverse of :meth:`to_json`."""
+        version = data.get("version")
+        if version != LEDGER_FORMAT_VERSION:
+            raise ValueError(
+                f"privacy ledger version {version!r} is not supported; expected {LEDGER_FORMAT_VERSION}."
+            )
+        ledger = cls(
+            delta=data["delta"],
+            accountant=data["accountant"],
+            target_epsilon=data.get("target_epsilon"),
+            sampling=data.get("sampling", POISSON),
+        )
+        for entry in data["entries"]:
+            ledger._entries = _appended(ledger._entries, LedgerEntry.from_dict(entry))
+        for reason in data.get("nonprivate", []):
+            ledger.record_nonprivate(reason)
+        return ledger
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes :meth:`to_json` to ``path`` atomically (temp file + ``os.replace``)."""
+        path = os.fspath(path)
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".ledger-", suffix=".tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.to_json(), f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> PrivacyLedger:
+        """Reads a ledger written by :meth:`save`."""
+        with open(path) as f:
+            return cls.from_json(json.load(f))
+
+    # ------------------------------------------------------------------ report
+
+    def report(self) -> str:
+        """A human-readable multi-line privacy report."""
+        lines = ["Privacy report", f"  epsilon spent : {self._epsilon_line()}"]
+        lines += [
+            f"  delta         : {self.delta:g}",
+            f"  accountant    : {self.accountant} (dp_accounting, add/remove-one neighbours)",
+            f"  sampling      : {self.sampling}",
+            f"  mechanism runs: {self.steps}",
+        ]
+        lines += [f"    {row}" for row in _summary_rows(self._entries)]
+        lines += [f"  NOT differentially private: {reason}" for reason in self._nonprivate]
+        if not self.covered_by_accountant:
+            lines.append(
+                f"  WARNING: batches were drawn with sampling={self.sampling!r}; the accountant's "
+                "guarantee assumes Poisson sampling and does not cover fixed-size shuffled batches, "
+                "so the epsilon above is not a proven guarantee for this run."
+            )
+        return "\n".join(lines)
+
+    def _epsilon_line(self) -> str:
+        epsilon = self.epsilon()
+        if math.isinf(epsilon):
+            return "inf (NOT differentially private)"
+        if self.target_epsilon is None:
+            return f"{epsilon:.4f}"
+        used = 100.0 * epsilon / self.target_epsilon
+        return f"{epsilon:.4f} of target {self.target_epsilon:g} ({used:.1f}% used)"
+
+    def __repr__(self) -> str:
+        return (
+            f"PrivacyLedger(delta={self.delta:g}, accountant={self.accountant!r}, "
+            f"target_epsilon={self.target_epsilon}, sampling={self.sampling!r}, "
+            f"steps={self.steps}, entries={len(self._entries)})"
+        )
+
+
+def _as_dp_event(entries: Sequence[LedgerEntry], nonprivate: int = 0) -> dp_accounting.DpEvent:
+    events = [entry.as_dp_event() for entry in entries]
+    events += [dp_accounting.NonPrivateDpEvent()] * nonprivate
+    return dp_accounting.ComposedDpEvent(events)
+
+
+def _compute_epsilon(entries: Sequence[LedgerEntry], delta: float, accountant: str) -> float:
+    if not entries:
+        return 0.0
+    if any(entry.noise_multiplier == 0 for entry in entries):
+        return math.inf
+    return accounting.epsilon_of_event(_as_dp_event(entries), delta, accountant)
+
+
+def _summary_rows(entries: Sequence[LedgerEntry]) -> list[str]:
+    """One row per distinct (phase, kind, sigma, q), in order of first appearance."""
+    counts: dict[tuple, int] = {}
+    for entry in entries:
+        key = (entry.phase, entry.kind, entry.noise_multiplier, entry.sample_rate)
+        counts[key] = counts.get(key, 0) + entry.count
+    return [
+        f"phase {phase or '-'}: {count} x {kind}, noise_multiplier={sigma:.6g}, sample_rate={q:.6g}"
+        for (phase, kind, sigma, q), count in counts.items()
+    ]

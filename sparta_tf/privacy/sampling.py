@@ -1,0 +1,482 @@
+"""Poisson sampling input pipeline for DP-SGD.
+
+The privacy accountant (``sparta_tf.privacy``) analyses every training step as
+a *Poisson-subsampled* Gaussian mechanism: at logical step ``t`` each of the
+``n`` training examples joins the batch ``B_t`` independently with probability
+``q`` (the *sample rate*), so the batch size ``|B_t| ~ Binomial(n, q)`` varies
+from step to step. This module produces exactly such batches from in-memory
+data as an infinite :class:`tf.data.Dataset`, in a form Keras and XLA can use:
+
+* **Exact Bernoulli draw.** ``B_t = {i : u_i < q}`` with
+  ``u = stateless_uniform([n], seed_t, float64, alg="philox")``. Float64
+  uniforms are multiples of ``2**-52``, so ``P(i in B_t)`` equals ``q`` up to
+  less than ``2**-52`` (exactly ``q`` when ``q = 1``); float32 would bias small
+  rates (by up to ``2**-23 / q`` relatively).
+* **Padding, never dropping.** Let ``m = |B_t|`` and ``P`` the *physical batch
+  size*. The sampled indices (in increasing order) are padded to length
+  ``k * P`` with ``k = max(1, ceil(m / P))``; padding rows get
+  ``sample_weight = 0.0`` exactly and real rows ``1.0``, so
+  ``sum(sample_weight) == m``. A sample larger than ``P`` gives ``k > 1``
+  (the train step splits the element into ``k`` micro-batches of ``P`` and
+  accumulates clipped gradients before adding noise once); an empty sample
+  still gives one all-padding batch of ``P`` rows, because the noisy update
+  must happen at every step for the accounting to hold. Padding rows repeat
+  the features and label of example 0: they are in-distribution, so the model
+  produces finite values on them and ``0 * loss`` stays exactly ``0`` (an
+  all-zero image or token could, for some models, produce ``inf``/``nan``,
+  and ``0 * nan`` is ``nan``). The train step must weight *per-example*
+  gradients by ``sample_weight`` before summing, and the model must not mix
+  examples (BatchNorm in training mode would; use GroupNorm/LayerNorm).
+  Normalise the noisy sum by the expected batch size ``q * n``
+  (:attr:`PoissonSampler.expected_batch_size`), not by ``m``.
+* **Elements** are Keras triples ``(x_batch, y_batch, sample_weight)`` whose
+  leading dimension is ``None`` (``k * P``, almost always ``P`` when
+  ``P >= qn + 4 sqrt(qn(1-q))``, see :func:`default_physical_batch_size`).
+
+Seed policy
+-----------
+A sampler has one 63-bit integer ``seed`` (drawn from :mod:`secrets` when not
+given; read it back from :attr:`PoissonSampler.seed` and store it with the
+checkpoint). The randomness of global step ``t`` is::
+
+    seed_t = tf.random.experimental.stateless_fold_in(
+        [seed, POISSON_DOMAIN], t, alg="philox")    # = [h(seed), t]
+
+with ``h(seed)`` a Philox hash of ``(seed, POISSON_DOMAIN)``. Element ``t``
+depends only on ``(seed, t)``, so a run resumed with ``start_step=t`` yields
+exactly the batches an uninterrupted run yields from step ``t`` on, and the
+draw is the same on CPU and GPU. The domain constant separates this stream
+from others derived from the same seed (e.g. :func:`shuffled_dataset` uses
+``SHUFFLE_DOMAIN``); noise generators should use their own domains.
+
+**Keep the seed secret.** Privacy amplification by subsampling assumes the
+adversary does not know which examples were in which batch; anyone who knows
+the seed and the data order knows every ``B_t``. Store the seed with the
+(private) checkpoint, never in logs, released models or reports.
+
+Tensor placement: the data are converted once to tensors on the host CPU and
+captured by the ``tf.data`` map function (by reference, not as graph
+constants); each element is one ``gather`` of at most ``k * P`` rows.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import secrets
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+__all__ = [
+    "POISSON_DOMAIN",
+    "SHUFFLE_DOMAIN",
+    "PoissonSampler",
+    "default_physical_batch_size",
+    "poisson_dataset",
+    "shuffled_dataset",
+    "shuffled_steps_per_epoch",
+    "step_seed",
+    "steps_per_epoch",
+]
+
+#: Domain constant folded into the seed for Poisson sampling ("pois").
+POISSON_DOMAIN: int = 0x706F6973
+#: Domain constant folded into the seed for shuffled batches ("shuf").
+SHUFFLE_DOMAIN: int = 0x73687566
+
+_MAX_SEED = 2**63  # seeds live in [0, 2**63) so they fit an int64
+
+
+# --------------------------------------------------------------------------
+# Validation helpers
+# --------------------------------------------------------------------------
+
+
+def _check_sample_rate(sample_rate: Any) -> float:
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, numbers.Real):
+        raise ValueError(
+            f"sample_rate must be a real number in (0, 1], got {sample_rate!r}; "
+            "pass e.g. expected_batch_size / n."
+        )
+    q = float(sample_rate)
+    if not (0.0 < q <= 1.0):  # also rejects nan
+        raise ValueError(
+            f"sample_rate must be in (0, 1], got {sample_rate!r}; "
+            "pass e.g. expected_batch_size / n."
+        )
+    return q
+
+
+def _check_positive_int(value: Any, name: str, fix: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}; {fix}.")
+    return int(value)
+
+
+def _check_start_step(start_step: Any) -> int:
+    if (
+        isinstance(start_step, bool)
+        or not isinstance(start_step, numbers.Integral)
+        or start_step < 0
+    ):
+        raise ValueError(
+            f"start_step must be an integer >= 0, got {start_step!r}; pass the "
+            "number of logical steps already taken (e.g. optimizer.iterations)."
+        )
+    return int(start_step)
+
+
+def _resolve_seed(seed: Any) -> int:
+    """Returns ``seed`` validated, or a fresh 63-bit seed from :mod:`secrets`."""
+    if seed is None:
+        return secrets.randbits(63)
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise ValueError(
+            f"seed must be None or an integer in [0, 2**63), got {seed!r}; "
+            "pass None to draw a secure random seed."
+        )
+    if not 0 <= int(seed) < _MAX_SEED:
+        raise ValueError(
+            f"seed must be in [0, 2**63), got {seed!r}; reduce it, e.g. seed % 2**63."
+        )
+    return int(seed)
+
+
+def _leading_dim(leaf: Any) -> int | None:
+    shape = getattr(leaf, "shape", None)
+    if shape is None:
+        shape = np.shape(leaf)
+    if len(shape) == 0:
+        return None
+    dim = shape[0]
+    return None if dim is None else int(dim)
+
+
+def _num_examples(x: Any, y: Any) -> int:
+    """Number of examples shared by every leaf of ``x`` and ``y``."""
+    sizes = {}
+    for name, nest in (("x", x), ("y", y)):
+        leaves = tf.nest.flatten(nest)
+        if not leaves or any(leaf is None for leaf in leaves):
+            raise ValueError(
+                f"{name} must be an array, tensor or nest of them, got {nest!r}; "
+                "pass in-memory data with examples along axis 0."
+            )
+        for leaf in leaves:
+            dim = _leading_dim(leaf)
+            if dim is None:
+                raise ValueError(
+                    f"every leaf of {name} needs a known leading (example) axis, got "
+                    f"shape {getattr(leaf, 'shape', np.shape(leaf))}; reshape to [n, ...]."
+                )
+            sizes.setdefault(name, set()).add(dim)
+    if len(sizes["x"]) > 1:
+        raise ValueError(
+            f"leaves of x have different lengths {sorted(sizes['x'])}; "
+            "give every feature the same number of examples."
+        )
+    if len(sizes["y"]) > 1:
+        raise ValueError(
+            f"leaves of y have different lengths {sorted(sizes['y'])}; "
+            "give every label array the same number of examples."
+        )
+    (n_x,), (n_y,) = sizes["x"], sizes["y"]
+    if n_x != n_y:
+        raise ValueError(
+            f"x has {n_x} examples but y has {n_y}; pass one label per example."
+        )
+    if n_x == 0:
+        raise ValueError("x and y have 0 examples; pass a non-empty data set.")
+    return n_x
+
+
+def _to_host_tensors(nest: Any) -> Any:
+    """Converts every leaf to a tensor on the host CPU (where tf.data runs)."""
+    with tf.device("/cpu:0"):
+        return tf.nest.map_structure(tf.convert_to_tensor, nest)
+
+
+def _gather(nest: Any, indices: tf.Tensor) -> Any:
+    return tf.nest.map_structure(lambda a: tf.gather(a, indices, axis=0), nest)
+
+
+# --------------------------------------------------------------------------
+# Sizes
+# --------------------------------------------------------------------------
+
+
+def steps_per_epoch(sample_rate: float) -> int:
+    """Logical steps per epoch under Poisson sampling: ``max(1, round(1 / q))``.
+
+    An "epoch" of Poisson sampling is ``1 / q`` steps, so that each example is
+    expected to be used once. Uses Python's :func:`round` (halves to even).
+    """
+    q = _check_sample_rate(sample_rate)
+    return max(1, round(1.0 / q))
+
+
+def default_physical_batch_size(
+    n: int, sample_rate: float, multiple_of: int = 1, num_std: float = 4.0
+) -> int:
+    """A physical batch size ``P`` that almost always holds a whole sample.
+
+    With ``m ~ Binomial(n, q)``, mean ``qn`` and standard deviation
+    ``s = sqrt(n q (1 - q))``::
+
+        P = roundup(min(n, ceil(qn + num_std * s)), multiple_of)
+
+    For ``num_std = 4`` (normal approximation) ``P(m > P) ~ 3e-5`` per step, so
+    the extra micro-batch (``k = 2``) is rare; when it happens nothing is
+    dropped, the step just costs one more micro-batch. ``P`` never needs to
+    exceed ``n`` (``m <= n``) except for the rounding.
+
+    Args:
+      n: data set size.
+      sample_rate: Poisson rate ``q`` in (0, 1].
+      multiple_of: round ``P`` up to a multiple of this; with ``tf.distribute``
+        pass the number of replicas so every replica gets ``P / replicas``
+        rows of each micro-batch (and a multiple of 8 is friendly to GPUs).
+      num_std: number of standard deviations of head-room above ``qn``.
+
+    Returns:
+      ``P >= 1``, a multiple of ``multiple_of``.
+    """
+    n = _check_positive_int(n, "n", "pass the number of training examples")
+    q = _check_sample_rate(sample_rate)
+    multiple_of = _check_positive_int(
+        multiple_of, "multiple_of", "pass e.g. strategy.num_replicas_in_sync"
+    )
+    if not (isinstance(num_std, numbers.Real) and num_std >= 0):
+        raise ValueError(f"num_std must be a real number >= 0, got {num_std!r}; pass e.g. 4.0.")
+    mean = q * n
+    std = math.sqrt(n * q * (1.0 - q))
+    p = max(1, min(n, math.ceil(mean + float(num_std) * std - 1e-9)))
+    return -(-p // multiple_of) * multiple_of
+
+
+def step_seed(seed: int | tf.Tensor, step: int | tf.Tensor, domain: int) -> tf.Tensor:
+    """The stateless seed of global step ``step``: an int64 tensor of shape [2].
+
+    ``stateless_fold_in([seed, domain], step, alg="philox")``, i.e.
+    ``[h(seed, domain), step]`` where ``h`` is a Philox hash. Works eagerly and
+    inside graphs; ``step`` may be a tensor.
+    """
+    key = tf.stack(
+        [tf.cast(seed, tf.int64), tf.constant(domain, tf.int64)]
+    )
+    return tf.random.experimental.stateless_fold_in(
+        key, tf.cast(step, tf.int64), alg="philox"
+    )
+
+
+# --------------------------------------------------------------------------
+# Poisson sampling
+# --------------------------------------------------------------------------
+
+
+class PoissonSampler:
+    """Poisson sampling of ``n`` examples at rate ``q``, padded to ``P`` rows.
+
+    Attributes:
+      n: data set size.
+      sample_rate: the rate ``q``.
+      physical_batch_size: ``P``; every element has ``k * P`` rows.
+      seed: the 63-bit seed (see the module docstring's seed policy; secret).
+      steps_per_epoch: ``max(1, round(1 / q))``.
+      expected_batch_size: ``q * n``, the normaliser of the noisy gradient sum.
+
+    Example::
+
+        sampler = PoissonSampler(len(x), 500 / len(x), seed=None)
+        ds = sampler.dataset(x, y, start_step=int(model.optimizer.iterations))
+        model.fit(ds, epochs=T, steps_per_epoch=sampler.steps_per_epoch)
+    """
+
+    def __init__(
+        self,
+        n: int,
+        sample_rate: float,
+        physical_batch_size: int | None = None,
+        seed: int | None = None,
+    ) -> None:
+        self.n: int = _check_positive_int(n, "n", "pass the number of training examples")
+        self.sample_rate: float = _check_sample_rate(sample_rate)
+        if physical_batch_size is None:
+            physical_batch_size = default_physical_batch_size(self.n, self.sample_rate)
+        self.physical_batch_size: int = _check_positive_int(
+            physical_batch_size,
+            "physical_batch_size",
+            "pass e.g. default_physical_batch_size(n, sample_rate)",
+        )
+        self.seed: int = _resolve_seed(seed)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return steps_per_epoch(self.sample_rate)
+
+    @property
+    def expected_batch_size(self) -> float:
+        return self.sample_rate * self.n
+
+    def __repr__(self) -> str:  # never print the secret seed
+        return (
+            f"PoissonSampler(n={self.n}, sample_rate={self.sample_rate}, "
+            f"physical_batch_size={self.physical_batch_size}, seed=<hidden>)"
+        )
+
+    def sample_mask(self, step: int | tf.Tensor) -> tf.Tensor:
+        """Bool [n]: which examples are in the sample of global step ``step``."""
+        u = tf.random.stateless_uniform(
+            [self.n],
+            seed=step_seed(self.seed, step, POISSON_DOMAIN),
+            dtype=tf.float64,
+            alg="philox",
+        )
+        return u < tf.constant(self.sample_rate, tf.float64)
+
+    def padded_indices(self, step: int | tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        """Indices and weights of step ``step``, padded to ``k * P``.
+
+        Returns:
+          ``(indices, sample_weight)``: int64 [k*P] (the sampled example ids in
+          increasing order, then zeros = example 0 as padding) and float32
+          [k*P] (1.0 for the ``m`` real rows, 0.0 for padding), with
+          ``k = max(1, ceil(m / P))``.
+        """
+        p = self.physical_batch_size
+        idx = tf.where(self.sample_mask(step))[:, 0]  # int64 [m], increasing
+        m = tf.shape(idx, out_type=tf.int64)[0]
+        k = tf.maximum(tf.constant(1, tf.int64), (m + p - 1) // p)
+        length = k * p
+        indices = tf.pad(idx, [[0, length - m]])  # pads with index 0
+        weights = tf.sequence_mask(m, length, dtype=tf.float32)
+        return indices, weights
+
+    def dataset(self, x: Any, y: Any, start_step: int = 0) -> tf.data.Dataset:
+        """Infinite dataset of ``(x_batch, y_batch, sample_weight)``, one per step.
+
+        Element ``j`` is global step ``t = start_step + j``; see the module
+        docstring for the sampling, padding and seed conventions. ``x`` and
+        ``y`` are arrays/tensors or nests of them with ``n`` examples on
+        axis 0.
+        """
+        n = _num_examples(x, y)
+        if n != self.n:
+            raise ValueError(
+                f"the sampler was built for n={self.n} examples but x/y have {n}; "
+                "build the PoissonSampler with n=len(x)."
+            )
+        start_step = _check_start_step(start_step)
+        x_t, y_t = _to_host_tensors(x), _to_host_tensors(y)
+
+        def element(t: tf.Tensor) -> tuple[Any, Any, tf.Tensor]:
+            indices, weights = self.padded_indices(t)
+            return _gather(x_t, indices), _gather(y_t, indices), weights
+
+        ds = tf.data.Dataset.counter(start_step, dtype=tf.int64)
+        return ds.map(element).prefetch(tf.data.AUTOTUNE)
+
+
+def poisson_dataset(
+    x: Any,
+    y: Any,
+    sample_rate: float,
+    physical_batch_size: int,
+    seed: int | None = None,
+    start_step: int = 0,
+) -> tf.data.Dataset:
+    """Infinite Poisson-sampled dataset; shorthand for :class:`PoissonSampler`.
+
+    ``PoissonSampler(len(x), sample_rate, physical_batch_size, seed)
+    .dataset(x, y, start_step)``. With ``seed=None`` a secure seed is drawn and
+    cannot be recovered, so the run cannot be resumed exactly: build a
+    :class:`PoissonSampler` and store its ``.seed`` when you need that.
+    """
+    sample_rate = _check_sample_rate(sample_rate)
+    physical_batch_size = _check_positive_int(
+        physical_batch_size,
+        "physical_batch_size",
+        "pass e.g. default_physical_batch_size(n, sample_rate)",
+    )
+    n = _num_examples(x, y)
+    sampler = PoissonSampler(n, sample_rate, physical_batch_size, seed)
+    return sampler.dataset(x, y, start_step=start_step)
+
+
+# --------------------------------------------------------------------------
+# Shuffled fixed-size batches (NOT covered by the accountant)
+# --------------------------------------------------------------------------
+
+
+def shuffled_steps_per_epoch(n: int, batch_size: int, drop_remainder: bool = False) -> int:
+    """Steps per epoch of :func:`shuffled_dataset`: ``ceil(n / B)`` (``floor`` if dropping)."""
+    n = _check_positive_int(n, "n", "pass the number of training examples")
+    b = _check_positive_int(batch_size, "batch_size", "pass a positive batch size")
+    if drop_remainder:
+        if b > n:
+            raise ValueError(
+                f"batch_size={b} > n={n} with drop_remainder=True leaves no batch; "
+                "lower batch_size or set drop_remainder=False."
+            )
+        return n // b
+    return -(-n // b)
+
+
+def shuffled_dataset(
+    x: Any,
+    y: Any,
+    batch_size: int,
+    seed: int | None = None,
+    drop_remainder: bool = False,
+    start_step: int = 0,
+) -> tf.data.Dataset:
+    """Fixed-size shuffled batches: the explicit NON-Poisson option.
+
+    **Privacy warning:** the accountant's guarantee assumes Poisson sampling
+    (each example joins each step independently with probability ``q``). It
+    does NOT cover this option; runs that use it must be reported as not
+    covered by the accountant (shuffling without replacement has no matching
+    amplification analysis here and can give a weaker guarantee).
+
+    Each epoch draws a fresh permutation of the ``n`` examples
+    (``stateless_shuffle`` with ``step_seed(seed, epoch, SHUFFLE_DOMAIN)``) and
+    cuts it into ``shuffled_steps_per_epoch(n, B, drop_remainder)`` batches,
+    so every example is used exactly once per epoch. Elements are
+    ``(x_batch, y_batch, sample_weight)`` with static leading dimension ``B``:
+    weights are 1.0, and the last partial batch is padded to ``B`` with
+    weight-0.0 copies of example 0 (with ``drop_remainder=True`` the
+    ``n mod B`` examples left over are skipped this epoch instead). The
+    dataset repeats forever; element ``j`` is global step
+    ``start_step + j``, so resuming reproduces the uninterrupted run.
+    """
+    n = _num_examples(x, y)
+    b = _check_positive_int(batch_size, "batch_size", "pass a positive batch size")
+    steps = shuffled_steps_per_epoch(n, b, drop_remainder)
+    seed = _resolve_seed(seed)
+    start_step = _check_start_step(start_step)
+    x_t, y_t = _to_host_tensors(x), _to_host_tensors(y)
+    padded_len = steps * b
+
+    def epoch_batches(epoch: tf.Tensor) -> tf.data.Dataset:
+        perm = tf.random.experimental.stateless_shuffle(
+            tf.range(n, dtype=tf.int64),
+            seed=step_seed(seed, epoch, SHUFFLE_DOMAIN),
+            alg="philox",
+        )
+        if drop_remainder:
+            indices, weights = perm[:padded_len], tf.ones([padded_len], tf.float32)
+        else:
+            indices = tf.pad(perm, [[0, padded_len - n]])
+            weights = tf.sequence_mask(n, padded_len, dtype=tf.float32)
+        return tf.data.Dataset.from_tensor_slices(
+            (tf.reshape(indices, [steps, b]), tf.reshape(weights, [steps, b]))
+        )
+
+    def element(indices: tf.Tensor, weights: tf.Tensor) -> tuple[Any, Any, tf.Tensor]:
+        return _gather(x_t, indices), _gather(y_t, indices), weights
+
+    ds = tf.data.Dataset.counter(start_step // steps, dtype=tf.int64)
+    ds = ds.flat_map(epoch_batches).skip(start_step % steps)
+    return ds.map(element).prefetch(tf.data.AUTOTUNE)

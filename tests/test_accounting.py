@@ -1,0 +1,161 @@
+"""Tests for sparta_tf.privacy.accounting (epsilon, calibration, validation)."""
+
+import math
+
+import dp_accounting
+import pytest
+from dp_accounting.pld import pld_privacy_accountant
+from dp_accounting.rdp import rdp_privacy_accountant
+
+from sparta_tf.privacy import accounting
+from sparta_tf.privacy.accounting import (
+    PrivacyBudgetExceededError,
+    calibrate_noise_multiplier,
+    compute_epsilon,
+    epsilon_of_event,
+    make_accountant,
+)
+
+DELTA = 1e-5
+
+
+def _pld(interval: float) -> pld_privacy_accountant.PLDAccountant:
+    return pld_privacy_accountant.PLDAccountant(value_discretization_interval=interval)
+
+
+def _subsampled(sigma: float, q: float) -> dp_accounting.DpEvent:
+    return dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
+
+
+def test_zero_steps_cost_nothing_and_zero_noise_costs_everything():
+    assert compute_epsilon(1.0, 0.01, 0, DELTA) == 0.0
+    assert compute_epsilon(0.0, 0.01, 0, DELTA) == 0.0
+    for name in accounting.ACCOUNTANTS:
+        assert compute_epsilon(0.0, 0.01, 10, DELTA, name) == math.inf
+        assert compute_epsilon(0.0, 1.0, 1, DELTA, name) == math.inf
+
+
+def test_rdp_matches_dp_accounting_exactly():
+    sigma, q, steps = 1.3, 0.02, 700
+    expected = rdp_privacy_accountant.RdpAccountant().compose(_subsampled(sigma, q), steps)
+    assert compute_epsilon(sigma, q, steps, DELTA, "rdp") == expected.get_epsilon(DELTA)
+
+
+def test_pld_is_a_converged_upper_bound_of_dp_accounting_pld():
+    sigma, q, steps = 1.5, 0.02, 300
+    eps = compute_epsilon(sigma, q, steps, DELTA)
+    event = _subsampled(sigma, q)
+    by_interval = {h: _pld(h).compose(event, steps).get_epsilon(DELTA) for h in accounting.PLD_INTERVALS[:5]}
+    assert eps in by_interval.values()  # one of dp_accounting's own PLD estimates
+    fine = by_interval[1e-4]
+    assert fine * (1 - 1e-9) <= eps <= fine * (1 + 2e-3)
+    assert eps < compute_epsilon(sigma, q, steps, DELTA, "rdp")  # PLD is tighter than RDP
+
+
+def test_refined_pld_delta_inverts_epsilon():
+    event = accounting.dp_sgd_event(2.0, 0.05, 40)
+    eps = make_accountant("pld").compose(event).get_epsilon(DELTA)
+    assert make_accountant("pld").compose(event).get_delta(eps) == pytest.approx(DELTA, rel=0.05)
+
+
+def test_full_batch_is_the_plain_gaussian_mechanism():
+    sigma, steps = 4.0, 16
+    # T compositions of a Gaussian with multiplier sigma == one with sigma / sqrt(T).
+    single = epsilon_of_event(dp_accounting.GaussianDpEvent(sigma / math.sqrt(steps)), DELTA)
+    assert compute_epsilon(sigma, 1.0, steps, DELTA) == pytest.approx(single, rel=2e-3)
+    assert accounting.dp_sgd_event(sigma, 1.0, steps) == dp_accounting.SelfComposedDpEvent(
+        dp_accounting.GaussianDpEvent(sigma), steps
+    )
+
+
+@pytest.mark.parametrize("name", accounting.ACCOUNTANTS)
+def test_epsilon_is_monotone(name):
+    base = compute_epsilon(2.0, 0.02, 200, DELTA, name)
+    assert compute_epsilon(2.5, 0.02, 200, DELTA, name) < base  # more noise
+    assert compute_epsilon(2.0, 0.02, 400, DELTA, name) > base  # more steps
+    assert compute_epsilon(2.0, 0.04, 200, DELTA, name) > base  # larger sample rate
+    assert compute_epsilon(2.0, 0.02, 200, 1e-3, name) < base  # larger delta
+
+
+def test_epsilon_of_event_handles_composition_and_nonprivate_events():
+    event = accounting.dp_sgd_event(2.0, 0.05, 40)
+    assert epsilon_of_event(event, DELTA) == compute_epsilon(2.0, 0.05, 40, DELTA)
+    assert epsilon_of_event(dp_accounting.NoOpDpEvent(), DELTA) == 0.0
+    for name in accounting.ACCOUNTANTS:
+        mixed = dp_accounting.ComposedDpEvent([event, dp_accounting.NonPrivateDpEvent()])
+        assert epsilon_of_event(mixed, DELTA, name) == math.inf
+
+
+CALIBRATION_CASES = [
+    # (target epsilon, q, steps, accountant)
+    (1.0, 0.01, 5000, "pld"),  # paper-like: 50 epochs, batch 500 of 50k
+    (3.0, 0.05, 200, "pld"),
+    (0.5, 1.0, 10, "pld"),  # full batch
+    (2.0, 0.01, 3000, "rdp"),
+    (4.0, 0.1, 50, "rdp"),
+]
+
+
+@pytest.mark.parametrize("target,q,steps,name", CALIBRATION_CASES)
+def test_calibrated_sigma_meets_target_tightly(target, q, steps, name):
+    sigma = calibrate_noise_multiplier(target, DELTA, q, steps, accountant=name)
+    eps = compute_epsilon(sigma, q, steps, DELTA, name)
+    assert eps <= target
+    assert eps >= 0.99 * target
+    assert compute_epsilon(0.995 * sigma, q, steps, DELTA, name) > target  # near-smallest sigma
+
+
+def test_pld_calibration_needs_less_noise_than_rdp():
+    pld = calibrate_noise_multiplier(2.0, DELTA, 0.05, 100)
+    rdp = calibrate_noise_multiplier(2.0, DELTA, 0.05, 100, accountant="rdp")
+    assert pld < rdp
+
+
+def test_calibration_rejects_unreachable_targets():
+    with pytest.raises(ValueError, match="target_epsilon"):
+        calibrate_noise_multiplier(1e6, DELTA, 0.01, 10, accountant="rdp")
+    with pytest.raises(ValueError, match="steps"):
+        calibrate_noise_multiplier(1.0, DELTA, 0.01, 0)
+
+
+def test_make_accountant():
+    assert isinstance(make_accountant("pld"), accounting.RefinedPLDAccountant)
+    assert isinstance(make_accountant("rdp"), rdp_privacy_accountant.RdpAccountant)
+    with pytest.raises(ValueError) as info:
+        make_accountant("gdp")
+    message = str(info.value)
+    assert "\n" not in message and "'pld'" in message and "'rdp'" in message and "gdp" in message
+
+
+BAD_ARGUMENTS = [
+    (dict(noise_multiplier=-1.0), "noise_multiplier"),
+    (dict(noise_multiplier=math.inf), "noise_multiplier"),
+    (dict(noise_multiplier=math.nan), "noise_multiplier"),
+    (dict(sample_rate=0.0), "sample_rate"),
+    (dict(sample_rate=1.5), "sample_rate"),
+    (dict(steps=-1), "steps"),
+    (dict(steps=2.5), "steps"),
+    (dict(delta=0.0), "delta"),
+    (dict(delta=1.0), "delta"),
+    (dict(accountant="moments"), "accountant"),
+]
+
+
+@pytest.mark.parametrize("override,argument", BAD_ARGUMENTS)
+def test_invalid_arguments_give_one_line_errors_naming_the_argument(override, argument):
+    kwargs = dict(noise_multiplier=1.0, sample_rate=0.01, steps=10, delta=DELTA, accountant="rdp")
+    kwargs.update(override)
+    with pytest.raises(ValueError) as info:
+        compute_epsilon(**kwargs)
+    assert str(info.value).startswith(argument)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("target", [0.0, -1.0, math.inf])
+def test_calibration_rejects_bad_target(target):
+    with pytest.raises(ValueError, match="^target_epsilon"):
+        calibrate_noise_multiplier(target, DELTA, 0.01, 100)
+
+
+def test_budget_error_is_a_value_error():
+    assert issubclass(PrivacyBudgetExceededError, ValueError)

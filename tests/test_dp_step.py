@@ -1,0 +1,245 @@
+"""The DP-SGD step: clipping bound, padding, noise, frozen coordinates, equivalences."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from sparta_tf.clipping import clipped_sum
+from sparta_tf.dp_model import DPModel
+from sparta_tf.model_checks import NotPerExampleSafeError
+from sparta_tf.per_example import make_engine
+
+L = tf.keras.layers
+LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def small_model(seed=0):
+    tf.keras.utils.set_random_seed(seed)
+    inputs = L.Input((6, 6, 2))
+    h = L.Conv2D(4, 3, padding="same", activation="relu", name="conv")(inputs)
+    h = L.GroupNormalization(2, name="gn")(h)
+    h = L.GlobalAveragePooling2D()(h)
+    h = L.Dense(5, activation="relu", name="hidden")(h)
+    return tf.keras.Model(inputs, L.Dense(3, name="head")(h))
+
+
+def unnormalised_model(seed=0):
+    """No normalisation layer, so huge inputs give huge gradients."""
+    tf.keras.utils.set_random_seed(seed)
+    inputs = L.Input((6, 6, 2))
+    h = L.Conv2D(4, 3, padding="same", name="conv")(inputs)
+    h = L.GlobalAveragePooling2D()(h)
+    return tf.keras.Model(inputs, L.Dense(3, name="head")(h))
+
+
+def data(n=16, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 6, 6, 2)).astype("float32"), rng.integers(0, 3, n).astype("int32")
+
+
+def one_step(dp, x, y, w):
+    dp.train_step((tf.constant(x), tf.constant(y), tf.constant(w, tf.float32)))
+
+
+def weights_of(model):
+    return [v.numpy().copy() for v in model.weights]
+
+
+@pytest.mark.parametrize("engine", ["layerwise", "vectorized"])
+def test_clip_bound_holds_for_adversarial_examples(engine):
+    model = unnormalised_model()
+    x, y = data(8)
+    x[:4] *= 1e4  # huge activations -> huge gradients
+    grads = make_engine(model, model.trainable_variables, engine)(
+        tf.constant(x), tf.constant(y), lambda a, b: tf.keras.losses.sparse_categorical_crossentropy(a, b, from_logits=True), tf.ones([8], bool)
+    ).grads
+    norms = np.sqrt(sum(np.sum(np.square(g.numpy()).reshape(8, -1), 1) for g in grads))
+    assert (norms[:4] > 100).sum() >= 3  # really adversarial
+    clip = 0.5
+    for i in range(8):  # contribution of example i alone
+        alone = np.zeros(8, bool)
+        alone[i] = True
+        sums, _ = clipped_sum(grads, clip, tf.constant(alone))
+        contribution = np.sqrt(sum(np.sum(np.square(s.numpy())) for s in sums))
+        assert contribution <= clip
+        if norms[i] > clip:
+            assert contribution > clip * (1 - 1e-5)  # clipped, not dropped
+
+
+def test_non_finite_and_padded_examples_contribute_exactly_zero():
+    grads = [tf.constant([[1.0, 2.0], [np.nan, 1.0], [np.inf, 0.0], [3.0, 4.0]])]
+    valid = tf.constant([True, True, True, False])
+    sums, _ = clipped_sum(grads, 10.0, valid)
+    np.testing.assert_array_equal(sums[0].numpy(), [1.0, 2.0])
+
+
+@pytest.mark.parametrize("engine", ["layerwise", "vectorized"])
+def test_padding_contributes_exactly_zero_in_a_step(engine):
+    x, y = data(8)
+    garbage = np.full((8, 6, 6, 2), 1e30, np.float32)  # would overflow if it leaked
+    results = []
+    for xs, ys, ws in [
+        (x, y, np.ones(8)),
+        (np.concatenate([x, garbage]), np.concatenate([y, y]), np.r_[np.ones(8), np.zeros(8)]),
+    ]:
+        model = small_model()
+        dp = DPModel(model, noise_multiplier=0.0, sample_rate=1.0, dataset_size=8, engine=engine, seed=3)
+        dp.compile(tf.keras.optimizers.SGD(0.1), loss=LOSS)
+        one_step(dp, xs, ys, ws)
+        results.append(weights_of(model))
+    for a, b in zip(*results):
+        assert np.all(np.isfinite(b))
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_all_padding_batch_has_zero_clipped_sum():
+    model = small_model()
+    engine = make_engine(model, model.trainable_variables)
+    x, y = data(4)
+    result = engine(tf.constant(x), tf.constant(y), lambda a, b: tf.keras.losses.sparse_categorical_crossentropy(a, b, from_logits=True), tf.zeros([4], bool))
+    sums, _ = clipped_sum(result.grads, 1.0, tf.zeros([4], bool))
+    assert all(np.count_nonzero(s.numpy()) == 0 for s in sums)
+
+
+@pytest.mark.parametrize("engine", ["layerwise", "vectorized"])
+def test_no_noise_no_clipping_equals_plain_mean_gradient_step(engine):
+    x, y = data(16)
+    plain = small_model()
+    with tf.GradientTape() as tape:
+        loss = LOSS(y, plain(x, training=True))
+    grads = tape.gradient(loss, plain.trainable_variables)
+    tf.keras.optimizers.SGD(0.3).apply_gradients(zip(grads, plain.trainable_variables))
+
+    model = small_model()
+    dp = DPModel(model, noise_multiplier=0.0, clip_norm=1e9, sample_rate=1.0, dataset_size=16, engine=engine)
+    dp.compile(tf.keras.optimizers.SGD(0.3), loss=LOSS)
+    one_step(dp, x, y, np.ones(16))
+    for a, b in zip(weights_of(plain), weights_of(model)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_micro_batches_accumulate_to_the_full_batch_step():
+    x, y = data(16)
+    results = []
+    for physical in (None, 4):
+        model = small_model()
+        dp = DPModel(model, noise_multiplier=0.7, sample_rate=0.5, dataset_size=32,
+                     physical_batch_size=physical, seed=11)
+        dp.compile(tf.keras.optimizers.SGD(0.2), loss=LOSS)
+        one_step(dp, x, y, np.r_[np.ones(13), np.zeros(3)])
+        results.append(weights_of(model))
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_noise_std_on_trainable_coordinates_and_zero_elsewhere():
+    tf.keras.utils.set_random_seed(0)
+    inputs = L.Input((40,))
+    h = L.Dense(300, name="frozen_by_set")(inputs)
+    h = L.Dense(200, name="noised")(h)
+    frozen_layer = L.Dense(10, name="frozen_layer", trainable=False)
+    model = tf.keras.Model(inputs, L.Dense(3, name="head")(frozen_layer(h)))
+    sigma, clip, q, n, lr = 1.3, 0.7, 0.05, 400, 1.0
+    dp = DPModel(model, noise_multiplier=sigma, clip_norm=clip, sample_rate=q, dataset_size=n, seed=5)
+    noised = model.get_layer("noised")
+    dp.set_dp_variables([noised.kernel, noised.bias])
+    dp.compile(tf.keras.optimizers.SGD(lr), loss=LOSS)
+    before = {v.name: v.numpy().copy() for v in model.weights}
+    x = np.random.default_rng(0).normal(size=(8, 40)).astype("float32")
+    dp.train_step((tf.constant(x), tf.zeros([8], tf.int32), tf.zeros([8])))  # all padding: update = noise
+    expected_std = lr * sigma * clip / (q * n)
+    for v in model.weights:
+        delta = v.numpy() - before[v.name]
+        if v is noised.kernel:
+            assert abs(delta.std() / expected_std - 1) < 0.03
+            assert abs(delta.mean()) < 4 * expected_std / np.sqrt(delta.size)
+        elif v is not noised.bias:
+            np.testing.assert_array_equal(delta, 0)  # bit-identical
+
+
+def test_noise_is_reproducible_and_fresh_each_step():
+    x, y = data(4)
+    updates = []
+    for _ in range(2):
+        model = small_model()
+        dp = DPModel(model, noise_multiplier=1.0, sample_rate=0.5, dataset_size=8, seed=42)
+        dp.compile(tf.keras.optimizers.SGD(1.0), loss=LOSS)
+        w0 = weights_of(model)
+        one_step(dp, x, y, np.zeros(4))
+        w1 = weights_of(model)
+        one_step(dp, x, y, np.zeros(4))
+        w2 = weights_of(model)
+        updates.append((w1[0] - w0[0], w2[0] - w1[0]))
+    np.testing.assert_array_equal(updates[0][0], updates[1][0])
+    assert not np.allclose(updates[0][0], updates[0][1])
+
+
+def test_batchnorm_in_training_mode_is_rejected_and_frozen_is_allowed():
+    inputs = L.Input((4,))
+    bn = L.BatchNormalization(name="bn")
+    model = tf.keras.Model(inputs, L.Dense(2)(bn(inputs)))
+    with pytest.raises(NotPerExampleSafeError, match="GroupNormalization.*trainable = False"):
+        DPModel(model, noise_multiplier=1.0, sample_rate=0.1)
+    bn.trainable = False
+    DPModel(model, noise_multiplier=1.0, sample_rate=0.1)
+
+
+def test_regularization_losses_are_refused():
+    inputs = L.Input((4,))
+    model = tf.keras.Model(inputs, L.Dense(2, kernel_regularizer="l2")(inputs))
+    dp = DPModel(model, noise_multiplier=1.0, sample_rate=0.5, dataset_size=4)
+    dp.compile("sgd", loss=LOSS)
+    with pytest.raises(ValueError, match="weight_decay"):
+        dp.train_step((tf.zeros([2, 4]), tf.zeros([2], tf.int32), tf.ones([2])))
+
+
+def test_frozen_coordinates_bit_identical_after_fit_with_momentum():
+    model = small_model()
+    x, y = data(64)
+    dp = DPModel(model, noise_multiplier=1.0, sample_rate=0.25, physical_batch_size=8, seed=2)
+    head = model.get_layer("head")
+    dp.set_dp_variables([head.kernel, head.bias])
+    dp.compile(tf.keras.optimizers.SGD(0.5, momentum=0.9), loss=LOSS, metrics=["accuracy"])
+    before = {v.name: v.numpy().copy() for v in model.weights}
+    dp.fit(x, y, epochs=2, verbose=0)
+    assert int(dp.dp_step.numpy()) == 8
+    for v in model.weights:
+        if v is head.kernel or v is head.bias:
+            assert not np.array_equal(v.numpy(), before[v.name])
+        else:
+            np.testing.assert_array_equal(v.numpy(), before[v.name])
+
+
+def test_jit_compile_runs_and_matches_graph_mode():
+    """With noise off (XLA's stateless normal may differ bitwise), XLA and graph agree."""
+    x, y = data(8)
+    results = []
+    for jit in (False, True):
+        model = small_model()
+        dp = DPModel(model, noise_multiplier=0.0, sample_rate=0.5, dataset_size=16, seed=9,
+                     jit_compile=jit, engine="vectorized")
+        dp.compile(tf.keras.optimizers.SGD(0.1), loss=LOSS)
+        dp.fit(tf.data.Dataset.from_tensors((x, y, np.ones(8, np.float32))), epochs=1, steps_per_epoch=1, verbose=0)
+        results.append(weights_of(model))
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_mirrored_strategy_matches_single_device():
+    devices = tf.config.list_logical_devices("CPU")
+    if len(devices) < 2:
+        pytest.skip("needs two logical CPU devices (set up in conftest before TF initialises)")
+    x, y = data(16)
+    w = np.r_[np.ones(13), np.zeros(3)].astype("float32")
+    element = tf.data.Dataset.from_tensors((x, y, w))
+    results = []
+    for strategy in (tf.distribute.get_strategy(), tf.distribute.MirroredStrategy([d.name for d in devices[:2]])):
+        with strategy.scope():
+            model = small_model()
+            dp = DPModel(model, noise_multiplier=0.8, sample_rate=0.5, dataset_size=32,
+                         physical_batch_size=8, seed=4)
+            dp.compile(tf.keras.optimizers.SGD(0.2, momentum=0.9), loss=LOSS)
+        dp.fit(element.repeat(), epochs=1, steps_per_epoch=2, verbose=0)
+        results.append(weights_of(model))
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

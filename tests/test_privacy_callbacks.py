@@ -1,0 +1,169 @@
+"""Tests for sparta_tf.privacy.callbacks.PrivacyCallback on a tiny Keras model."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from sparta_tf.privacy import accounting
+from sparta_tf.privacy.accounting import PrivacyBudgetExceededError
+from sparta_tf.privacy.callbacks import PrivacyCallback
+from sparta_tf.privacy.ledger import LedgerEntry, PrivacyLedger
+
+DELTA = 1e-5
+N, BATCH = 32, 8
+Q = BATCH / N  # 0.25
+STEPS_PER_EPOCH = N // BATCH  # 4
+SIGMA = 1.0
+
+# Keras's own fit() calls random.randint with a float bound; not ours.
+pytestmark = pytest.mark.filterwarnings("ignore:non-integer arguments to randrange")
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(N, 3)).astype("float32"), rng.normal(size=(N, 1)).astype("float32")
+
+
+def _model(steps_per_execution=1):
+    tf.keras.utils.set_random_seed(0)
+    model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(1)])
+    model.compile(
+        optimizer=tf.keras.optimizers.SGD(0.01), loss="mse", steps_per_execution=steps_per_execution
+    )
+    return model
+
+
+def _fit(model, callbacks, epochs):
+    x, y = _data()
+    return model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks)
+
+
+def _epsilon(steps, sigma=SIGMA):
+    return accounting.compute_epsilon(sigma, Q, steps, DELTA)
+
+
+@pytest.mark.parametrize("use_counter", [True, False])
+def test_records_steps_and_logs_epsilon_into_history(use_counter):
+    model = _model()
+    ledger = PrivacyLedger(DELTA)
+    counter = model.optimizer.iterations if use_counter else None
+    callback = PrivacyCallback(ledger, SIGMA, Q, phase="warmup", step_counter=counter)
+    history = _fit(model, [callback], epochs=2)
+    assert ledger.entries == (LedgerEntry(SIGMA, Q, 2 * STEPS_PER_EPOCH, "dp_sgd_step", "warmup"),)
+    assert history.history["epsilon"] == [_epsilon(4), _epsilon(8)]
+    assert history.history["epsilon"][-1] == ledger.epsilon()
+
+
+def test_counts_batches_across_fits_with_steps_per_execution():
+    model = _model(steps_per_execution=2)
+    ledger = PrivacyLedger(DELTA)
+    callback = PrivacyCallback(ledger, SIGMA, Q)  # no counter: count batches
+    _fit(model, [callback], epochs=1)
+    _fit(model, [callback], epochs=1)  # e.g. the next phase of a run
+    assert ledger.entries == (LedgerEntry(SIGMA, Q, 8, "dp_sgd_step", None),)
+    assert int(model.optimizer.iterations.numpy()) == 8
+
+
+def test_records_the_values_in_force_when_they_change_between_epochs():
+    model = _model()
+    ledger = PrivacyLedger(DELTA)
+    callback = PrivacyCallback(ledger, SIGMA, Q, step_counter=model.optimizer.iterations)
+
+    def switch(epoch, logs):
+        callback.noise_multiplier, callback.phase = 2.0, "sparse"
+
+    _fit(model, [tf.keras.callbacks.LambdaCallback(on_epoch_end=switch), callback], epochs=2)
+    assert ledger.entries == (
+        LedgerEntry(SIGMA, Q, 4, "dp_sgd_step", None),
+        LedgerEntry(2.0, Q, 4, "dp_sgd_step", "sparse"),
+    )
+
+
+def test_refuses_to_start_an_over_budget_run():
+    model = _model()
+    kernel = model.get_weights()[0].copy()
+    ledger = PrivacyLedger(DELTA, target_epsilon=_epsilon(8) * 0.999)  # 2 epochs do not fit
+    saves = []
+    callback = PrivacyCallback(
+        ledger, SIGMA, Q, step_counter=model.optimizer.iterations, on_budget_exhausted=lambda: saves.append(1)
+    )
+    with pytest.raises(PrivacyBudgetExceededError) as info:
+        _fit(model, [callback], epochs=2)
+    message = str(info.value)
+    assert "\n" not in message
+    assert "target_epsilon" in message and "raise noise_multiplier" in message
+    assert int(model.optimizer.iterations.numpy()) == 0  # no step ran
+    np.testing.assert_array_equal(model.get_weights()[0], kernel)
+    assert ledger.steps == 0 and saves == []
+
+
+def test_stops_when_the_budget_runs_out_and_calls_the_save_hook(capsys):
+    model = _model()
+    ledger = PrivacyLedger(DELTA, target_epsilon=_epsilon(8) * 1.001)  # exactly 2 epochs fit
+    saved = []
+    callback = PrivacyCallback(
+        ledger, SIGMA, Q,
+        step_counter=model.optimizer.iterations,
+        on_budget_exhausted=lambda: saved.append(ledger.steps),
+        budget_mode="until_exhausted",
+    )
+    history = _fit(model, [callback], epochs=5)
+    assert len(history.history["epsilon"]) == 2
+    assert saved == [8]  # hook called once, after the ledger was complete
+    assert callback.budget_exhausted
+    assert int(model.optimizer.iterations.numpy()) == 8
+    assert ledger.steps == 8 and ledger.epsilon() <= ledger.target_epsilon
+    assert "privacy budget exhausted" in capsys.readouterr().out
+
+
+def test_never_runs_a_step_past_the_budget_when_noise_is_lowered_mid_run():
+    model = _model()
+    ledger = PrivacyLedger(DELTA, target_epsilon=_epsilon(12) * 1.001)  # 3 epochs at SIGMA fit
+    saved = []
+    callback = PrivacyCallback(
+        ledger, SIGMA, Q,
+        step_counter=model.optimizer.iterations,
+        on_budget_exhausted=lambda: saved.append(ledger.steps),
+    )
+
+    def lower_noise(epoch, logs):  # runs after the callback's own end-of-epoch check
+        callback.noise_multiplier = 0.7
+
+    lowering = tf.keras.callbacks.LambdaCallback(on_epoch_end=lower_noise)
+    with pytest.raises(PrivacyBudgetExceededError):
+        _fit(model, [callback, lowering], epochs=3)
+    assert int(model.optimizer.iterations.numpy()) == 4  # nothing ran in epoch 2
+    assert saved == [4]
+    assert ledger.epsilon() <= ledger.target_epsilon
+
+
+def test_stops_mid_epoch_when_an_epoch_has_more_steps_than_planned():
+    model = _model()
+    ledger = PrivacyLedger(DELTA, target_epsilon=_epsilon(3) * 1.001)
+    saved = []
+    callback = PrivacyCallback(
+        ledger, SIGMA, Q,
+        steps_per_epoch=2,  # wrong plan: the epoch really has 4 steps
+        step_counter=model.optimizer.iterations,
+        on_budget_exhausted=lambda: saved.append(ledger.steps),
+        verbose=0,
+    )
+    with pytest.raises(PrivacyBudgetExceededError, match="one more step"):
+        _fit(model, [callback], epochs=1)
+    assert int(model.optimizer.iterations.numpy()) == 3  # the 4th step never ran
+    assert saved == [3] and ledger.steps == 3
+    assert ledger.epsilon() <= ledger.target_epsilon
+
+
+def test_budget_check_without_target_is_skipped():
+    model = _model()
+    ledger = PrivacyLedger(DELTA)
+    callback = PrivacyCallback(ledger, SIGMA, Q, steps_per_epoch=1)  # no target: no planning
+    history = _fit(model, [callback], epochs=1)
+    assert ledger.steps == STEPS_PER_EPOCH and not callback.budget_exhausted
+    assert history.history["epsilon"] == [_epsilon(4)]
+
+
+def test_rejects_unknown_budget_mode():
+    with pytest.raises(ValueError, match="budget_mode"):
+        PrivacyCallback(PrivacyLedger(DELTA), SIGMA, Q, budget_mode="lenient")
