@@ -1,0 +1,1 @@
+"""Runnable examples (installed with the package)."""

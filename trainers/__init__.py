@@ -1,0 +1,1 @@
+"""Command-line trainers (``sparta-train``)."""
