@@ -113,7 +113,7 @@ def _torch_twin():
 
 @pytest.mark.parametrize("shortcut,groups", [("A", None), ("B", 4)])
 def test_torch_twin_matches_keras(shortcut, groups):
-    import torch
+    torch = pytest.importorskip("torch")
 
     tr = _torch_twin()
     tf.keras.utils.set_random_seed(2)
