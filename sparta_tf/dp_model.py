@@ -7,9 +7,15 @@ Poisson-subsampled Gaussian mechanism (Abadi et al. 2016)::
     g~_t  = (S_t + N(0, sigma^2 C^2 I)) / (q n)               (noise, expected batch size)
     theta <- optimizer(theta, g~_t)                           (trainable coordinates only)
 
-* ``g_i`` is restricted to the trainable set (:attr:`DPModel.dp_variables`):
-  norms, clipping and noise cover exactly those coordinates; every other
-  coordinate is never read by the optimizer and stays bit-identical.
+* ``g_i`` is restricted to the trainable set (:attr:`DPModel.trainable_set`,
+  whole variables, rows of kernels or entries; see :mod:`sparta_tf.trainable`):
+  per-example gradients, norms, clipping, noise and optimizer state cover
+  exactly those coordinates (in their compact form); every other coordinate
+  is never written by the :class:`~sparta_tf.optim.MaskedOptimizer` and stays
+  bit-identical.
+* During a selection epoch (:meth:`DPModel.begin_scoring`) a step does not
+  update weights: it releases one noisy mask statistic instead (see
+  :mod:`sparta_tf.selection.scoring`), the same Gaussian mechanism.
 * A batch element is ``(x, y, sample_weight)`` of length ``k * P`` (see
   :mod:`sparta_tf.privacy.sampling`): it is processed as ``k`` micro-batches
   of the physical batch size ``P`` whose clipped sums are accumulated before
@@ -30,6 +36,7 @@ from sparta_tf.clipping import clipped_sum
 from sparta_tf.losses import per_example_loss_fn
 from sparta_tf.model_checks import reject_batchnorm_in_training_mode
 from sparta_tf.noise import gaussian_noise, new_seed
+from sparta_tf.optim.masked_optimizer import MaskedOptimizer
 from sparta_tf.per_example import make_engine
 from sparta_tf.privacy.accounting import check_noise_multiplier, check_sample_rate
 from sparta_tf.privacy.callbacks import PrivacyCallback
@@ -40,6 +47,7 @@ from sparta_tf.privacy.sampling import (
     shuffled_dataset,
     shuffled_steps_per_epoch,
 )
+from sparta_tf.trainable import TrainableSet
 from sparta_tf.xla import JitCompile, resolve_jit_compile
 
 SAMPLING_MODES = ("poisson", "shuffle")
@@ -120,7 +128,10 @@ class DPModel(tf.keras.Model):
             PrivacyLedger(delta, accountant=accountant, target_epsilon=target_epsilon, sampling=sampling)
             if delta is not None else None
         )
-        self._dp_variables: list[tf.Variable] = []
+        self._trainable_set: TrainableSet | None = None
+        self._masked_optimizer: MaskedOptimizer | None = None
+        self._scorer = None
+        self.privacy_callback: PrivacyCallback | None = None
         self._engine = None
         self._per_example_loss = None
         self._loss_tracker = tf.keras.metrics.Mean(name="loss")
@@ -131,21 +142,53 @@ class DPModel(tf.keras.Model):
         return self.model(inputs, training=training)
 
     @property
+    def trainable_set(self) -> TrainableSet:
+        """The coordinates DP-SGD clips, noises and updates (default: every trainable variable)."""
+        if self._trainable_set is None:
+            self._trainable_set = TrainableSet.of_variables(self.model.trainable_variables)
+        return self._trainable_set
+
+    @property
     def dp_variables(self) -> list[tf.Variable]:
-        """The trainable set: variables whose coordinates DP-SGD clips, noises and updates."""
-        return list(self._dp_variables) or list(self.model.trainable_variables)
+        """The variables of the trainable set (some may be trained only in part)."""
+        return self.trainable_set.variables
 
     def set_dp_variables(self, variables: Sequence[tf.Variable]) -> None:
-        """Restricts DP-SGD to ``variables`` (e.g. biases + head for a warm-up phase)."""
-        known = {id(v) for v in self.model.trainable_variables}
-        unknown = [v.name for v in variables if id(v) not in known]
-        if unknown:
-            raise ValueError(f"not trainable variables of the wrapped model: {unknown[:3]}")
+        """Restricts DP-SGD to whole ``variables`` (e.g. biases + head for a warm-up phase)."""
         if not variables:
             raise ValueError("the trainable set is empty: pass at least one variable")
-        self._dp_variables = list(variables)
+        self.set_trainable_set(TrainableSet.of_variables(variables))
+
+    def set_trainable_set(self, trainable_set: TrainableSet) -> None:
+        """Restricts DP-SGD to ``trainable_set``; usable between epochs of a running ``fit``."""
+        known = {id(v) for v in self.model.trainable_variables}
+        unknown = [v.name for v in trainable_set.variables if id(v) not in known]
+        if unknown:
+            raise ValueError(f"not trainable variables of the wrapped model: {unknown[:3]}")
+        self._trainable_set = trainable_set
         self._engine = None
-        self.train_function = None  # retrace with the new trainable set
+        if self._masked_optimizer is not None:
+            with self.distribute_strategy.scope():
+                self._masked_optimizer.build(trainable_set)
+        self._retrace()
+
+    def begin_scoring(self, scorer) -> None:
+        """From the next step on, steps release mask scores to ``scorer`` instead of updating weights."""
+        self._scorer = scorer
+        self._engine = None
+        self._retrace()
+
+    def end_scoring(self) -> None:
+        """Back to DP-SGD updates of the trainable set."""
+        self._scorer = None
+        self._engine = None
+        self._retrace()
+
+    def _retrace(self) -> None:
+        """Drops the traced step; rebuilds it at once inside a running ``fit``."""
+        self.train_function = None
+        if getattr(self, "_is_compiled", False):
+            self.make_train_function(force=True)
 
     @property
     def metrics(self):
@@ -174,14 +217,19 @@ class DPModel(tf.keras.Model):
             optimizer=optimizer, loss=loss, metrics=metrics,
             jit_compile=resolve_jit_compile(self._jit_compile_setting), **kwargs,
         )
-        if self.model.built:
-            self.optimizer.build(self.model.trainable_variables)
+        self._masked_optimizer = MaskedOptimizer(self.optimizer)
+        with self.distribute_strategy.scope():
+            self._masked_optimizer.build(self.trainable_set)
 
     # ------------------------------------------------------------- train step
 
+    def _step_selections(self):
+        """What per-example gradients are needed for: the scorer's kernels or the trainable set."""
+        return self._scorer.selections if self._scorer is not None else self.trainable_set.selections
+
     def _get_engine(self):
         if self._engine is None:
-            self._engine = make_engine(self.model, self.dp_variables, self.engine_name)
+            self._engine = make_engine(self.model, self._step_selections(), self.engine_name)
         return self._engine
 
     def _micro_batch_size(self) -> int | None:
@@ -195,18 +243,22 @@ class DPModel(tf.keras.Model):
             )
         return self.physical_batch_size // replicas
 
-    def _clipped_micro_batch_sum(self, x, y, weights):
+    def _micro_batch_sum(self, x, y, weights):
         valid = weights > 0
         result = self._get_engine()(x, y, self._per_example_loss, valid)
-        sums, _ = clipped_sum(result.grads, self.clip_norm, valid)
+        if self._scorer is not None:
+            sums = self._scorer.batch_statistic(result.grads, valid)
+        else:
+            sums, _ = clipped_sum(result.grads, self.clip_norm, valid)
         self._update_metrics(y, result.predictions, result.losses, weights)
         return sums
 
     def _clipped_sum(self, x, y, weights):
-        """Sum of clipped per-example gradients over all micro-batches of the element."""
+        """Sum over all micro-batches of the element of the clipped per-example gradients
+        (or, while scoring, of the scorer's batch statistic)."""
         micro = self._micro_batch_size()
         if micro is None:
-            return self._clipped_micro_batch_sum(x, y, weights)
+            return self._micro_batch_sum(x, y, weights)
         total = tf.shape(weights)[0]
         tf.debugging.assert_equal(
             total % micro, 0,
@@ -219,12 +271,18 @@ class DPModel(tf.keras.Model):
 
         def body(i, sums):
             part = tf.nest.map_structure(lambda t: micro_batch(t, i), (x, y, weights))
-            new = self._clipped_micro_batch_sum(*part)
+            new = self._micro_batch_sum(*part)
             return i + 1, [a + b for a, b in zip(sums, new)]
 
-        zeros = [tf.zeros_like(v) for v in self.dp_variables]
+        zeros = [tf.zeros(s.shape, s.dtype) for s in self._statistic_specs()]
         _, sums = tf.while_loop(lambda i, _: i < total // micro, body, (tf.constant(0), zeros))
         return sums
+
+    def _statistic_specs(self) -> list[tf.TensorSpec]:
+        """Shapes of the per-step sums: compact gradients, or the scorer's statistics."""
+        if self._scorer is not None:
+            return [tf.TensorSpec(shape, tf.float32) for shape in self._scorer.statistic_shapes()]
+        return [tf.TensorSpec(s.compact_shape, s.variable.dtype) for s in self.trainable_set]
 
     def _noisy_mean(self, sums):
         """``(S + N(0, sigma^2 C^2)) / (q n)``, identical on every replica."""
@@ -248,8 +306,10 @@ class DPModel(tf.keras.Model):
         context = tf.distribute.get_replica_context()
         if context is not None and context.num_replicas_in_sync > 1:
             sums = context.all_reduce(tf.distribute.ReduceOp.SUM, sums)
-        grads = self._noisy_mean(sums)
-        self.optimizer.apply_gradients(zip(grads, self.dp_variables), skip_gradients_aggregation=True)
+        if self._scorer is not None:
+            self._scorer.release(sums, self._noise_seed, self.dp_step)
+        else:
+            self._masked_optimizer.apply(self._noisy_mean(sums))
         self.dp_step.assign_add(1)
         return self.get_metrics_result()
 
@@ -309,6 +369,7 @@ class DPModel(tf.keras.Model):
         privacy = self._privacy_callback(callbacks, steps_per_epoch, on_budget_exhausted)
         if privacy is not None and privacy not in callbacks:
             callbacks.insert(0, privacy)
+        self.privacy_callback = privacy
         if verbose != 0 and not any(isinstance(c, tf.keras.callbacks.ProgbarLogger) for c in callbacks):
             # After the privacy callback, so that the progbar shows epsilon.
             callbacks.append(tf.keras.callbacks.ProgbarLogger(count_mode="steps"))

@@ -1,9 +1,11 @@
 """Per-example gradient engines.
 
-An engine maps a batch ``(x, y)`` and a per-example loss to
+An engine is built for a trainable set (:mod:`sparta_tf.trainable`; a plain
+list of variables means "all of each") and maps a batch ``(x, y)`` and a
+per-example loss to
 
-* ``grads[k]``: ``[B, *variables[k].shape]``, the gradient of ``L_i`` w.r.t.
-  ``variables[k]`` for every example ``i``;
+* ``grads[k]``: ``[B, *compact_shape_k]``, the gradient of ``L_i`` w.r.t. the
+  trainable coordinates of selection ``k`` for every example ``i``;
 * ``losses``: ``[B]`` per-example losses ``L_i``;
 * ``predictions``: the model output on the batch (for metrics).
 
@@ -30,6 +32,7 @@ import tensorflow as tf
 
 from sparta_tf.per_example.layer_rules import LayerRule, rule_for
 from sparta_tf.per_example.recording import install_hook, recording
+from sparta_tf.trainable import TrainableSet, VariableSelection
 
 logger = logging.getLogger(__name__)
 
@@ -61,18 +64,19 @@ class LayerwiseEngine:
 
     name = "layerwise"
 
-    def __init__(self, model: tf.keras.Model, variables: Sequence[tf.Variable], plan):
+    def __init__(self, model: tf.keras.Model, selections: Sequence[VariableSelection], plan):
         self.model = model
-        self.variables = list(variables)
-        # plan: list of (layer, rule, [variable indices into self.variables])
+        self.selections = list(selections)
+        # plan: list of (layer, rule, [indices into self.selections])
         self._plan = plan
         for layer, rule, _ in plan:
             install_hook(layer, rule)
         self._layers = [layer for layer, _, _ in plan]
 
     @classmethod
-    def plan_for(cls, model: tf.keras.Model, variables: Sequence[tf.Variable]):
-        """(plan, None) when every variable is covered, else (None, reason)."""
+    def plan_for(cls, model: tf.keras.Model, selections: Sequence[VariableSelection]):
+        """(plan, None) when every selected variable is covered, else (None, reason)."""
+        variables = [s.variable for s in selections]
         index_of = {id(v): k for k, v in enumerate(variables)}
         covered: set[int] = set()
         plan = []
@@ -103,18 +107,18 @@ class LayerwiseEngine:
         per_layer_calls: dict[int, list] = {}
         for call, delta in zip(rec.calls, deltas):
             per_layer_calls.setdefault(id(call.layer), []).append((call, delta))
-        grads: list = [None] * len(self.variables)
+        grads: list = [None] * len(self.selections)
         for layer, rule, indices in self._plan:
-            variables = [self.variables[k] for k in indices]
+            selections = [self.selections[k] for k in indices]
             for call, delta in per_layer_calls.get(id(layer), []):
                 if delta is None:
                     continue
-                for k, g in zip(indices, rule.per_example_grads(layer, call, delta, variables)):
+                for k, g in zip(indices, rule.per_example_grads(layer, call, delta, selections)):
                     grads[k] = g if grads[k] is None else grads[k] + g
         batch = tf.shape(losses)[0]
         grads = [
-            tf.zeros(tf.concat([[batch], v.shape], 0), v.dtype) if g is None else g
-            for g, v in zip(grads, self.variables)
+            tf.zeros(tf.concat([[batch], s.compact_shape], 0), s.variable.dtype) if g is None else g
+            for g, s in zip(grads, self.selections)
         ]
         return PerExampleGradients(grads, losses, predictions)
 
@@ -124,9 +128,10 @@ class VectorizedEngine:
 
     name = "vectorized"
 
-    def __init__(self, model: tf.keras.Model, variables: Sequence[tf.Variable]):
+    def __init__(self, model: tf.keras.Model, selections: Sequence[VariableSelection]):
         self.model = model
-        self.variables = list(variables)
+        self.selections = list(selections)
+        self.variables = [s.variable for s in self.selections]
 
     def __call__(self, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor) -> PerExampleGradients:
         del valid  # padding is removed by the clipping step
@@ -144,23 +149,34 @@ class VectorizedEngine:
             return grads, loss, prediction
 
         grads, losses, predictions = tf.vectorized_map(one_example, (x, y))
-        return PerExampleGradients(list(grads), losses, predictions)
+        grads = [s.compact(g, batch_dims=1) for s, g in zip(self.selections, grads)]
+        return PerExampleGradients(grads, losses, predictions)
 
 
-def make_engine(model: tf.keras.Model, variables: Sequence[tf.Variable], engine: str = "auto"):
-    """The per-example gradient engine for ``variables`` of ``model``.
+def as_selections(trainable) -> list[VariableSelection]:
+    """A TrainableSet, selections or plain variables (each whole) as a list of selections."""
+    if isinstance(trainable, TrainableSet):
+        return list(trainable.selections)
+    return [t if isinstance(t, VariableSelection) else VariableSelection(t) for t in trainable]
 
+
+def make_engine(model: tf.keras.Model, trainable, engine: str = "auto"):
+    """The per-example gradient engine for the trainable set ``trainable`` of ``model``.
+
+    ``trainable``: a :class:`~sparta_tf.trainable.TrainableSet`, a list of
+    selections, or a list of variables (each trained whole).
     ``engine``: ``"auto"`` (layer-wise when possible), ``"layerwise"`` (error
     if impossible) or ``"vectorized"``.
     """
+    selections = as_selections(trainable)
     if engine not in ("auto", "layerwise", "vectorized"):
         raise ValueError(f"engine={engine!r} is not one of 'auto', 'layerwise', 'vectorized'")
     if engine == "vectorized":
-        return VectorizedEngine(model, variables)
-    plan, reason = LayerwiseEngine.plan_for(model, variables)
+        return VectorizedEngine(model, selections)
+    plan, reason = LayerwiseEngine.plan_for(model, selections)
     if plan is None:
         if engine == "layerwise":
             raise ValueError(f"engine='layerwise' cannot handle this model: {reason}; use engine='auto'")
         logger.warning("per-example gradients: using tf.vectorized_map (%s)", reason)
-        return VectorizedEngine(model, variables)
-    return LayerwiseEngine(model, variables, plan)
+        return VectorizedEngine(model, selections)
+    return LayerwiseEngine(model, selections, plan)

@@ -26,17 +26,27 @@ weight then follows from the layer's own input ``a_i`` and ``delta_i``:
   ``tf.vectorized_map`` (cheap for normalisation layers, whose forward pass is
   elementwise).
 
-Every rule returns materialised per-example gradients ``[B, *W.shape]`` for
-the variables it is asked about; the clipping module reduces them.
+Every rule returns materialised per-example gradients in the *compact* form
+of the selection it is asked about (:mod:`sparta_tf.trainable`): ``[B,
+*W.shape]`` for a whole variable, ``[B, fan_in, k]`` for ``k`` selected rows,
+``[B, k]`` for ``k`` selected entries. For rows of Dense and Conv2D kernels
+only the selected output channels of ``delta`` enter the matmul,
+``dW_i[:, rows] = P(a_i)^T delta_i[..., rows]``, so the cost scales with the
+number of trainable rows (the TF counterpart of the paper's Section 7, which
+stacks the trainable rows as their own matrix). Entry selections and other
+layers compute the whole per-example gradient and gather.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import tensorflow as tf
 
 from sparta_tf.per_example.patches import extract_patches
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sparta_tf.trainable import VariableSelection
 
 Tensor = tf.Tensor
 
@@ -56,7 +66,7 @@ class LayerRule:
         layer: tf.keras.layers.Layer,
         call: "RecordedCall",
         delta: Tensor,
-        variables: Sequence[tf.Variable],
+        selections: Sequence["VariableSelection"],
     ) -> list[Tensor]:
         raise NotImplementedError
 
@@ -87,22 +97,24 @@ def _sum_over_middle_axes(t: Tensor) -> Tensor:
 class DenseRule(LayerRule):
     """Dense with linear activation: ``dW_i = sum_t a_it^T delta_it``, ``db_i = sum_t delta_it``."""
 
-    def per_example_grads(self, layer, call, delta, variables):
+    def per_example_grads(self, layer, call, delta, selections):
         a = tf.cast(call.inputs, delta.dtype)
         grads = []
-        for var in variables:
-            if var is layer.kernel:
+        for sel in selections:
+            if sel.variable is layer.kernel:
+                d = _selected_rows(delta, sel)
                 if a.shape.rank == 2:
-                    grads.append(a[:, :, None] * delta[:, None, :])
+                    g = a[:, :, None] * d[:, None, :]
                 else:
                     batch = tf.shape(a)[0]
                     a3 = tf.reshape(a, [batch, -1, a.shape[-1]])
-                    d3 = tf.reshape(delta, [batch, -1, delta.shape[-1]])
-                    grads.append(tf.matmul(a3, d3, transpose_a=True))
-            elif var is layer.bias:
-                grads.append(_sum_over_middle_axes(delta))
-            else:  # pragma: no cover - guarded by supports()
-                raise ValueError(f"DenseRule cannot handle variable {var.name}")
+                    d3 = tf.reshape(d, [batch, -1, d.shape[-1]])
+                    g = tf.matmul(a3, d3, transpose_a=True)
+            elif sel.variable is layer.bias:
+                g = _sum_over_middle_axes(delta)
+            else:  # pragma: no cover - rule_for only picks this rule for Dense
+                raise ValueError(f"DenseRule cannot handle variable {sel.variable.name}")
+            grads.append(_finish(g, sel))
         return grads
 
 
@@ -111,20 +123,23 @@ class Conv2DRule(LayerRule):
 
     probe_point = "convolution"
 
-    def per_example_grads(self, layer, call, delta, variables):
+    def per_example_grads(self, layer, call, delta, selections):
         grads = []
-        for var in variables:
-            if var is layer.kernel:
-                grads.append(self._kernel_grads(layer, call.inputs, delta))
-            elif var is layer.bias:
-                grads.append(_sum_over_middle_axes(delta))
-            else:  # pragma: no cover - guarded by supports()
-                raise ValueError(f"Conv2DRule cannot handle variable {var.name}")
+        for sel in selections:
+            if sel.variable is layer.kernel:
+                g = self._kernel_grads(layer, call.inputs, _selected_rows(delta, sel))
+                if sel.kind != "rows":
+                    g = tf.reshape(g, tf.concat([tf.shape(g)[:1], sel.shape], axis=0))
+            elif sel.variable is layer.bias:
+                g = _sum_over_middle_axes(delta)
+            else:  # pragma: no cover - rule_for only picks this rule for Conv2D
+                raise ValueError(f"Conv2DRule cannot handle variable {sel.variable.name}")
+            grads.append(_finish(g, sel))
         return grads
 
     @staticmethod
     def _kernel_grads(layer, inputs: Tensor, delta: Tensor) -> Tensor:
-        kernel_shape = layer.kernel.shape
+        """``[B, kh*kw*c_in, c]`` for the ``c`` output channels present in ``delta``."""
         patches = extract_patches(
             tf.cast(inputs, delta.dtype),
             kernel_size=tuple(layer.kernel_size),
@@ -135,8 +150,7 @@ class Conv2DRule(LayerRule):
         batch = tf.shape(patches)[0]
         patches = tf.reshape(patches, [batch, -1, patches.shape[-1]])
         delta = tf.reshape(delta, [batch, -1, delta.shape[-1]])
-        grads = tf.matmul(patches, delta, transpose_a=True)
-        return tf.reshape(grads, tf.concat([[batch], kernel_shape], axis=0))
+        return tf.matmul(patches, delta, transpose_a=True)
 
 
 class VjpRule(LayerRule):
@@ -147,8 +161,8 @@ class VjpRule(LayerRule):
     ``output_gradients = delta_i``.
     """
 
-    def per_example_grads(self, layer, call, delta, variables):
-        variables = list(variables)
+    def per_example_grads(self, layer, call, delta, selections):
+        variables = [sel.variable for sel in selections]
         args, kwargs = call.args, call.kwargs
         tensor_args = tuple(args)
 
@@ -163,7 +177,22 @@ class VjpRule(LayerRule):
                 unconnected_gradients=tf.UnconnectedGradients.ZERO,
             )
 
-        return list(tf.vectorized_map(one_example, (tensor_args, delta)))
+        full = tf.vectorized_map(one_example, (tensor_args, delta))
+        return [sel.compact(g, batch_dims=1) for sel, g in zip(selections, full)]
+
+
+def _selected_rows(delta: Tensor, selection) -> Tensor:
+    """The output channels of ``delta`` that a rows selection trains (all otherwise)."""
+    if selection.kind == "rows":
+        return tf.gather(delta, selection.rows, axis=-1)
+    return delta
+
+
+def _finish(grads: Tensor, selection) -> Tensor:
+    """Per-example gradients in the selection's compact form (rows are already compact)."""
+    if selection.kind == "entries":
+        return selection.compact(grads, batch_dims=1)
+    return grads
 
 
 DENSE_RULE = DenseRule()

@@ -1,0 +1,202 @@
+"""Masked DP-SGD optimizer: updates only the trainable coordinates.
+
+Gradients arrive in the *compact* form of a :class:`~sparta_tf.trainable.TrainableSet`
+(one tensor per selection holding only its trainable coordinates). For
+selection ``s`` with compact gradient ``g_s``, learning rate ``lr_t`` (a
+float or a Keras schedule evaluated at the step) times the selection's
+``learning_rate_scale``:
+
+* SGD, momentum ``mu`` (Keras' convention)::
+
+      m_s <- mu m_s - lr g_s;   d_s = -m_s   (Nesterov: d_s = -(mu m_s - lr g_s));   no momentum: d_s = lr g_s
+
+* Adam (Keras' convention, ``t`` = step + 1)::
+
+      m_s <- m_s + (1 - b1)(g_s - m_s);   v_s <- v_s + (1 - b2)(g_s^2 - v_s)
+      d_s = lr sqrt(1 - b2^t) / (1 - b1^t) * m_s / (sqrt(v_s) + eps)
+
+* decoupled weight decay ``wd`` (if the Keras optimizer has one), on
+  trainable coordinates only: ``d_s += lr wd W_s``;
+
+then ``W[s] <- W[s] - d_s``: dense selections with ``assign_sub``; row and
+entry selections with ``scatter_nd_sub`` at their coordinates (an in-place
+scatter, so frozen coordinates are never written).
+
+Optimizer state (``m_s``, ``v_s``) has the compact shape: it exists only for
+trainable coordinates. When the trainable set changes (SPARTA's phases), the
+state of selections that stay identical is kept and new selections start
+from zero.
+
+The hyper-parameters come from an ordinary ``tf.keras.optimizers.SGD`` or
+``Adam`` (what ``DPModel.compile`` receives): its learning rate or schedule,
+``iterations`` counter (incremented here), momentum/Nesterov or betas/epsilon
+and weight decay. Keras callbacks that change ``model.optimizer.learning_rate``
+therefore keep working.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from sparta_tf.trainable import TrainableSet, VariableSelection
+
+LearningRateSchedule = tf.keras.optimizers.schedules.LearningRateSchedule
+
+_UNSUPPORTED_OPTIONS = ("clipnorm", "clipvalue", "global_clipnorm")
+
+
+def _optimizer_kind(optimizer) -> str:
+    if isinstance(optimizer, tf.keras.optimizers.SGD):
+        return "sgd"
+    if isinstance(optimizer, tf.keras.optimizers.Adam):
+        if getattr(optimizer, "amsgrad", False):
+            raise ValueError("Adam(amsgrad=True) is not supported by the masked optimizer; use amsgrad=False")
+        return "adam"
+    raise ValueError(
+        f"optimizer {type(optimizer).__name__} is not supported for DP training; use "
+        "tf.keras.optimizers.SGD (paper default: momentum=0.9) or tf.keras.optimizers.Adam"
+    )
+
+
+def _check_options(optimizer) -> None:
+    for option in _UNSUPPORTED_OPTIONS:
+        if getattr(optimizer, option, None):
+            raise ValueError(
+                f"optimizer {option}={getattr(optimizer, option)} would act on the noisy gradient, "
+                "not per example; remove it (DPModel clips per example with clip_norm)"
+            )
+    if getattr(optimizer, "use_ema", False):
+        raise ValueError("optimizer use_ema=True is not supported; remove it")
+
+
+def _selection_key(selection: VariableSelection) -> str:
+    """Stable name of a selection's optimizer state (same across processes)."""
+    indices = selection.flat_indices
+    digest = 0 if indices is None else zlib.crc32(np.ascontiguousarray(indices).tobytes())
+    name = selection.variable.name.replace("/", "_").replace(":", "_")
+    return f"{name}__{selection.kind}_{selection.size}_{digest:08x}"
+
+
+class MaskedOptimizer(tf.Module):
+    """Applies compact gradients of a trainable set (see module doc)."""
+
+    def __init__(self, keras_optimizer: tf.keras.optimizers.Optimizer):
+        super().__init__(name="masked_optimizer")
+        self.kind = _optimizer_kind(keras_optimizer)
+        _check_options(keras_optimizer)
+        self.keras_optimizer = keras_optimizer
+        self.slots: dict[str, list[tf.Variable]] = {}
+        self._selections: list[VariableSelection] = []
+
+    # ---------------------------------------------------------------- state
+
+    def _slot_names(self) -> tuple[str, ...]:
+        if self.kind == "adam":
+            return ("m", "v")
+        return ("momentum",) if self._momentum() > 0 else ()
+
+    def build(self, trainable_set: TrainableSet | Sequence[VariableSelection]) -> None:
+        """Creates zero state for new selections; keeps the state of unchanged ones."""
+        selections = list(trainable_set)
+        kept: dict[str, list[tf.Variable]] = {}
+        for selection in selections:
+            key = _selection_key(selection)
+            if key in self.slots:
+                kept[key] = self.slots[key]
+                continue
+            kept[key] = [
+                tf.Variable(tf.zeros(selection.compact_shape, selection.variable.dtype),
+                            trainable=False, name=f"{key}_{slot}")
+                for slot in self._slot_names()
+            ]
+        self.slots = kept
+        self._selections = selections
+
+    @property
+    def state_size(self) -> int:
+        """Number of scalars of optimizer state (for tests and reports)."""
+        return sum(int(np.prod(v.shape.as_list())) for slots in self.slots.values() for v in slots)
+
+    # -------------------------------------------------------- hyper-parameters
+
+    def _momentum(self) -> float:
+        return float(getattr(self.keras_optimizer, "momentum", 0.0) or 0.0)
+
+    def learning_rate(self) -> tf.Tensor:
+        """The learning rate of the current step (schedules evaluated at ``iterations``)."""
+        lr = self.keras_optimizer._learning_rate
+        if isinstance(lr, LearningRateSchedule):
+            return tf.cast(lr(self.keras_optimizer.iterations), tf.float32)
+        return tf.cast(tf.convert_to_tensor(lr), tf.float32)
+
+    # ------------------------------------------------------------------ apply
+
+    def apply(self, grads: Sequence[tf.Tensor]) -> None:
+        """One update with ``grads[k]`` the compact gradient of selection ``k``."""
+        if len(grads) != len(self._selections):
+            raise ValueError(f"{len(grads)} gradients for {len(self._selections)} selections; call build() first")
+        context = tf.distribute.get_replica_context()
+        if context is None:
+            self._apply_cross_replica(tf.distribute.get_strategy(), grads)
+        else:
+            context.merge_call(self._apply_cross_replica, args=(grads,))
+
+    def _apply_cross_replica(self, strategy, grads):
+        lr = self.learning_rate()
+        step = tf.cast(self.keras_optimizer.iterations + 1, tf.float32)
+        for selection, grad in zip(self._selections, grads):
+            slots = self.slots[_selection_key(selection)]
+            scaled_lr = lr * selection.learning_rate_scale
+            strategy.extended.update(
+                selection.variable, self._update_fn(selection), args=(grad, scaled_lr, step, *slots), group=False
+            )
+        self.keras_optimizer.iterations.assign_add(1)
+
+    def _update_fn(self, selection: VariableSelection):
+        element_indices = _element_indices(selection)
+
+        def update(variable, grad, lr, step, *slots):
+            grad = tf.convert_to_tensor(grad)
+            decrement = self._decrement(grad, lr, step, slots)
+            weight_decay = getattr(self.keras_optimizer, "weight_decay", None)
+            if weight_decay:
+                current = variable if element_indices is None else tf.gather_nd(variable, element_indices)
+                current = tf.reshape(current, tf.shape(decrement))
+                decrement += lr * weight_decay * current
+            if element_indices is None:
+                return variable.assign_sub(decrement)
+            return variable.scatter_nd_sub(element_indices, tf.reshape(decrement, [-1]))
+
+        return update
+
+    def _decrement(self, grad, lr, step, slots):
+        opt = self.keras_optimizer
+        if self.kind == "adam":
+            m, v = slots
+            m.assign_add((grad - m) * (1.0 - opt.beta_1))
+            v.assign_add((tf.square(grad) - v) * (1.0 - opt.beta_2))
+            corrected = lr * tf.sqrt(1.0 - tf.pow(opt.beta_2, step)) / (1.0 - tf.pow(opt.beta_1, step))
+            return corrected * m / (tf.sqrt(v) + opt.epsilon)
+        if not slots:
+            return lr * grad
+        (momentum_slot,) = slots
+        mu = self._momentum()
+        momentum_slot.assign(mu * momentum_slot - lr * grad)
+        if opt.nesterov:
+            return -(mu * momentum_slot - lr * grad)
+        return -tf.identity(momentum_slot)
+
+
+def _element_indices(selection: VariableSelection) -> tf.Tensor | None:
+    """``[k, rank]`` indices of the selection's coordinates (compact order); None when dense."""
+    flat = selection.flat_indices
+    if flat is None:
+        return None
+    shape = selection.shape
+    dtype = tf.int32 if int(np.prod(shape)) < 2**31 else tf.int64
+    unravelled = tf.unravel_index(tf.constant(flat, dtype), tf.constant(shape, dtype))
+    return tf.transpose(unravelled)
