@@ -1,21 +1,41 @@
 """sparta-tf: differentially private (sparse) fine-tuning for TensorFlow/Keras."""
 
+from sparta_tf.callbacks import MethodCallback, SpartaCallback
 from sparta_tf.dp_model import DPModel
+from sparta_tf.groups import group_table, parameter_table, row_groups
+from sparta_tf.masks import load_mask, save_mask
+from sparta_tf.methods import METHODS
 from sparta_tf.model_checks import NotPerExampleSafeError
+from sparta_tf.optim import MaskedOptimizer, cosine_with_warmup
 from sparta_tf.privacy import (
     PoissonSampler,
     PrivacyLedger,
     calibrate_noise_multiplier,
     compute_epsilon,
 )
+from sparta_tf.selection import SpartaSelector
+from sparta_tf.trainable import TrainableSet, VariableSelection
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "DPModel",
+    "METHODS",
+    "MaskedOptimizer",
+    "MethodCallback",
     "NotPerExampleSafeError",
     "PoissonSampler",
     "PrivacyLedger",
+    "SpartaCallback",
+    "SpartaSelector",
+    "TrainableSet",
+    "VariableSelection",
     "calibrate_noise_multiplier",
     "compute_epsilon",
+    "cosine_with_warmup",
+    "group_table",
+    "load_mask",
+    "parameter_table",
+    "row_groups",
+    "save_mask",
 ]
