@@ -206,7 +206,36 @@ def make_sparta_vectorized_step(model: tf.keras.Model, batch_size: int, ctx: Ctx
     return _sparta_step(model, batch_size, ctx, engine="vectorized")
 
 
-def _sparta_step(model: tf.keras.Model, batch_size: int, ctx: Ctx, engine: str) -> Step:
+def make_sparta_selection_step(model: tf.keras.Model, batch_size: int, ctx: Ctx) -> Step:
+    """A SPARTA selection-epoch step: private row scores of every kernel, no weight update."""
+    from sparta_tf import SpartaSelector
+
+    def configure(dp_model):
+        scorer = SpartaSelector(model, density=0.2).make_scorer(NOISE_MULTIPLIER, CLIP_NORM)
+        dp_model.begin_scoring(scorer)
+
+    return _sparta_step(model, batch_size, ctx, engine="auto", configure=configure)
+
+
+def _make_sparta_sparse_step(density: float) -> Factory:
+    def factory(model: tf.keras.Model, batch_size: int, ctx: Ctx) -> Step:
+        """A SPARTA sparse-phase step: ``density`` of the rows of every kernel + biases/norms/head.
+
+        The rows are a seeded random subset per layer (same cost as a selected mask).
+        """
+        from sparta_tf import methods, row_groups
+        from sparta_tf.selection import random_selections
+
+        def configure(dp_model):
+            mask = random_selections(row_groups(model), density, "row", seed=ctx.seed)
+            dp_model.set_trainable_set(methods.trainable_set(model, "random", mask))
+
+        return _sparta_step(model, batch_size, ctx, engine="auto", configure=configure)
+
+    return factory
+
+
+def _sparta_step(model: tf.keras.Model, batch_size: int, ctx: Ctx, engine: str, configure=None) -> Step:
     from sparta_tf import DPModel
 
     dp_model = DPModel(
@@ -218,6 +247,8 @@ def _sparta_step(model: tf.keras.Model, batch_size: int, ctx: Ctx, engine: str) 
         engine=engine,
     )
     dp_model.compile(optimizer=_sgd(), loss=_xent())
+    if configure is not None:
+        configure(dp_model)
     return _fit_path_step(dp_model, _tf_dataset(batch_size, ctx.seed, with_weights=True))
 
 
@@ -354,6 +385,9 @@ def _make_opacus_step(mode: str) -> Factory:
 VARIANTS: List[Variant] = [
     Variant("keras", make_keras_step, "Keras non-private (fit-path tf.function)"),
     Variant("sparta", make_sparta_dp_step, "sparta_tf.DPModel (ours, layer-wise engine)"),
+    Variant("sparta-selection", make_sparta_selection_step, "ours: SPARTA selection-epoch step (row scores, no update)"),
+    Variant("sparta-sparse-20", _make_sparta_sparse_step(0.20), "ours: SPARTA sparse phase, 20% of rows"),
+    Variant("sparta-sparse-1", _make_sparta_sparse_step(0.01), "ours: SPARTA sparse phase, 1% of rows"),
     Variant("sparta-vmap", make_sparta_vectorized_step, "sparta_tf.DPModel (ours, vectorized_map engine)"),
     Variant("tfp-vectorized", make_tfp_vectorized_step,
             "TF Privacy VectorizedDPKerasSGDOptimizer, B microbatches", slow=True),
