@@ -50,6 +50,16 @@ _LAST_AXIS_KERNEL_LAYERS = (
     tf.keras.layers.Conv3D,
 )
 
+# Transposed convolutions store [k..., out, in] and separable ones two kernels:
+# not maskable (they subclass the Conv layers above, so they are excluded first).
+_NOT_MASKABLE_CONVS = (
+    tf.keras.layers.Conv1DTranspose,
+    tf.keras.layers.Conv2DTranspose,
+    tf.keras.layers.Conv3DTranspose,
+    tf.keras.layers.SeparableConv1D,
+    tf.keras.layers.SeparableConv2D,
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class RowGroup:
@@ -125,7 +135,7 @@ def output_axes(layer: tf.keras.layers.Layer, variable: tf.Variable) -> tuple[in
     rank = variable.shape.rank
     if isinstance(layer, tf.keras.layers.DepthwiseConv2D):
         return (2, 3) if variable is layer.depthwise_kernel else None
-    if isinstance(layer, tf.keras.layers.Conv2DTranspose) or isinstance(layer, tf.keras.layers.SeparableConv2D):
+    if isinstance(layer, _NOT_MASKABLE_CONVS):
         return None
     if isinstance(layer, _LAST_AXIS_KERNEL_LAYERS):
         return (rank - 1,) if variable is layer.kernel else None

@@ -91,6 +91,7 @@ class MaskedOptimizer(tf.Module):
         self.keras_optimizer = keras_optimizer
         self.slots: dict[str, list[tf.Variable]] = {}
         self._selections: list[VariableSelection] = []
+        self._keys: list[str] = []
 
     # ---------------------------------------------------------------- state
 
@@ -103,8 +104,12 @@ class MaskedOptimizer(tf.Module):
         """Creates zero state for new selections; keeps the state of unchanged ones."""
         selections = list(trainable_set)
         kept: dict[str, list[tf.Variable]] = {}
+        keys = []
         for selection in selections:
             key = _selection_key(selection)
+            while key in keys:  # distinct variables with the same name (nested models)
+                key += "_"
+            keys.append(key)
             if key in self.slots:
                 kept[key] = self.slots[key]
                 continue
@@ -115,6 +120,7 @@ class MaskedOptimizer(tf.Module):
             ]
         self.slots = kept
         self._selections = selections
+        self._keys = keys
 
     @property
     def state_size(self) -> int:
@@ -148,8 +154,8 @@ class MaskedOptimizer(tf.Module):
     def _apply_cross_replica(self, strategy, grads):
         lr = self.learning_rate()
         step = tf.cast(self.keras_optimizer.iterations + 1, tf.float32)
-        for selection, grad in zip(self._selections, grads):
-            slots = self.slots[_selection_key(selection)]
+        for selection, key, grad in zip(self._selections, self._keys, grads):
+            slots = self.slots[key]
             scaled_lr = lr * selection.learning_rate_scale
             strategy.extended.update(
                 selection.variable, self._update_fn(selection), args=(grad, scaled_lr, step, *slots), group=False
