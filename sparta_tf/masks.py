@@ -72,6 +72,11 @@ def _markdown(summary: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 def save_mask(directory: str, selections: Sequence[VariableSelection], model: tf.keras.Model, **meta) -> str:
     """Writes ``mask.npz``, ``mask.json``, ``mask.md`` into ``directory``; returns the npz path."""
+    names = [sel.variable.name for sel in selections]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"variables {duplicates} share a name, so a saved mask could not tell them apart; "
+                         "give the layers unique names")
     os.makedirs(directory, exist_ok=True)
     arrays = {}
     for sel in selections:
