@@ -68,7 +68,19 @@ class LayerRule:
         delta: Tensor,
         selections: Sequence["VariableSelection"],
     ) -> list[Tensor]:
+        """Per-example gradients ``[B, *compact_shape]`` of each selection."""
+        return [_finish(self.variable_grad(layer, call, delta, sel), sel) for sel in selections]
+
+    def variable_grad(self, layer, call: "RecordedCall", delta: Tensor, selection) -> Tensor:
+        """Per-example gradients of one variable (rows already compact, else full shape)."""
         raise NotImplementedError
+
+    @staticmethod
+    def _bias_grad(layer, delta: Tensor, selection) -> Tensor:
+        """``dL_i/db = sum_t delta_it`` for a bias added after the probe point."""
+        if selection.variable is getattr(layer, "bias", None) or selection.variable is getattr(layer, "beta", None):
+            return _sum_over_middle_axes(delta)
+        raise ValueError(f"{type(layer).__name__} rule cannot handle variable {selection.variable.name}")
 
 
 class RecordedCall:
@@ -97,25 +109,17 @@ def _sum_over_middle_axes(t: Tensor) -> Tensor:
 class DenseRule(LayerRule):
     """Dense with linear activation: ``dW_i = sum_t a_it^T delta_it``, ``db_i = sum_t delta_it``."""
 
-    def per_example_grads(self, layer, call, delta, selections):
+    def variable_grad(self, layer, call, delta, selection):
+        if selection.variable is not layer.kernel:
+            return self._bias_grad(layer, delta, selection)
         a = tf.cast(call.inputs, delta.dtype)
-        grads = []
-        for sel in selections:
-            if sel.variable is layer.kernel:
-                d = _selected_rows(delta, sel)
-                if a.shape.rank == 2:
-                    g = a[:, :, None] * d[:, None, :]
-                else:
-                    batch = tf.shape(a)[0]
-                    a3 = tf.reshape(a, [batch, -1, a.shape[-1]])
-                    d3 = tf.reshape(d, [batch, -1, d.shape[-1]])
-                    g = tf.matmul(a3, d3, transpose_a=True)
-            elif sel.variable is layer.bias:
-                g = _sum_over_middle_axes(delta)
-            else:  # pragma: no cover - rule_for only picks this rule for Dense
-                raise ValueError(f"DenseRule cannot handle variable {sel.variable.name}")
-            grads.append(_finish(g, sel))
-        return grads
+        d = _selected_rows(delta, selection)
+        if a.shape.rank == 2:
+            return a[:, :, None] * d[:, None, :]
+        batch = tf.shape(a)[0]
+        a3 = tf.reshape(a, [batch, -1, a.shape[-1]])
+        d3 = tf.reshape(d, [batch, -1, d.shape[-1]])
+        return tf.matmul(a3, d3, transpose_a=True)
 
 
 class Conv2DRule(LayerRule):
@@ -123,19 +127,13 @@ class Conv2DRule(LayerRule):
 
     probe_point = "convolution"
 
-    def per_example_grads(self, layer, call, delta, selections):
-        grads = []
-        for sel in selections:
-            if sel.variable is layer.kernel:
-                g = self._kernel_grads(layer, call.inputs, _selected_rows(delta, sel))
-                if sel.kind != "rows":
-                    g = tf.reshape(g, tf.concat([tf.shape(g)[:1], sel.shape], axis=0))
-            elif sel.variable is layer.bias:
-                g = _sum_over_middle_axes(delta)
-            else:  # pragma: no cover - rule_for only picks this rule for Conv2D
-                raise ValueError(f"Conv2DRule cannot handle variable {sel.variable.name}")
-            grads.append(_finish(g, sel))
-        return grads
+    def variable_grad(self, layer, call, delta, selection):
+        if selection.variable is not layer.kernel:
+            return self._bias_grad(layer, delta, selection)
+        grads = self._kernel_grads(layer, call.inputs, _selected_rows(delta, selection))
+        if selection.kind == "rows":
+            return grads
+        return tf.reshape(grads, tf.concat([tf.shape(grads)[:1], selection.shape], axis=0))
 
     @staticmethod
     def _kernel_grads(layer, inputs: Tensor, delta: Tensor) -> Tensor:
@@ -208,17 +206,10 @@ class GroupNormRule(LayerRule):
     exactly as the layer normalises it.
     """
 
-    def per_example_grads(self, layer, call, delta, selections):
-        grads = []
-        for sel in selections:
-            if sel.variable is layer.gamma:
-                g = _sum_over_middle_axes(delta * self._normalized(layer, call.inputs, delta.dtype))
-            elif sel.variable is layer.beta:
-                g = _sum_over_middle_axes(delta)
-            else:  # pragma: no cover - rule_for only picks this rule for GroupNormalization
-                raise ValueError(f"GroupNormRule cannot handle variable {sel.variable.name}")
-            grads.append(_finish(g, sel))
-        return grads
+    def variable_grad(self, layer, call, delta, selection):
+        if selection.variable is layer.gamma:
+            return _sum_over_middle_axes(delta * self._normalized(layer, call.inputs, delta.dtype))
+        return self._bias_grad(layer, delta, selection)
 
     @staticmethod
     def _normalized(layer, inputs, dtype):
