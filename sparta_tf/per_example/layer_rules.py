@@ -140,6 +140,8 @@ class Conv2DRule(LayerRule):
         """``[B, kh*kw*c_in, c]`` for the ``c`` output channels present in ``delta``."""
         if _use_depthwise(layer, delta.shape[-1]):
             return _kernel_grads_depthwise(layer, inputs, delta)
+        if _use_shifted_views(layer, delta):
+            return _kernel_grads_shifted(layer, inputs, delta)
         patches = extract_patches(
             tf.cast(inputs, delta.dtype),
             kernel_size=tuple(layer.kernel_size),
@@ -151,6 +153,49 @@ class Conv2DRule(LayerRule):
         patches = tf.reshape(patches, [batch, -1, patches.shape[-1]])
         delta = tf.reshape(delta, [batch, -1, delta.shape[-1]])
         return tf.matmul(patches, delta, transpose_a=True)
+
+
+SHIFTED_MIN_POSITIONS = 64
+"""From this many output positions on, per-example kernel gradients are summed
+over the ``kh*kw`` shifted views of the input (one batched matmul each) instead
+of one matmul over concatenated im2col patches: the same products without the
+concatenated copy (measured 1.2-2.3x faster on 2 CPU cores for ResNet-18
+layers with >= 8x8 outputs; slower on 4x4 outputs with 512 channels)."""
+
+
+def _use_shifted_views(layer, delta: Tensor) -> bool:
+    positions = delta.shape[1] * delta.shape[2] if None not in delta.shape[1:3] else 0
+    return positions >= SHIFTED_MIN_POSITIONS and tuple(layer.dilation_rate) == (1, 1)
+
+
+def _padded_input(layer, inputs: Tensor, dtype) -> Tensor:
+    """The input padded exactly as the forward convolution pads it."""
+    (kh, kw), (sh, sw) = tuple(layer.kernel_size), tuple(layer.strides)
+    padding = layer.padding.upper()
+    _, pad_h = _output_size_and_padding(inputs.shape[1], kh, sh, 1, padding)
+    _, pad_w = _output_size_and_padding(inputs.shape[2], kw, sw, 1, padding)
+    return tf.pad(tf.cast(inputs, dtype), [[0, 0], list(pad_h), list(pad_w), [0, 0]])
+
+
+def _kernel_grads_shifted(layer, inputs: Tensor, delta: Tensor) -> Tensor:
+    """``dL_i/dK[u, v] = V_uv(a~_i)^T delta_i`` per kernel offset ``(u, v)``.
+
+    ``V_uv(a~)[h, w] = a~[s h + u, s w + v]`` is the strided view of the padded
+    input that kernel tap ``(u, v)`` sees; stacking the ``kh*kw`` products in
+    ``(u, v, c_in)`` order gives the ``[B, kh*kw*c_in, c]`` of the im2col form.
+    """
+    (kh, kw), (sh, sw) = tuple(layer.kernel_size), tuple(layer.strides)
+    a = _padded_input(layer, inputs, delta.dtype)
+    out_h, out_w = delta.shape[1], delta.shape[2]
+    batch = tf.shape(delta)[0]
+    flat_delta = tf.reshape(delta, [batch, -1, delta.shape[-1]])
+    per_offset = []
+    for u in range(kh):
+        for v in range(kw):
+            view = a[:, u : u + (out_h - 1) * sh + 1 : sh, v : v + (out_w - 1) * sw + 1 : sw, :]
+            view = tf.reshape(view, [batch, -1, a.shape[-1]])
+            per_offset.append(tf.matmul(view, flat_delta, transpose_a=True))
+    return tf.concat(per_offset, axis=1) if len(per_offset) > 1 else per_offset[0]
 
 
 DEPTHWISE_MAX_ROWS = 4
@@ -181,13 +226,8 @@ def _kernel_grads_depthwise(layer, inputs: Tensor, delta: Tensor) -> Tensor:
     = examples) with the filter ``delta[..., r]`` laid out ``[H', W', B, 1]``,
     dilated by ``s``; its ``VALID`` output is exactly ``[c, kh, kw, B]``.
     """
-    height, width = inputs.shape[1], inputs.shape[2]
     (kh, kw), (sh, sw) = tuple(layer.kernel_size), tuple(layer.strides)
-    padding = layer.padding.upper()
-    _, pad_h = _output_size_and_padding(height, kh, sh, 1, padding)
-    _, pad_w = _output_size_and_padding(width, kw, sw, 1, padding)
-    a = tf.pad(tf.cast(inputs, delta.dtype), [[0, 0], list(pad_h), list(pad_w), [0, 0]])
-    x = tf.transpose(a, [3, 1, 2, 0])  # [c_in, Hp, Wp, B]
+    x = tf.transpose(_padded_input(layer, inputs, delta.dtype), [3, 1, 2, 0])  # [c_in, Hp, Wp, B]
     filters = tf.transpose(delta, [1, 2, 0, 3])  # [H', W', B, rows]
     per_row = [
         tf.nn.depthwise_conv2d(x, filters[..., r : r + 1], [1, 1, 1, 1], "VALID", dilations=[sh, sw])[:, :kh, :kw, :]
