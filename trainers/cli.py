@@ -1,19 +1,54 @@
-"""``sparta-train``: the config-driven trainer (the name is reserved in pyproject).
+"""``sparta-train --config configs/NAME.yaml [--set section.key=value ...] [--dry-run] [--resume]``.
 
-The YAML-driven CLI is the next milestone; until it lands this entry point
-says so instead of failing with an import error.
+The config is validated before TensorFlow is imported: a malformed config
+exits with status 2 and one line naming the key and the fix. ``--dry-run``
+loads the data and builds the model, then prints the plan (n, q, steps,
+calibrated sigma, epsilon at the end of each phase, trainable parameters per
+phase) without training. ``--resume`` continues an interrupted run from its
+last complete checkpoint in ``output_dir``.
 """
 
+from __future__ import annotations
+
+import argparse
+import os
 import sys
+
+from trainers.config import ConfigError, load_config
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="sparta-train", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="YAML config, e.g. configs/quickstart.yaml")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one config value (repeatable), e.g. --set privacy.target_epsilon=2")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and exit without training")
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output_dir")
+    return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
-    print(
-        "sparta-train: the config-driven trainer is not available in this version; "
-        "run `sparta-example` (python -m sparta_tf.examples.quickstart) or use sparta_tf.DPModel",
-        file=sys.stderr,
-    )
-    return 2
+    args = parse_args(argv)
+    try:
+        config = load_config(args.config, args.overrides)
+    except ConfigError as error:
+        print(f"config error: {error}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    from trainers import run  # heavy: imports TensorFlow
+
+    try:
+        if args.dry_run:
+            run.dry_run(config)
+        else:
+            run.train(config, resume=args.resume)
+    except ConfigError as error:
+        print(f"config error: {error}", file=sys.stderr)
+        return 2
+    except run.USER_ERRORS as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,145 @@
+"""sparta-train config validation: every malformed config is one clean line, before TensorFlow loads."""
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from trainers.config import ConfigError, apply_overrides, check_against_data, load_config, validate
+
+BASE = {
+    "data": {"source": "synthetic"},
+    "model": {"name": "resnet20_gn"},
+    "output_dir": "runs/x",
+    "method": {"name": "sparta"},
+    "training": {"epochs": 10},
+}
+
+
+def with_change(path, value):
+    config = yaml.safe_load(yaml.safe_dump(BASE))
+    node = config
+    *parents, last = path.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    if value is DELETE:
+        node.pop(last, None)
+    else:
+        node[last] = value
+    return config
+
+
+DELETE = object()
+
+MALFORMED = [
+    ("bogus", 1, "unknown section 'bogus'"),
+    ("data", DELETE, "missing required 'data'"),
+    ("model", DELETE, "missing required 'model'"),
+    ("output_dir", DELETE, "missing required 'output_dir'"),
+    ("output_dir", 3, "output_dir=3 must be a string"),
+    ("data", "mnist", "data must be a mapping"),
+    ("data", {"path": "x.npz"}, "data.source is required"),
+    ("model", {"depth": 20}, "model.name is required"),
+    ("method", [1, 2], "method must be a mapping"),
+    ("method.nam", "sparta", "unknown key method.nam"),
+    ("method.name", "lora", "method.name='lora' must be one of"),
+    ("method.density", 1.5, "method.density=1.5 must be in [0, 1]"),
+    ("method.density", -0.1, "method.density=-0.1 must be in [0, 1]"),
+    ("method.density", "high", "method.density='high' must be"),
+    ("method.warmup_epochs", 9, "method.warmup_epochs=9 must be < training.epochs - 1"),
+    ("method.warmup_epochs", -1, "method.warmup_epochs=-1 must be >= 0"),
+    ("method.warmup_epochs", 2.5, "method.warmup_epochs=2.5 must be an integer"),
+    ("method.score", "max", "method.score='max' must be one of"),
+    ("method.score", "signed", "is not a SPARTA score"),
+    ("method.granularity", "block", "method.granularity='block' must be row or entry"),
+    ("method.density_overrides", {"conv*": 2}, "every density must be a number in [0, 1]"),
+    ("privacy.target_epsilon", 0, "privacy.target_epsilon=0 must be > 0"),
+    ("privacy.target_epsilon", -1, "privacy.target_epsilon=-1 must be > 0"),
+    ("privacy.target_epsilon", "eight", "privacy.target_epsilon='eight' must be"),
+    ("privacy.delta", 1, "privacy.delta=1 must be in (0, 1)"),
+    ("privacy.delta", 0, "privacy.delta=0 must be in (0, 1)"),
+    ("privacy.clip_norm", 0, "privacy.clip_norm=0 must be > 0"),
+    ("privacy.accountant", "moments", "privacy.accountant='moments' must be one of"),
+    ("privacy.sampling", "uniform", "privacy.sampling='uniform' must be one of"),
+    ("privacy.noise_multiplier", -1, "privacy.noise_multiplier=-1 must be >= 0"),
+    ("privacy.noise_multiplier", 0, "privacy.noise_multiplier=0 gives no privacy"),
+    ("training.epochs", 0, "training.epochs=0 must be >= 1"),
+    ("training.epochs", True, "training.epochs=True must be an integer"),
+    ("training.batch_size", 0, "training.batch_size=0 must be >= 1"),
+    ("training.physical_batch_size", 0, "training.physical_batch_size=0 must be >= 1"),
+    ("training.optimizer", "rmsprop", "training.optimizer='rmsprop' must be one of"),
+    ("training.momentum", 1.0, "training.momentum=1.0 must be in [0, 1)"),
+    ("training.learning_rate", 0, "training.learning_rate=0 must be > 0"),
+    ("training.head_learning_rate", -0.1, "training.head_learning_rate=-0.1 must be > 0"),
+    ("training.schedule", "step", "training.schedule='step' must be one of"),
+    ("training.warmup_fraction", 1.0, "training.warmup_fraction=1.0 must be in [0, 1)"),
+    ("training.weight_decay", -1e-4, "training.weight_decay=-0.0001 must be >= 0"),
+    ("training.jit_compile", "yes", "training.jit_compile='yes' must be true, false or auto"),
+    ("training.engine", "fast", "training.engine='fast' must be one of"),
+    ("training.lr", 0.1, "unknown key training.lr"),
+    ("pretrain.epochs", 0, "pretrain.epochs=0 must be >= 1"),
+    ("pretrain.optimizer", "lamb", "pretrain.optimizer='lamb' must be one of"),
+    ("export.version", 0, "export.version=0 must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("path,value,message", MALFORMED, ids=[f"{p}={v!r}"[:40] for p, v, _ in MALFORMED])
+def test_malformed_config_gives_one_line_error(path, value, message):
+    with pytest.raises(ConfigError) as error:
+        validate(with_change(path, value))
+    text = str(error.value)
+    assert message in text
+    assert "\n" not in text
+
+
+def test_bitfit_rejects_warmup_and_defaults_fill_in():
+    with pytest.raises(ConfigError, match="applies only to sparta"):
+        validate(with_change("method", {"name": "bitfit", "warmup_epochs": 2}))
+    config = validate(BASE)
+    assert config["method"]["warmup_epochs"] == 2  # T/5
+    assert config["privacy"]["target_epsilon"] == 8.0 and config["training"]["momentum"] == 0.9
+
+
+def test_data_dependent_checks():
+    config = validate(BASE)
+    with pytest.raises(ConfigError, match=r"privacy.delta=1e-05 must be < 1/n"):
+        check_against_data(config, 60_000)
+    config["privacy"]["delta"] = 1e-9
+    with pytest.raises(ConfigError, match="training.batch_size=500 is larger than the training set"):
+        check_against_data(config, 100)
+
+
+def test_overrides_parse_yaml_values():
+    config = apply_overrides(BASE, ["privacy.target_epsilon=2", "privacy.delta=1e-6", "method.name=mp",
+                                    "training.jit_compile=false"])
+    assert config["privacy"] == {"target_epsilon": 2, "delta": 1e-6}
+    assert config["method"]["name"] == "mp" and config["training"]["jit_compile"] is False
+    with pytest.raises(ConfigError, match="must look like section.key=value"):
+        apply_overrides(BASE, ["privacy.delta"])
+
+
+def test_config_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "missing.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data: {source: digits\nmodel: [")
+    with pytest.raises(ConfigError, match="not valid YAML at line"):
+        load_config(str(bad))
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="must be a mapping of sections"):
+        load_config(str(listy))
+
+
+def test_cli_reports_config_errors_fast_without_tensorflow(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(with_change("privacy.target_epsilon", -1)))
+    code = (
+        "import sys; from trainers.cli import main; rc = main(['--config', sys.argv[1]]); "
+        "assert 'tensorflow' not in sys.modules, 'tensorflow imported'; sys.exit(rc)"
+    )
+    result = subprocess.run([sys.executable, "-c", code, str(config)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines == ["config error: privacy.target_epsilon=-1 must be > 0"]

@@ -1,0 +1,284 @@
+"""The ``sparta-train`` YAML config: schema, defaults, ``--set`` overrides, validation.
+
+Pure Python (no TensorFlow import), so a malformed config fails in well under
+a second with one line that names the key and the fix::
+
+    config error: privacy.target_epsilon=-1 must be > 0 (e.g. 1, 2, 4 or 8)
+
+Sections (every key optional unless marked; defaults are the SPARTA paper's
+vision settings where it has one):
+
+* ``data`` (required): the private data set, see :mod:`sparta_tf.data`.
+* ``pretrain``: non-private pre-training on public data before DP fine-tuning.
+* ``model`` (required): ``name`` and its arguments, see :mod:`sparta_tf.models.zoo`.
+* ``method``: ``name`` (sparta, all, last, bitfit, mp, random, dpsgd_grad,
+  oracle) and its options.
+* ``privacy``: target epsilon, delta, clip norm, accountant, sampling.
+* ``training``: epochs, batch sizes, optimizer, learning rates, schedule, seed, XLA.
+* ``output_dir`` (required), ``export``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Callable
+
+import yaml
+
+METHOD_NAMES = ("sparta", "all", "last", "bitfit", "mp", "random", "dpsgd_grad", "oracle")
+SCORES = ("sum_abs", "abs_sum", "signed", "oracle")
+
+
+class ConfigError(ValueError):
+    """A config problem, reported as one line naming the key and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One config key: its type(s), default and an optional value check returning an error or None."""
+
+    types: tuple
+    default: Any = None
+    check: Callable[[Any], str | None] | None = None
+    required: bool = False
+    free_form: bool = False  # a dict whose keys are validated elsewhere (data / model arguments)
+
+
+def _positive(value):
+    return None if value > 0 else "must be > 0"
+
+
+def _non_negative(value):
+    return None if value >= 0 else "must be >= 0"
+
+
+def _at_least_one(value):
+    return None if value >= 1 else "must be >= 1"
+
+
+def _fraction(value):
+    return None if 0 <= value <= 1 else "must be in [0, 1]"
+
+
+def _open_fraction(value):
+    return None if 0 < value < 1 else "must be in (0, 1)"
+
+
+def _one_of(*choices):
+    def check(value):
+        return None if value in choices else f"must be one of {', '.join(map(str, choices))}"
+    return check
+
+
+def _density_overrides(value):
+    for pattern, density in value.items():
+        if not isinstance(density, (int, float)) or isinstance(density, bool) or not 0 <= density <= 1:
+            return f"has {pattern!r}: {density!r}; every density must be a number in [0, 1]"
+    return None
+
+
+NUMBER = (int, float)
+OPTIONAL_NUMBER = (int, float, type(None))
+OPTIONAL_INT = (int, type(None))
+OPTIONAL_STR = (str, type(None))
+
+SCHEMA: dict[str, dict[str, Field]] = {
+    "data": {},  # free-form, validated by sparta_tf.data (source required)
+    "model": {},  # free-form, validated by sparta_tf.models.zoo (name required)
+    "pretrain": {
+        "enabled": Field((bool,), False),
+        "data": Field((dict,), None, free_form=True),
+        "epochs": Field((int,), 15, _at_least_one),
+        "batch_size": Field((int,), 128, _at_least_one),
+        "learning_rate": Field(NUMBER, 3e-3, _positive),
+        "optimizer": Field((str,), "adam", _one_of("adam", "sgd")),
+        "augment": Field((bool,), True),
+        "checkpoint": Field(OPTIONAL_STR, None),
+    },
+    "method": {
+        "name": Field((str,), "sparta", _one_of(*METHOD_NAMES)),
+        "density": Field(NUMBER, 0.2, _fraction),
+        "warmup_epochs": Field(OPTIONAL_INT, None, lambda v: None if v is None or v >= 0 else "must be >= 0"),
+        "score": Field(OPTIONAL_STR, None, lambda v: None if v is None or v in SCORES else f"must be one of {', '.join(SCORES)}"),
+        "granularity": Field(OPTIONAL_STR, None, lambda v: None if v in (None, "row", "entry") else "must be row or entry"),
+        "density_overrides": Field((dict,), {}, _density_overrides),
+        "mask": Field(OPTIONAL_STR, None),
+        "seed": Field((int,), 0),
+    },
+    "privacy": {
+        "target_epsilon": Field(NUMBER, 8.0, _positive),
+        "delta": Field(NUMBER, 1e-5, _open_fraction),
+        "clip_norm": Field(NUMBER, 1.0, _positive),
+        "noise_multiplier": Field(OPTIONAL_NUMBER, None, lambda v: None if v is None or v >= 0 else "must be >= 0"),
+        "accountant": Field((str,), "pld", _one_of("pld", "rdp")),
+        "sampling": Field((str,), "poisson", _one_of("poisson", "shuffle")),
+    },
+    "training": {
+        "epochs": Field((int,), 50, _at_least_one),
+        "batch_size": Field((int,), 500, _at_least_one),
+        "physical_batch_size": Field(OPTIONAL_INT, None, lambda v: None if v is None or v >= 1 else "must be >= 1"),
+        "optimizer": Field((str,), "sgd", _one_of("sgd", "adam")),
+        "momentum": Field(NUMBER, 0.9, lambda v: None if 0 <= v < 1 else "must be in [0, 1)"),
+        "learning_rate": Field(NUMBER, 0.01, _positive),
+        "head_learning_rate": Field(OPTIONAL_NUMBER, None, lambda v: None if v is None or v > 0 else "must be > 0"),
+        "schedule": Field((str,), "cosine", _one_of("cosine", "constant")),
+        "warmup_fraction": Field(NUMBER, 0.02, lambda v: None if 0 <= v < 1 else "must be in [0, 1)"),
+        "weight_decay": Field(NUMBER, 0.0, _non_negative),
+        "seed": Field(OPTIONAL_INT, None),
+        "jit_compile": Field((bool, str), "auto", lambda v: None if v in (True, False, "auto") else "must be true, false or auto"),
+        "engine": Field((str,), "auto", _one_of("auto", "layerwise", "vectorized")),
+    },
+    "export": {
+        "enabled": Field((bool,), True),
+        "version": Field(OPTIONAL_INT, None, lambda v: None if v is None or v >= 1 else "must be >= 1"),
+    },
+}
+TOP_LEVEL = ("data", "model", "pretrain", "method", "privacy", "training", "export", "output_dir")
+REQUIRED_TOP_LEVEL = ("data", "model", "output_dir")
+
+
+def _type_name(types: tuple) -> str:
+    names = {int: "an integer", float: "a number", bool: "true/false", str: "a string", dict: "a mapping",
+             type(None): "null"}
+    return " or ".join(dict.fromkeys(names.get(t, t.__name__) for t in types))
+
+
+def _check_type(key: str, value: Any, field: Field) -> None:
+    ok = isinstance(value, field.types) and not (isinstance(value, bool) and bool not in field.types)
+    if not ok:
+        raise ConfigError(f"{key}={value!r} must be {_type_name(field.types)}")
+
+
+def parse_value(text: str) -> Any:
+    """A ``--set`` value parsed as YAML (``1e-5`` -> float, ``true`` -> bool, ``[a, b]`` -> list)."""
+    value = yaml.safe_load(text)
+    if isinstance(value, str) and _looks_like_float(value):
+        return float(value)
+    return value
+
+
+def _looks_like_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def apply_overrides(config: dict, overrides: list[str]) -> dict:
+    """``section.key=value`` assignments (YAML values) applied to a copy of ``config``."""
+    config = copy.deepcopy(config)
+    for item in overrides:
+        path, sep, text = item.partition("=")
+        if not sep or not path:
+            raise ConfigError(f"--set {item!r} must look like section.key=value (e.g. privacy.target_epsilon=2)")
+        node = config
+        parts = path.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item!r}: {part} is not a section")
+        node[parts[-1]] = parse_value(text)
+    return config
+
+
+def load_config(path: str, overrides: list[str] | None = None) -> dict:
+    """Reads, overrides and validates a config; returns it with every default filled in."""
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist; pass --config configs/NAME.yaml") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"config file {path} is not valid YAML{where}: fix the syntax") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} must be a mapping of sections (data, model, method, ...)")
+    return validate(apply_overrides(raw, overrides or []))
+
+
+def validate(raw: dict) -> dict:
+    """Checks keys, types and ranges that need no data; returns a config with defaults filled in."""
+    for key in raw:
+        if key not in TOP_LEVEL:
+            raise ConfigError(f"unknown section {key!r}; valid sections: {', '.join(TOP_LEVEL)}")
+    for key in REQUIRED_TOP_LEVEL:
+        if raw.get(key) in (None, {}):
+            raise ConfigError(f"missing required {key!r}; see configs/quickstart.yaml for an example")
+    if not isinstance(raw["output_dir"], str):
+        raise ConfigError(f"output_dir={raw['output_dir']!r} must be a string path")
+    config: dict[str, Any] = {"output_dir": raw["output_dir"]}
+    for section in ("data", "model"):
+        value = raw[section]
+        if not isinstance(value, dict):
+            raise ConfigError(f"{section} must be a mapping (e.g. {section}: {{...}})")
+        config[section] = dict(value)
+    if "source" not in config["data"]:
+        raise ConfigError("data.source is required (synthetic, digits, npz, idx, folder, tar or tfds)")
+    if "name" not in config["model"]:
+        raise ConfigError("model.name is required (e.g. resnet20_gn)")
+    for section, fields in SCHEMA.items():
+        if section in ("data", "model"):
+            continue
+        config[section] = _validate_section(section, raw.get(section) or {}, fields)
+    _check_cross_field(config)
+    return config
+
+
+def _validate_section(section: str, values: Any, fields: dict[str, Field]) -> dict:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{section} must be a mapping of keys, got {values!r}")
+    for key in values:
+        if key not in fields:
+            raise ConfigError(f"unknown key {section}.{key}; valid keys: {', '.join(fields)}")
+    result = {}
+    for key, field in fields.items():
+        value = values.get(key, copy.deepcopy(field.default))
+        name = f"{section}.{key}"
+        if key in values:
+            _check_type(name, value, field)
+        if key in values and field.check is not None and value is not None:
+            problem = field.check(value)
+            if problem:
+                raise ConfigError(f"{name}={value!r} {problem}")
+        result[key] = value
+    return result
+
+
+def _check_cross_field(config: dict) -> None:
+    method, training, privacy = config["method"], config["training"], config["privacy"]
+    epochs = training["epochs"]
+    needs_selection = method["name"] in ("sparta", "dpsgd_grad", "oracle")
+    if method["warmup_epochs"] is None:
+        method["warmup_epochs"] = max(1, epochs // 5) if needs_selection and method["mask"] is None else 0
+    if method["warmup_epochs"] and not needs_selection:
+        raise ConfigError(f"method.warmup_epochs={method['warmup_epochs']} applies only to sparta, dpsgd_grad "
+                          f"and oracle; remove it for {method['name']}")
+    if needs_selection and method["mask"] is None and method["warmup_epochs"] + 1 >= epochs:
+        raise ConfigError(f"method.warmup_epochs={method['warmup_epochs']} must be < training.epochs - 1 "
+                          f"(={epochs - 1}): T0 warm-up + 1 selection epoch must leave a sparse epoch")
+    if method["name"] == "sparta" and method["score"] in ("signed", "oracle"):
+        raise ConfigError(f"method.score={method['score']!r} is not a SPARTA score; use sum_abs or abs_sum "
+                          "(or method.name: dpsgd_grad / oracle)")
+    if method["score"] == "signed" and method["granularity"] == "row":
+        raise ConfigError("method.granularity=row cannot be used with score signed; use entry")
+    physical = training["physical_batch_size"]
+    if physical is not None and physical < 1:
+        raise ConfigError(f"training.physical_batch_size={physical} must be >= 1")
+    if privacy["noise_multiplier"] is not None and privacy["noise_multiplier"] == 0 and method["name"] != "oracle":
+        raise ConfigError("privacy.noise_multiplier=0 gives no privacy; leave it null to calibrate it "
+                          "from privacy.target_epsilon")
+
+
+def check_against_data(config: dict, n: int) -> None:
+    """Checks that need the private training-set size ``n``."""
+    delta, batch = config["privacy"]["delta"], config["training"]["batch_size"]
+    if delta >= 1.0 / n:
+        raise ConfigError(f"privacy.delta={delta:g} must be < 1/n = {1.0 / n:.3g} for n={n} training examples "
+                          f"(e.g. delta: {10 ** -len(str(n)):g})")
+    if batch > n:
+        raise ConfigError(f"training.batch_size={batch} is larger than the training set (n={n}); use <= {n}")
