@@ -104,7 +104,7 @@ def test_bitfit_rejects_warmup_and_defaults_fill_in():
 def test_data_dependent_checks():
     config = validate(BASE)
     with pytest.raises(ConfigError, match=r"privacy.delta=1e-05 must be < 1/n"):
-        check_against_data(config, 60_000)
+        check_against_data(config, 200_000)
     config["privacy"]["delta"] = 1e-9
     with pytest.raises(ConfigError, match="training.batch_size=500 is larger than the training set"):
         check_against_data(config, 100)
