@@ -44,7 +44,7 @@ def _seed(config: dict) -> int:
 
 def pretrain(config: dict, input_shape, output_dir: str) -> tf.keras.Model:
     """Non-private pre-training on the public data (cached in ``pretrained.keras``)."""
-    from sparta_tf.data import augmentation, load_dataset
+    from sparta_tf.data import load_dataset, make_augmenter
     from sparta_tf.models.zoo import build_model
 
     spec = config["pretrain"]
@@ -63,7 +63,7 @@ def pretrain(config: dict, input_shape, output_dir: str) -> tf.keras.Model:
     inputs = tf.keras.Input(public.input_shape)
     trainer = model
     if spec["augment"]:
-        trainer = tf.keras.Model(inputs, model(augmentation(seed=_seed(config))(inputs)))
+        trainer = tf.keras.Model(inputs, model(make_augmenter(seed=_seed(config))(inputs)))
     trainer.compile(optimizer, loss=LOSS, metrics=["accuracy"])
     trainer.fit(x, public.y_train, epochs=spec["epochs"], batch_size=spec["batch_size"],
                 validation_data=(public.x_test, public.y_test), verbose=2)

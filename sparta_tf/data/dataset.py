@@ -1,0 +1,47 @@
+"""The in-memory data set handed to the trainer."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+__all__ = ["Dataset"]
+
+
+@dataclasses.dataclass
+class Dataset:
+    """Train/validation/test arrays of one image-classification data set.
+
+    ``x_*`` are float32 ``[N, H, W, C]`` images scaled to ``[0, 1]`` and then,
+    when the spec asked for ``normalize: standard``, standardised per channel
+    with ``mean`` and ``std`` (computed on ``x_train`` only, or taken from the
+    spec; both ``None`` without normalisation). ``y_*`` are int64 class ids in
+    ``0 .. num_classes - 1``; ``class_names[k]`` names class ``k``.
+    """
+
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_val: np.ndarray
+    y_val: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+    class_names: list[str]
+    name: str
+    mean: Optional[np.ndarray] = None
+    std: Optional[np.ndarray] = None
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        """The shape ``(H, W, C)`` of one image."""
+        return tuple(int(d) for d in self.x_train.shape[1:])
+
+    def __repr__(self) -> str:
+        return (
+            f"Dataset(name={self.name!r}, input_shape={self.input_shape}, "
+            f"num_classes={self.num_classes}, train={len(self.y_train)}, "
+            f"val={len(self.y_val)}, test={len(self.y_test)}, "
+            f"normalized={self.mean is not None})"
+        )

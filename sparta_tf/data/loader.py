@@ -1,0 +1,191 @@
+"""``load_dataset``: spec -> source -> classes -> splits -> limits -> pixels -> Dataset.
+
+Order of operations (all index choices are seeded and stratified, see
+:mod:`sparta_tf.data.splits`):
+
+1. the source lists its train (and test, if any) split;
+2. ``classes`` keeps the listed classes and relabels them ``0 .. k-1``;
+3. a source without a test split gives ``test_fraction`` of its train data
+   to the test split (before any limit, so limits never move test examples);
+4. ``limit_train`` / ``limit_test`` keep deterministic subsets;
+5. ``val_fraction`` of the (limited) train data becomes the validation split;
+6. only then are the selected images read, scaled to [0, 1], converted to
+   ``channels``, resized to ``image_size`` and, with ``normalize: standard``,
+   standardised with per-channel statistics of the final train split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+
+from sparta_tf.data.dataset import Dataset
+from sparta_tf.data.errors import DataError, key_error
+from sparta_tf.data.images import convert_channels, resize_images, to_unit_float
+from sparta_tf.data.normalize import channel_stats, fixed_stats, standardize
+from sparta_tf.data.raw import RawData, Split
+from sparta_tf.data.sources import SOURCES
+from sparta_tf.data.spec import ClassRef, DataSpec, parse_spec
+from sparta_tf.data.splits import fraction_count, rng_for, stratified_take
+
+__all__ = ["build_dataset", "load_dataset"]
+
+MAX_LISTED_NAMES = 12
+
+
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    """Selected examples of one source split: positions ``index`` and new labels ``y``."""
+
+    split: Split
+    index: np.ndarray
+    y: np.ndarray
+
+    def subset(self, positions: np.ndarray) -> "_Part":
+        return _Part(self.split, self.index[positions], self.y[positions])
+
+
+def load_dataset(spec: Mapping[str, Any], *, seed: int = 0) -> Dataset:
+    """Loads the data set described by a config's ``data:`` section.
+
+    Keys (all sources): ``source`` (synthetic | digits | npz | idx | folder |
+    tar | tfds), ``classes``, ``val_fraction`` (0.1), ``test_fraction`` (0.2,
+    sources without a test split only), ``limit_train``, ``limit_test``,
+    ``image_size`` ([H, W]), ``channels`` (1 | 3), ``normalize`` (none |
+    standard), ``mean`` / ``std`` (fixed statistics for ``standard``).
+    Per source: ``path`` (npz, idx, folder, tar), ``cache_dir`` (tar),
+    ``name`` / ``data_dir`` / ``download`` (tfds), ``num_examples`` /
+    ``num_classes`` (synthetic), ``class_names`` (synthetic, npz, idx).
+    ``seed`` fixes every random choice (synthetic data, splits, limits).
+    Raises :class:`DataError` (one line, naming the key) on any problem.
+    """
+    parsed = parse_spec(spec)
+    seed = _check_seed(seed)
+    return build_dataset(SOURCES[parsed.source](parsed, seed), parsed, seed)
+
+
+def build_dataset(raw: RawData, spec: DataSpec, seed: int) -> Dataset:
+    """Applies steps 2-6 of the module docstring to a source's :class:`RawData`."""
+    kept = _resolve_classes(spec.classes, raw.class_names)
+    train = _select(raw.train, kept)
+    if len(train.index) == 0:
+        raise key_error("classes", f"no training examples in the selected classes of {raw.name!r}",
+                        "check data.classes and the data files")
+    train, test = _test_split(raw, train, kept, spec, seed)
+    train = _limit(train, spec.limit_train, seed, "limit_train")
+    test = _limit(test, spec.limit_test, seed, "limit_test")
+    val_positions, train_positions = stratified_take(
+        train.y, fraction_count(len(train.y), spec.val_fraction), rng_for(seed, "val")
+    )
+    if len(train_positions) == 0:
+        raise key_error("val_fraction", f"leaves no training examples out of {len(train.y)}",
+                        "lower data.val_fraction or raise data.limit_train")
+    parts = {"train": train.subset(train_positions), "val": train.subset(val_positions), "test": test}
+    arrays = _pixels(parts, spec, raw.name)
+    mean, std = _statistics(arrays["train"], spec)
+    return Dataset(
+        x_train=standardize(arrays["train"], mean, std),
+        y_train=parts["train"].y,
+        x_val=standardize(arrays["val"], mean, std),
+        y_val=parts["val"].y,
+        x_test=standardize(arrays["test"], mean, std),
+        y_test=parts["test"].y,
+        num_classes=len(kept),
+        class_names=[raw.class_names[k] for k in kept],
+        name=raw.name,
+        mean=mean,
+        std=std,
+    )
+
+
+def _check_seed(seed: Any) -> int:
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or seed < 0:
+        raise DataError(f"seed must be a non-negative integer, got {seed!r}; pass e.g. seed=0")
+    return int(seed)
+
+
+def _resolve_classes(classes: Optional[Sequence[ClassRef]], names: list[str]) -> list[int]:
+    """Original class ids to keep, in output order."""
+    if classes is None:
+        return list(range(len(names)))
+    kept = []
+    for ref in classes:
+        if isinstance(ref, int):
+            if ref >= len(names):
+                raise key_error("classes", f"class id {ref} is out of range for {len(names)} classes",
+                                f"use ids 0..{len(names) - 1} or class names")
+            kept.append(ref)
+        elif ref in names:
+            kept.append(names.index(ref))
+        else:
+            shown = names[:MAX_LISTED_NAMES] + (["..."] if len(names) > MAX_LISTED_NAMES else [])
+            raise key_error("classes", f"unknown class name {ref!r}", f"use one of {shown} or class ids")
+    if len(set(kept)) != len(kept):
+        raise key_error("classes", f"names the same class twice ({list(classes)})", "list each class once")
+    return kept
+
+
+def _select(split: Split, kept: list[int]) -> _Part:
+    """Examples of ``split`` in the ``kept`` classes, relabelled by position in ``kept``."""
+    size = max(max(kept, default=-1), int(split.labels.max(initial=-1))) + 1
+    relabel = np.full(size, -1, dtype=np.int64)
+    relabel[kept] = np.arange(len(kept))
+    new = relabel[split.labels]
+    index = np.flatnonzero(new >= 0)
+    return _Part(split, index, new[index].astype(np.int64))
+
+
+def _test_split(
+    raw: RawData, train: _Part, kept: list[int], spec: DataSpec, seed: int
+) -> tuple[_Part, _Part]:
+    if raw.test is not None:
+        if spec.test_fraction is not None:
+            raise key_error("test_fraction", f"source {spec.source!r} ({raw.name}) has its own test split",
+                            "remove data.test_fraction")
+        return train, _select(raw.test, kept)
+    count = fraction_count(len(train.y), spec.effective_test_fraction)
+    test_positions, train_positions = stratified_take(train.y, count, rng_for(seed, "test"))
+    if len(test_positions) == 0 or len(train_positions) == 0:
+        raise key_error("test_fraction", f"{spec.effective_test_fraction} of {len(train.y)} examples "
+                        "leaves the train or test split empty", "choose a fraction nearer 0.2")
+    return train.subset(train_positions), train.subset(test_positions)
+
+
+def _limit(part: _Part, limit: Optional[int], seed: int, purpose: str) -> _Part:
+    if limit is None or limit >= len(part.y):
+        return part
+    taken, _ = stratified_take(part.y, limit, rng_for(seed, purpose))
+    return part.subset(taken)
+
+
+def _pixels(parts: dict[str, _Part], spec: DataSpec, name: str) -> dict[str, np.ndarray]:
+    """Reads, scales, converts and resizes the selected images of every part."""
+    arrays: dict[str, Optional[np.ndarray]] = {}
+    for key, part in parts.items():
+        if len(part.index) == 0:
+            arrays[key] = None
+            continue
+        what = f"{name} ({key} split)"
+        x = to_unit_float(part.split.images(part.index), what)
+        arrays[key] = resize_images(convert_channels(x, spec.channels, what), spec.image_size)
+    shape = arrays["train"].shape[1:]
+    for key, x in arrays.items():
+        if x is None:
+            arrays[key] = np.zeros((0, *shape), np.float32)
+        elif x.shape[1:] != shape:
+            raise DataError(f"{name}: {key} images are {x.shape[1:]} but train images are {shape}; "
+                            "set data.image_size and data.channels to make them agree")
+    return arrays
+
+
+def _statistics(
+    x_train: np.ndarray, spec: DataSpec
+) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
+    if spec.normalize == "none":
+        return None, None
+    if spec.mean is not None:
+        return fixed_stats(spec.mean, spec.std, x_train.shape[-1])
+    return channel_stats(x_train)

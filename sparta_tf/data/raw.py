@@ -1,0 +1,77 @@
+"""What a source returns: labels up front, images on demand.
+
+Splits and limits are chosen from labels alone; only the selected images are
+then materialised (:meth:`Split.images`). For image folders this means a
+``classes: [0, 1]`` run on CIFAR-10 decodes 10k JPEGs, not 60k.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+from sparta_tf.data.errors import DataError
+
+__all__ = ["ArraySplit", "RawData", "Split", "check_labels", "images_with_channel_axis"]
+
+
+class Split(abc.ABC):
+    """One split (train or test) of a source."""
+
+    labels: np.ndarray
+    """int64 class ids, one per example."""
+
+    @abc.abstractmethod
+    def images(self, indices: np.ndarray) -> np.ndarray:
+        """The images at ``indices`` as ``[n, H, W, C]`` (uint8, or floats in [0, 1])."""
+
+
+@dataclasses.dataclass
+class ArraySplit(Split):
+    """A split held in memory."""
+
+    x: np.ndarray
+    labels: np.ndarray
+
+    def images(self, indices: np.ndarray) -> np.ndarray:
+        return self.x[indices]
+
+
+@dataclasses.dataclass
+class RawData:
+    """A source's splits (``test`` is ``None`` when it has none) and class names."""
+
+    train: Split
+    test: Optional[Split]
+    class_names: list[str]
+    name: str
+
+
+def images_with_channel_axis(x: np.ndarray, what: str) -> np.ndarray:
+    """Returns ``x`` as ``[N, H, W, C]``, adding ``C = 1`` to ``[N, H, W]`` arrays."""
+    if x.ndim == 3:
+        return x[..., np.newaxis]
+    if x.ndim != 4:
+        raise DataError(
+            f"{what} has shape {x.shape}; store images as [N, H, W] or [N, H, W, C]"
+        )
+    return x
+
+
+def check_labels(y: np.ndarray, num_images: int, what: str) -> np.ndarray:
+    """Returns ``y`` as int64 ``[N]`` after checking it holds ``num_images`` class ids."""
+    y = np.asarray(y)
+    if y.ndim == 2 and y.shape[1] == 1:
+        y = y[:, 0]
+    if y.ndim != 1 or not (np.issubdtype(y.dtype, np.integer) or y.size == 0):
+        raise DataError(
+            f"{what} has shape {y.shape} and dtype {y.dtype}; store integer class ids of shape [N]"
+        )
+    if len(y) != num_images:
+        raise DataError(f"{what} has {len(y)} labels for {num_images} images; store one label per image")
+    if y.size and y.min() < 0:
+        raise DataError(f"{what} has negative labels; store class ids 0 .. K-1")
+    return y.astype(np.int64)

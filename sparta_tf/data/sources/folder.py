@@ -1,0 +1,123 @@
+"""Image folders: one sub-folder per class, optionally under ``train/`` and ``test/``.
+
+Accepted layouts (class names are the folder names, sorted)::
+
+    path/<class>/*.{jpg,jpeg,png}                       (no test split: carved)
+    path/train/<class>/...  [+ path/test/<class>/...]   (test classes must occur in train)
+
+A single wrapping folder (``path/cifar10/train/...``) is looked through.
+Images are decoded lazily, only those selected by the split and limits, with
+the channel count of the first image (1 for grayscale, 3 otherwise; alpha is
+dropped, other files are converted to match); ``data.channels`` then converts
+like for every source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from sparta_tf.data.decode import decode_files, file_channels
+from sparta_tf.data.errors import DataError, key_error
+from sparta_tf.data.raw import RawData, Split
+from sparta_tf.data.spec import DataSpec
+
+__all__ = ["IMAGE_SUFFIXES", "FileSplit", "load_folder", "load_image_tree"]
+
+IMAGE_SUFFIXES: frozenset[str] = frozenset({".jpg", ".jpeg", ".png"})
+"""File suffixes (any case) read as images; other files are ignored."""
+
+
+@dataclasses.dataclass
+class FileSplit(Split):
+    """Image files and their labels; decoded on :meth:`images`."""
+
+    paths: np.ndarray
+    labels: np.ndarray
+    channels: int
+    image_size: Optional[tuple[int, int]]
+
+    def images(self, indices: np.ndarray) -> np.ndarray:
+        return decode_files(self.paths[indices].tolist(), self.channels, self.image_size)
+
+
+def load_folder(spec: DataSpec, seed: int) -> RawData:
+    """Lists the images under ``spec.path``."""
+    if not spec.path.is_dir():
+        raise key_error("path", f"no such directory {str(spec.path)!r}",
+                        "point data.path at a folder of <class>/ image folders")
+    return load_image_tree(spec.path, spec, spec.path.name)
+
+
+def load_image_tree(root: Path, spec: DataSpec, name: str) -> RawData:
+    """Lists the images under ``root`` (either layout) as a :class:`RawData`."""
+    root = _unwrap(root)
+    if (root / "train").is_dir():
+        train_files = _class_files(root / "train")
+        test_files = _class_files(root / "test") if (root / "test").is_dir() else None
+    else:
+        train_files, test_files = _class_files(root), None
+    names = sorted(train_files)
+    if test_files is not None and set(test_files) - set(names):
+        extra = sorted(set(test_files) - set(names))
+        raise DataError(
+            f"{root}/test has classes {extra} that {root}/train lacks; add them to train or remove them"
+        )
+    first = next((files[0] for files in train_files.values() if files), None)
+    if first is None:
+        raise key_error("path", f"no .jpg/.jpeg/.png images under {root}", "check data.path")
+    channels = file_channels(Path(first))  # data.channels converts later, like other sources
+    train = _file_split(train_files, names, channels, spec.image_size)
+    test = None if test_files is None else _file_split(test_files, names, channels, spec.image_size)
+    return RawData(train, test, names, name)
+
+
+def _unwrap(root: Path) -> Path:
+    """Descends into a lone sub-folder that holds folders rather than images."""
+    entries = _visible(root)
+    while len(entries) == 1 and entries[0].is_dir() and entries[0].name not in ("train", "test"):
+        inner = entries[0]
+        if any(_is_image(p) for p in _visible(inner)):
+            break
+        root, entries = inner, _visible(inner)
+    return root
+
+
+def _class_files(directory: Path) -> dict[str, list[str]]:
+    classes = {d.name: _image_files(d) for d in _visible(directory) if d.is_dir()}
+    if not classes:
+        raise key_error("path", f"{directory} has no class sub-folders",
+                        "arrange images as <class>/<image>.png (optionally under train/ and test/)")
+    return classes
+
+
+def _file_split(
+    files: dict[str, list[str]], names: list[str], channels: int, image_size: Optional[tuple[int, int]]
+) -> FileSplit:
+    paths = [path for name in names for path in files.get(name, [])]
+    labels = [label for label, name in enumerate(names) for _ in files.get(name, [])]
+    return FileSplit(np.array(paths, dtype=object), np.array(labels, dtype=np.int64), channels, image_size)
+
+
+def _visible(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.iterdir() if not p.name.startswith("."))
+
+
+def _image_files(directory: Path) -> list[str]:
+    """Sorted paths of the image files directly inside ``directory``."""
+    with os.scandir(directory) as entries:
+        return sorted(
+            entry.path
+            for entry in entries
+            if not entry.name.startswith(".")
+            and os.path.splitext(entry.name)[1].lower() in IMAGE_SUFFIXES
+            and entry.is_file()
+        )
+
+
+def _is_image(path: Path) -> bool:
+    return path.suffix.lower() in IMAGE_SUFFIXES and path.is_file()

@@ -1,0 +1,32 @@
+"""Class names for sources that store only integer labels."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from sparta_tf.data.errors import key_error
+from sparta_tf.data.raw import Split
+from sparta_tf.data.spec import DataSpec
+
+__all__ = ["class_names_for"]
+
+
+def class_names_for(
+    spec: DataSpec, splits: Sequence[Optional[Split]], stored: Optional[Sequence[str]] = None
+) -> list[str]:
+    """``data.class_names``, else names stored with the data, else ``"0" .. "K-1"``.
+
+    ``K`` is one more than the largest label; explicit names must cover it.
+    """
+    labels = [split.labels for split in splits if split is not None and split.labels.size]
+    needed = max((int(y.max()) + 1 for y in labels), default=0)
+    if spec.class_names:
+        names, key = list(spec.class_names), "class_names"
+    elif stored:
+        names, key = list(stored), "path"
+    else:
+        return [str(k) for k in range(needed)]
+    if len(names) < needed:
+        raise key_error(key, f"has {len(names)} class names but labels go up to {needed - 1}",
+                        f"give {needed} names")
+    return names

@@ -1,0 +1,59 @@
+"""A numpy ``.npz`` file with ``x_train``, ``y_train`` and optionally ``x_test``, ``y_test``.
+
+Images are ``[N, H, W]`` (grayscale; a channel axis is added) or
+``[N, H, W, C]``, uint8 0..255 or floats in [0, 1]. An optional
+``class_names`` array names the classes (else ``data.class_names``, else
+``"0" .. "K-1"``).
+"""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from sparta_tf.data.errors import key_error
+from sparta_tf.data.raw import ArraySplit, RawData, check_labels, images_with_channel_axis
+from sparta_tf.data.sources.naming import class_names_for
+from sparta_tf.data.spec import DataSpec
+
+__all__ = ["load_npz"]
+
+
+def load_npz(spec: DataSpec, seed: int) -> RawData:
+    """Reads ``spec.path``; without ``x_test``/``y_test`` the test split is carved."""
+    arrays = _read(spec.path)
+    train = _split(arrays, "train", spec.path)
+    if train is None:
+        raise key_error(
+            "path", f"{spec.path} has no x_train/y_train (keys: {sorted(arrays)})",
+            "save the file with np.savez(path, x_train=..., y_train=..., x_test=..., y_test=...)",
+        )
+    test = _split(arrays, "test", spec.path)
+    stored = [str(n) for n in arrays["class_names"]] if "class_names" in arrays else None
+    names = class_names_for(spec, [train, test], stored)
+    return RawData(train, test, names, spec.path.name.removesuffix(".npz"))
+
+
+def _read(path: Path) -> dict[str, np.ndarray]:
+    if not path.is_file():
+        raise key_error("path", f"no such file {str(path)!r}", "point data.path at an existing .npz file")
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            return {key: npz[key] for key in npz.files}
+    except (OSError, ValueError, zipfile.BadZipFile) as error:
+        raise key_error("path", f"cannot read {str(path)!r} as .npz ({error})",
+                        "write it with numpy.savez") from None
+
+
+def _split(arrays: dict[str, np.ndarray], split: str, path: Path) -> Optional[ArraySplit]:
+    x_key, y_key = f"x_{split}", f"y_{split}"
+    if x_key not in arrays and y_key not in arrays:
+        return None
+    if x_key not in arrays or y_key not in arrays:
+        missing = x_key if x_key not in arrays else y_key
+        raise key_error("path", f"{path} has no {missing!r}", f"store both {x_key} and {y_key}")
+    x = images_with_channel_axis(arrays[x_key], f"{path.name}:{x_key}")
+    return ArraySplit(x, check_labels(arrays[y_key], len(x), f"{path.name}:{y_key}"))

@@ -1,0 +1,105 @@
+"""A TensorFlow Datasets (TFDS) image-classification data set, read offline by default.
+
+With ``download: false`` (the default) the data set must already be prepared
+in ``data_dir``; otherwise a one-line :class:`DataError` says so at once:
+nothing is fetched and nothing retries. ``download: true`` calls
+``download_and_prepare`` (needs network access).
+
+The ``train`` split is the training data; ``test`` (when the data set has
+one) the test data. Images and labels come from the data set's supervised
+keys; class names from its ``ClassLabel`` feature.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sparta_tf.data.errors import DataError, key_error
+from sparta_tf.data.raw import ArraySplit, RawData, check_labels
+from sparta_tf.data.spec import DataSpec
+
+__all__ = ["load_tfds"]
+
+DEFAULT_DATA_DIR_TEXT = "the default TFDS data_dir (~/tensorflow_datasets)"
+
+BATCH = 4096
+"""Examples read per ``tf.data`` batch."""
+
+
+def load_tfds(spec: DataSpec, seed: int) -> RawData:
+    """Loads ``spec.name`` from ``spec.data_dir`` (preparing it only if ``spec.download``)."""
+    builder = _builder(spec)
+    if not builder.is_prepared():
+        if not spec.download:
+            where = str(spec.data_dir) if spec.data_dir else DEFAULT_DATA_DIR_TEXT
+            raise key_error(
+                "name", f"TFDS data set {spec.name!r} is not prepared in {where}",
+                "set data.download: true on a machine with network access, "
+                "or point data.data_dir at a folder holding a prepared copy",
+            )
+        _download_and_prepare(builder, spec)
+    info = builder.info
+    if not info.supervised_keys or len(info.supervised_keys) != 2:
+        raise key_error("name", f"TFDS data set {spec.name!r} has no (image, label) supervised keys",
+                        "use an image-classification data set")
+    image_key, label_key = info.supervised_keys
+    label_feature = info.features[label_key]
+    train = _split(builder, "train", spec, image_key)
+    test = _split(builder, "test", spec, image_key) if "test" in info.splits else None
+    num_classes = getattr(label_feature, "num_classes", None)
+    names = list(getattr(label_feature, "names", None) or [])
+    if not names:
+        top = max(int(s.labels.max()) for s in (train, test) if s is not None and s.labels.size)
+        names = [str(k) for k in range(num_classes or top + 1)]
+    return RawData(train, test, names, spec.name)
+
+
+def _builder(spec: DataSpec):
+    import tensorflow_datasets as tfds
+
+    data_dir = str(spec.data_dir) if spec.data_dir else None
+    try:
+        return tfds.builder(spec.name, data_dir=data_dir)
+    except Exception as error:  # noqa: BLE001 - TFDS raises many types; report them all in one line
+        raise key_error("name", f"TFDS cannot open {spec.name!r} ({_one_line(error)})",
+                        "check the data set name, e.g. mnist, cifar10 or fashion_mnist") from None
+
+
+def _download_and_prepare(builder, spec: DataSpec) -> None:
+    try:
+        builder.download_and_prepare()
+    except Exception as error:  # noqa: BLE001 - network, disk and TFDS errors alike
+        raise key_error("download", f"preparing TFDS data set {spec.name!r} failed ({_one_line(error)})",
+                        "check network access, or prepare it elsewhere and point data.data_dir at it") from None
+
+
+def _one_line(error: BaseException) -> str:
+    first = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
+def _split(builder, split: str, spec: DataSpec, image_key: str) -> ArraySplit:
+    import tensorflow as tf
+
+    shape = builder.info.features[image_key].shape
+    if spec.image_size is None and None in tuple(shape[:2]):
+        raise key_error("image_size", f"images of TFDS data set {spec.name!r} vary in size",
+                        "set data.image_size, e.g. [224, 224]")
+
+    def prepare(image: tf.Tensor, label: tf.Tensor):
+        if spec.image_size is not None:
+            image = tf.image.resize(tf.image.convert_image_dtype(image, tf.float32), spec.image_size)
+        return image, label
+
+    data = builder.as_dataset(split=split, as_supervised=True, shuffle_files=False)
+    data = data.map(prepare, num_parallel_calls=tf.data.AUTOTUNE).batch(BATCH)
+    xs, ys = [], []
+    for x, y in data.as_numpy_iterator():
+        xs.append(x)
+        ys.append(y)
+    if not xs:
+        raise DataError(f"TFDS split {spec.name}/{split} is empty; prepare the data set again")
+    x = np.concatenate(xs)
+    if x.ndim == 3:
+        x = x[..., np.newaxis]
+    return ArraySplit(x, check_labels(np.concatenate(ys), len(x), f"{spec.name}/{split} labels"))
