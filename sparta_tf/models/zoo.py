@@ -1,0 +1,274 @@
+"""Model zoo: builds the model of a config's ``model:`` section.
+
+The YAML section is a mapping with a ``name`` and that model's keys::
+
+    model:
+      name: wrn16_4_gn          # one of MODEL_REGISTRY
+      groups: 16                # keyword arguments of the builder, passed through
+      dropout_rate: 0.0
+
+    model: {name: vit_tiny, dim: 64, depth: 4, heads: 2, mlp_dim: 128}
+
+    model:
+      name: keras_cv
+      backbone: ResNetV2Backbone        # a keras_cv.models class, built from explicit args
+      backbone_args: {stackwise_filters: [64, 128], stackwise_blocks: [2, 2],
+                      stackwise_strides: [1, 2]}
+      batchnorm: groupnorm              # or freeze
+
+    model: {name: saved, path: runs/pretrained.keras, fresh_head: true}
+
+Builder keyword arguments may also be given under an ``args:`` mapping
+(``{name: resnet20_gn, args: {groups: 8}}``); a key given both ways is an
+error. ``num_classes`` and ``input_shape`` come from the data, never from
+this section.
+
+Names (:data:`MODEL_REGISTRY`):
+
+* ``resnet20_gn``, ``resnet18_gn`` -- :mod:`sparta_tf.models.resnet`
+  (args: ``groups``, ``width``, ``shortcut``, ``conv_bias``);
+* ``wrn16_4_gn`` -- :func:`~sparta_tf.models.wrn.wrn_gn` with depth 16,
+  width 4 (args: ``groups``, ``dropout_rate``, ``conv_bias``); ``wrn_gn`` --
+  any depth/width;
+* ``vit_tiny`` -- :func:`~sparta_tf.models.vit.vit_tiny` (args:
+  ``patch_size``, ``dim``, ``depth``, ``heads``, ``mlp_dim``, ``dropout``);
+* ``keras_cv`` -- a keras-cv backbone *class* (never a preset: presets
+  download weights) constructed with ``backbone_args`` plus ``input_shape``
+  (and ``include_rescaling=False`` unless given), BatchNorm handled by
+  ``batchnorm`` (``groupnorm``, the default, or ``freeze``; see
+  :func:`~sparta_tf.models.convert.replace_batchnorm`), then global average
+  pooling (layer ``"pool"``) and ``Dense(num_classes, name="head")``;
+* ``saved`` -- a saved Keras model at ``path`` (``.keras``, ``.h5`` or Keras
+  SavedModel dir); ``fresh_head`` (default true) replaces its classifier by a
+  new ``num_classes`` head (:func:`~sparta_tf.models.convert.with_fresh_head`),
+  ``fresh_head: false`` keeps it (its output must have ``num_classes``
+  units); ``batchnorm`` (``groupnorm``/``freeze``) converts BatchNorm first.
+
+Unknown names or keys raise a one-line ``ValueError`` naming the key and the
+valid choices; :func:`validate_model_spec` runs those checks without
+building anything (for the CLI).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable, Mapping, Sequence
+
+import tensorflow as tf
+
+from sparta_tf.models.convert import BATCHNORM_MODES, load_keras_model, replace_batchnorm, with_fresh_head
+from sparta_tf.models.resnet import HEAD_LAYER_NAME, resnet18_gn, resnet20_gn
+from sparta_tf.models.vit import vit_tiny
+from sparta_tf.models.wrn import wrn_gn
+
+__all__ = ["MODEL_REGISTRY", "ModelEntry", "build_model", "validate_model_spec", "keras_cv_backbone_names"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelEntry:
+    """How to build one ``name`` of the ``model:`` section.
+
+    ``builder(spec_kwargs, num_classes, input_shape)`` builds the model from
+    the validated keys; ``keys`` are the keys allowed besides ``name``/``args``
+    and ``required`` those that must be present.
+    """
+
+    builder: Callable[[dict, int, tuple], tf.keras.Model]
+    keys: tuple[str, ...]
+    required: tuple[str, ...] = ()
+    description: str = ""
+
+
+_DATA_KEYS = ("num_classes", "input_shape")
+_RESERVED_KEYS = ("name", "args")
+
+
+def _builder_keys(fn: Callable, exclude: Sequence[str] = ()) -> tuple[str, ...]:
+    params = inspect.signature(fn).parameters
+    return tuple(p for p in params if p not in _DATA_KEYS + _RESERVED_KEYS and p not in exclude)
+
+
+def _from_function(fn: Callable, **fixed) -> Callable[[dict, int, tuple], tf.keras.Model]:
+    def build(kwargs: dict, num_classes: int, input_shape: tuple) -> tf.keras.Model:
+        return fn(num_classes=num_classes, input_shape=input_shape, **fixed, **kwargs)
+
+    return build
+
+
+# ----------------------------------------------------------------- keras-cv
+
+
+def _keras_cv_models():
+    try:
+        import keras_cv  # noqa: F401  (slow import, only when asked for)
+    except ImportError as error:  # pragma: no cover - keras-cv is a dependency
+        raise ValueError("model.name=keras_cv needs the keras-cv package (pip install keras-cv)") from error
+    return keras_cv.models
+
+
+def keras_cv_backbone_names() -> list[str]:
+    """keras-cv backbone classes buildable from explicit arguments (preset aliases excluded)."""
+    models = _keras_cv_models()
+    base = models.Backbone
+    names = []
+    for name in dir(models):
+        cls = getattr(models, name)
+        if not (isinstance(cls, type) and issubclass(cls, base) and cls is not base):
+            continue
+        # Preset aliases (ResNet50V2Backbone, ...) construct through __new__ + from_preset,
+        # which downloads the preset's config: never used here.
+        if "__new__" in vars(cls):
+            continue
+        names.append(name)
+    return sorted(names)
+
+
+def _build_keras_cv(kwargs: dict, num_classes: int, input_shape: tuple) -> tf.keras.Model:
+    models = _keras_cv_models()
+    name = kwargs["backbone"]
+    valid = keras_cv_backbone_names()
+    if name not in valid:
+        raise ValueError(f"model.backbone={name!r} is not a keras-cv backbone class; valid choices: {valid}")
+    args = dict(kwargs.get("backbone_args") or {})
+    for forbidden in ("weights", "input_tensor"):
+        if forbidden in args:
+            raise ValueError(f"model.backbone_args.{forbidden} is not supported (no downloads, image input only)")
+    given_shape = args.pop("input_shape", None)
+    if given_shape is not None and tuple(given_shape) != tuple(input_shape):
+        raise ValueError(
+            f"model.backbone_args.input_shape={list(given_shape)} disagrees with the data's {list(input_shape)}"
+        )
+    args.setdefault("include_rescaling", False)
+    try:
+        backbone = getattr(models, name)(input_shape=tuple(input_shape), **args)
+    except TypeError as error:
+        raise ValueError(f"model.backbone_args do not fit {name}: {error}") from error
+    mode = kwargs.get("batchnorm", "groupnorm")
+    if mode not in BATCHNORM_MODES:
+        raise ValueError(f"model.batchnorm={mode!r} is not one of {list(BATCHNORM_MODES)}")
+    backbone = replace_batchnorm(backbone, mode)
+    x = backbone.output
+    if x.shape.rank == 4:
+        x = tf.keras.layers.GlobalAveragePooling2D(name="pool")(x)
+    elif x.shape.rank == 3:
+        x = tf.keras.layers.GlobalAveragePooling1D(name="pool")(x)
+    outputs = tf.keras.layers.Dense(num_classes, name=HEAD_LAYER_NAME)(x)
+    return tf.keras.Model(backbone.inputs, outputs, name=f"keras_cv_{name}")
+
+
+# -------------------------------------------------------------------- saved
+
+
+def _build_saved(kwargs: dict, num_classes: int, input_shape: tuple) -> tf.keras.Model:
+    mode = kwargs.get("batchnorm")
+    if mode is not None and mode not in BATCHNORM_MODES:
+        raise ValueError(f"model.batchnorm={mode!r} is not one of {list(BATCHNORM_MODES)}")
+    model = load_keras_model(kwargs["path"])
+    loaded_shape = tuple(model.input_shape[1:]) if not isinstance(model.input_shape, list) else None
+    if loaded_shape is None:
+        raise ValueError(f"model.path={kwargs['path']!r}: the saved model has several inputs")
+    if input_shape is not None and any(
+        a is not None and a != b for a, b in zip(loaded_shape, tuple(input_shape))
+    ):
+        raise ValueError(
+            f"model.path={kwargs['path']!r} takes inputs {list(loaded_shape)}, the data has {list(input_shape)}"
+        )
+    if kwargs.get("fresh_head", True):
+        return with_fresh_head(model, num_classes, batchnorm=mode)
+    if mode is not None:
+        model = replace_batchnorm(model, mode)
+    units = model.output_shape[-1]
+    if units != num_classes:
+        raise ValueError(
+            f"model.fresh_head=false but the saved model has {units} outputs for {num_classes} classes"
+        )
+    return model
+
+
+MODEL_REGISTRY: dict[str, ModelEntry] = {
+    "resnet20_gn": ModelEntry(
+        _from_function(resnet20_gn), _builder_keys(resnet20_gn),
+        description="CIFAR ResNet-20, GroupNorm (0.27M)",
+    ),
+    "resnet18_gn": ModelEntry(
+        _from_function(resnet18_gn), _builder_keys(resnet18_gn),
+        description="CIFAR ResNet-18, GroupNorm (11.2M)",
+    ),
+    "wrn16_4_gn": ModelEntry(
+        _from_function(wrn_gn, depth=16, width=4), _builder_keys(wrn_gn, exclude=("depth", "width")),
+        description="Wide-ResNet-16-4, GroupNorm, pre-activation (2.75M)",
+    ),
+    "wrn_gn": ModelEntry(
+        _from_function(wrn_gn), _builder_keys(wrn_gn),
+        description="Wide-ResNet-depth-width, GroupNorm, pre-activation",
+    ),
+    "vit_tiny": ModelEntry(
+        _from_function(vit_tiny), _builder_keys(vit_tiny),
+        description="DeiT-tiny-like ViT, LayerNorm (5.36M at the defaults)",
+    ),
+    "keras_cv": ModelEntry(
+        _build_keras_cv, ("backbone", "backbone_args", "batchnorm"), required=("backbone",),
+        description="keras-cv backbone class from explicit args + pool + head",
+    ),
+    "saved": ModelEntry(
+        _build_saved, ("path", "fresh_head", "batchnorm"), required=("path",),
+        description="a saved Keras model, with a fresh head by default",
+    ),
+}
+
+
+def validate_model_spec(spec: Mapping[str, Any]) -> tuple[str, dict]:
+    """Checks a ``model:`` section without building; returns ``(name, keyword arguments)``.
+
+    Raises a one-line ``ValueError`` naming the offending key and the valid
+    choices.
+    """
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"model: expected a mapping with a 'name', got {type(spec).__name__}")
+    if "name" not in spec:
+        raise ValueError(f"model.name is required; valid choices: {sorted(MODEL_REGISTRY)}")
+    name = spec["name"]
+    if name not in MODEL_REGISTRY:
+        raise ValueError(f"model.name={name!r} is unknown; valid choices: {sorted(MODEL_REGISTRY)}")
+    entry = MODEL_REGISTRY[name]
+    kwargs = {k: v for k, v in spec.items() if k not in _RESERVED_KEYS}
+    args = spec.get("args") or {}
+    if not isinstance(args, Mapping):
+        raise ValueError(f"model.args must be a mapping, got {type(args).__name__}")
+    both = sorted(set(kwargs) & set(args))
+    if both:
+        raise ValueError(f"model.{both[0]} is given both at the top level and under model.args")
+    kwargs.update(args)
+    for key in kwargs:
+        if key in _DATA_KEYS:
+            raise ValueError(f"model.{key} is not allowed: {key} comes from the dataset")
+        if key not in entry.keys:
+            raise ValueError(
+                f"model.{key} is not a valid key for model.name={name!r}; valid choices: {list(entry.keys)}"
+            )
+    for key in entry.required:
+        if key not in kwargs:
+            raise ValueError(f"model.{key} is required for model.name={name!r}")
+    if "batchnorm" in kwargs and kwargs["batchnorm"] not in BATCHNORM_MODES:
+        raise ValueError(f"model.batchnorm={kwargs['batchnorm']!r} is not one of {list(BATCHNORM_MODES)}")
+    if "backbone_args" in kwargs and not isinstance(kwargs["backbone_args"] or {}, Mapping):
+        raise ValueError("model.backbone_args must be a mapping of constructor arguments")
+    return name, kwargs
+
+
+def build_model(spec: Mapping[str, Any], num_classes: int, input_shape) -> tf.keras.Model:
+    """Builds the model of a config's ``model:`` section (see the module docstring).
+
+    Args:
+      spec: the ``model:`` mapping (``name`` plus that model's keys).
+      num_classes: classes of the dataset (size of the head).
+      input_shape: channels-last image shape ``(H, W, C)`` of the dataset.
+
+    Returns:
+      An uncompiled ``tf.keras.Model`` mapping images to logits whose
+      classifier is the Dense layer named ``"head"``.
+    """
+    name, kwargs = validate_model_spec(spec)
+    input_shape = tuple(int(d) for d in input_shape)
+    return MODEL_REGISTRY[name].builder(kwargs, int(num_classes), input_shape)
