@@ -156,6 +156,8 @@ class MethodCallback(tf.keras.callbacks.Callback):
             )
             if not self.selector.private and dp.ledger is not None:
                 dp.ledger.record_nonprivate(f"{self.spec.name}: mask chosen from non-private gradients")
+                # epsilon is now infinite: a budget can no longer be enforced, only reported as broken
+                dp.ledger.target_epsilon = None
             dp.begin_scoring(self.selector.make_scorer(dp.noise_multiplier, dp.clip_norm))
         else:
             dp.set_trainable_set(methods.trainable_set(

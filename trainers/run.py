@@ -213,7 +213,8 @@ def train(config: dict, resume: bool = False) -> dict:
         json.dump(results, f, indent=1)
     os.replace(tmp, os.path.join(output_dir, RESULTS))
     print(dp.ledger.report())
-    print(f"== test accuracy {results['test_accuracy']:.4f} at epsilon {results['epsilon']:.4g} "
+    spent = f"epsilon {results['epsilon']:.4g}" if results["private"] else "NO privacy guarantee (oracle mask)"
+    print(f"== test accuracy {results['test_accuracy']:.4f} at {spent} "
           f"(delta {privacy['delta']:g}); results in {os.path.join(output_dir, RESULTS)}")
     return results
 
@@ -267,7 +268,7 @@ def _results(config, dp, plan: Plan, dataset, phase_seconds, timings, history) -
     return {
         "method": config["method"]["name"],
         "private": dp.ledger.is_private,
-        "epsilon": dp.ledger.epsilon(),
+        "epsilon": dp.ledger.epsilon() if dp.ledger.is_private else None,  # None: not DP (oracle)
         "target_epsilon": plan.target_epsilon,
         "delta": plan.delta,
         "noise_multiplier": plan.noise_multiplier,

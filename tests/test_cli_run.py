@@ -1,0 +1,119 @@
+"""sparta-train end to end on tiny synthetic data: every method, dry run, outputs, SIGKILL + resume."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from trainers import run
+from trainers.config import validate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_config(output_dir, method="sparta", epochs=3, **training):
+    return {
+        "data": {"source": "synthetic", "num_examples": 160, "num_classes": 3, "val_fraction": 0.1,
+                 "test_fraction": 0.2},
+        "model": {"name": "resnet20_gn"},
+        "method": {"name": method, "density": 0.25},
+        "privacy": {"target_epsilon": 8.0, "delta": 1e-3},
+        "training": {"epochs": epochs, "batch_size": 32, "learning_rate": 0.05, "seed": 0, **training},
+        "output_dir": str(output_dir),
+    }
+
+
+@pytest.mark.parametrize("method", ["sparta", "all", "last", "bitfit", "mp", "random", "dpsgd_grad", "oracle"])
+def test_every_method_runs_end_to_end(tmp_path, method):
+    config = validate(tiny_config(tmp_path / method, method))
+    results = run.train(config)
+    on_disk = json.loads((tmp_path / method / "results.json").read_text())
+    assert on_disk["method"] == method
+    assert on_disk["private"] is (method != "oracle")
+    steps_per_epoch = round(1 / on_disk["sample_rate"])
+    assert on_disk["steps"] == 3 * steps_per_epoch
+    if method != "oracle":
+        assert on_disk["epsilon"] <= 8.0 + 1e-6
+    else:
+        assert on_disk["epsilon"] is None
+    assert 0 < on_disk["trainable_fraction"] <= 1
+    for key in ("delta", "noise_multiplier", "epochs", "test_accuracy", "seconds_per_phase"):
+        assert key in on_disk
+    assert os.path.exists(os.path.join(results["export_dir"], "saved_model.pb"))
+    assert (tmp_path / method / "ledger.json").exists()
+    assert os.listdir(tmp_path / method / "tensorboard")
+    if method in ("sparta", "dpsgd_grad", "oracle", "mp", "random"):
+        assert (tmp_path / method / "mask" / "mask.npz").exists()
+
+
+def test_finished_output_dir_is_not_overwritten(tmp_path):
+    config = validate(tiny_config(tmp_path / "run", "bitfit", epochs=1))
+    run.train(config)
+    with pytest.raises(run.ConfigError, match="already holds a finished run"):
+        run.train(config)
+
+
+def test_dry_run_prints_the_plan(tmp_path):
+    config = tiny_config(tmp_path / "dry")
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = subprocess.run([sys.executable, "-m", "trainers", "--config", str(path), "--dry-run"],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    for text in ("private training examples n =", "noise multiplier sigma =", "warmup", "selection", "sparse"):
+        assert text in result.stdout
+    assert not (tmp_path / "dry").exists()  # a dry run writes nothing
+
+
+def _wait_for_mid_epoch_after_checkpoint(out, per_epoch_guess, deadline):
+    journal = out / "checkpoints" / "journal.json"
+    latest = out / "checkpoints" / "latest"
+    while time.time() < deadline:
+        try:
+            if latest.exists() and latest.read_text() >= "epoch-0002":
+                step = json.loads(journal.read_text())["started_through"]
+                if step % per_epoch_guess not in (0, 1):
+                    return True
+        except (OSError, ValueError):
+            pass  # a file being replaced
+        time.sleep(0.02)
+    return False
+
+
+def test_sigkill_mid_epoch_then_resume_never_undercounts(tmp_path):
+    out = tmp_path / "killed"
+    config = tiny_config(out, "sparta", epochs=6, batch_size=12)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    process = subprocess.Popen([sys.executable, "-m", "trainers", "--config", str(path)], cwd=ROOT, env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert _wait_for_mid_epoch_after_checkpoint(out, 10, time.time() + 240), "no checkpoint in time"
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    assert not (out / "results.json").exists(), "the run finished before it could be killed"
+    latest = (out / "checkpoints" / "latest").read_text()
+    state = json.loads((out / "checkpoints" / latest / "state.json").read_text())
+    started = json.loads((out / "checkpoints" / "journal.json").read_text())["started_through"]
+
+    result = subprocess.run([sys.executable, "-m", "trainers", "--config", str(path), "--resume"], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    results = json.loads((out / "results.json").read_text())
+    ledger = json.loads((out / "ledger.json").read_text())
+    per_epoch = round(1 / results["sample_rate"])
+    lost = started - state["epoch"] * per_epoch
+    assert lost > 0
+    phases = {}
+    for entry in ledger["entries"]:
+        phases[entry.get("phase")] = phases.get(entry.get("phase"), 0) + entry["count"]
+    assert phases.get("interrupted", 0) == lost  # steps of the killed epoch stay charged
+    assert results["steps"] == 6 * per_epoch + lost
+    assert "resuming after epoch" in result.stdout
