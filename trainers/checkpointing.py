@@ -92,9 +92,18 @@ def latest(output_dir: str) -> tuple[str, dict] | None:
 
 
 def restore(path: str, dp_model) -> None:
-    """Restores a checkpoint into a DPModel whose trainable set matches the saved phase."""
-    status = tf.train.Checkpoint(**trackables(dp_model)).read(os.path.join(path, "ckpt"))
-    status.assert_existing_objects_matched()
+    """Restores a checkpoint into a DPModel set up for the phase of the next epoch.
+
+    Weights and counters must all match. Optimizer state is restored for the
+    selections the checkpoint has; a selection that starts with this epoch
+    (SPARTA's rows after the selection epoch) starts from zero state, exactly
+    as in an uninterrupted run.
+    """
+    prefix = os.path.join(path, "ckpt")
+    required = trackables(dp_model)
+    optimizer = required.pop("masked_optimizer")
+    tf.train.Checkpoint(**required).read(prefix).expect_partial().assert_existing_objects_matched()
+    tf.train.Checkpoint(masked_optimizer=optimizer).read(prefix).expect_partial()
 
 
 class StepJournal(tf.keras.callbacks.Callback):
