@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 import numpy as np
@@ -90,9 +91,10 @@ def phase_sizes(config: dict, model: tf.keras.Model) -> list[tuple[str, int, int
     if spec.selection == "epoch":
         warmup = method["warmup_epochs"]
         phases = [("warmup", warmup, methods.warmup_set(model).size)] if warmup else []
+        sparse = _expected_sparse_size(model, method, spec)
         if method["mask"] is None:
             phases.append(("selection", 1, 0))
-            return phases + [("sparse", epochs - warmup - 1, None)]
+            return phases + [("sparse", epochs - warmup - 1, sparse)]
         return phases + [("sparse", epochs - warmup, None)]
     if spec.selection == "static":
         from sparta_tf.groups import row_groups
@@ -105,6 +107,22 @@ def phase_sizes(config: dict, model: tf.keras.Model) -> list[tuple[str, int, int
                 random_selections(groups, method["density"], granularity, method["seed"], method["density_overrides"]))
         return [(spec.name, epochs, methods.trainable_set(model, spec.name, mask).size)]
     return [(spec.name, epochs, methods.trainable_set(model, spec.name).size)]
+
+
+def _expected_sparse_size(model: tf.keras.Model, method: dict, spec) -> int:
+    """Trainable coordinates after selection: the warm-up set + the kept rows/entries per layer."""
+    from sparta_tf.groups import row_groups
+    from sparta_tf.selection.topk import density_for, kept_count
+
+    total = methods.warmup_set(model).size
+    granularity = method["granularity"] or spec.granularity
+    for group in row_groups(model):
+        density = density_for(group, method["density"], method["density_overrides"])
+        if granularity == "row":
+            total += kept_count(group.n_rows, density) * group.row_size
+        else:
+            total += kept_count(group.n_rows * group.row_size, density)
+    return total
 
 
 def method_callback(config: dict, output_dir: str | None) -> sparta_tf.MethodCallback:
@@ -197,7 +215,7 @@ def train(config: dict, resume: bool = False) -> dict:
     start = time.perf_counter()
     history = dp.fit(dataset.x_train, dataset.y_train, epochs=training["epochs"], initial_epoch=initial_epoch,
                      validation_data=(dataset.x_val, dataset.y_val) if len(dataset.x_val) else None,
-                     callbacks=callbacks, verbose=2)
+                     callbacks=callbacks, verbose=1 if sys.stdout.isatty() else 2)
     timings["train_s"] = time.perf_counter() - start
     dp.ledger.save(ledger_path)
     results = _results(config, dp, plan, dataset, saver.phase_seconds, timings, history)
