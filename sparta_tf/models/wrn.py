@@ -51,27 +51,9 @@ from typing import Optional, Tuple
 
 import tensorflow as tf
 
-from sparta_tf.models.resnet import GN_EPSILON, HEAD_LAYER_NAME, GroupsSpec, _resolve_groups
+from sparta_tf.models.resnet import HEAD_LAYER_NAME, GroupsSpec, _conv, _gn
 
 __all__ = ["wrn_gn"]
-
-
-def _conv(filters: int, kernel: int, stride: int, name: str, use_bias: bool):
-    return tf.keras.layers.Conv2D(
-        filters,
-        kernel,
-        strides=stride,
-        padding="same",
-        use_bias=use_bias,
-        kernel_initializer="he_normal",
-        name=name,
-    )
-
-
-def _gn(channels: int, groups: GroupsSpec, name: str):
-    return tf.keras.layers.GroupNormalization(
-        groups=_resolve_groups(groups, channels), epsilon=GN_EPSILON, name=name
-    )
 
 
 def _preact_block(x, filters, stride, prefix, groups, dropout_rate, conv_bias):
