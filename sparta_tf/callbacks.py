@@ -17,7 +17,9 @@ ledger labels the steps ``warmup`` / ``selection`` / ``sparse``. With
 ``mask`` given (a saved mask directory) the selection epoch is skipped and
 epochs ``[T0, T)`` are sparse. Methods without a selection epoch (``all``,
 ``last``, ``bitfit``, ``mp``, ``random``) train one trainable set for all
-``T`` epochs.
+``T`` epochs. ``x_bitfit`` (DP-BiTFiT's two-phase training) runs
+``full_epochs = X`` epochs of full DP fine-tuning (phase ``full``), then
+DP-BiTFiT on the bias terms (phase ``bias_terms``), with one ledger for both.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from sparta_tf.selection.static import magnitude_selections, random_selections
 from sparta_tf.selection.topk import check_density
 
 WARMUP, SELECTION, SPARSE = "warmup", "selection", "sparse"
+FULL, BIAS_TERMS = "full", "bias_terms"
 
 
 class MethodCallback(tf.keras.callbacks.Callback):
@@ -53,6 +56,9 @@ class MethodCallback(tf.keras.callbacks.Callback):
       mask_dir: where to save the mask (``mask.npz/json/md``); None: not saved.
       mask: a saved mask (directory or npz) to use instead of selecting one.
       seed: seed of the ``random`` baseline.
+      full_epochs: ``X`` of ``x_bitfit`` (epochs of full fine-tuning first).
+      bitfit_learning_rate_scale: learning-rate multiplier of the bias phase of
+        ``x_bitfit`` (the paper uses 5e-3 after 1e-3: 5).
       verbose: print phase changes and the kept fraction.
     """
 
@@ -70,6 +76,8 @@ class MethodCallback(tf.keras.callbacks.Callback):
         mask_dir: str | None = None,
         mask: str | None = None,
         seed: int = 0,
+        full_epochs: int = 1,
+        bitfit_learning_rate_scale: float = 5.0,
         verbose: int = 1,
     ):
         super().__init__()
@@ -88,6 +96,10 @@ class MethodCallback(tf.keras.callbacks.Callback):
         self.mask_dir = mask_dir
         self.mask_path = mask
         self.seed = seed
+        if full_epochs < 0:
+            raise ValueError(f"full_epochs={full_epochs} must be >= 0")
+        self.full_epochs = int(full_epochs)
+        self.bitfit_learning_rate_scale = float(bitfit_learning_rate_scale)
         self.verbose = verbose
         self.selector: SpartaSelector | None = None
         self.mask_selections = None
@@ -97,6 +109,8 @@ class MethodCallback(tf.keras.callbacks.Callback):
 
     def phase_of(self, epoch: int) -> str:
         """``warmup`` / ``selection`` / ``sparse`` (or the method name when it has one phase)."""
+        if self.spec.selection == "two_phase":
+            return FULL if epoch < self.full_epochs else BIAS_TERMS
         if self.spec.selection != "epoch":
             return self.spec.name
         if epoch < self.warmup_epochs:
@@ -150,6 +164,10 @@ class MethodCallback(tf.keras.callbacks.Callback):
             dp.privacy_callback.phase = phase
         if phase == WARMUP:
             dp.set_trainable_set(methods.warmup_set(dp.model, self.head, self.head_learning_rate_scale))
+        elif phase == FULL:
+            dp.set_trainable_set(methods.trainable_set(dp.model, "all", None, self.head, self.head_learning_rate_scale))
+        elif phase == BIAS_TERMS:
+            dp.set_trainable_set(methods.bias_terms_set(dp.model, self.head, self.bitfit_learning_rate_scale))
         elif phase == SELECTION:
             self.selector = SpartaSelector(
                 dp.model, self.density, self.score, self.granularity, self.density_overrides, self.head

@@ -16,6 +16,8 @@ method         trainable set                                mask selection (priv
                                                             gradients (paper Alg. 2; = 1 epoch)
 ``oracle``     as sparta, entries                           one epoch of true ``|g|`` (paper Alg. 3):
                                                             NOT differentially private
+``x_bitfit``   X epochs every parameter, then bias terms    none (DP-BiTFiT two-phase, Bu et al. 2024)
+               only (biases + normalisation offsets)
 =============  ===========================================  ==========================================
 
 "Head" is the classifier (a freshly initialised layer in transfer learning),
@@ -58,6 +60,7 @@ METHODS: dict[str, MethodSpec] = {
         MethodSpec("sparta", _ALWAYS, selection="epoch", score="sum_abs", granularity="row"),
         MethodSpec("dpsgd_grad", _ALWAYS, selection="epoch", score="signed", granularity="entry"),
         MethodSpec("oracle", _ALWAYS, selection="epoch", score="oracle", granularity="entry", private=False),
+        MethodSpec("x_bitfit", ("bias",), selection="two_phase"),
     )
 }
 
@@ -79,6 +82,29 @@ def dense_selections(
     ]
 
 
+def bias_terms_set(model: tf.keras.Model, head=None, learning_rate_scale: float = 1.0) -> TrainableSet:
+    """DP-BiTFiT's trainable set: every bias term (layer biases and normalisation offsets).
+
+    The head's kernel and the normalisation scales are frozen, as in the
+    DP-BiTFiT paper's two-phase ``X+BiTFiT`` (its Appendix E.3 trains no
+    last-layer weights in the bias phase).
+    """
+    selections = []
+    for p in parameter_table(model, head):
+        is_offset = p.role == "norm" and p.variable is getattr(_layer_of(model, p.layer), "beta", None)
+        is_bias = p.role in ("bias", "head") and p.variable.name.endswith("bias:0")
+        if is_bias or is_offset:
+            selections.append(trainable.dense(p.variable, learning_rate_scale))
+    return TrainableSet(selections)
+
+
+def _layer_of(model: tf.keras.Model, name: str):
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        if layer.name == name:
+            return layer
+    return None
+
+
 def warmup_set(model: tf.keras.Model, head=None, head_learning_rate_scale: float = 1.0) -> TrainableSet:
     """The warm-up (DP-BitFit) set: biases + norms + head."""
     return TrainableSet(dense_selections(model, _ALWAYS, head, head_learning_rate_scale))
@@ -93,7 +119,9 @@ def trainable_set(
 ) -> TrainableSet:
     """The trainable set of ``method`` once its mask (if any) is known."""
     spec = method_spec(method)
+    if spec.selection == "two_phase":
+        return bias_terms_set(model, head)
     dense = dense_selections(model, spec.roles, head, head_learning_rate_scale)
-    if spec.selection is not None and mask is None:
+    if spec.selection in ("static", "epoch") and mask is None:
         raise ValueError(f"method {method!r} needs a mask; select one first")
     return TrainableSet(dense + list(mask or []))

@@ -28,7 +28,7 @@ def tiny_config(output_dir, method="sparta", epochs=3, **training):
     }
 
 
-@pytest.mark.parametrize("method", ["sparta", "all", "last", "bitfit", "mp", "random", "dpsgd_grad", "oracle"])
+@pytest.mark.parametrize("method", ["sparta", "all", "last", "bitfit", "mp", "random", "dpsgd_grad", "oracle", "x_bitfit"])
 def test_every_method_runs_end_to_end(tmp_path, method):
     config = validate(tiny_config(tmp_path / method, method))
     results = run.train(config)

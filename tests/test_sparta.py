@@ -318,3 +318,44 @@ def test_variable_selection_rejects_inconsistent_input():
         st.trainable.rows(row_groups(model)[0], [99])
     with pytest.raises(ValueError, match="needs its RowGroup"):
         VariableSelection(model.get_layer("fc").kernel, "rows")
+
+
+def test_x_bitfit_switches_from_all_to_bias_terms_at_epoch_x():
+    model = _conv_model()
+    x, y = _conv_data()
+    dp = dp_model(model, sigma=0.5, delta=1e-5)
+    callback = st.MethodCallback("x_bitfit", full_epochs=1, verbose=0)
+    before = {v.name: v.numpy().copy() for v in model.trainable_variables}
+    dp.fit(x, y, epochs=1, callbacks=[callback], verbose=0)
+    assert {e.phase for e in dp.ledger.entries} == {"full"}
+    assert all(not np.array_equal(before[v.name], v.numpy()) for v in model.trainable_variables)
+    after_full = {v.name: v.numpy().copy() for v in model.trainable_variables}
+    dp.fit(x, y, epochs=3, initial_epoch=1, callbacks=[callback], verbose=0)
+    phases = [e.phase for e in dp.ledger.entries]
+    assert phases == ["full", "bias_terms"]
+    trained = {s.variable.name for s in dp.trainable_set}
+    assert trained == {"conv1/bias:0", "gn1/beta:0", "fc/bias:0", "head/bias:0"}
+    for v in model.trainable_variables:
+        moved = not np.array_equal(after_full[v.name], v.numpy())
+        assert moved == (v.name in trained), v.name
+
+
+def test_bias_only_step_computes_no_per_example_weight_gradients():
+    """DP-BiTFiT's efficiency point: no per-example products of activations at all."""
+    from sparta_tf.losses import per_example_loss_fn
+    from sparta_tf.per_example import make_engine
+
+    model = _conv_model()
+    x, y = _conv_data(8)
+    loss = per_example_loss_fn(XENT)
+
+    def op_types(trainable_set):
+        engine = make_engine(model, trainable_set)
+        fn = tf.function(lambda: engine(tf.constant(x), tf.constant(y), loss, tf.ones([8], bool)).grads)
+        return {op.type for op in fn.get_concrete_function().graph.get_operations()}
+
+    full = op_types(methods.trainable_set(model, "all"))
+    bias_only = op_types(methods.bias_terms_set(model))
+    weight_grad_ops = {"BatchMatMulV2", "DepthwiseConv2dNative"}
+    assert full & weight_grad_ops
+    assert not bias_only & weight_grad_ops

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import yaml
 
-METHOD_NAMES = ("sparta", "all", "last", "bitfit", "mp", "random", "dpsgd_grad", "oracle")
+METHOD_NAMES = ("sparta", "all", "last", "bitfit", "mp", "random", "dpsgd_grad", "oracle", "x_bitfit")
 SCORES = ("sum_abs", "abs_sum", "signed", "oracle")
 
 
@@ -105,6 +105,8 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "density_overrides": Field((dict,), {}, _density_overrides),
         "mask": Field(OPTIONAL_STR, None),
         "seed": Field((int,), 0),
+        "full_epochs": Field((int,), 1, _non_negative),
+        "bitfit_learning_rate_scale": Field(NUMBER, 5.0, _positive),
     },
     "privacy": {
         "target_epsilon": Field(NUMBER, 8.0, _positive),
@@ -261,6 +263,9 @@ def _check_cross_field(config: dict) -> None:
     if needs_selection and method["mask"] is None and method["warmup_epochs"] + 1 >= epochs:
         raise ConfigError(f"method.warmup_epochs={method['warmup_epochs']} must be < training.epochs - 1 "
                           f"(={epochs - 1}): T0 warm-up + 1 selection epoch must leave a sparse epoch")
+    if method["name"] == "x_bitfit" and method["full_epochs"] >= epochs:
+        raise ConfigError(f"method.full_epochs={method['full_epochs']} must be < training.epochs (={epochs}) "
+                          "so that the bias-only phase runs")
     if method["name"] == "sparta" and method["score"] in ("signed", "oracle"):
         raise ConfigError(f"method.score={method['score']!r} is not a SPARTA score; use sum_abs or abs_sum "
                           "(or method.name: dpsgd_grad / oracle)")

@@ -96,6 +96,10 @@ def phase_sizes(config: dict, model: tf.keras.Model) -> list[tuple[str, int, int
             phases.append(("selection", 1, 0))
             return phases + [("sparse", epochs - warmup - 1, sparse)]
         return phases + [("sparse", epochs - warmup, None)]
+    if spec.selection == "two_phase":
+        full = method["full_epochs"]
+        phases = [("full", full, methods.trainable_set(model, "all").size)] if full else []
+        return phases + [("bias_terms", epochs - full, methods.bias_terms_set(model).size)]
     if spec.selection == "static":
         from sparta_tf.groups import row_groups
         from sparta_tf.selection import magnitude_selections, random_selections
@@ -134,7 +138,8 @@ def method_callback(config: dict, output_dir: str | None) -> sparta_tf.MethodCal
         density_overrides=method["density_overrides"],
         head_learning_rate_scale=head_lr / training["learning_rate"],
         mask_dir=None if output_dir is None else os.path.join(output_dir, "mask"),
-        mask=method["mask"], seed=method["seed"],
+        mask=method["mask"], seed=method["seed"], full_epochs=method["full_epochs"],
+        bitfit_learning_rate_scale=method["bitfit_learning_rate_scale"],
     )
 
 

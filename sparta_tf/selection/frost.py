@@ -1,0 +1,485 @@
+"""DP-FROST: differentially private selection of parameter partitions.
+
+Implements DP-FROST ("Differentially Private Fine-tuning of pRe-trained mOdels
+with freezing model parameTers", see the paper text) before DP-SGD training:
+
+1. **Partitions.** ``S = {P_1, ..., P_M}``: every layer's trainable variables
+   form one partition (a weight matrix with its bias vector; a norm layer's
+   scale with its offset). ``|Theta|`` is the number of trainable parameters.
+
+2. **Noisy partition-wise gradient magnitudes (PGMs)**, Definitions 7-8, for a
+   set ``R`` of partitions, norm order ``alpha in {1, 2}``, clip ``c`` and
+   ``c_bar = c / (sum_{P in R} |P| / |R|)^(1/alpha)``::
+
+     DP-MG   mu^c_{R,P}(X) = || [sum_x C_c^alpha(g_R(x))]_P ||_alpha / |P|^(1/alpha)
+     DP-MGN  mu^n_{R,P}(X) = || [sum_x C_cbar^alpha(gbar_R(x))]_P ||_alpha
+     DP-MGNA mu^a_{R,P}(X) = || [sum_x C_cbar^alpha(abs(gbar_R(x)))]_P ||_alpha
+
+   with ``C_k^alpha(g) = g * min(1, k / ||g||_alpha)`` and
+   ``gbar_R(x) = concat_P g_P(x) / |P|^(1/alpha)``. The L2 sensitivities of the
+   vector ``mu_R = <mu_{R,P}>_{P in R}`` are (Lemma 3)::
+
+     Delta mu^c_R = c / (min_{P in R} |P|)^(1/alpha),
+     Delta mu^n_R = Delta mu^a_R = c_bar,
+
+   and the mechanism releases ``mu_R(X) + N(0, sigma_ps^2 Delta^2 I)``: one
+   Poisson-subsampled Gaussian mechanism (rate ``q_ps``) per PSEL iteration.
+
+3. **PGM-EST** (Lemmas 4-6): with ``v~_{j,i} = lambda_j v_i + N(0, sigma^2
+   Delta_j^2)`` for ``P_i in R_{j-1}``, alternate
+   ``v_i = sum_j v~_{j,i} lambda_j / Delta_j^2 / sum_j lambda_j^2 / Delta_j^2``
+   (Lemma 5) and ``lambda_j = sum_i v~_{j,i} v_i / sum_i v_i^2`` (Lemma 4);
+   ``Var(v_i) = sigma^2 / sum_{j} lambda_j^2 / Delta_j^2`` (Lemma 6).
+
+4. **PSEL** (Algorithm 4): ``T`` rounds on fresh Poisson samples; each round
+   re-estimates ``v``, sets ``mu_thres`` to the largest ``v`` of the partitions
+   expected to stay frozen, and adds partitions with
+   ``v_i > mu_thres + nu sqrt(Var v_i)`` while the selected parameters stay
+   ``<= t gamma |Theta| / T`` (in the last round: the largest ``v_i``).
+
+5. **ComputeSigma** (Algorithms 2-3): ``sigma_SGD`` spends ``r_eps * eps``
+   alone; ``sigma_ps`` is then the smallest noise multiplier such that DP-SGD
+   composed with the ``T`` selection mechanisms spends ``<= eps``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Sequence
+
+import dp_accounting
+import numpy as np
+import tensorflow as tf
+from dp_accounting import mechanism_calibration
+
+from sparta_tf import trainable as trainable_lib
+from sparta_tf.groups import parameter_table
+from sparta_tf.losses import per_example_loss_fn
+from sparta_tf.per_example.engines import make_engine
+from sparta_tf.privacy import accounting
+
+METHODS = ("mg", "mgn", "mgna")
+SELECTION_PHASE = "frost_selection"
+SELECTION_KIND = "frost_selection"
+
+# Paper defaults (Section 5): MGNA, alpha = 1, r_eps = 0.9, T = 5, q_ps = 0.02, nu = 5, J = 1000.
+DEFAULT_METHOD = "mgna"
+DEFAULT_ALPHA = 1
+DEFAULT_R_EPS = 0.9
+DEFAULT_T = 5
+DEFAULT_Q_PS = 0.02
+DEFAULT_NU = 5.0
+DEFAULT_J = 1000
+
+
+# --------------------------------------------------------------------------
+# Partitions.
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Partition:
+    """One partition ``P``: the trainable variables of one layer (kernel + bias)."""
+
+    name: str
+    variables: tuple
+
+    @property
+    def size(self) -> int:
+        return int(sum(int(np.prod(v.shape.as_list())) for v in self.variables))
+
+
+def partitions(model: tf.keras.Model) -> list[Partition]:
+    """Disjoint partitions of the model's trainable variables, one per layer (in layer order)."""
+    order, by_layer = [], {}
+    for info in parameter_table(model):
+        if info.layer not in by_layer:
+            by_layer[info.layer] = []
+            order.append(info.layer)
+        by_layer[info.layer].append(info.variable)
+    return [Partition(name, tuple(by_layer[name])) for name in order]
+
+
+# --------------------------------------------------------------------------
+# Partition magnitude mechanisms (Definitions 7-8, Lemma 3).
+# --------------------------------------------------------------------------
+
+
+def _check(method: str, alpha: int) -> None:
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} is not one of {METHODS}")
+    if alpha not in (1, 2):
+        raise ValueError(f"alpha must be 1 or 2, got {alpha!r}")
+
+
+def pgm_sensitivity(sizes: Sequence[int], method: str, alpha: int, clip: float) -> float:
+    """Lemma 3: ``c / min|P|^(1/alpha)`` (DP-MG) or ``c_bar = c / mean|P|^(1/alpha)`` (DP-MGN/A)."""
+    _check(method, alpha)
+    sizes = np.asarray(sizes, dtype=np.float64)
+    if method == "mg":
+        return float(clip / sizes.min() ** (1.0 / alpha))
+    return float(clip / sizes.mean() ** (1.0 / alpha))
+
+
+def clipped_partition_sums(
+    grads: Sequence[np.ndarray], method: str, alpha: int, clip: float
+) -> list[np.ndarray]:
+    """``[sum_x C_k^alpha(h(x))]_P`` for every partition ``P`` of ``R``.
+
+    ``grads[i]``: per-example gradients of partition ``P_i in R``, ``[B, |P_i|]``.
+    ``h = g_R`` and ``k = c`` for DP-MG; ``h = gbar_R`` (each block divided by
+    ``|P|^(1/alpha)``), ``k = c_bar`` for DP-MGN, plus ``abs`` for DP-MGNA.
+    Clipping uses the alpha-norm over the concatenation over all of ``R``.
+    """
+    _check(method, alpha)
+    sizes = [g.shape[1] for g in grads]
+    if method == "mg":
+        blocks, bound = [np.asarray(g, np.float64) for g in grads], float(clip)
+    else:
+        blocks = [np.asarray(g, np.float64) / n ** (1.0 / alpha) for g, n in zip(grads, sizes)]
+        if method == "mgna":
+            blocks = [np.abs(b) for b in blocks]
+        bound = pgm_sensitivity(sizes, method, alpha, clip)  # c_bar
+    norm_pow = sum(np.sum(np.abs(b) ** alpha, axis=1) for b in blocks)  # ||h(x)||_alpha^alpha, [B]
+    norms = norm_pow ** (1.0 / alpha)
+    factor = np.minimum(1.0, bound / np.maximum(norms, 1e-300))
+    return [np.sum(b * factor[:, None], axis=0) for b in blocks]
+
+
+def magnitudes_from_sums(sums: Sequence[np.ndarray], method: str, alpha: int) -> np.ndarray:
+    """``mu_{R,P} = ||sum_P||_alpha`` (divided by ``|P|^(1/alpha)`` for DP-MG only)."""
+    _check(method, alpha)
+    mu = np.array([np.sum(np.abs(s) ** alpha) ** (1.0 / alpha) for s in sums])
+    if method == "mg":
+        mu = mu / np.array([s.size for s in sums], np.float64) ** (1.0 / alpha)
+    return mu
+
+
+def partition_magnitudes(
+    grads: Sequence[np.ndarray], method: str = DEFAULT_METHOD, alpha: int = DEFAULT_ALPHA, clip: float = 1.0
+) -> tuple[np.ndarray, float]:
+    """Exact (non-private) ``mu_R(X)`` of Definition 8 and its sensitivity (Lemma 3)."""
+    sums = clipped_partition_sums(grads, method, alpha, clip)
+    return magnitudes_from_sums(sums, method, alpha), pgm_sensitivity([g.shape[1] for g in grads], method, alpha, clip)
+
+
+def noisy_partition_magnitudes(
+    grads: Sequence[np.ndarray],
+    noise_multiplier: float,
+    rng: np.random.Generator,
+    method: str = DEFAULT_METHOD,
+    alpha: int = DEFAULT_ALPHA,
+    clip: float = 1.0,
+) -> tuple[np.ndarray, float]:
+    """DP-MG / DP-MGN / DP-MGNA: ``mu_R(X) + N(0, sigma^2 Delta^2 I)``; returns (noisy mu, Delta)."""
+    mu, delta = partition_magnitudes(grads, method, alpha, clip)
+    return mu + rng.normal(0.0, noise_multiplier * delta, size=mu.shape), delta
+
+
+# --------------------------------------------------------------------------
+# PGM-EST (Lemmas 4-6).
+# --------------------------------------------------------------------------
+
+
+def pgm_est(
+    observations: np.ndarray,
+    deltas: Sequence[float],
+    q_ps: float = DEFAULT_Q_PS,
+    iterations: int = DEFAULT_J,
+    tol: float = 1e-12,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Alternating MLE of the true PGMs ``v`` and the scales ``lambda``.
+
+    ``observations``: ``[t, M]``, ``v~_{j,i}`` or NaN where ``P_i`` was not in
+    ``R_{j-1}``. ``deltas``: ``Delta_1..Delta_t``. Model: ``v~_{j,i} =
+    lambda_j v_i + N(0, sigma^2 Delta_j^2)``, ``lambda_1 = q_ps`` fixed (it
+    fixes the scale; Lemma 5 "given lambda_1 = q_ps"). For ``t = 1`` returns
+    ``v~_1 / q_ps``. Otherwise ``lambda_2..t`` start at 1 and ``iterations``
+    (``J``) rounds alternate Lemma 5 (``v``) and Lemma 4 (``lambda_j``, j >= 2),
+    stopping early when ``v`` changes by at most ``tol`` (relative).
+    Returns ``(v [M], lambdas [t])``.
+    """
+    obs = np.atleast_2d(np.asarray(observations, np.float64))
+    t, m = obs.shape
+    seen = np.isfinite(obs)
+    if not seen[0].all():
+        raise ValueError("every partition is observed in the first PSEL iteration (R_0 = S)")
+    w = 1.0 / np.asarray(deltas, np.float64)[:t] ** 2  # 1 / Delta_j^2
+    vt = np.where(seen, obs, 0.0)
+    lam = np.ones(t)
+    lam[0] = q_ps
+    v = vt[0] / q_ps
+    if t == 1:
+        return v, lam
+    for _ in range(int(iterations)):
+        # Lemma 5: v_i = sum_{j in T_i} v~_{j,i} lambda_j / D_j^2 / sum_{j in T_i} lambda_j^2 / D_j^2.
+        num = np.sum(seen * vt * (lam * w)[:, None], axis=0)
+        den = np.sum(seen * (lam**2 * w)[:, None], axis=0)
+        v_new = num / den
+        # Lemma 4 (j >= 2): lambda_j = sum_{i in R_{j-1}} v~_{j,i} v_i / sum_{i in R_{j-1}} v_i^2
+        # (the common 1 / Delta_j^2 cancels).
+        vv = np.sum(seen[1:] * vt[1:] * v_new[None], axis=1)
+        v2 = np.sum(seen[1:] * (v_new**2)[None], axis=1)
+        lam[1:] = np.where(v2 > 0, vv / np.where(v2 > 0, v2, 1.0), lam[1:])
+        done = np.max(np.abs(v_new - v)) <= tol * max(np.max(np.abs(v_new)), 1e-300)
+        v = v_new
+        if done:
+            break
+    # Final v consistent with the final lambdas.
+    v = np.sum(seen * vt * (lam * w)[:, None], axis=0) / np.sum(seen * (lam**2 * w)[:, None], axis=0)
+    return v, lam
+
+
+def pgm_variance(
+    noise_multiplier: float, lambdas: np.ndarray, deltas: Sequence[float], observed: np.ndarray
+) -> np.ndarray:
+    """Lemma 6: ``Var(v_i) = sigma^2 / sum_{j in T_i} lambda_j^2 / Delta_j^2``.
+
+    ``observed``: bool ``[t, M]`` (``P_i in R_{j-1}``); for ``P_i in R_{t-1}`` the
+    sum runs over all ``j <= t`` as in the lemma.
+    """
+    lam = np.asarray(lambdas, np.float64)
+    w = lam**2 / np.asarray(deltas, np.float64)[: len(lam)] ** 2
+    return noise_multiplier**2 / np.sum(np.asarray(observed)[: len(lam)] * w[:, None], axis=0)
+
+
+# --------------------------------------------------------------------------
+# PSEL (Algorithm 4).
+# --------------------------------------------------------------------------
+
+
+Observer = Callable[[int, np.ndarray], "tuple[np.ndarray, float]"]
+"""``observe(t, remaining) -> (noisy mu for partitions `remaining`, Delta_t)`` (one mechanism run)."""
+
+
+def psel(
+    observe: Observer,
+    sizes: Sequence[int],
+    total_params: int,
+    noise_multiplier: float,
+    gamma: float,
+    iterations: int = DEFAULT_T,
+    nu: float = DEFAULT_NU,
+    q_ps: float = DEFAULT_Q_PS,
+    pgm_iterations: int = DEFAULT_J,
+) -> tuple[np.ndarray, dict]:
+    """Iterative partition selection (Algorithm 4); returns (selected indices, info).
+
+    ``observe(t, R_{t-1})`` runs the DP-MG* mechanism on a fresh Poisson sample
+    ``X_t`` (rate ``q_ps``) over the remaining partitions. Round ``t``:
+    ``v, lambda = PGM-EST``; ``sigma_v = sqrt(Var v)`` (Lemma 6); sort ``R_{t-1}``
+    by ``v`` ascending; ``mu_thres = v_{i_j}`` for the first ``j`` whose cumulative
+    size reaches ``(1 - gamma)|Theta|``; then, from the largest ``v`` down and
+    while ``|P_{i_j}| + sum_{S_t}|P| <= t gamma |Theta| / T``, add ``P_{i_j}`` if
+    ``t = T`` or ``v_{i_j} > mu_thres + nu sigma_{v_{i_j}}``. So the selected
+    parameter count never exceeds ``gamma |Theta|``.
+    """
+    sizes = np.asarray(sizes, np.int64)
+    m, total, budget_all = len(sizes), int(total_params), gamma * int(total_params)
+    if not 0.0 < gamma <= 1.0:
+        raise ValueError(f"gamma must be in (0, 1], got {gamma!r}")
+    if iterations < 1:
+        raise ValueError("the number of PSEL iterations T must be >= 1")
+    obs_rows, deltas = [], []
+    selected: list[int] = []
+    remaining = np.arange(m)
+    v = lam = var = None
+    rounds = 0
+    for t in range(1, iterations + 1):
+        if remaining.size == 0:
+            break
+        noisy, delta = observe(t, remaining)
+        rounds += 1
+        row = np.full(m, np.nan)
+        row[remaining] = noisy
+        obs_rows.append(row)
+        deltas.append(float(delta))
+        obs = np.stack(obs_rows)
+        v, lam = pgm_est(obs, deltas, q_ps, pgm_iterations)
+        var = pgm_variance(noise_multiplier, lam, deltas, np.isfinite(obs))
+        order = remaining[np.argsort(v[remaining], kind="stable")]  # ascending v
+        cumulative = np.cumsum(sizes[order])
+        reach = np.nonzero(cumulative >= (1.0 - gamma) * total)[0]
+        thres = v[order[reach[0] if reach.size else len(order) - 1]]
+        limit = t * budget_all / iterations
+        used = int(sizes[selected].sum()) if selected else 0
+        for i in order[::-1]:
+            if sizes[i] + used > limit:
+                break
+            if t == iterations or v[i] > thres + nu * math.sqrt(max(var[i], 0.0)):
+                selected.append(int(i))
+                used += int(sizes[i])
+        remaining = np.array([i for i in remaining if i not in set(selected)], dtype=np.int64)
+    info = {"estimates": v, "lambdas": lam, "variances": var, "deltas": deltas, "rounds": rounds}
+    return np.array(sorted(selected), dtype=np.int64), info
+
+
+# --------------------------------------------------------------------------
+# ComputeSigma (Algorithms 2-3) and the ledger.
+# --------------------------------------------------------------------------
+
+
+def frost_event(
+    sigma_selection: float, selection_rate: float, selection_steps: int,
+    sigma_training: float, sample_rate: float, steps: int,
+) -> dp_accounting.DpEvent:
+    """``T_ps`` selection mechanisms ``M_{q_ps, sigma_ps}`` composed with ``steps`` DP-SGD steps."""
+    return dp_accounting.ComposedDpEvent([
+        accounting.dp_sgd_event(sigma_selection, selection_rate, selection_steps),
+        accounting.dp_sgd_event(sigma_training, sample_rate, steps),
+    ])
+
+
+def compute_sigmas(
+    target_epsilon: float,
+    delta: float,
+    r_eps: float = DEFAULT_R_EPS,
+    *,
+    sample_rate: float,
+    steps: int,
+    selection_rate: float = DEFAULT_Q_PS,
+    selection_steps: int = DEFAULT_T,
+    accountant: str = "pld",
+    rtol: float = 1e-4,
+) -> tuple[float, float]:
+    """ComputeSigma: returns ``(sigma_selection, sigma_training)``.
+
+    ``sigma_training`` is the smallest noise multiplier with
+    ``eps(DP-SGD) <= r_eps * eps``; ``sigma_selection`` the smallest with
+    ``eps(DP-SGD o selection) <= eps`` (selection: ``selection_steps``
+    mechanisms at Poisson rate ``selection_rate``), found by
+    ``dp_accounting.calibrate_dp_mechanism`` (which guarantees ``<= eps``).
+    """
+    eps = accounting.check_target_epsilon(target_epsilon)
+    if not 0.0 < r_eps < 1.0:
+        raise ValueError(f"r_eps must be in (0, 1), got {r_eps!r}")
+    accounting.check_steps(selection_steps, "selection_steps")
+    sigma_training = accounting.calibrate_noise_multiplier(r_eps * eps, delta, sample_rate, steps, accountant)
+
+    def event(sigma: float) -> dp_accounting.DpEvent:
+        return frost_event(sigma, selection_rate, selection_steps, sigma_training, sample_rate, steps)
+
+    def eps_at(sigma: float) -> float:
+        return accounting.epsilon_of_event(event(sigma), delta, accountant)
+
+    hi = 1.0
+    while eps_at(hi) > eps:
+        hi *= 2.0
+        if hi > 1e7:
+            raise ValueError("cannot fit the selection mechanisms into the remaining budget")
+    lo = hi / 2.0
+    while eps_at(lo) <= eps and lo > 1e-3:
+        hi, lo = lo, lo / 2.0
+    sigma_selection = mechanism_calibration.calibrate_dp_mechanism(
+        lambda: accounting.make_accountant(accountant),
+        event,
+        eps,
+        delta,
+        bracket_interval=mechanism_calibration.ExplicitBracketInterval(lo, hi),
+        tol=rtol * hi,
+    )
+    return float(sigma_selection), float(sigma_training)
+
+
+def record_selection(ledger, noise_multiplier: float, sample_rate: float, count: int) -> None:
+    """Records the ``count`` PSEL mechanisms ``M_{q_ps, sigma_ps}`` (phase ``"frost_selection"``)."""
+    ledger.record(noise_multiplier, sample_rate, count, kind=SELECTION_KIND, phase=SELECTION_PHASE)
+
+
+# --------------------------------------------------------------------------
+# DP-FROST selection on a Keras model.
+# --------------------------------------------------------------------------
+
+
+def _batches(x, y, index: np.ndarray, batch_size: int):
+    for start in range(0, len(index), batch_size):
+        idx = index[start:start + batch_size]
+        take = lambda t: tf.gather(t, idx) if isinstance(t, tf.Tensor) else np.asarray(t)[idx]
+        yield tf.nest.map_structure(take, x), tf.nest.map_structure(take, y)
+
+
+def frost_select(
+    model: tf.keras.Model,
+    x,
+    y,
+    loss,
+    *,
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    gamma: float,
+    method: str = DEFAULT_METHOD,
+    alpha: int = DEFAULT_ALPHA,
+    clip_norm: float = 1.0,
+    r_eps: float = DEFAULT_R_EPS,
+    iterations: int = DEFAULT_T,
+    q_ps: float = DEFAULT_Q_PS,
+    nu: float = DEFAULT_NU,
+    pgm_iterations: int = DEFAULT_J,
+    accountant: str = "pld",
+    ledger=None,
+    physical_batch_size: int = 256,
+    seed: int | None = None,
+    engine: str = "auto",
+) -> tuple[trainable_lib.TrainableSet, dict]:
+    """DP-FROST (Algorithm 1, lines 1-3): ComputeSigma, then PSEL on the model's partitions.
+
+    ``sample_rate`` / ``steps``: the DP-SGD run that follows (``q_SGD``, ``T_SGD``).
+    Returns the selected partitions (whole kernel + bias, dense) as a
+    :class:`TrainableSet` and an info dict with ``sigma_training`` (use it for
+    DP-SGD), ``sigma_selection``, the selected partition names, estimates, etc.
+    If ``ledger`` is given the selection mechanisms are recorded in it; the
+    caller records the DP-SGD steps with ``sigma_training`` while training.
+    The paper keeps nothing else trainable (no separate head rule). If no
+    partition fits into ``gamma |Theta|`` the TrainableSet cannot be built and
+    a ValueError is raised.
+    """
+    _check(method, alpha)
+    parts = partitions(model)
+    sizes = [p.size for p in parts]
+    total = sum(int(np.prod(v.shape.as_list())) for v in model.trainable_variables)
+    sigma_sel, sigma_sgd = compute_sigmas(
+        target_epsilon, delta, r_eps, sample_rate=sample_rate, steps=steps,
+        selection_rate=q_ps, selection_steps=iterations, accountant=accountant,
+    )
+    variables = [v for p in parts for v in p.variables]
+    grad_engine = make_engine(model, variables, engine)
+    loss_fn = per_example_loss_fn(loss)
+    n = len(tf.nest.flatten(y)[0])
+    rng = np.random.default_rng(seed)
+    owner = np.concatenate([[k] * len(p.variables) for k, p in enumerate(parts)]).astype(int)
+
+    def observe(t: int, remaining: np.ndarray) -> tuple[np.ndarray, float]:
+        index = np.nonzero(rng.random(n) < q_ps)[0]  # Poisson sample X_t
+        rem_sizes = [sizes[i] for i in remaining]
+        sums = [np.zeros(s) for s in rem_sizes]
+        for xb, yb in _batches(x, y, index, physical_batch_size):
+            b = len(tf.nest.flatten(yb)[0])
+            out = grad_engine(xb, yb, loss_fn, tf.ones([b], tf.bool))
+            flat = [tf.reshape(g, [b, -1]).numpy() for g in out.grads]
+            grads = [np.concatenate([f for f, o in zip(flat, owner) if o == i], axis=1) for i in remaining]
+            for s, part_sum in zip(sums, clipped_partition_sums(grads, method, alpha, clip_norm)):
+                s += part_sum
+        mu = magnitudes_from_sums(sums, method, alpha)
+        sens = pgm_sensitivity(rem_sizes, method, alpha, clip_norm)
+        return mu + rng.normal(0.0, sigma_sel * sens, size=mu.shape), sens
+
+    chosen, info = psel(observe, sizes, total, sigma_sel, gamma, iterations, nu, q_ps, pgm_iterations)
+    if ledger is not None:
+        record_selection(ledger, sigma_sel, q_ps, info["rounds"])
+    selected = [parts[i] for i in chosen]
+    if not selected:
+        raise ValueError(f"DP-FROST selected no partition: gamma={gamma} is smaller than every partition")
+    trainable = trainable_lib.TrainableSet([trainable_lib.dense(v) for p in selected for v in p.variables])
+    info.update(
+        sigma_selection=sigma_sel,
+        sigma_training=sigma_sgd,
+        selected=[p.name for p in selected],
+        partitions=[p.name for p in parts],
+        partition_sizes=sizes,
+        total_params=total,
+        selected_params=int(sum(p.size for p in selected)),
+    )
+    return trainable, info
