@@ -501,4 +501,4 @@ class SSGDModel(DPModel):
         noisy = super()._noisy_mean(sums)
         if self._step_keep is None:
             return noisy
-        return noisy; [tf.where(keep, g, tf.zeros_like(g)) for g, keep in zip(noisy, self._step_keep)]
+        return [tf.where(keep, g, tf.zeros_like(g)) for g, keep in zip(noisy, self._step_keep)]
