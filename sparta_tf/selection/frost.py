@@ -205,7 +205,6 @@ def pgm_est(
     seen = np.isfinite(obs)
     if not seen[0].all():
         raise ValueError("every partition is observed in the first PSEL iteration (R_0 = S)")
-    w = 1.0 / np.asarray(deltas, np.float64)[:t] ** 2  # 1 / Delta_j^2
     vt = np.where(seen, obs, 0.0)
     lam = np.ones(t)
     lam[0] = q_ps
@@ -213,10 +212,7 @@ def pgm_est(
     if t == 1:
         return v, lam
     for _ in range(int(iterations)):
-        # Lemma 5: v_i = sum_{j in T_i} v~_{j,i} lambda_j / D_j^2 / sum_{j in T_i} lambda_j^2 / D_j^2.
-        num = np.sum(seen * vt * (lam * w)[:, None], axis=0)
-        den = np.sum(seen * (lam**2 * w)[:, None], axis=0)
-        v_new = num / den
+        v_new = pgm_given_lambdas(obs, deltas, lam)
         # Lemma 4 (j >= 2): lambda_j = sum_{i in R_{j-1}} v~_{j,i} v_i / sum_{i in R_{j-1}} v_i^2
         # (the common 1 / Delta_j^2 cancels).
         vv = np.sum(seen[1:] * vt[1:] * v_new[None], axis=1)
@@ -226,9 +222,21 @@ def pgm_est(
         v = v_new
         if done:
             break
-    # Final v consistent with the final lambdas.
-    v = np.sum(seen * vt * (lam * w)[:, None], axis=0) / np.sum(seen * (lam**2 * w)[:, None], axis=0)
-    return v, lam
+    return pgm_given_lambdas(obs, deltas, lam), lam  # final v consistent with the final lambdas
+
+
+def pgm_given_lambdas(observations: np.ndarray, deltas: Sequence[float], lambdas: Sequence[float]) -> np.ndarray:
+    """Lemma 5: ``v_i = sum_{j in T_i} v~_{j,i} lambda_j / Delta_j^2 / sum_{j in T_i} lambda_j^2 / Delta_j^2``.
+
+    ``T_i = {j : P_i in R_{j-1}}`` (the finite entries of column ``i``).
+    """
+    obs = np.atleast_2d(np.asarray(observations, np.float64))
+    seen = np.isfinite(obs)
+    lam = np.asarray(lambdas, np.float64)[: obs.shape[0]]
+    w = 1.0 / np.asarray(deltas, np.float64)[: obs.shape[0]] ** 2
+    num = np.sum(np.where(seen, obs, 0.0) * (lam * w)[:, None], axis=0)
+    den = np.sum(seen * (lam**2 * w)[:, None], axis=0)
+    return num / den
 
 
 def pgm_variance(
