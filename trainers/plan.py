@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from sparta_tf.privacy import calibrate_noise_multiplier, compute_epsilon, steps_per_epoch
+from sparta_tf.privacy import PrivacyLedger, calibrate_noise_multiplier, steps_per_epoch
 
 
 @dataclasses.dataclass
@@ -60,20 +60,35 @@ class Plan:
         return "\n".join(lines)
 
 
-def make_plan(config: dict, n: int, phase_sizes: list[tuple[str, int, int | None]], total_parameters: int) -> Plan:
-    """``phase_sizes``: ``(name, epochs, trainable coordinates or None)`` in order."""
+def make_plan(
+    config: dict,
+    n: int,
+    phase_sizes: list[tuple[str, int, int | None]],
+    total_parameters: int,
+    noise_multiplier: float | None = None,
+    prior: list[tuple[str, float, float, int]] = (),
+) -> Plan:
+    """``phase_sizes``: ``(name, epochs, trainable coordinates or None)`` in order.
+
+    ``prior``: mechanisms charged before training, ``(phase, sigma, q, count)``
+    (DP-FROST's selection, DP-SNIP); ``noise_multiplier``: the training sigma
+    when the method chose it (default: calibrated for the training steps alone).
+    """
     privacy, training = config["privacy"], config["training"]
     q = min(1.0, training["batch_size"] / n)
     per_epoch = steps_per_epoch(q)
     epochs = training["epochs"]
-    sigma = privacy["noise_multiplier"]
+    sigma = noise_multiplier if noise_multiplier is not None else privacy["noise_multiplier"]
     if sigma is None:
         sigma = calibrate_noise_multiplier(privacy["target_epsilon"], privacy["delta"], q, epochs * per_epoch,
                                            accountant=privacy["accountant"])
-    phases, done = [], 0
+    ledger = PrivacyLedger(privacy["delta"], accountant=privacy["accountant"])
+    phases = []
+    for name, prior_sigma, prior_q, count in prior:
+        ledger.record(prior_sigma, prior_q, count, phase=name)
+        phases.append(Phase(name, 0, 0, ledger.epsilon()))
     for name, phase_epochs, trainable in phase_sizes:
-        done += phase_epochs
-        epsilon = compute_epsilon(sigma, q, done * per_epoch, privacy["delta"], privacy["accountant"])
-        phases.append(Phase(name, phase_epochs, trainable, epsilon))
+        ledger.record(sigma, q, phase_epochs * per_epoch, phase=name)
+        phases.append(Phase(name, phase_epochs, trainable, ledger.epsilon()))
     return Plan(n, q, per_epoch, epochs, float(sigma), privacy["delta"], privacy["target_epsilon"],
                 privacy["accountant"], total_parameters, phases)
