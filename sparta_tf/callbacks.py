@@ -166,6 +166,8 @@ class MethodCallback(tf.keras.callbacks.Callback):
             dp.set_trainable_set(methods.warmup_set(dp.model, self.head, self.head_learning_rate_scale))
         elif phase == FULL:
             dp.set_trainable_set(methods.trainable_set(dp.model, "all", None, self.head, self.head_learning_rate_scale))
+        elif self.spec.selection == "external":
+            pass  # DP-FROST / DP-SSGD: the trainable set was chosen before fit
         elif phase == BIAS_TERMS:
             dp.set_trainable_set(methods.bias_terms_set(dp.model, self.head, self.bitfit_learning_rate_scale))
         elif phase == SELECTION:

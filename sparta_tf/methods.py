@@ -18,6 +18,10 @@ method         trainable set                                mask selection (priv
                                                             NOT differentially private
 ``x_bitfit``   X epochs every parameter, then bias terms    none (DP-BiTFiT two-phase, Bu et al. 2024)
                only (biases + normalisation offsets)
+``dp_frost``   the partitions (layers) PSEL selects          T noisy partition-magnitude rounds at rate
+                                                            q_ps; r_eps of the budget to training
+``dp_ssgd``    kept entries after pre-pruning, a random or   random/Synflow free; DP-SNIP one Gaussian
+               magnitude subset of them at every step       mechanism; dropping is free
 =============  ===========================================  ==========================================
 
 "Head" is the classifier (a freshly initialised layer in transfer learning),
@@ -61,6 +65,9 @@ METHODS: dict[str, MethodSpec] = {
         MethodSpec("dpsgd_grad", _ALWAYS, selection="epoch", score="signed", granularity="entry"),
         MethodSpec("oracle", _ALWAYS, selection="epoch", score="oracle", granularity="entry", private=False),
         MethodSpec("x_bitfit", ("bias",), selection="two_phase"),
+        # Trainable sets chosen by their own modules before fit (sparta_tf.selection.frost, sparta_tf.ssgd):
+        MethodSpec("dp_frost", (), selection="external"),
+        MethodSpec("dp_ssgd", (), selection="external"),
     )
 }
 
@@ -121,6 +128,8 @@ def trainable_set(
     spec = method_spec(method)
     if spec.selection == "two_phase":
         return bias_terms_set(model, head)
+    if spec.selection == "external":
+        raise ValueError(f"method {method!r} chooses its trainable set itself (see sparta_tf.methods)")
     dense = dense_selections(model, spec.roles, head, head_learning_rate_scale)
     if spec.selection in ("static", "epoch") and mask is None:
         raise ValueError(f"method {method!r} needs a mask; select one first")

@@ -28,7 +28,7 @@ def tiny_config(output_dir, method="sparta", epochs=3, **training):
     }
 
 
-@pytest.mark.parametrize("method", ["sparta", "all", "last", "bitfit", "mp", "random", "dpsgd_grad", "oracle", "x_bitfit"])
+@pytest.mark.parametrize("method", ["sparta", "all", "last", "bitfit", "mp", "random", "dpsgd_grad", "oracle", "x_bitfit", "dp_frost", "dp_ssgd"])
 def test_every_method_runs_end_to_end(tmp_path, method):
     config = validate(tiny_config(tmp_path / method, method))
     results = run.train(config)
@@ -36,7 +36,8 @@ def test_every_method_runs_end_to_end(tmp_path, method):
     assert on_disk["method"] == method
     assert on_disk["private"] is (method != "oracle")
     steps_per_epoch = round(1 / on_disk["sample_rate"])
-    assert on_disk["steps"] == 3 * steps_per_epoch
+    selection_steps = 5 if method == "dp_frost" else 0  # PSEL's T rounds at their own (q_ps, sigma)
+    assert on_disk["steps"] == 3 * steps_per_epoch + selection_steps
     if method != "oracle":
         assert on_disk["epsilon"] <= 8.0 + 1e-6
     else:
@@ -47,8 +48,21 @@ def test_every_method_runs_end_to_end(tmp_path, method):
     assert os.path.exists(os.path.join(results["export_dir"], "saved_model.pb"))
     assert (tmp_path / method / "ledger.json").exists()
     assert os.listdir(tmp_path / method / "tensorboard")
+    if method == "dp_frost":
+        ledger = json.loads((tmp_path / method / "ledger.json").read_text())
+        assert any(e.get("phase") == "frost_selection" for e in ledger["entries"])
     if method in ("sparta", "dpsgd_grad", "oracle", "mp", "random"):
         assert (tmp_path / method / "mask" / "mask.npz").exists()
+
+
+def test_dp_ssgd_with_dp_snip_charges_pre_pruning_within_budget(tmp_path):
+    config = tiny_config(tmp_path / "snip", "dp_ssgd")
+    config["method"].update({"prune": "dp_snip", "prune_rate": 0.5, "drop_rate": 0.3})
+    results = run.train(validate(config))
+    ledger = json.loads((tmp_path / "snip" / "ledger.json").read_text())
+    assert [e["phase"] for e in ledger["entries"]][0] == "pre-pruning"
+    assert 0.98 * 8.0 <= results["epsilon"] <= 8.0 + 1e-6
+    assert results["prune"] == "dp_snip"
 
 
 def test_finished_output_dir_is_not_overwritten(tmp_path):

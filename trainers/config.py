@@ -26,7 +26,8 @@ from typing import Any, Callable
 
 import yaml
 
-METHOD_NAMES = ("sparta", "all", "last", "bitfit", "mp", "random", "dpsgd_grad", "oracle", "x_bitfit")
+METHOD_NAMES = ("sparta", "all", "last", "bitfit", "mp", "random", "dpsgd_grad", "oracle", "x_bitfit",
+                "dp_frost", "dp_ssgd")
 SCORES = ("sum_abs", "abs_sum", "signed", "oracle")
 
 
@@ -107,6 +108,21 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "seed": Field((int,), 0),
         "full_epochs": Field((int,), 1, _non_negative),
         "bitfit_learning_rate_scale": Field(NUMBER, 5.0, _positive),
+        # DP-FROST (paper defaults): magnitude, alpha, budget ratio, PSEL rounds, rate, gap, unfreezing ratio
+        "frost_magnitude": Field((str,), "mgna", _one_of("mg", "mgn", "mgna")),
+        "frost_alpha": Field((int,), 1, _one_of(1, 2)),
+        "r_eps": Field(NUMBER, 0.9, _open_fraction),
+        "frost_iterations": Field((int,), 5, _at_least_one),
+        "q_ps": Field(NUMBER, 0.02, _open_fraction),
+        "nu": Field(NUMBER, 5.0, _positive),
+        "gamma": Field(NUMBER, 0.2, lambda v: None if 0 < v <= 1 else "must be in (0, 1]"),
+        # DP-SSGD: pre-pruning and gradient dropping
+        "prune": Field((str,), "random", _one_of("none", "random", "synflow", "dp_snip")),
+        "prune_rate": Field(NUMBER, 0.5, lambda v: None if 0 <= v < 1 else "must be in [0, 1)"),
+        "drop_rate": Field(NUMBER, 0.5, lambda v: None if 0 <= v < 1 else "must be in [0, 1)"),
+        "drop_mode": Field((str,), "random", _one_of("random", "magnitude")),
+        "snip_noise_multiplier": Field(NUMBER, 5.0, _positive),
+        "synflow_iterations": Field((int,), 100, _at_least_one),
     },
     "privacy": {
         "target_epsilon": Field(NUMBER, 8.0, _positive),

@@ -19,7 +19,7 @@ import tensorflow as tf
 import sparta_tf
 from sparta_tf import methods
 from sparta_tf.privacy import PrivacyCallback, PrivacyLedger
-from trainers import checkpointing
+from trainers import checkpointing, external_methods
 from trainers.config import ConfigError, check_against_data
 from trainers.plan import Plan, make_plan
 
@@ -96,6 +96,8 @@ def phase_sizes(config: dict, model: tf.keras.Model) -> list[tuple[str, int, int
             phases.append(("selection", 1, 0))
             return phases + [("sparse", epochs - warmup - 1, sparse)]
         return phases + [("sparse", epochs - warmup, None)]
+    if spec.selection == "external":
+        return external_methods.planned_phases(config, model)
     if spec.selection == "two_phase":
         full = method["full_epochs"]
         phases = [("full", full, methods.trainable_set(model, "all").size)] if full else []
@@ -160,9 +162,14 @@ def make_optimizer(config: dict, total_steps: int) -> tf.keras.optimizers.Optimi
 def dry_run(config: dict) -> Plan:
     dataset = load_private_data(config)
     model = build_model_for_plan(config, dataset)
-    plan = make_plan(config, len(dataset.x_train), phase_sizes(config, model), _count(model))
+    plan = _plan(config, len(dataset.x_train), model)
     print(plan.describe())
     return plan
+
+
+def _plan(config: dict, n: int, model: tf.keras.Model) -> Plan:
+    noise_multiplier, prior = external_methods.training_sigma_and_prior(config, n)
+    return make_plan(config, n, phase_sizes(config, model), _count(model), noise_multiplier, prior)
 
 
 def build_model_for_plan(config: dict, dataset) -> tf.keras.Model:
@@ -192,20 +199,27 @@ def train(config: dict, resume: bool = False) -> dict:
     dataset = load_private_data(config)
     model = build_private_model(config, dataset, output_dir)
     timings["prepare_s"] = time.perf_counter() - start
-    plan = make_plan(config, len(dataset.x_train), phase_sizes(config, model), _count(model))
+    plan = _plan(config, len(dataset.x_train), model)
     print(plan.describe())
     with open(os.path.join(output_dir, "plan.json"), "w") as f:
         json.dump(plan.to_json(), f, indent=1)
 
     privacy, training = config["privacy"], config["training"]
     seed = previous[1]["seed"] if previous else (training["seed"] if training["seed"] is not None else None)
-    dp = sparta_tf.DPModel(
-        model, noise_multiplier=plan.noise_multiplier, clip_norm=privacy["clip_norm"],
+    dp_kwargs = dict(
+        noise_multiplier=plan.noise_multiplier, clip_norm=privacy["clip_norm"],
         sample_rate=plan.sample_rate, dataset_size=plan.n, physical_batch_size=training["physical_batch_size"],
         sampling=privacy["sampling"], delta=privacy["delta"], target_epsilon=privacy["target_epsilon"],
         accountant=privacy["accountant"], seed=seed, engine=training["engine"], jit_compile=training["jit_compile"],
     )
+    external = config["method"]["name"] in external_methods.EXTERNAL
+    if external and previous is not None:
+        raise ConfigError(f"--resume is not supported for method {config['method']['name']} yet "
+                          "(its selection would be charged twice); start a new output_dir")
+    dp = (external_methods.build_dp_model(config, model, dp_kwargs) if external
+          else sparta_tf.DPModel(model, **dp_kwargs))
     dp.compile(make_optimizer(config, plan.steps), loss=LOSS, metrics=["accuracy"])
+    method_info = external_methods.choose_trainable_set(config, dp, dataset, LOSS, plan) if external else {}
     callback = method_callback(config, output_dir)
     initial_epoch = 0
     if previous is not None:
@@ -223,7 +237,7 @@ def train(config: dict, resume: bool = False) -> dict:
                      callbacks=callbacks, verbose=1 if sys.stdout.isatty() else 2)
     timings["train_s"] = time.perf_counter() - start
     dp.ledger.save(ledger_path)
-    results = _results(config, dp, plan, dataset, saver.phase_seconds, timings, history)
+    results = _results(config, dp, plan, dataset, saver.phase_seconds, timings, history) | method_info
     if config["export"]["enabled"]:
         from sparta_tf.export import export_for_serving
 
