@@ -81,6 +81,17 @@ MALFORMED = [
     ("pretrain.epochs", 0, "pretrain.epochs=0 must be >= 1"),
     ("pretrain.optimizer", "lamb", "pretrain.optimizer='lamb' must be one of"),
     ("export.version", 0, "export.version=0 must be >= 1"),
+    ("method.full_epochs", -1, "method.full_epochs=-1 must be >= 0"),
+    ("method.r_eps", 1.0, "method.r_eps=1.0 must be in (0, 1)"),
+    ("method.q_ps", 0, "method.q_ps=0 must be in (0, 1)"),
+    ("method.frost_alpha", 3, "method.frost_alpha=3 must be one of 1, 2"),
+    ("method.frost_magnitude", "mga", "method.frost_magnitude='mga' must be one of"),
+    ("method.gamma", 0, "method.gamma=0 must be in (0, 1]"),
+    ("method.prune", "magnitude", "method.prune='magnitude' must be one of"),
+    ("method.prune_rate", 1.0, "method.prune_rate=1.0 must be in [0, 1)"),
+    ("method.drop_rate", -0.5, "method.drop_rate=-0.5 must be in [0, 1)"),
+    ("method.drop_mode", "topk", "method.drop_mode='topk' must be one of"),
+    ("method.snip_noise_multiplier", 0, "method.snip_noise_multiplier=0 must be > 0"),
 ]
 
 
@@ -91,6 +102,11 @@ def test_malformed_config_gives_one_line_error(path, value, message):
     text = str(error.value)
     assert message in text
     assert "\n" not in text
+
+
+def test_x_bitfit_needs_a_bias_phase():
+    with pytest.raises(ConfigError, match="method.full_epochs=10 must be < training.epochs"):
+        validate(with_change("method", {"name": "x_bitfit", "full_epochs": 10, "warmup_epochs": 0}))
 
 
 def test_bitfit_rejects_warmup_and_defaults_fill_in():
