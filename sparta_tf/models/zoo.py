@@ -186,27 +186,18 @@ def _build_saved(kwargs: dict, num_classes: int, input_shape: tuple) -> tf.keras
     return model
 
 
+def _function_entry(function: Callable, description: str, **fixed) -> ModelEntry:
+    """A registry entry for a builder function, with some of its arguments fixed."""
+    return ModelEntry(_from_function(function, **fixed), _builder_keys(function, exclude=tuple(fixed)),
+                      description=description)
+
+
 MODEL_REGISTRY: dict[str, ModelEntry] = {
-    "resnet20_gn": ModelEntry(
-        _from_function(resnet20_gn), _builder_keys(resnet20_gn),
-        description="CIFAR ResNet-20, GroupNorm (0.27M)",
-    ),
-    "resnet18_gn": ModelEntry(
-        _from_function(resnet18_gn), _builder_keys(resnet18_gn),
-        description="CIFAR ResNet-18, GroupNorm (11.2M)",
-    ),
-    "wrn16_4_gn": ModelEntry(
-        _from_function(wrn_gn, depth=16, width=4), _builder_keys(wrn_gn, exclude=("depth", "width")),
-        description="Wide-ResNet-16-4, GroupNorm, pre-activation (2.75M)",
-    ),
-    "wrn_gn": ModelEntry(
-        _from_function(wrn_gn), _builder_keys(wrn_gn),
-        description="Wide-ResNet-depth-width, GroupNorm, pre-activation",
-    ),
-    "vit_tiny": ModelEntry(
-        _from_function(vit_tiny), _builder_keys(vit_tiny),
-        description="DeiT-tiny-like ViT, LayerNorm (5.36M at the defaults)",
-    ),
+    "resnet20_gn": _function_entry(resnet20_gn, "CIFAR ResNet-20, GroupNorm (0.27M)"),
+    "resnet18_gn": _function_entry(resnet18_gn, "CIFAR ResNet-18, GroupNorm (11.2M)"),
+    "wrn16_4_gn": _function_entry(wrn_gn, "Wide-ResNet-16-4, GroupNorm, pre-activation (2.75M)", depth=16, width=4),
+    "wrn_gn": _function_entry(wrn_gn, "Wide-ResNet-depth-width, GroupNorm, pre-activation"),
+    "vit_tiny": _function_entry(vit_tiny, "DeiT-tiny-like ViT, LayerNorm (5.36M at the defaults)"),
     "keras_cv": ModelEntry(
         _build_keras_cv, ("backbone", "backbone_args", "batchnorm"), required=("backbone",),
         description="keras-cv backbone class from explicit args + pool + head",
