@@ -1,0 +1,116 @@
+"""Tables and plots of utility-benchmark runs (methods x epsilon x seeds).
+
+Input: a list of run records (dicts) with at least ``method``, ``target_epsilon``,
+``seed``, ``test_accuracy``, ``private`` and optionally ``trainable_fraction``
+and ``density``. Output:
+
+* :func:`markdown_table`: methods x epsilon, ``mean ± std`` over seeds (sample
+  std, ``n-1``), the best mean of every column in bold, non-private methods
+  marked with a dagger and never bolded (they are not comparable at a budget);
+* :func:`plot_accuracy_vs_epsilon`: one line per method with std error bars;
+* :func:`plot_accuracy_vs_trainable`: accuracy against % trainable parameters
+  for the sparse methods (the SPARTA paper's Figure 3).
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+from typing import Iterable, Sequence
+
+
+def _group(runs: Iterable[dict], key) -> dict:
+    groups = collections.defaultdict(list)
+    for run in runs:
+        groups[key(run)].append(run)
+    return groups
+
+
+def summarize(runs: Iterable[dict]) -> dict[tuple[str, float], tuple[float, float, int]]:
+    """``{(method, epsilon): (mean accuracy, std, number of seeds)}``."""
+    summary = {}
+    for (method, epsilon), group in _group(runs, lambda r: (r["method"], float(r["target_epsilon"]))).items():
+        accuracies = [float(r["test_accuracy"]) for r in group]
+        std = statistics.stdev(accuracies) if len(accuracies) > 1 else 0.0
+        summary[(method, epsilon)] = (statistics.fmean(accuracies), std, len(accuracies))
+    return summary
+
+
+def markdown_table(runs: Sequence[dict], method_order: Sequence[str] | None = None) -> str:
+    """Methods x epsilon, accuracy in % as ``mean ± std``, best private mean per column in bold."""
+    summary = summarize(runs)
+    nonprivate = {r["method"] for r in runs if not r.get("private", True)}
+    epsilons = sorted({eps for _, eps in summary})
+    methods = list(method_order or sorted({m for m, _ in summary}))
+    best = {}
+    for eps in epsilons:
+        candidates = [summary[(m, eps)][0] for m in methods if (m, eps) in summary and m not in nonprivate]
+        best[eps] = max(candidates) if candidates else None
+    lines = ["| method | " + " | ".join(f"ε = {eps:g}" for eps in epsilons) + " |",
+             "|---|" + "---:|" * len(epsilons)]
+    for method in methods:
+        cells = []
+        for eps in epsilons:
+            if (method, eps) not in summary:
+                cells.append("-")
+                continue
+            mean, std, n = summary[(method, eps)]
+            cell = f"{100 * mean:.2f} ± {100 * std:.2f}"
+            if method not in nonprivate and best[eps] is not None and mean == best[eps]:
+                cell = f"**{cell}**"
+            cells.append(cell)
+        name = f"{method} †" if method in nonprivate else method
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if nonprivate:
+        lines.append("")
+        lines.append("† not differentially private (mask or training without a DP guarantee); never bolded.")
+    return "\n".join(lines) + "\n"
+
+
+def plot_accuracy_vs_epsilon(runs: Sequence[dict], path: str, title: str = "") -> None:
+    """Accuracy (mean ± std over seeds) against epsilon, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = summarize(runs)
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for method in sorted({m for m, _ in summary}):
+        points = sorted((eps, *summary[(method, eps)][:2]) for m, eps in summary if m == method)
+        axes.errorbar([p[0] for p in points], [100 * p[1] for p in points], yerr=[100 * p[2] for p in points],
+                      marker="o", capsize=3, label=method)
+    axes.set_xscale("log")
+    axes.set_xlabel("ε (δ fixed)")
+    axes.set_ylabel("test accuracy (%)")
+    axes.set_title(title)
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def plot_accuracy_vs_trainable(runs: Sequence[dict], path: str, methods: Sequence[str], title: str = "") -> None:
+    """Accuracy against % trainable parameters (mean over seeds) for ``methods``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for method in methods:
+        chosen = [r for r in runs if r["method"] == method and "trainable_fraction" in r]
+        groups = _group(chosen, lambda r: float(r.get("density", r["trainable_fraction"])))
+        points = sorted(
+            (statistics.fmean(r["trainable_fraction"] for r in g), statistics.fmean(r["test_accuracy"] for r in g))
+            for g in groups.values()
+        )
+        if points:
+            axes.plot([100 * p[0] for p in points], [100 * p[1] for p in points], marker="o", label=method)
+    axes.set_xlabel("trainable parameters (%)")
+    axes.set_ylabel("test accuracy (%)")
+    axes.set_title(title)
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
