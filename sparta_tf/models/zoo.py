@@ -58,7 +58,7 @@ from typing import Any, Callable, Mapping, Sequence
 import tensorflow as tf
 
 from sparta_tf.models.convert import BATCHNORM_MODES, load_keras_model, replace_batchnorm, with_fresh_head
-from sparta_tf.models.resnet import HEAD_LAYER_NAME, resnet18_gn, resnet20_gn
+from sparta_tf.models.resnet import HEAD_LAYER_NAME, cifar_resnet_gn, resnet18_gn, resnet20_gn
 from sparta_tf.models.vit import vit_tiny
 from sparta_tf.models.wrn import wrn_gn
 
@@ -195,6 +195,7 @@ def _function_entry(function: Callable, description: str, **fixed) -> ModelEntry
 MODEL_REGISTRY: dict[str, ModelEntry] = {
     "resnet20_gn": _function_entry(resnet20_gn, "CIFAR ResNet-20, GroupNorm (0.27M)"),
     "resnet18_gn": _function_entry(resnet18_gn, "CIFAR ResNet-18, GroupNorm (11.2M)"),
+    "cifar_resnet_gn": _function_entry(cifar_resnet_gn, "CIFAR ResNet-(6n+2), GroupNorm, any depth (e.g. 8 for CPU runs)"),
     "wrn16_4_gn": _function_entry(wrn_gn, "Wide-ResNet-16-4, GroupNorm, pre-activation (2.75M)", depth=16, width=4),
     "wrn_gn": _function_entry(wrn_gn, "Wide-ResNet-depth-width, GroupNorm, pre-activation"),
     "vit_tiny": _function_entry(vit_tiny, "DeiT-tiny-like ViT, LayerNorm (5.36M at the defaults)"),
