@@ -35,6 +35,7 @@ import argparse
 import copy
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -49,12 +50,13 @@ METHODS = ("sparta", "all", "last", "bitfit", "mp", "random", "dpsgd_grad", "ora
            "dp_frost", "dp_ssgd", "nonprivate")
 SPARSE_FOR_PROFILE = ("sparta", "mp", "random")
 DELTA = 1e-5
+DEFAULT_DENSITY = 0.2  # the paper's default density for sparta / mp / random
 
 PROFILES = {
     # Quick: ~45 min per track on 2 CPU cores: ResNet-8-GN, 2,000 private examples, 5 epochs.
-    "quick": {"epsilons": (1.0, 2.0, 8.0), "seeds": (0, 1, 2), "epochs": 5, "batch_size": 256,
+    "quick": {"epsilons": (1.0, 2.0, 8.0), "seeds": (0, 1, 2), "epochs": 5, "batch_size": 64,
               "limit_train": 2000, "limit_test": 1000, "pretrain_limit": 10000, "pretrain_epochs": 3,
-              "lr_grid": (0.1, 0.5), "tune_epsilon": 2.0, "densities": (0.05, 0.2, 0.5),
+              "lr_grid": (0.03, 0.1), "tune_epsilon": 2.0, "densities": (0.05, 0.2, 0.5),
               "model": {"name": "cifar_resnet_gn", "depth": 8}},
     # Full: paper-like sizes (T=50, T0=10, batch 500, whole data sets); meant for a GPU.
     "full": {"epochs": 50, "batch_size": 500, "limit_train": None, "limit_test": None, "pretrain_limit": None,
@@ -123,7 +125,12 @@ def run_cell(config: dict, method: str) -> dict:
     results_path = os.path.join(config["output_dir"], "results.json")
     if os.path.exists(results_path):
         with open(results_path) as f:
-            return json.load(f)
+            cached = json.load(f)
+        if cached.get("cell") == _comparable(config):
+            return cached
+        print(f"cached run {config['output_dir']} has another configuration: running it again", flush=True)
+    if os.path.exists(config["output_dir"]):  # unfinished, or stale: start the cell from scratch
+        shutil.rmtree(config["output_dir"])
     import tensorflow as tf
 
     from trainers import run
@@ -136,9 +143,17 @@ def run_cell(config: dict, method: str) -> dict:
     else:
         results = run.train(validate(config))
     results["wall_s"] = time.perf_counter() - start
-    with open(results_path, "w") as f:
+    results["cell"] = _comparable(config)
+    partial = results_path + ".partial"
+    with open(partial, "w") as f:
         json.dump(results, f, indent=1)
+    os.replace(partial, results_path)
     return results
+
+
+def _comparable(config: dict) -> dict:
+    """The cell's configuration as JSON would round-trip it (tuples become lists)."""
+    return json.loads(json.dumps(config))
 
 
 def _nonprivate(config: dict) -> dict:
@@ -161,6 +176,19 @@ def _nonprivate(config: dict) -> dict:
             "trainable_fraction": 1.0, "history": {k: [float(v) for v in vs] for k, vs in history.history.items()}}
 
 
+def cell_dir(work_dir: str, profile: dict, method: str, epsilon: float, seed: int, lr: float, density: float) -> str:
+    """Where a cell's run lives. Cells with the same configuration share one directory (one run):
+    the tuning run of the chosen rate is the (tune epsilon, seed 0, default density) cell, and the
+    non-private ceiling has one run per seed whatever the epsilon."""
+    if density == DEFAULT_DENSITY and seed == 0 and (epsilon == profile["tune_epsilon"] or method == "nonprivate"):
+        return os.path.join(work_dir, "tune", method, f"lr{lr:g}")
+    if method == "nonprivate":
+        return os.path.join(work_dir, method, f"seed{seed}")
+    if density != DEFAULT_DENSITY:
+        return os.path.join(work_dir, method, f"density{density:g}")
+    return os.path.join(work_dir, method, f"eps{epsilon:g}", f"seed{seed}")
+
+
 def _val_accuracy(results: dict) -> float:
     values = results.get("history", {}).get("val_accuracy") or [0.0]
     return float(values[-1])
@@ -171,9 +199,9 @@ def tune(base: dict, profile: dict, method: str, work_dir: str, records: list) -
     best_lr, best_val = profile["lr_grid"][0], -1.0
     for lr in profile["lr_grid"]:
         out = os.path.join(work_dir, "tune", method, f"lr{lr:g}")
-        results = run_cell(cell_config(base, method, profile["tune_epsilon"], 0, lr, 0.2, out), method)
+        results = run_cell(cell_config(base, method, profile["tune_epsilon"], 0, lr, DEFAULT_DENSITY, out), method)
         val = _val_accuracy(results)
-        records.append(_record(results, method, profile["tune_epsilon"], 0, lr, 0.2, "tune", val))
+        records.append(_record(results, method, profile["tune_epsilon"], 0, lr, DEFAULT_DENSITY, "tune", val))
         if val > best_val:
             best_lr, best_val = lr, val
     return best_lr
@@ -209,17 +237,18 @@ def main(argv=None) -> int:
         lr = tune(base, profile, method, work_dir, records)
         for epsilon in profile["epsilons"]:
             for seed in profile["seeds"]:
-                out = os.path.join(work_dir, method, f"eps{epsilon:g}", f"seed{seed}")
-                if epsilon == profile["tune_epsilon"] and seed == 0:  # the tuning run of the chosen rate
-                    out = os.path.join(work_dir, "tune", method, f"lr{lr:g}")
-                results = run_cell(cell_config(base, method, epsilon, seed, lr, 0.2, out), method)
-                records.append(_record(results, method, epsilon, seed, lr, 0.2, "main"))
+                out = cell_dir(work_dir, profile, method, epsilon, seed, lr, DEFAULT_DENSITY)
+                # the non-private ceiling ignores epsilon: one run per seed, shown in every column
+                cell_epsilon = profile["tune_epsilon"] if method == "nonprivate" else epsilon
+                results = run_cell(cell_config(base, method, cell_epsilon, seed, lr, DEFAULT_DENSITY, out), method)
+                records.append(_record(results, method, epsilon, seed, lr, DEFAULT_DENSITY, "main"))
                 _write(args.out_dir, name, profile, records, start)
         if method in SPARSE_FOR_PROFILE:
+            epsilon = profile["tune_epsilon"]
             for density in profile["densities"]:
-                out = os.path.join(work_dir, method, f"density{density:g}")
-                results = run_cell(cell_config(base, method, profile["tune_epsilon"], 0, lr, density, out), method)
-                records.append(_record(results, method, profile["tune_epsilon"], 0, lr, density, "density"))
+                out = cell_dir(work_dir, profile, method, epsilon, 0, lr, density)
+                results = run_cell(cell_config(base, method, epsilon, 0, lr, density, out), method)
+                records.append(_record(results, method, epsilon, 0, lr, density, "density"))
     _write(args.out_dir, name, profile, records, start)
     print(f"wrote {os.path.join(args.out_dir, name)}.json/.md/.png in {time.perf_counter() - start:.0f} s")
     return 0
