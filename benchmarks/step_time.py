@@ -115,6 +115,7 @@ class Ctx:
     dataset_size: int
     threads: int
     seed: int = 0
+    jit_compile: bool = False  # XLA for the TF steps (``compile(jit_compile=...)``)
 
 
 Step = Callable[[], float]
@@ -180,7 +181,7 @@ def _xent(reduction=tf.keras.losses.Reduction.AUTO):
 
 
 def make_keras_step(model: tf.keras.Model, batch_size: int, ctx: Ctx) -> Step:
-    model.compile(optimizer=_sgd(), loss=_xent())
+    model.compile(optimizer=_sgd(), loss=_xent(), jit_compile=ctx.jit_compile)
     return _fit_path_step(model, _tf_dataset(batch_size, ctx.seed))
 
 
@@ -246,7 +247,7 @@ def _sparta_step(model: tf.keras.Model, batch_size: int, ctx: Ctx, engine: str, 
         dataset_size=ctx.dataset_size,
         engine=engine,
     )
-    dp_model.compile(optimizer=_sgd(), loss=_xent())
+    dp_model.compile(optimizer=_sgd(), loss=_xent(), jit_compile=ctx.jit_compile)
     if configure is not None:
         configure(dp_model)
     return _fit_path_step(dp_model, _tf_dataset(batch_size, ctx.seed, with_weights=True))
