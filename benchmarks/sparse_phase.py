@@ -102,6 +102,7 @@ from sparta_tf.selection import random_selections  # noqa: E402
 
 MODELS = {"resnet20_gn": resnet20_gn, "resnet18_gn": resnet18_gn, "vit_tiny": vit_tiny}
 DEFAULT_CONFIGS = ["resnet20_gn:256", "vit_tiny:256"]
+DEFAULT_STEPS = {"resnet20_gn": 20, "resnet18_gn": 10, "vit_tiny": 6}  # timed steps per variant
 REFERENCE = "dp-full"
 XLA_SUFFIX = "+xla"
 # variant -> the largest acceptable ratio of its median to dp-full's (from the issue)
@@ -177,6 +178,7 @@ def xla_twin(variant: st.Variant) -> st.Variant:
                       slow=variant.slow)
 
 
+DEFAULT_XLA_VARIANTS = ["keras", REFERENCE, "sparse-20"]
 ALL_VARIANTS = VARIANTS + [xla_twin(v) for v in VARIANTS if v.name in XLA_TWINNED]
 VARIANT_BY_NAME = {v.name: v for v in ALL_VARIANTS}
 
@@ -248,7 +250,7 @@ def _round_medians(run: st.Run, rounds: int) -> List[float]:
 def time_config(model_name: str, batch_size: int, args, ctx: st.Ctx, logcap) -> List[dict]:
     variants = [VARIANT_BY_NAME[n] for n in args.variants]
     if args.xla == "both":
-        variants += [VARIANT_BY_NAME[n + XLA_SUFFIX] for n in args.variants if n in XLA_TWINNED]
+        variants += [VARIANT_BY_NAME[n + XLA_SUFFIX] for n in args.xla_variants if n in args.variants]
     print(f"\n##### {model_name}, batch {batch_size}", flush=True)
     with _harness_for(model_name, variants):
         runs = st.bench_batch_size(batch_size, args, ctx, logcap)
@@ -355,9 +357,7 @@ def memory_child(args) -> int:
 
 def measure_memory(configs, args) -> List[dict]:
     results = []
-    variants = list(args.memory_variants or args.variants)
-    if args.xla == "both" and not args.memory_variants:
-        variants += [n + XLA_SUFFIX for n in variants if n in XLA_TWINNED]
+    variants = list(args.memory_variants or args.variants)  # XLA twins only when named here
     for model_name, batch_size in configs:
         for name in variants:
             if VARIANT_BY_NAME[name].slow and batch_size > args.slow_max_batch:
@@ -588,12 +588,15 @@ def parse_args(argv=None):
                    help=f"configurations (default {' '.join(DEFAULT_CONFIGS)})")
     p.add_argument("--variants", nargs="+", default=[v.name for v in VARIANTS], choices=[v.name for v in VARIANTS],
                    help="variants to time (default: all; dp-full is needed for the ratios)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per variant (default 20 for ResNet-20, 10 for ResNet-18)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per variant (default: 20 ResNet-20, 10 ResNet-18, 6 ViT)")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps after setup (default 2)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     p.add_argument("--reentry", type=int, default=1, help="untimed steps before each timed block (default 1)")
     p.add_argument("--xla", choices=("off", "both"), default="off",
-                   help="both: also time an XLA (jit_compile=True) twin of " + ", ".join(XLA_TWINNED))
+                   help="both: also time an XLA (jit_compile=True) twin of each of --xla-variants")
+    p.add_argument("--xla-variants", nargs="+", default=DEFAULT_XLA_VARIANTS, choices=XLA_TWINNED,
+                   help="the variants that get an XLA twin with --xla both (default: "
+                        f"{' '.join(DEFAULT_XLA_VARIANTS)}; XLA compilation of one DP step takes minutes on a CPU)")
     p.add_argument("--slow-max-batch", type=int, default=64,
                    help="skip slow variants (tfp-vectorized: O(B^2) jacobian) above this batch (default 64)")
     p.add_argument("--slow-steps", type=int, default=3, help="timed steps (in all) of slow variants (default 3)")
@@ -601,7 +604,7 @@ def parse_args(argv=None):
     p.add_argument("--timing-from", default=None, metavar="JSON",
                    help="take the timing of the --configs cells from an earlier run's JSON and only "
                         "measure memory (the report says so)")
-    p.add_argument("--memory-variants", nargs="+", default=None, choices=[v.name for v in VARIANTS],
+    p.add_argument("--memory-variants", nargs="+", default=None, choices=list(VARIANT_BY_NAME),
                    help="variants whose peak memory is measured (default: --variants; --smoke: "
                         f"{' '.join(SMOKE_MEMORY_VARIANTS)})")
     p.add_argument("--mem-steps", type=int, default=4, help="steps per memory subprocess (default 4: 1 tracing + 3)")
@@ -663,7 +666,7 @@ def main(argv=None) -> int:
         steps_default = earlier["config"]["steps"]
         print(f"timing of {len(timing)} cells from {args.timing_from} ({earlier['machine']['date_utc']})")
     for model_name, bs in ([] if args.timing_from else args.configs):
-        args.steps = steps_default or (10 if model_name == "resnet18_gn" else 20)
+        args.steps = steps_default or DEFAULT_STEPS[model_name]
         for d in time_config(model_name, bs, args, ctx, logcap):
             d["steps_requested"] = args.steps
             timing.append(d)
@@ -690,7 +693,7 @@ def main(argv=None) -> int:
     config = {k: v for k, v in vars(args).items()
               if k not in ("memory_child", "config", "only", "skip", "slow_steps", "slow_max_batch")}
     config["threads"] = threads
-    config["steps"] = steps_default or "20 (ResNet-20) / 10 (ResNet-18)"
+    config["steps"] = steps_default or " / ".join(f"{n} ({m})" for m, n in DEFAULT_STEPS.items())
     config["command"] = " ".join([pathlib.Path(sys.argv[0]).name] + (sys.argv[1:] if argv is None else list(argv)))
     payload = {"machine": machine, "config": config, "targets": TARGETS, "timing": timing, "memory": memory}
     json_path.write_text(json.dumps(payload, indent=1))

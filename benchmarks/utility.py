@@ -134,14 +134,13 @@ def run_cell(config: dict, method: str) -> dict:
     import tensorflow as tf
 
     from trainers import run
-    from trainers.config import validate
 
     tf.keras.backend.clear_session()
     start = time.perf_counter()
     if method == "nonprivate":
-        results = _nonprivate(validate(dict(config, method={"name": "all"})))
+        results = _nonprivate(validate_config(dict(config, method={"name": "all"})))
     else:
-        results = run.train(validate(config))
+        results = run.train(validate_config(config))
     results["wall_s"] = time.perf_counter() - start
     results["cell"] = _comparable(config)
     partial = results_path + ".partial"
@@ -149,6 +148,13 @@ def run_cell(config: dict, method: str) -> dict:
         json.dump(results, f, indent=1)
     os.replace(partial, results_path)
     return results
+
+
+def validate_config(config: dict) -> dict:
+    """The trainer's schema check and defaults (``trainers.config.validate``)."""
+    from trainers.config import validate
+
+    return validate(config)
 
 
 def _comparable(config: dict) -> dict:

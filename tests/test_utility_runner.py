@@ -1,0 +1,78 @@
+"""Utility-benchmark runner: which cells share a run, and when a cached run is reused."""
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import utility  # noqa: E402
+
+PROFILE = utility.PROFILES["quick"]
+
+
+def test_tuning_run_of_the_chosen_rate_is_the_tune_epsilon_seed0_cell(tmp_path):
+    tune_dir = utility.cell_dir(str(tmp_path), PROFILE, "sparta", PROFILE["tune_epsilon"], 0, 0.1, 0.2)
+    assert tune_dir == os.path.join(str(tmp_path), "tune", "sparta", "lr0.1")
+    # Other seeds, epsilons and densities are their own runs.
+    others = {utility.cell_dir(str(tmp_path), PROFILE, "sparta", eps, seed, 0.1, density)
+              for eps, seed, density in [(1.0, 0, 0.2), (PROFILE["tune_epsilon"], 1, 0.2),
+                                         (PROFILE["tune_epsilon"], 0, 0.05), (8.0, 2, 0.2)]}
+    assert tune_dir not in others and len(others) == 4
+
+
+def test_nonprivate_ceiling_has_one_run_per_seed_whatever_the_epsilon(tmp_path):
+    dirs = {eps: utility.cell_dir(str(tmp_path), PROFILE, "nonprivate", eps, 1, 0.1, 0.2) for eps in (1.0, 2.0, 8.0)}
+    assert len(set(dirs.values())) == 1
+    seed0 = {utility.cell_dir(str(tmp_path), PROFILE, "nonprivate", eps, 0, 0.1, 0.2) for eps in (1.0, 8.0)}
+    assert seed0 == {os.path.join(str(tmp_path), "tune", "nonprivate", "lr0.1")}
+    # ...but a private method's epsilons are separate runs.
+    private = {utility.cell_dir(str(tmp_path), PROFILE, "all", eps, 1, 0.1, 0.2) for eps in (1.0, 2.0, 8.0)}
+    assert len(private) == 3
+
+
+@pytest.fixture
+def fake_train(monkeypatch):
+    """Replaces the trainer by a recorder (the runner's caching is what is under test)."""
+    calls = []
+
+    def train(config):
+        calls.append(config["output_dir"])
+        os.makedirs(config["output_dir"], exist_ok=True)
+        return {"method": config["method"]["name"], "test_accuracy": 0.5 + 0.01 * len(calls)}
+
+    from trainers import run
+
+    monkeypatch.setattr(run, "train", train)
+    return calls
+
+
+def _config(tmp_path, lr=0.1):
+    base = {"data": {"source": "synthetic"}, "model": {"name": "small_cnn"}, "privacy": {"delta": 1e-5},
+            "training": {"epochs": 2}}
+    return utility.cell_config(base, "sparta", 2.0, 0, lr, 0.2, str(tmp_path / "cell"))
+
+
+def test_finished_cell_with_same_configuration_is_not_recomputed(tmp_path, fake_train, monkeypatch):
+    monkeypatch.setattr(utility, "validate_config", lambda config: config)
+    first = utility.run_cell(_config(tmp_path), "sparta")
+    again = utility.run_cell(_config(tmp_path), "sparta")
+    assert len(fake_train) == 1 and again["test_accuracy"] == first["test_accuracy"]
+    stored = json.loads((tmp_path / "cell" / "results.json").read_text())
+    assert stored["cell"]["training"]["learning_rate"] == 0.1
+
+
+def test_cell_with_another_configuration_or_unfinished_is_run_again_from_scratch(tmp_path, fake_train, monkeypatch):
+    monkeypatch.setattr(utility, "validate_config", lambda config: config)
+    utility.run_cell(_config(tmp_path), "sparta")
+    (tmp_path / "cell" / "stale-file").write_text("from the old run")
+    utility.run_cell(_config(tmp_path, lr=0.03), "sparta")  # same directory, another configuration
+    assert len(fake_train) == 2
+    assert not (tmp_path / "cell" / "stale-file").exists()
+    # An unfinished cell (no results.json) is started again.
+    os.remove(tmp_path / "cell" / "results.json")
+    (tmp_path / "cell" / "half-written").write_text("x")
+    utility.run_cell(_config(tmp_path, lr=0.03), "sparta")
+    assert len(fake_train) == 3 and not (tmp_path / "cell" / "half-written").exists()
