@@ -217,7 +217,8 @@ def _record(results, method, epsilon, seed, lr, density, kind, val=None) -> dict
     return {"kind": kind, "method": method, "target_epsilon": epsilon, "seed": seed, "learning_rate": lr,
             "density": density, "private": results.get("private", True), "epsilon": results.get("epsilon"),
             "test_accuracy": results["test_accuracy"], "val_accuracy": val if val is not None else _val_accuracy(results),
-            "trainable_fraction": results.get("trainable_fraction"), "seconds": results.get("wall_s")}
+            "trainable_fraction": results.get("trainable_fraction"), "seconds": results.get("wall_s"),
+            "run_dir": results.get("cell", {}).get("output_dir")}
 
 
 def main(argv=None) -> int:
@@ -229,10 +230,14 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "utility"))
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
+    parser.add_argument("--report-only", action="store_true",
+                        help="rewrite the .md and plots from the existing <out-dir>/<track>-<profile>.json; run nothing")
     args = parser.parse_args(argv)
 
     profile = PROFILES[args.profile]
     name = f"{args.track}-{args.profile}"
+    if args.report_only:
+        return rewrite_report(args.out_dir, name, profile)
     work_dir = os.path.join(args.work_dir, name)
     os.makedirs(work_dir, exist_ok=True)
     os.makedirs(args.out_dir, exist_ok=True)
@@ -260,6 +265,57 @@ def main(argv=None) -> int:
     return 0
 
 
+def rewrite_report(out_dir: str, name: str, profile: dict) -> int:
+    """Rebuild ``<name>.md`` and the plots from the runs recorded in ``<name>.json`` (nothing is run)."""
+    path = os.path.join(out_dir, f"{name}.json")
+    if not os.path.exists(path):
+        raise SystemExit(f"no results to report: {path} does not exist (fix: run without --report-only first)")
+    with open(path) as f:
+        stored = json.load(f)
+    if stored["profile"] != _comparable(profile):
+        raise SystemExit(f"{path} was made with another {name.rsplit('-', 1)[1]!r} profile than this script's "
+                         "(fix: run the benchmark again to refresh it)")
+    _write(out_dir, name, profile, stored["runs"], time.perf_counter() - stored["elapsed_s"])
+    print(f"rewrote {os.path.join(out_dir, name)}.md/.png from {len(stored['runs'])} recorded runs")
+    return 0
+
+
+TRACK_NOTES = {
+    "mnist-to-fashion": "Public pre-training on MNIST (non-private), private DP fine-tuning on Fashion-MNIST "
+                        "with a fresh head.",
+    "cifar10-transfer": "Public pre-training on CIFAR-10 classes 0-4 (non-private, flip + translate augmentation), "
+                        "private DP fine-tuning on classes 5-9 with a fresh head: the closest offline stand-in "
+                        "for the paper's CIFAR-100 -> CIFAR-10 ablation (disjoint classes, but one distribution, "
+                        "so an easier transfer than the paper's).",
+}
+
+
+def _profile_line(profile: dict) -> str:
+    model = ", ".join(f"{k}={v}" for k, v in profile["model"].items())
+    return (f"profile: model {model}; private training examples {profile['limit_train'] or 'all'} (10% of them "
+            f"held out for validation), test {profile['limit_test'] or 'all'}; {profile['epochs']} epochs at "
+            f"expected batch {profile['batch_size']} (Poisson); public pre-training on "
+            f"{profile['pretrain_limit'] or 'all'} examples for {profile['pretrain_epochs']} epochs; lr grid "
+            f"{', '.join(f'{lr:g}' for lr in profile['lr_grid'])} (head 10x); density {DEFAULT_DENSITY:g} "
+            f"(sparta / mp / random; {', '.join(f'{d:g}' for d in profile['densities'])} in the trainable plot); "
+            "C = 1, SGD momentum 0.9, cosine schedule with warm-up, T0 = max(1, epochs // 5).")
+
+
+def _run_key(record: dict) -> tuple:
+    """Identifies the run behind a record: records of cells that share one run (see ``cell_dir``) get one key."""
+    if record.get("run_dir"):
+        return (record["run_dir"],)
+    shared_epsilon = None if record["method"] == "nonprivate" else record["target_epsilon"]
+    return (record["method"], shared_epsilon, record["seed"], record["learning_rate"], record["density"])
+
+
+def _compute_line(records: list, elapsed: float) -> str:
+    """Wall clock of every distinct run (a shared run counted once) and of this invocation."""
+    seconds = {_run_key(r): r["seconds"] or 0.0 for r in records}
+    return (f"compute: {len(seconds)} runs, {sum(seconds.values()) / 60:.0f} min of run wall clock in all "
+            f"(each run's own time; several runs may have shared the machine); this invocation: {elapsed:.0f} s")
+
+
 def _write(out_dir: str, name: str, profile: dict, records: list, start: float) -> None:
     main_runs = [r for r in records if r["kind"] == "main"]
     # The ceiling is non-private by design: shown, marked, never bolded.
@@ -268,11 +324,13 @@ def _write(out_dir: str, name: str, profile: dict, records: list, start: float) 
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump({"profile": {k: v for k, v in profile.items()}, "delta": DELTA, "learning_rates": chosen,
                    "elapsed_s": time.perf_counter() - start, "runs": records}, f, indent=1)
-    lines = [f"# Utility benchmark: {name}", "", f"test accuracy (%), mean ± std over seeds {profile['seeds']}, "
+    track = name.rsplit("-", 1)[0]
+    lines = [f"# Utility benchmark: {name}", "", TRACK_NOTES[track], "", _profile_line(profile), "",
+             f"test accuracy (%), mean ± std over seeds {profile['seeds']}, "
              f"delta = {DELTA:g}; learning rate per method chosen on the private validation split at "
              f"epsilon = {profile['tune_epsilon']:g} (not covered by the DP guarantee)", "", table,
              "", "learning rates: " + ", ".join(f"{m} {lr:g}" for m, lr in chosen.items()),
-             f"", f"elapsed: {time.perf_counter() - start:.0f} s"]
+             "", _compute_line(records, time.perf_counter() - start)]
     with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     if main_runs:

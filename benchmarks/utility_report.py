@@ -75,16 +75,23 @@ def plot_accuracy_vs_epsilon(runs: Sequence[dict], path: str, title: str = "") -
     import matplotlib.pyplot as plt
 
     summary = summarize(runs)
-    figure, axes = plt.subplots(figsize=(6, 4))
-    for method in sorted({m for m, _ in summary}):
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    colors = plt.get_cmap("tab20").colors
+    markers = "os^vD<>Pp*hX"
+    for index, method in enumerate(sorted({m for m, _ in summary})):
         points = sorted((eps, *summary[(method, eps)][:2]) for m, eps in summary if m == method)
         axes.errorbar([p[0] for p in points], [100 * p[1] for p in points], yerr=[100 * p[2] for p in points],
-                      marker="o", capsize=3, label=method)
+                      marker=markers[index % len(markers)], color=colors[(2 * index) % 20 + (index // 10) % 2],
+                      linestyle="--" if method in ("nonprivate", "oracle") else "-", capsize=3, label=method)
+    epsilons = sorted({eps for _, eps in summary})
     axes.set_xscale("log")
+    axes.set_xticks(epsilons)
+    axes.set_xticklabels([f"{eps:g}" for eps in epsilons])
+    axes.minorticks_off()
     axes.set_xlabel("ε (δ fixed)")
     axes.set_ylabel("test accuracy (%)")
     axes.set_title(title)
-    axes.legend(fontsize=7)
+    axes.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
