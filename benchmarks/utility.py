@@ -38,6 +38,7 @@ import os
 import shutil
 import sys
 import time
+from typing import NamedTuple
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -200,19 +201,6 @@ def _val_accuracy(results: dict) -> float:
     return float(values[-1])
 
 
-def tune(base: dict, profile: dict, method: str, work_dir: str, records: list) -> float:
-    """The learning rate of the grid with the best private-validation accuracy (seed 0, tune epsilon)."""
-    best_lr, best_val = profile["lr_grid"][0], -1.0
-    for lr in profile["lr_grid"]:
-        out = os.path.join(work_dir, "tune", method, f"lr{lr:g}")
-        results = run_cell(cell_config(base, method, profile["tune_epsilon"], 0, lr, DEFAULT_DENSITY, out), method)
-        val = _val_accuracy(results)
-        records.append(_record(results, method, profile["tune_epsilon"], 0, lr, DEFAULT_DENSITY, "tune", val))
-        if val > best_val:
-            best_lr, best_val = lr, val
-    return best_lr
-
-
 def _record(results, method, epsilon, seed, lr, density, kind, val=None) -> dict:
     return {"kind": kind, "method": method, "target_epsilon": epsilon, "seed": seed, "learning_rate": lr,
             "density": density, "private": results.get("private", True), "epsilon": results.get("epsilon"),
@@ -230,9 +218,13 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "utility"))
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs at a time, each in its own worker process (default 1: in this process)")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite the .md and plots from the existing <out-dir>/<track>-<profile>.json; run nothing")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error("--jobs must be >= 1")
 
     profile = PROFILES[args.profile]
     name = f"{args.track}-{args.profile}"
@@ -242,27 +234,156 @@ def main(argv=None) -> int:
     os.makedirs(work_dir, exist_ok=True)
     os.makedirs(args.out_dir, exist_ok=True)
     base = base_config(args.track, profile, args.data_dir, args.fashion_dir, work_dir)
-    records: list[dict] = []
     start = time.perf_counter()
-    for method in args.methods:
-        lr = tune(base, profile, method, work_dir, records)
+    with CellRunner(args.jobs) as runner:
+        if args.jobs > 1:
+            runner.run([("pretrain", base)])  # once, before workers would race to build the cache
+        tune_cells = tuning_cells(base, profile, args.methods, work_dir)
+        tuned = runner.run([("cell", cell) for cell in tune_cells])
+        rates = chosen_rates(profile, tune_cells, tuned)
+        records = [_record(r, c.method, c.epsilon, c.seed, c.lr, c.density, "tune", _val_accuracy(r))
+                   for c, r in zip(tune_cells, tuned)]
+        cells = benchmark_cells(base, profile, args.methods, rates, work_dir)
+
+        def progress(done: dict) -> None:
+            _write(args.out_dir, name, profile, records + _records(cells, done), start)
+
+        results = runner.run([("cell", cell) for cell in cells], on_result=progress)
+    _write(args.out_dir, name, profile, records + _records(cells, dict(enumerate(results))), start)
+    print(f"wrote {os.path.join(args.out_dir, name)}.json/.md/.png in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+class Cell(NamedTuple):
+    """One benchmark cell: a trainer configuration and where it sits in the report."""
+
+    kind: str  # tune / main / density
+    method: str
+    epsilon: float  # the report's column (the non-private ceiling runs once per seed)
+    seed: int
+    lr: float
+    density: float
+    config: dict
+
+
+def tuning_cells(base: dict, profile: dict, methods: list, work_dir: str) -> list[Cell]:
+    """Every rate of the grid at the tuning epsilon, seed 0, default density, for every method."""
+    cells = []
+    for method in methods:
+        for lr in profile["lr_grid"]:
+            out = os.path.join(work_dir, "tune", method, f"lr{lr:g}")
+            config = cell_config(base, method, profile["tune_epsilon"], 0, lr, DEFAULT_DENSITY, out)
+            cells.append(Cell("tune", method, profile["tune_epsilon"], 0, lr, DEFAULT_DENSITY, config))
+    return cells
+
+
+def chosen_rates(profile: dict, cells: list[Cell], results: list[dict]) -> dict[str, float]:
+    """Per method, the grid rate with the best private-validation accuracy (the first one on ties)."""
+    best: dict[str, tuple[float, float]] = {}
+    for cell, result in zip(cells, results):
+        val = _val_accuracy(result)
+        if cell.method not in best or val > best[cell.method][1]:
+            best[cell.method] = (cell.lr, val)
+    return {method: lr for method, (lr, _) in best.items()}
+
+
+def benchmark_cells(base: dict, profile: dict, methods: list, rates: dict, work_dir: str) -> list[Cell]:
+    """Every method x epsilon x seed at its chosen rate, then the density sweep of the sparse methods."""
+    cells = []
+    for method in methods:
+        lr = rates[method]
         for epsilon in profile["epsilons"]:
             for seed in profile["seeds"]:
                 out = cell_dir(work_dir, profile, method, epsilon, seed, lr, DEFAULT_DENSITY)
                 # the non-private ceiling ignores epsilon: one run per seed, shown in every column
                 cell_epsilon = profile["tune_epsilon"] if method == "nonprivate" else epsilon
-                results = run_cell(cell_config(base, method, cell_epsilon, seed, lr, DEFAULT_DENSITY, out), method)
-                records.append(_record(results, method, epsilon, seed, lr, DEFAULT_DENSITY, "main"))
-                _write(args.out_dir, name, profile, records, start)
+                config = cell_config(base, method, cell_epsilon, seed, lr, DEFAULT_DENSITY, out)
+                cells.append(Cell("main", method, epsilon, seed, lr, DEFAULT_DENSITY, config))
         if method in SPARSE_FOR_PROFILE:
             epsilon = profile["tune_epsilon"]
             for density in profile["densities"]:
                 out = cell_dir(work_dir, profile, method, epsilon, 0, lr, density)
-                results = run_cell(cell_config(base, method, epsilon, 0, lr, density, out), method)
-                records.append(_record(results, method, epsilon, 0, lr, density, "density"))
-    _write(args.out_dir, name, profile, records, start)
-    print(f"wrote {os.path.join(args.out_dir, name)}.json/.md/.png in {time.perf_counter() - start:.0f} s")
-    return 0
+                config = cell_config(base, method, epsilon, 0, lr, density, out)
+                cells.append(Cell("density", method, epsilon, 0, lr, density, config))
+    return cells
+
+
+def _records(cells: list[Cell], results: dict[int, dict]) -> list[dict]:
+    """Report records of the finished cells, in the cells' order."""
+    return [_record(results[i], c.method, c.epsilon, c.seed, c.lr, c.density, c.kind)
+            for i, c in enumerate(cells) if i in results]
+
+
+def _execute(task: tuple) -> dict:
+    """One task in this process: ``("cell", Cell)`` -> its results; ``("pretrain", base)`` -> {}."""
+    kind, payload = task
+    if kind == "pretrain":
+        ensure_pretrained(payload)
+        return {}
+    return run_cell(payload.config, payload.method)
+
+
+def ensure_pretrained(base: dict) -> None:
+    """Builds the cached public pre-training (``pretrain.checkpoint``) if it is missing."""
+    if os.path.exists(base["pretrain"]["checkpoint"]):
+        return
+    import tensorflow as tf
+
+    from trainers import run
+
+    work_dir = os.path.dirname(base["pretrain"]["checkpoint"])
+    config = validate_config(cell_config(base, "all", 1.0, 0, 0.1, DEFAULT_DENSITY, work_dir))
+    tf.keras.utils.set_random_seed(0)  # as the first cell (seed 0) would, had it built the cache
+    dataset = run.load_private_data(config)
+    run.pretrain(config, dataset.input_shape, config["output_dir"])
+
+
+class CellRunner:
+    """Runs tasks in this process (``jobs=1``) or in ``jobs`` spawned worker processes, each
+    importing TensorFlow once and taking one task at a time; results come back in task order."""
+
+    def __init__(self, jobs: int):
+        self.jobs = jobs
+        self._pool = None
+
+    def __enter__(self) -> "CellRunner":
+        if self.jobs > 1:
+            import concurrent.futures
+            import multiprocessing
+
+            self._pool = concurrent.futures.ProcessPoolExecutor(
+                self.jobs, mp_context=multiprocessing.get_context("spawn"))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+
+    def run(self, tasks: list, on_result=None) -> list[dict]:
+        done: dict[int, dict] = {}
+        if self._pool is None:
+            for index, task in enumerate(tasks):
+                done[index] = _execute(task)
+                self._report(len(done), len(tasks), task, done[index], on_result, done)
+        else:
+            import concurrent.futures
+
+            futures = {self._pool.submit(_execute, task): index for index, task in enumerate(tasks)}
+            for future in concurrent.futures.as_completed(futures):
+                index = futures[future]
+                done[index] = future.result()  # a failed run stops the benchmark with its error
+                self._report(len(done), len(tasks), tasks[index], done[index], on_result, done)
+        return [done[i] for i in range(len(tasks))]
+
+    @staticmethod
+    def _report(count: int, total: int, task: tuple, result: dict, on_result, done: dict) -> None:
+        if task[0] == "cell":
+            cell = task[1]
+            print(f"[{count}/{total}] {cell.kind} {cell.method} eps={cell.epsilon:g} seed={cell.seed} "
+                  f"lr={cell.lr:g} density={cell.density:g}: test accuracy {result['test_accuracy']:.4f} "
+                  f"({result.get('wall_s') or 0:.0f} s)", flush=True)
+        if on_result is not None:
+            on_result(dict(done))
 
 
 def rewrite_report(out_dir: str, name: str, profile: dict) -> int:

@@ -332,6 +332,26 @@ class DPModel(tf.keras.Model):
         sampler = PoissonSampler(n, self.sample_rate, self.physical_batch_size, seed=self._sampling_seed)
         return sampler.dataset(x, y, start_step=initial_step), sampler.steps_per_epoch
 
+    def _build_compiled_metrics(self, element_spec) -> None:
+        """Creates the compiled metrics (and their variables) eagerly, before the step is traced.
+
+        Keras builds them inside the first call of the traced step; a
+        ``tf.function`` whose first trace creates variables is traced a second
+        time, which for a DP step (per-example gradients, micro-batch loop) costs
+        seconds per phase. Built here from zeros shaped like one element of the
+        data (``None`` dimensions -> 1) and the model's output; no metric state
+        is updated.
+        """
+        if self.compiled_metrics is None or self.compiled_metrics.built:
+            return
+        x_spec, y_spec, _ = tf.keras.utils.unpack_x_y_sample_weight(element_spec)
+        if y_spec is None:
+            return
+        zeros = lambda spec: tf.zeros([1 if d is None else d for d in spec.shape], spec.dtype)  # noqa: E731
+        x, y = tf.nest.map_structure(zeros, x_spec), tf.nest.map_structure(zeros, y_spec)
+        with self.distribute_strategy.scope():
+            self.compiled_metrics.build(self.model(x, training=False), y)
+
     def _privacy_callback(self, callbacks, steps_per_epoch, on_budget_exhausted):
         existing = [c for c in callbacks if isinstance(c, PrivacyCallback)]
         if existing or self.ledger is None:
@@ -365,6 +385,8 @@ class DPModel(tf.keras.Model):
                 raise ValueError("fit(x, y): labels y are required with array inputs")
             x, steps_per_epoch = self._input_pipeline(x, y, int(self.dp_step.numpy()))
             y = None
+        if isinstance(x, tf.data.Dataset):
+            self._build_compiled_metrics(x.element_spec)
         callbacks = list(callbacks or [])
         privacy = self._privacy_callback(callbacks, steps_per_epoch, on_budget_exhausted)
         if privacy is not None and privacy not in callbacks:

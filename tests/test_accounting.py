@@ -159,3 +159,44 @@ def test_calibration_rejects_bad_target(target):
 
 def test_budget_error_is_a_value_error():
     assert issubclass(PrivacyBudgetExceededError, ValueError)
+
+
+def _counting_accountants(monkeypatch) -> list:
+    made = []
+    real = accounting.make_accountant
+
+    def counting(name="pld"):
+        made.append(name)
+        return real(name)
+
+    monkeypatch.setattr(accounting, "make_accountant", counting)
+    return made
+
+
+def test_epsilon_of_equal_events_is_computed_once_and_unequal_ones_apart(monkeypatch):
+    import numpy as np
+
+    made = _counting_accountants(monkeypatch)
+    event = accounting.dp_sgd_event(1.234567, 0.03, 77)
+    first = epsilon_of_event(event, DELTA)
+    calls = len(made)
+    assert epsilon_of_event(accounting.dp_sgd_event(1.234567, 0.03, 77), DELTA) == first
+    assert len(made) == calls  # memoised
+    # A float32 sigma prints like its float64 neighbour but is another event: computed apart.
+    float32_sigma = np.float32(1.234567)
+    apart = epsilon_of_event(accounting.dp_sgd_event(float32_sigma, 0.03, 77), DELTA)
+    assert len(made) > calls
+    expected = make_accountant("pld").compose(accounting.dp_sgd_event(float(float32_sigma), 0.03, 77))
+    assert apart == expected.get_epsilon(DELTA)
+    # another delta or accountant is another value
+    assert epsilon_of_event(event, DELTA * 10) < first
+    assert epsilon_of_event(event, DELTA, "rdp") > first
+
+
+def test_calibration_is_memoised_per_arguments(monkeypatch):
+    made = _counting_accountants(monkeypatch)
+    sigma = calibrate_noise_multiplier(3.1, DELTA, 0.07, 33)
+    calls = len(made)
+    assert calibrate_noise_multiplier(3.1, DELTA, 0.07, 33) == sigma
+    assert len(made) == calls
+    assert calibrate_noise_multiplier(3.1, DELTA, 0.07, 34) > sigma  # more steps need more noise

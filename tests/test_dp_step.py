@@ -245,3 +245,24 @@ def test_mirrored_strategy_matches_single_device():
         results.append(weights_of(model))
     for a, b in zip(*results):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_step_is_traced_once_with_compiled_metrics():
+    """Metric variables are built before the first call, so tf.function traces the DP step once
+    (a first trace that creates variables makes it trace a second time)."""
+    traces = []
+
+    class CountingDPModel(DPModel):
+        def train_step(self, data):
+            traces.append(1)  # runs at trace time only
+            return super().train_step(data)
+
+    x, y = data(64)
+    dp = CountingDPModel(small_model(), noise_multiplier=1.0, sample_rate=0.25, physical_batch_size=16, seed=3)
+    dp.compile(tf.keras.optimizers.SGD(0.1), loss=LOSS, metrics=["accuracy"])
+    history = dp.fit(x, y, epochs=2, verbose=0)
+    assert len(traces) == 1
+    # the eagerly built metric is the sparse one and is updated by the steps
+    assert [m.name for m in dp.metrics] == ["loss", "accuracy"]
+    assert all(0.0 <= a <= 1.0 for a in history.history["accuracy"])
+    assert history.history["accuracy"][0] > 0.0

@@ -76,3 +76,36 @@ def test_cell_with_another_configuration_or_unfinished_is_run_again_from_scratch
     (tmp_path / "cell" / "half-written").write_text("x")
     utility.run_cell(_config(tmp_path, lr=0.03), "sparta")
     assert len(fake_train) == 3 and not (tmp_path / "cell" / "half-written").exists()
+
+
+def _record(method, eps, seed, accuracy, kind="main", lr=0.03, density=0.2, seconds=10.0, private=True):
+    return {"kind": kind, "method": method, "target_epsilon": eps, "seed": seed, "learning_rate": lr,
+            "density": density, "private": private, "epsilon": eps if private else None, "test_accuracy": accuracy,
+            "val_accuracy": accuracy, "trainable_fraction": 0.2, "seconds": seconds}
+
+
+def test_report_only_rebuilds_table_from_recorded_runs_and_counts_shared_runs_once(tmp_path):
+    profile = utility.PROFILES["smoke"]
+    records = [_record("sparta", 8.0, 0, 0.6, kind="tune"), _record("sparta", 8.0, 0, 0.6),
+               _record("all", 8.0, 0, 0.4), _record("nonprivate", 8.0, 0, 0.9, private=False)]
+    stored = {"profile": utility._comparable(profile), "delta": utility.DELTA, "elapsed_s": 5.0, "runs": records}
+    (tmp_path / "cifar10-transfer-smoke.json").write_text(json.dumps(stored))
+    assert utility.main(["--track", "cifar10-transfer", "--profile", "smoke", "--data-dir", str(tmp_path),
+                         "--out-dir", str(tmp_path), "--report-only"]) == 0
+    report = (tmp_path / "cifar10-transfer-smoke.md").read_text()
+    assert "| sparta | **60.00 ± 0.00** |" in report and "| all | 40.00 ± 0.00 |" in report
+    assert "nonprivate †" in report
+    # the tuning run and the main (epsilon 8, seed 0) cell are one run
+    assert "compute: 3 runs" in report
+    assert (tmp_path / "cifar10-transfer-smoke-accuracy-vs-epsilon.png").stat().st_size > 0
+
+
+def test_report_only_refuses_missing_or_stale_results(tmp_path):
+    args = ["--track", "cifar10-transfer", "--profile", "smoke", "--data-dir", str(tmp_path),
+            "--out-dir", str(tmp_path), "--report-only"]
+    with pytest.raises(SystemExit, match="does not exist"):
+        utility.main(args)
+    stale = dict(utility._comparable(utility.PROFILES["smoke"]), epochs=99)
+    (tmp_path / "cifar10-transfer-smoke.json").write_text(json.dumps({"profile": stale, "elapsed_s": 1.0, "runs": []}))
+    with pytest.raises(SystemExit, match="another 'smoke' profile"):
+        utility.main(args)

@@ -46,8 +46,11 @@ picks discretisations, validates arguments and calibrates ``sigma``.
 
 from __future__ import annotations
 
+import collections
+import functools
 import math
 import numbers
+import pickle
 from typing import Callable
 
 import dp_accounting
@@ -68,6 +71,11 @@ CALIBRATION_RTOL: float = 1e-4
 """Default relative tolerance on sigma in :func:`calibrate_noise_multiplier`."""
 
 _SIGMA_SEARCH_RANGE = (1e-2, 1e6)
+
+EPSILON_CACHE_SIZE: int = 4096
+"""How many ``epsilon(event, delta)`` values :func:`epsilon_of_event` keeps (least recently used dropped)."""
+
+_epsilon_cache: "collections.OrderedDict[tuple[bytes, float, str], float]" = collections.OrderedDict()
 
 
 class PrivacyBudgetExceededError(ValueError):
@@ -229,7 +237,18 @@ def epsilon_of_event(
     (``NonPrivateDpEvent`` or a Gaussian with ``sigma = 0``).
     """
     delta = check_delta(delta)
-    return float(make_accountant(accountant).compose(event).get_epsilon(delta))
+    check_accountant(accountant)
+    # A pure function of its arguments, memoised on the event's pickle: every field with its
+    # exact value and type (a float32 sigma and its float64 rounding get separate entries).
+    key = (pickle.dumps(event), delta, accountant)
+    if key in _epsilon_cache:
+        _epsilon_cache.move_to_end(key)
+        return _epsilon_cache[key]
+    epsilon = float(make_accountant(accountant).compose(event).get_epsilon(delta))
+    _epsilon_cache[key] = epsilon
+    if len(_epsilon_cache) > EPSILON_CACHE_SIZE:
+        _epsilon_cache.popitem(last=False)
+    return epsilon
 
 
 def compute_epsilon(
@@ -283,6 +302,13 @@ def calibrate_noise_multiplier(
     if check_steps(steps) == 0:
         raise ValueError("steps must be >= 1 to calibrate a noise multiplier.")
     check_accountant(accountant)
+    return _calibrated(target, delta, q, steps, accountant, rtol)
+
+
+@functools.lru_cache(maxsize=256)
+def _calibrated(target: float, delta: float, q: float, steps: int, accountant: str, rtol: float) -> float:
+    """:func:`calibrate_noise_multiplier` on validated arguments; memoised (a pure function,
+    and the costliest call of a run's set-up: seconds of PLD compositions)."""
     epsilon_at = lambda sigma, name: compute_epsilon(sigma, q, steps, delta, name)
     lo, hi = _bracket(lambda s: epsilon_at(s, "rdp"), target)
     if accountant == "rdp":
