@@ -109,3 +109,27 @@ def test_report_only_refuses_missing_or_stale_results(tmp_path):
     (tmp_path / "cifar10-transfer-smoke.json").write_text(json.dumps({"profile": stale, "elapsed_s": 1.0, "runs": []}))
     with pytest.raises(SystemExit, match="another 'smoke' profile"):
         utility.main(args)
+
+
+def test_rate_with_best_private_validation_accuracy_is_chosen_first_on_ties(tmp_path):
+    base = {"training": {"epochs": 4}, "privacy": {}}
+    cells = utility.tuning_cells(base, PROFILE, ["sparta", "all"], str(tmp_path))
+    assert [(c.method, c.lr) for c in cells] == [(m, lr) for m in ("sparta", "all") for lr in PROFILE["lr_grid"]]
+    val = {("sparta", 0.03): 0.4, ("sparta", 0.1): 0.5, ("all", 0.03): 0.3, ("all", 0.1): 0.3}
+    results = [{"history": {"val_accuracy": [0.0, val[(c.method, c.lr)]]}} for c in cells]
+    assert utility.chosen_rates(PROFILE, cells, results) == {"sparta": 0.1, "all": 0.03}
+
+
+def test_benchmark_cells_cover_every_method_epsilon_seed_and_the_density_sweep(tmp_path):
+    base = {"training": {"epochs": 4}, "privacy": {}}
+    methods = ["sparta", "all", "nonprivate"]
+    cells = utility.benchmark_cells(base, PROFILE, methods, {m: 0.03 for m in methods}, str(tmp_path))
+    main = [c for c in cells if c.kind == "main"]
+    assert len(main) == len(methods) * len(PROFILE["epsilons"]) * len(PROFILE["seeds"])
+    assert {(c.method, c.epsilon, c.seed) for c in main} == {
+        (m, e, s) for m in methods for e in PROFILE["epsilons"] for s in PROFILE["seeds"]}
+    density = [c for c in cells if c.kind == "density"]
+    assert [(c.method, c.density) for c in density] == [("sparta", d) for d in PROFILE["densities"]]
+    # the ceiling's cells all train at the tuning epsilon (it ignores epsilon), private ones at their own
+    assert {c.config["privacy"]["target_epsilon"] for c in main if c.method == "nonprivate"} == {PROFILE["tune_epsilon"]}
+    assert {c.config["privacy"]["target_epsilon"] for c in main if c.method == "all"} == set(PROFILE["epsilons"])
