@@ -209,12 +209,17 @@ class DPModel(tf.keras.Model):
     # ---------------------------------------------------------------- compile
 
     def compile(self, optimizer="sgd", loss=None, metrics=None, jit_compile=None, **kwargs):
-        """Like ``keras.Model.compile``; ``loss`` must be per-example (any built-in is)."""
+        """Like ``keras.Model.compile``; ``loss`` must be per-example (any built-in is).
+
+        ``metrics`` are compiled as Keras *weighted* metrics: the padding rows of
+        a Poisson batch have weight 0, and Keras passes sample weights only to
+        weighted metrics, so plain ones would count padding as examples.
+        """
         self._per_example_loss = per_example_loss_fn(loss)
         if jit_compile is not None:
             self._jit_compile_setting = jit_compile
         super().compile(
-            optimizer=optimizer, loss=loss, metrics=metrics,
+            optimizer=optimizer, loss=loss, weighted_metrics=_all_weighted(metrics, kwargs.pop("weighted_metrics", None)),
             jit_compile=resolve_jit_compile(self._jit_compile_setting), **kwargs,
         )
         self._masked_optimizer = MaskedOptimizer(self.optimizer)
@@ -399,3 +404,14 @@ class DPModel(tf.keras.Model):
             x, y, epochs=epochs, verbose=verbose, callbacks=callbacks,
             steps_per_epoch=steps_per_epoch, **kwargs,
         )
+
+
+def _all_weighted(metrics, weighted_metrics):
+    """``metrics`` and ``weighted_metrics`` of ``compile`` as one weighted list (see ``DPModel.compile``)."""
+    if metrics is None or weighted_metrics is None:
+        return weighted_metrics if metrics is None else metrics
+    if isinstance(metrics, (list, tuple)) and isinstance(weighted_metrics, (list, tuple)):
+        return list(metrics) + list(weighted_metrics)
+    raise ValueError("DPModel.compile weighs every metric by the padding mask: pass per-output metrics "
+                     "in one argument, `metrics` or `weighted_metrics`, not both")
+

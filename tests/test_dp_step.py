@@ -266,3 +266,34 @@ def test_step_is_traced_once_with_compiled_metrics():
     assert [m.name for m in dp.metrics] == ["loss", "accuracy"]
     assert all(0.0 <= a <= 1.0 for a in history.history["accuracy"])
     assert history.history["accuracy"][0] > 0.0
+
+
+@pytest.mark.parametrize("micro", [None, 8])
+def test_metrics_count_only_real_examples_not_padding(micro):
+    """Padding rows (weight 0) are left out of the compiled metrics as of the loss: Keras hands
+    sample weights to weighted metrics only, so DPModel compiles every metric as weighted."""
+    model = small_model()
+    x, y = data(32)
+    real = 20
+    logits = model(x).numpy()
+    y = y.copy()
+    y[real:] = logits[real:].argmax(1)  # padding rows that a count of rows would score as correct
+    x_pad = x.copy()
+    w = np.r_[np.ones(real), np.zeros(32 - real)].astype("float32")
+    dp = DPModel(model, noise_multiplier=0.0, sample_rate=0.5, dataset_size=64, physical_batch_size=micro, seed=1)
+    dp.compile(tf.keras.optimizers.SGD(0.0), loss=LOSS, metrics=["accuracy"])
+    results = tf.function(dp.train_step)((tf.constant(x_pad), tf.constant(y), tf.constant(w)))
+    expected_accuracy = np.mean(logits[:real].argmax(1) == y[:real])
+    expected_loss = np.mean(PER_EXAMPLE_LOSS(tf.constant(y[:real]), tf.constant(logits[:real])).numpy())
+    assert float(results["accuracy"]) == pytest.approx(expected_accuracy)
+    assert float(results["loss"]) == pytest.approx(expected_loss, rel=1e-5)
+
+
+def test_metrics_and_weighted_metrics_are_merged_or_refused():
+    dp = DPModel(small_model(), noise_multiplier=1.0, sample_rate=0.5, dataset_size=8)
+    dp.compile("sgd", loss=LOSS, metrics=["accuracy"], weighted_metrics=[tf.keras.metrics.SparseTopKCategoricalAccuracy(2)])
+    x, y = data(8)
+    dp.fit(x, y, epochs=1, verbose=0)
+    assert [m.name for m in dp.metrics] == ["loss", "accuracy", "sparse_top_k_categorical_accuracy"]
+    with pytest.raises(ValueError, match="not both"):
+        dp.compile("sgd", loss=LOSS, metrics={"head": ["accuracy"]}, weighted_metrics=["accuracy"])
