@@ -21,7 +21,6 @@ entries, so a round trip gives bit-identical epsilon.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import math
@@ -40,7 +39,6 @@ LEDGER_FORMAT_VERSION = 1
 DEFAULT_KIND = "dp_sgd_step"
 POISSON = "poisson"
 _BUDGET_SLACK = 1e-9  # relative slack on the target (float noise only)
-_CACHE_SIZE = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +139,6 @@ class PrivacyLedger:
         self.sampling = sampling
         self._entries: tuple[LedgerEntry, ...] = ()
         self._nonprivate: list[str] = []
-        self._cache: collections.OrderedDict[tuple, float] = collections.OrderedDict()
 
     @property
     def target_epsilon(self) -> float | None:
@@ -235,12 +232,8 @@ class PrivacyLedger:
     def _epsilon_of(self, entries: tuple[LedgerEntry, ...]) -> float:
         if self._nonprivate:
             return math.inf
-        if entries not in self._cache:
-            self._cache[entries] = _compute_epsilon(entries, self.delta, self.accountant)
-            if len(self._cache) > _CACHE_SIZE:
-                self._cache.popitem(last=False)
-        self._cache.move_to_end(entries)
-        return self._cache[entries]
+        # memoised by accounting.epsilon_of_event (keyed on the event, delta and accountant)
+        return _compute_epsilon(entries, self.delta, self.accountant)
 
     # ------------------------------------------------------------------ persistence
 
