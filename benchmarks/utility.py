@@ -204,7 +204,8 @@ def _val_accuracy(results: dict) -> float:
 def _record(results, method, epsilon, seed, lr, density, kind, val=None) -> dict:
     return {"kind": kind, "method": method, "target_epsilon": epsilon, "seed": seed, "learning_rate": lr,
             "density": density, "private": results.get("private", True), "epsilon": results.get("epsilon"),
-            "test_accuracy": results["test_accuracy"], "val_accuracy": val if val is not None else _val_accuracy(results),
+            "test_accuracy": results["test_accuracy"],
+            "val_accuracy": val if val is not None else _val_accuracy(results),
             "trainable_fraction": results.get("trainable_fraction"), "seconds": results.get("wall_s"),
             "run_dir": results.get("cell", {}).get("output_dir")}
 
@@ -221,7 +222,7 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=1,
                         help="runs at a time, each in its own worker process (default 1: in this process)")
     parser.add_argument("--report-only", action="store_true",
-                        help="rewrite the .md and plots from the existing <out-dir>/<track>-<profile>.json; run nothing")
+                        help="rewrite the .md and plots from <out-dir>/<track>-<profile>.json; run nothing")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error("--jobs must be >= 1")
@@ -240,7 +241,7 @@ def main(argv=None) -> int:
             runner.run([("pretrain", base)])  # once, before workers would race to build the cache
         tune_cells = tuning_cells(base, profile, args.methods, work_dir)
         tuned = runner.run([("cell", cell) for cell in tune_cells])
-        rates = chosen_rates(profile, tune_cells, tuned)
+        rates = chosen_rates(tune_cells, tuned)
         records = [_record(r, c.method, c.epsilon, c.seed, c.lr, c.density, "tune", _val_accuracy(r))
                    for c, r in zip(tune_cells, tuned)]
         cells = benchmark_cells(base, profile, args.methods, rates, work_dir)
@@ -277,7 +278,7 @@ def tuning_cells(base: dict, profile: dict, methods: list, work_dir: str) -> lis
     return cells
 
 
-def chosen_rates(profile: dict, cells: list[Cell], results: list[dict]) -> dict[str, float]:
+def chosen_rates(cells: list[Cell], results: list[dict]) -> dict[str, float]:
     """Per method, the grid rate with the best private-validation accuracy (the first one on ties)."""
     best: dict[str, tuple[float, float]] = {}
     for cell, result in zip(cells, results):

@@ -218,8 +218,9 @@ class DPModel(tf.keras.Model):
         self._per_example_loss = per_example_loss_fn(loss)
         if jit_compile is not None:
             self._jit_compile_setting = jit_compile
+        weighted = _all_weighted(metrics, kwargs.pop("weighted_metrics", None))
         super().compile(
-            optimizer=optimizer, loss=loss, weighted_metrics=_all_weighted(metrics, kwargs.pop("weighted_metrics", None)),
+            optimizer=optimizer, loss=loss, weighted_metrics=weighted,
             jit_compile=resolve_jit_compile(self._jit_compile_setting), **kwargs,
         )
         self._masked_optimizer = MaskedOptimizer(self.optimizer)
@@ -414,4 +415,3 @@ def _all_weighted(metrics, weighted_metrics):
         return list(metrics) + list(weighted_metrics)
     raise ValueError("DPModel.compile weighs every metric by the padding mask: pass per-output metrics "
                      "in one argument, `metrics` or `weighted_metrics`, not both")
-

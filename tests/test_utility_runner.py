@@ -117,7 +117,7 @@ def test_rate_with_best_private_validation_accuracy_is_chosen_first_on_ties(tmp_
     assert [(c.method, c.lr) for c in cells] == [(m, lr) for m in ("sparta", "all") for lr in PROFILE["lr_grid"]]
     val = {("sparta", 0.03): 0.4, ("sparta", 0.1): 0.5, ("all", 0.03): 0.3, ("all", 0.1): 0.3}
     results = [{"history": {"val_accuracy": [0.0, val[(c.method, c.lr)]]}} for c in cells]
-    assert utility.chosen_rates(PROFILE, cells, results) == {"sparta": 0.1, "all": 0.03}
+    assert utility.chosen_rates(cells, results) == {"sparta": 0.1, "all": 0.03}
 
 
 def test_benchmark_cells_cover_every_method_epsilon_seed_and_the_density_sweep(tmp_path):
