@@ -10,8 +10,10 @@ Serving watches (``saved_model.pb`` + ``variables/``), with one signature::
 ``images`` are in the scale the *training data* had when it entered the
 model (e.g. ``[0, 1]`` floats). If training normalised inputs outside the
 model, pass the constants, ``preprocessing={"mean": m, "std": s}`` (scalars
-or one value per channel): a Keras ``Normalization`` layer computing
-``(images - m) / s`` is then baked in front of the model.
+or one value per channel; both required and finite, ``s > 0``): a Keras
+``Normalization`` layer computing ``(images - m) / s`` is then baked in
+front of the model. ``preprocessing=None`` (the default) serves the model
+on the images as given.
 
 What is served is rebuilt, not the training object:
 
@@ -97,18 +99,49 @@ def _image_shape(model: tf.keras.Model) -> tuple:
 
 
 def _normalization(preprocessing: Optional[Mapping], channels: int) -> Optional[tf.keras.layers.Layer]:
-    if not preprocessing:
+    """``Normalization((x - mean) / std)`` from ``{"mean": m, "std": s}``, or None without preprocessing.
+
+    Both values are required and must be finite (``std > 0``), one scalar or
+    one value per channel: a missing or NaN statistic would bake a layer that
+    serves NaN for every input. Pass ``preprocessing=None`` when the training
+    data was not normalised.
+    """
+    if preprocessing is None or preprocessing == {}:
         return None
+    if not isinstance(preprocessing, Mapping):
+        raise TypeError(f"preprocessing must be a mapping {{'mean': m, 'std': s}} or None, "
+                        f"got {type(preprocessing).__name__}")
     unknown = sorted(set(preprocessing) - set(_PREPROCESSING_KEYS))
     if unknown:
         raise ValueError(f"preprocessing.{unknown[0]} is not supported; valid keys: {list(_PREPROCESSING_KEYS)}")
-    mean = np.broadcast_to(np.asarray(preprocessing.get("mean", 0.0), np.float32), (channels,))
-    std = np.broadcast_to(np.asarray(preprocessing.get("std", 1.0), np.float32), (channels,))
+    mean, std = (_statistic(preprocessing, key, channels) for key in _PREPROCESSING_KEYS)
     if np.any(std <= 0):
         raise ValueError(f"preprocessing.std must be > 0, got {std.tolist()}")
     return tf.keras.layers.Normalization(
         axis=-1, mean=mean.tolist(), variance=(std**2).tolist(), name="normalize"
     )
+
+
+def _statistic(preprocessing: Mapping, key: str, channels: int) -> np.ndarray:
+    """``preprocessing[key]`` as finite float32 ``[channels]``, or a ValueError naming the fix."""
+    value = preprocessing.get(key)
+    if value is None:
+        raise ValueError(
+            f"preprocessing.{key} is missing; give both mean and std of the training inputs, "
+            "or preprocessing=None when the data was not normalised"
+        )
+    try:
+        array = np.asarray(value, np.float32).reshape(-1)
+    except (TypeError, ValueError):
+        array = np.zeros(0, np.float32)
+    if array.size == 1:
+        array = np.full(channels, array[0], np.float32)
+    if array.size != channels:
+        raise ValueError(f"preprocessing.{key}={value!r} must be a number or {channels} numbers (one per channel)")
+    if not np.all(np.isfinite(array)):
+        raise ValueError(f"preprocessing.{key}={array.tolist()} is not finite; pass the finite statistics "
+                         "the training inputs were normalised with")
+    return array
 
 
 def _serving_model(clean: tf.keras.Model, preprocessing) -> tf.keras.Model:

@@ -145,6 +145,13 @@ def method_callback(config: dict, output_dir: str | None) -> sparta_tf.MethodCal
     )
 
 
+def serving_preprocessing(dataset) -> dict | None:
+    """The normalisation the export must bake in: the data set's ``mean``/``std``, or None without."""
+    if dataset.mean is None:
+        return None
+    return {"mean": dataset.mean, "std": dataset.std}
+
+
 def make_optimizer(config: dict, total_steps: int) -> tf.keras.optimizers.Optimizer:
     training = config["training"]
     lr = training["learning_rate"]
@@ -243,7 +250,7 @@ def train(config: dict, resume: bool = False) -> dict:
 
         results["export_dir"] = export_for_serving(
             dp.model, os.path.join(output_dir, "export"), version=config["export"]["version"],
-            preprocessing={"mean": getattr(dataset, "mean", None), "std": getattr(dataset, "std", None)},
+            preprocessing=serving_preprocessing(dataset),
         )
     tmp = os.path.join(output_dir, RESULTS + ".tmp")
     with open(tmp, "w") as f:
