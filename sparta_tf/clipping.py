@@ -6,6 +6,10 @@ this step) and clip norm ``C``::
     c_i = w_i * min(1, C / ||g_i||_2)        w_i = 1 for real examples, 0 for padding
     S   = sum_i c_i g_i                      so ||c_i g_i||_2 <= C for every i
 
+This is the one clipped sum of the project: DP-SGD steps, DP-SNIP and
+DP-FROST use it (DP-FROST's magnitudes clip in the L1 or L2 norm,
+``order=1`` / ``order=2``: ``c_i = min(1, C / ||g_i||_order)``).
+
 ``S`` is the sum whose sensitivity the Gaussian mechanism of DP-SGD assumes.
 Guarantees that the tests check:
 
@@ -33,6 +37,12 @@ def per_example_squared_norms(grads: Sequence[tf.Tensor]) -> tf.Tensor:
     return tf.add_n([tf.reduce_sum(tf.reshape(tf.square(g), [batch, -1]), axis=1) for g in grads])
 
 
+def per_example_l1_norms(grads: Sequence[tf.Tensor]) -> tf.Tensor:
+    """``[B]``: ``sum_k ||grads[k][i]||_1`` over all per-example tensors ``[B, ...]``."""
+    batch = tf.shape(grads[0])[0]
+    return tf.add_n([tf.reduce_sum(tf.reshape(tf.abs(g), [batch, -1]), axis=1) for g in grads])
+
+
 def clip_factors(squared_norms: tf.Tensor, clip_norm: float, valid: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     """``(c, keep)``: ``c_i = min(1, C / ||g_i||)`` for kept examples, else 0.
 
@@ -41,21 +51,33 @@ def clip_factors(squared_norms: tf.Tensor, clip_norm: float, valid: tf.Tensor) -
     others exactly.
     """
     keep = tf.logical_and(valid, tf.math.is_finite(squared_norms))
-    norms = tf.sqrt(tf.where(keep, squared_norms, tf.zeros_like(squared_norms)))
+    return _factors(tf.sqrt(tf.where(keep, squared_norms, tf.zeros_like(squared_norms))), keep, clip_norm), keep
+
+
+def _factors(norms: tf.Tensor, keep: tf.Tensor, clip_norm: float) -> tf.Tensor:
+    """``min(1, C / ||g_i||)`` (with the safety margin) where ``keep``, else 0."""
     clip_norm = tf.cast(clip_norm, norms.dtype)
-    factors = tf.minimum(1.0, clip_norm / (norms * (1.0 + SAFETY_MARGIN) + 1e-30))
-    return tf.where(keep, factors, tf.zeros_like(factors)), keep
+    factors = tf.minimum(tf.cast(1.0, norms.dtype), clip_norm / (norms * (1.0 + SAFETY_MARGIN) + 1e-30))
+    return tf.where(keep, factors, tf.zeros_like(factors))
 
 
 def clipped_sum(
-    grads: Sequence[tf.Tensor], clip_norm: float, valid: tf.Tensor
+    grads: Sequence[tf.Tensor], clip_norm: float, valid: tf.Tensor, order: int = 2
 ) -> tuple[list[tf.Tensor], tf.Tensor]:
-    """``(S, norms)``: the sum of clipped per-example gradients and the unclipped norms."""
-    squared = per_example_squared_norms(grads)
-    factors, keep = clip_factors(squared, clip_norm, valid)
+    """``(S, norms)``: the sum of clipped per-example gradients and the unclipped ``order``-norms."""
+    if order == 2:
+        squared = per_example_squared_norms(grads)
+        factors, keep = clip_factors(squared, clip_norm, valid)
+        norms = tf.sqrt(squared)
+    elif order == 1:
+        norms = per_example_l1_norms(grads)
+        keep = tf.logical_and(valid, tf.math.is_finite(norms))
+        factors = _factors(tf.where(keep, norms, tf.zeros_like(norms)), keep, clip_norm)
+    else:
+        raise ValueError(f"order={order!r}: clipping supports the L1 and L2 norms (order 1 or 2)")
     sums = []
     for g in grads:
         mask = tf.reshape(keep, [-1] + [1] * (g.shape.rank - 1))
         g = tf.where(mask, g, tf.zeros_like(g))
         sums.append(tf.tensordot(factors, g, axes=1))
-    return sums, tf.sqrt(squared)
+    return sums, norms

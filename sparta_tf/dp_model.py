@@ -19,8 +19,15 @@ Poisson-subsampled Gaussian mechanism (Abadi et al. 2016)::
 * A batch element is ``(x, y, sample_weight)`` of length ``k * P`` (see
   :mod:`sparta_tf.privacy.sampling`): it is processed as ``k`` micro-batches
   of the physical batch size ``P`` whose clipped sums are accumulated before
-  the single noisy update; examples with ``sample_weight == 0`` are padding
-  and contribute exactly zero.
+  the single noisy update. ``sample_weight`` is a 0/1 padding mask, not a
+  weighting: examples with ``w_i = 0`` are padding and contribute exactly
+  zero, examples with ``w_i = 1`` contribute ``clip(g_i)``; any other value
+  is refused (a weight ``w_i > 1`` would scale an example's contribution
+  past the clip bound).
+* Before the first step, :func:`sparta_tf.model_checks.probe_batch_mixing`
+  checks on a few real examples that the model's training-mode forward pass
+  keeps examples separate (BatchNorm variants are already refused by class
+  at construction).
 * Under ``tf.distribute`` the clipped sums are all-reduced across replicas
   and the noise, drawn from a key shared by all replicas
   (:mod:`sparta_tf.noise`), is added once to the global sum.
@@ -34,8 +41,9 @@ import tensorflow as tf
 
 from sparta_tf.clipping import clipped_sum
 from sparta_tf.losses import per_example_loss_fn
-from sparta_tf.model_checks import reject_batchnorm_in_training_mode
-from sparta_tf.noise import gaussian_noise, new_seed
+from sparta_tf import random_streams
+from sparta_tf.model_checks import probe_batch_mixing, reject_batch_mixing_layers
+from sparta_tf.noise import gaussian_noise
 from sparta_tf.optim.masked_optimizer import MaskedOptimizer
 from sparta_tf.per_example import make_engine
 from sparta_tf.privacy.accounting import check_noise_multiplier, check_sample_rate
@@ -79,8 +87,9 @@ class DPModel(tf.keras.Model):
       delta: when given, a :class:`PrivacyLedger` records every step and
         ``fit`` logs ``epsilon``; with ``target_epsilon`` training refuses to
         start (or stops, after ``on_budget_exhausted``) rather than overspend.
-      seed: seed of the sampling and noise streams (tests, reproducibility).
-        ``None``: a secret seed from the OS (see :mod:`sparta_tf.noise`).
+      seed: the run seed from which the sampling and noise streams are derived
+        (:mod:`sparta_tf.random_streams`; tests, reproducibility, resume).
+        ``None``: a secret seed from the OS.
       engine: per-example gradient engine, ``"auto"``, ``"layerwise"`` or
         ``"vectorized"`` (see :mod:`sparta_tf.per_example`).
       jit_compile: ``"auto"`` (XLA on GPU/TPU, off on CPU), True or False.
@@ -105,7 +114,7 @@ class DPModel(tf.keras.Model):
         name: str | None = None,
     ):
         super().__init__(name=name or f"dp_{model.name}")
-        reject_batchnorm_in_training_mode(model)
+        reject_batch_mixing_layers(model)
         if sampling not in SAMPLING_MODES:
             raise ValueError(f"sampling={sampling!r} is not one of {SAMPLING_MODES}")
         self.model = model
@@ -117,8 +126,8 @@ class DPModel(tf.keras.Model):
         self.sampling = sampling
         self.engine_name = engine
         self._jit_compile_setting = jit_compile
-        seed = new_seed() if seed is None else int(seed)
-        self._sampling_seed = seed
+        seed = random_streams.resolve_seed(seed)
+        self._seed = seed
         self.dp_step = tf.Variable(
             0, dtype=tf.int64, trainable=False, name="dp_step",
             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
@@ -135,11 +144,30 @@ class DPModel(tf.keras.Model):
         self._engine = None
         self._per_example_loss = None
         self._loss_tracker = tf.keras.metrics.Mean(name="loss")
+        self._mixing_probed = False
 
     # ------------------------------------------------------------------ model
 
     def call(self, inputs, training=None):
         return self.model(inputs, training=training)
+
+    @property
+    def seed(self) -> int:
+        """The run seed of every random stream (:mod:`sparta_tf.random_streams`). Secret: whoever
+        knows it can recompute the noise and the batches; store it only with private checkpoints."""
+        return self._seed
+
+    def checkpoint_state(self) -> dict[str, tf.Module]:
+        """What a resumable checkpoint must hold: weights, optimizer state, step counters, seed.
+
+        ``{"model", "dp_step", "noise_seed", "iterations", "masked_optimizer"}``
+        (``masked_optimizer`` only after ``compile``), for ``tf.train.Checkpoint``.
+        """
+        state = {"model": self.model, "dp_step": self.dp_step, "noise_seed": self._noise_seed}
+        if self._masked_optimizer is not None:
+            state["iterations"] = self.optimizer.iterations
+            state["masked_optimizer"] = self._masked_optimizer
+        return state
 
     @property
     def trainable_set(self) -> TrainableSet:
@@ -330,12 +358,12 @@ class DPModel(tf.keras.Model):
             raise ValueError(f"dataset_size={self.dataset_size} but fit got {n} examples; they must agree")
         if self.sampling == "shuffle":
             batch = max(1, round(self.sample_rate * n))
-            dataset = shuffled_dataset(x, y, batch, seed=self._sampling_seed, start_step=initial_step)
+            dataset = shuffled_dataset(x, y, batch, seed=self._seed, start_step=initial_step)
             return dataset, shuffled_steps_per_epoch(n, batch)
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         if self.physical_batch_size is None:
             self.physical_batch_size = default_physical_batch_size(n, self.sample_rate, multiple_of=replicas)
-        sampler = PoissonSampler(n, self.sample_rate, self.physical_batch_size, seed=self._sampling_seed)
+        sampler = PoissonSampler(n, self.sample_rate, self.physical_batch_size, seed=self._seed)
         return sampler.dataset(x, y, start_step=initial_step), sampler.steps_per_epoch
 
     def _build_compiled_metrics(self, element_spec) -> None:
@@ -357,6 +385,12 @@ class DPModel(tf.keras.Model):
         x, y = tf.nest.map_structure(zeros, x_spec), tf.nest.map_structure(zeros, y_spec)
         with self.distribute_strategy.scope():
             self.compiled_metrics.build(self.model(x, training=False), y)
+
+    def _probe_mixing(self, x) -> None:
+        """:func:`probe_batch_mixing` on the first examples of ``x``, once per model."""
+        if not self._mixing_probed:
+            probe_batch_mixing(self.model, x)
+            self._mixing_probed = True
 
     def _privacy_callback(self, callbacks, steps_per_epoch, on_budget_exhausted):
         existing = [c for c in callbacks if isinstance(c, PrivacyCallback)]
@@ -389,8 +423,12 @@ class DPModel(tf.keras.Model):
         if x is not None and not isinstance(x, tf.data.Dataset):
             if y is None:
                 raise ValueError("fit(x, y): labels y are required with array inputs")
+            self._probe_mixing(x)
             x, steps_per_epoch = self._input_pipeline(x, y, int(self.dp_step.numpy()))
             y = None
+        elif isinstance(x, tf.data.Dataset):
+            x = x.map(_checked_padding_mask)
+            self._probe_mixing(next(iter(x.take(1)))[0])
         if isinstance(x, tf.data.Dataset):
             self._build_compiled_metrics(x.element_spec)
         callbacks = list(callbacks or [])
@@ -405,6 +443,20 @@ class DPModel(tf.keras.Model):
             x, y, epochs=epochs, verbose=verbose, callbacks=callbacks,
             steps_per_epoch=steps_per_epoch, **kwargs,
         )
+
+
+def _checked_padding_mask(*element):
+    """A dataset element ``(x, y, w)`` whose ``w`` is refused unless every weight is 0 or 1."""
+    x, y, weights = tf.keras.utils.unpack_x_y_sample_weight(element)
+    if weights is None:
+        return element
+    weights = tf.convert_to_tensor(weights)
+    tf.debugging.assert_equal(
+        tf.reduce_all(tf.logical_or(tf.equal(weights, 0), tf.equal(weights, 1))), True,
+        message="DPModel: sample_weight is the 0/1 padding mask of Poisson batches, not a weighting; "
+        "weights other than 0 and 1 would change an example's clipped contribution",
+    )
+    return x, y, weights
 
 
 def _all_weighted(metrics, weighted_metrics):

@@ -35,13 +35,14 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
+from sparta_tf.model_checks import is_batch_normalization
+
 ROLES = ("kernel", "bias", "norm", "head", "other")
 HEAD_LAYER_NAME = "head"
 
 _NORM_LAYERS = (
     tf.keras.layers.GroupNormalization,
     tf.keras.layers.LayerNormalization,
-    tf.keras.layers.BatchNormalization,
 )
 _LAST_AXIS_KERNEL_LAYERS = (
     tf.keras.layers.Dense,
@@ -147,7 +148,7 @@ def output_axes(layer: tf.keras.layers.Layer, variable: tf.Variable) -> tuple[in
 def _role(layer, variable, head) -> str:
     if head is not None and layer is head:
         return "head"
-    if isinstance(layer, _NORM_LAYERS):
+    if isinstance(layer, _NORM_LAYERS) or is_batch_normalization(layer):
         return "norm"
     if variable is getattr(layer, "bias", None):
         return "bias"

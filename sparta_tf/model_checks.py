@@ -1,8 +1,49 @@
-"""Checks that a Keras model admits per-example gradients (and so DP-SGD)."""
+"""Checks that a Keras model admits per-example gradients (and so DP-SGD).
+
+DP-SGD bounds one example's influence by clipping *its* gradient. That
+holds only if, in training mode, the output (and so the gradient) of example
+``j`` does not depend on any other example of the batch, and if the data
+leave no trace outside the clipped, noised update. Two checks enforce this:
+
+1. **By class** (:func:`reject_batch_mixing_layers`, at ``DPModel``
+   construction): every BatchNormalization variant that is trainable. A
+   layer counts as BatchNorm when its class or any base class has
+   ``BatchNorm`` in its name (:func:`is_batch_normalization`), which covers
+   Keras' ``BatchNormalization``, ``SyncBatchNormalization``,
+   ``tf.compat.v1.keras.layers.BatchNormalization`` (all derived from the
+   shared ``BatchNormalizationBase``, not from ``BatchNormalization``) and
+   third-party subclasses. Frozen BatchNorm (``trainable = False``) runs in
+   inference mode with fixed statistics in Keras 2: allowed.
+2. **By behaviour** (:func:`probe_batch_mixing`, on a few real examples
+   before the first DP step): with every variable and the random seed reset
+   between calls, the training-mode outputs of examples ``1..k`` must not
+   change when example ``0`` is replaced (any layer computing batch
+   statistics, with or without gradient, fails this); and a training-mode
+   call must not change any floating-point non-trainable variable (a layer
+   that writes statistics of the data into its state, e.g. moving averages,
+   would leak them un-noised into the exported model).
+
+Not caught: a layer whose cross-example dependence is invisible on the probe
+batch (e.g. it mixes only batches larger than the probe's, or only inputs
+that differ from the probe's in some other way), or whose randomness cannot
+be replayed (the behaviour probe then reports that it could not decide and
+only the class check applies), and mixing inside custom training loops
+outside the model's ``call``.
+"""
 
 from __future__ import annotations
 
+import logging
+
+import numpy as np
 import tensorflow as tf
+from tensorflow.python.eager import context
+
+logger = logging.getLogger(__name__)
+
+PROBE_EXAMPLES = 4
+PROBE_SEED = 1234
+PROBE_RTOL = 1e-4  # relative change of another example's output that counts as mixing
 
 
 class NotPerExampleSafeError(ValueError):
@@ -13,21 +54,101 @@ def _all_layers(model: tf.keras.Model):
     return model._flatten_layers(include_self=False, recursive=True)
 
 
-def reject_batchnorm_in_training_mode(model: tf.keras.Model) -> None:
-    """Raises :class:`NotPerExampleSafeError` for trainable BatchNormalization layers.
+def is_batch_normalization(layer) -> bool:
+    """True for every BatchNormalization variant (its class or a base class is named ``*BatchNorm*``)."""
+    return any("BatchNorm" in cls.__name__ for cls in type(layer).__mro__)
+
+
+def reject_batch_mixing_layers(model: tf.keras.Model) -> None:
+    """Raises :class:`NotPerExampleSafeError` for trainable BatchNormalization layers (any variant).
 
     In training mode BatchNorm normalises each example with the statistics of
     the whole batch, so one example's gradient depends on every other example
     and clipping per-example gradients no longer bounds any single example's
-    influence: the DP guarantee would be void. Frozen BatchNorm layers
-    (``layer.trainable = False``) run in inference mode with fixed moving
-    statistics in Keras 2, which is per-example and allowed.
+    influence: the DP guarantee would be void.
     """
     for layer in _all_layers(model):
-        if isinstance(layer, tf.keras.layers.BatchNormalization) and layer.trainable:
+        if is_batch_normalization(layer) and layer.trainable:
             raise NotPerExampleSafeError(
-                f"layer {layer.name!r} is BatchNormalization in training mode: it mixes the "
-                "examples of a batch, which breaks per-example clipping and the DP guarantee; "
+                f"layer {layer.name!r} ({type(layer).__name__}) is BatchNormalization in training mode: "
+                "it mixes the examples of a batch, which breaks per-example clipping and the DP guarantee; "
                 "replace it with GroupNormalization/LayerNormalization, or freeze it "
                 "(layer.trainable = False) to run it in inference mode"
             )
+
+
+# Kept for callers of the earlier name.
+reject_batchnorm_in_training_mode = reject_batch_mixing_layers
+
+
+def _replaced_first(x, donor_index: int):
+    """``x`` with example 0 replaced by a far-away version of example ``donor_index``."""
+    def replace(t):
+        t = tf.convert_to_tensor(t)
+        if t.dtype.is_floating:
+            other = t[donor_index] * 3.0 + 1.0
+        else:  # ids / integer features: another example's values
+            other = t[donor_index]
+        return tf.concat([other[None], t[1:]], axis=0)
+    return tf.nest.map_structure(replace, x)
+
+
+def _outputs(model, x, snapshot) -> list[np.ndarray]:
+    for variable, value in snapshot:
+        variable.assign(value)
+    tf.random.set_seed(PROBE_SEED)
+    return [np.asarray(o) for o in tf.nest.flatten(model(x, training=True))]
+
+
+def _changed_state(model, snapshot) -> list[str]:
+    trainable = {id(v) for v in model.trainable_variables}
+    return [v.name for v, before in snapshot
+            if id(v) not in trainable and v.dtype.is_floating and not np.array_equal(v.numpy(), before)]
+
+
+def _differs(a: list[np.ndarray], b: list[np.ndarray], rows: slice) -> bool:
+    for left, right in zip(a, b):
+        left, right = left[rows], right[rows]
+        scale = np.maximum(np.abs(left), np.abs(right)).max(initial=0.0) + 1e-12
+        if np.abs(left - right).max(initial=0.0) > PROBE_RTOL * scale:
+            return True
+    return False
+
+
+def probe_batch_mixing(model: tf.keras.Model, x) -> bool:
+    """Checks on real inputs ``x`` (a batch of >= 2 examples) that training mode does not mix examples.
+
+    Raises :class:`NotPerExampleSafeError` when it does (see the module doc);
+    returns False when the probe could not decide (the model's randomness
+    cannot be replayed), True when it passed. Every variable is restored.
+    """
+    x = tf.nest.map_structure(lambda t: tf.convert_to_tensor(t)[:PROBE_EXAMPLES], x)
+    batch = int(tf.shape(tf.nest.flatten(x)[0])[0])
+    if batch < 2:
+        return False
+    snapshot = [(v, v.numpy()) for v in model.variables]
+    global_seed = context.global_seed()
+    try:
+        first = _outputs(model, x, snapshot)
+        written = _changed_state(model, snapshot)
+        if written:
+            raise NotPerExampleSafeError(
+                f"a training-mode call of the model changes the non-trainable variables {written[:3]}: it "
+                "writes statistics of the private data into the model's state (e.g. moving averages) "
+                "outside the clipped, noised update; freeze the layers that own them (layer.trainable = False)"
+            )
+        if _differs(first, _outputs(model, x, snapshot), slice(None)):
+            logger.warning("per-example safety probe: the model's training-mode output is not reproducible "
+                           "under a fixed seed, so cross-example mixing was checked by layer class only")
+            return False
+        if _differs(first, _outputs(model, _replaced_first(x, 1), snapshot), slice(1, None)):
+            raise NotPerExampleSafeError(
+                "in training mode the model's output for one example changes when another example of the "
+                "batch changes: some layer mixes the examples of a batch (batch statistics), which breaks "
+                "per-example clipping and the DP guarantee; replace or freeze that layer"
+            )
+        return True
+    finally:
+        for variable, value in snapshot:
+            variable.assign(value)
+        tf.random.set_seed(global_seed)

@@ -1,51 +1,44 @@
-"""Gaussian noise for DP-SGD: ``N(0, sigma^2 C^2)`` on each trainable coordinate.
+"""Gaussian noise of the Gaussian mechanisms: ``N(0, sigma^2 C^2)`` on each released coordinate.
 
-Noise is drawn with stateless Philox from a key ``(seed, step, k)``::
+Noise is drawn with stateless Philox from the run seed, a named stream of
+:mod:`sparta_tf.random_streams` and the step ``t``::
 
-    z_k^t = stateless_normal(shape_k, seed=fold_in(fold_in([seed, NOISE_DOMAIN], t), k))
+    z_k^t = stateless_normal(shape_k, seed=fold_in(step_key(seed, stream, t), k))
 
-for trainable tensor ``k`` at DP step ``t``. Consequences:
+for released tensor ``k``. DP-SGD and SPARTA's selection steps use the
+stream ``"dp_sgd_noise"`` (one mechanism per global DP step, so the step
+separates them); DP-SNIP and DP-FROST have streams of their own, so no two
+mechanisms of a run ever share noise. Consequences:
 
 * every replica of a ``tf.distribute`` strategy draws the *same* noise for the
   same step, so adding it after the all-reduce adds it exactly once;
 * a resumed run draws the noise an uninterrupted run would have drawn;
 * tests are reproducible with a fixed seed.
 
-Seed policy: when no seed is given, a 63-bit seed is drawn from the OS's
-secure source (:mod:`secrets`). Whoever knows the seed can recompute (and so
-remove) the noise: the seed lives only in private training checkpoints,
-never in exported models, logs or reports. Philox is TensorFlow's standard
-counter-based generator (as in TF Privacy); like every float Gaussian
-sampler it is not hardened against floating-point side channels
-(Mironov 2012).
+Seed policy: see :mod:`sparta_tf.random_streams` (the seed is secret; with
+none given one is drawn from the OS's cryptographic source). Philox is
+TensorFlow's standard counter-based generator (as in TF Privacy); like every
+float Gaussian sampler it is not hardened against floating-point side
+channels (Mironov 2012).
 """
 
 from __future__ import annotations
 
-import secrets
 from typing import Sequence
 
 import tensorflow as tf
 
-NOISE_DOMAIN = 0x5EED_0015  # separates this stream from the sampling streams
+from sparta_tf.random_streams import new_seed, step_key  # noqa: F401  (new_seed: re-exported)
 
-
-def new_seed() -> int:
-    """A fresh secret 63-bit seed from the OS's cryptographic source."""
-    return secrets.randbits(63)
-
-
-def step_key(seed: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
-    """The Philox key of DP step ``step``."""
-    base = tf.stack([tf.cast(seed, tf.int64), tf.constant(NOISE_DOMAIN, tf.int64)])
-    return tf.random.experimental.stateless_fold_in(base, tf.cast(step, tf.int64), alg="philox")
+DP_SGD_NOISE = "dp_sgd_noise"
 
 
 def gaussian_noise(
-    shapes: Sequence[tf.TensorShape], stddev: tf.Tensor, seed: tf.Tensor, step: tf.Tensor, dtype=tf.float32
+    shapes: Sequence[tf.TensorShape], stddev: tf.Tensor, seed: tf.Tensor, step: tf.Tensor,
+    dtype=tf.float32, stream: str = DP_SGD_NOISE,
 ) -> list[tf.Tensor]:
-    """Independent ``N(0, stddev^2)`` tensors of the given shapes for DP step ``step``."""
-    key = step_key(seed, step)
+    """Independent ``N(0, stddev^2)`` tensors of the given shapes for step ``step`` of ``stream``."""
+    key = step_key(seed, stream, step)
     noise = []
     for k, shape in enumerate(shapes):
         sub_key = tf.random.experimental.stateless_fold_in(key, k, alg="philox")

@@ -43,8 +43,9 @@ each trainable tensor (the kept coordinates ``I`` of a pre-pruned kernel, or
 a whole bias / norm / head tensor) a set ``I_ns`` of ``floor(pi_gd |I|)``
 coordinates is dropped and ``I_s = I \\ I_ns`` is kept:
 
-* ``"random"``: ``I_ns`` uniformly at random (stateless Philox keyed by
-  ``(drop_seed, t, tensor)``, so every step draws a fresh set);
+* ``"random"``: ``I_ns`` uniformly at random (stateless Philox keyed by the
+  ``"gradient_dropping"`` stream of :mod:`sparta_tf.random_streams` at step
+  ``t`` and the tensor, so every step draws a fresh set);
 * ``"magnitude"``: ``I_ns`` = the ``floor(pi_gd |I|)`` coordinates with the
   smallest ``|theta^(t)|``. The weights are already DP, so by post-processing
   this costs no privacy.
@@ -84,17 +85,20 @@ import numpy as np
 import tensorflow as tf
 
 from sparta_tf import trainable as trainable_lib
-from sparta_tf.clipping import clip_factors, clipped_sum, per_example_squared_norms
+from sparta_tf.clipping import clipped_sum
 from sparta_tf.dp_model import DPModel
 from sparta_tf.groups import parameter_table
 from sparta_tf.losses import per_example_loss_fn
-from sparta_tf.noise import gaussian_noise, new_seed
+from sparta_tf import random_streams
+from sparta_tf.noise import gaussian_noise
 from sparta_tf.optim.masked_optimizer import MaskedOptimizer, _element_indices
 from sparta_tf.per_example import make_engine
 from sparta_tf.privacy.accounting import check_noise_multiplier, check_sample_rate
 from sparta_tf.trainable import TrainableSet, VariableSelection
 
-DROP_DOMAIN = 0x5EED_D809  # separates the dropping stream from noise and sampling
+DROP_STREAM = "gradient_dropping"
+SNIP_NOISE_STREAM = "dp_snip_noise"
+PRUNING_STREAM = "random_pruning"
 PRUNE_ROLES = ("kernel", "head")
 DROP_MODES = ("random", "magnitude")
 
@@ -160,12 +164,13 @@ def prune_random(
     roles: Sequence[str] = PRUNE_ROLES, apply: bool = True,
 ) -> KeepMasks:
     """Random pre-pruning: in each prunable kernel, ``floor(rate n)`` of its ``n``
-    weights, uniformly at random, are pruned. Data-free (no privacy cost).
+    weights, uniformly at random, are pruned. Data-free (no privacy cost);
+    drawn from the ``"random_pruning"`` stream of the run ``seed``.
 
     Returns ``[(kernel, keep_mask)]``; with ``apply`` the pruned weights are zeroed.
     """
     rate = _check_rate("rate", rate)
-    rng = np.random.default_rng(seed)
+    rng = random_streams.numpy_rng(random_streams.resolve_seed(seed), PRUNING_STREAM)
     masks = []
     for variable in prunable_variables(model, roles):
         n = int(np.prod(variable.shape.as_list()))
@@ -295,14 +300,12 @@ def prune_dp_snip(
         xb, yb = tf.nest.map_structure(lambda t: t[start:start + batch_size], (x, y))
         valid = tf.ones([len(tf.nest.flatten(xb)[0])], tf.bool)
         result = run(xb, yb, loss_fn, valid)
-        conn = [g * tf.convert_to_tensor(v)[None] for g, v in zip(result.grads, prunable)]
-        factors, keep = clip_factors(per_example_squared_norms(conn), clip_norm, valid)
-        for k, g in enumerate(conn):
-            ok = tf.reshape(keep, [-1] + [1] * (g.shape.rank - 1))
-            sums[k] += tf.tensordot(factors, tf.where(ok, g, tf.zeros_like(g)), axes=1)
-    seed = new_seed() if seed is None else int(seed)
-    noise = gaussian_noise([s.shape for s in sums], noise_multiplier * clip_norm, tf.constant(seed, tf.int64),
-                           tf.constant(0, tf.int64))
+        connection_grads = [g * tf.convert_to_tensor(v)[None] for g, v in zip(result.grads, prunable)]
+        batch_sums, _ = clipped_sum(connection_grads, clip_norm, valid)
+        sums = [total + part for total, part in zip(sums, batch_sums)]
+    noise = gaussian_noise([s.shape for s in sums], noise_multiplier * clip_norm,
+                           tf.constant(random_streams.resolve_seed(seed), tf.int64), tf.constant(0, tf.int64),
+                           stream=SNIP_NOISE_STREAM)
     noisy = [((s + z) / n).numpy() for s, z in zip(sums, noise)]
     ledger.record(noise_multiplier, sample_rate, 1, kind="dp_snip", phase="pre-pruning")
     total = sum(float(np.abs(g).sum()) for g in noisy) or 1.0
@@ -398,9 +401,9 @@ class SSGDModel(DPModel):
         trainable coordinates, ``floor(pi_gd |I|)`` are dropped each step (at
         least one is kept). ``0`` is plain DP-SGD.
       drop_mode: ``"random"`` or ``"magnitude"`` (drop the smallest ``|theta|``).
-      drop_seed: seed of the random dropping stream; default derived from
-        ``seed`` (or fresh when ``seed`` is None). Dropping is data-independent,
-        the seed need not be secret.
+      drop_seed: seed of the ``"gradient_dropping"`` stream; default: the run
+        seed (:attr:`DPModel.seed`). Dropping is data-independent, so this
+        stream need not be secret.
       drop_filter: optional predicate on a
         :class:`~sparta_tf.trainable.VariableSelection`; tensors for which it is
         False are never dropped from (default: dropping applies to all, as in
@@ -417,9 +420,7 @@ class SSGDModel(DPModel):
         if drop_mode not in DROP_MODES:
             raise ValueError(f"drop_mode={drop_mode!r} is not one of {DROP_MODES}")
         self.drop_mode = drop_mode
-        if drop_seed is None:
-            drop_seed = (self._sampling_seed ^ DROP_DOMAIN) if kwargs.get("seed") is not None else new_seed()
-        self._drop_seed = int(drop_seed)
+        self._drop_seed = self.seed if drop_seed is None else random_streams.check_seed(drop_seed)
         self.drop_filter = drop_filter
         self._step_keep = None
         self.keep_masks_pp = None
@@ -447,12 +448,11 @@ class SSGDModel(DPModel):
     def keep_masks_for_step(self, step) -> list[tf.Tensor]:
         """``I_s`` of DP step ``step``: one boolean tensor (compact shape) per
         selection of the trainable set. Random: ``|I| - floor(pi_gd |I|)``
-        coordinates uniformly at random from Philox keyed by ``(drop_seed,
+        coordinates uniformly at random from Philox keyed by the ``"gradient_dropping"`` stream at ``(drop_seed,
         step, k)``; magnitude: the coordinates with the largest ``|theta|``
         (current weights)."""
         step = tf.cast(step, tf.int64)
-        base = tf.stack([tf.constant(self._drop_seed, tf.int64), tf.constant(DROP_DOMAIN, tf.int64)])
-        key = tf.random.experimental.stateless_fold_in(base, step, alg="philox")
+        key = random_streams.step_key(self._drop_seed, DROP_STREAM, step)
         masks = []
         for k, selection in enumerate(self.trainable_set):
             n = selection.size

@@ -33,13 +33,13 @@ from typing import Optional, Union
 
 import tensorflow as tf
 
+from sparta_tf.model_checks import is_batch_normalization
 from sparta_tf.models.resnet import HEAD_LAYER_NAME
 
 __all__ = ["BATCHNORM_MODES", "replace_batchnorm", "with_fresh_head", "load_keras_model"]
 
 BATCHNORM_MODES = ("groupnorm", "freeze")
 
-_BN = tf.keras.layers.BatchNormalization
 
 
 def _all_layers(model: tf.keras.Model):
@@ -52,7 +52,7 @@ def _is_graph_model(layer) -> bool:
     )
 
 
-def _bn_axis(layer: _BN) -> int:
+def _bn_axis(layer: tf.keras.layers.Layer) -> int:
     axis = layer.axis
     if isinstance(axis, (list, tuple)):
         if len(axis) != 1:
@@ -64,7 +64,7 @@ def _bn_axis(layer: _BN) -> int:
     return int(axis)
 
 
-def _group_norm_for(layer: _BN) -> tf.keras.layers.GroupNormalization:
+def _group_norm_for(layer: tf.keras.layers.Layer) -> tf.keras.layers.GroupNormalization:
     axis = _bn_axis(layer)
     shape = layer.input_shape if layer._inbound_nodes else None
     if isinstance(shape, list):  # a layer called more than once: all calls share C
@@ -97,7 +97,7 @@ def _to_groupnorm(model: tf.keras.Model) -> tf.keras.Model:
     converted_nested = {}
 
     def clone_function(layer):
-        if isinstance(layer, _BN):
+        if is_batch_normalization(layer):
             return _group_norm_for(layer)
         if _is_graph_model(layer):
             new = _to_groupnorm(layer)
@@ -113,7 +113,7 @@ def _to_groupnorm(model: tf.keras.Model) -> tf.keras.Model:
     old_by_name = {layer.name: layer for layer in model.layers}
     for new_layer in new_model.layers:
         old = old_by_name.get(new_layer.name)
-        if old is None or isinstance(old, _BN) or id(new_layer) in converted_nested:
+        if old is None or is_batch_normalization(old) or id(new_layer) in converted_nested:
             continue
         weights = old.get_weights()
         if weights:
@@ -147,7 +147,7 @@ def replace_batchnorm(model: tf.keras.Model, mode: str = "groupnorm") -> tf.kera
         raise ValueError(f"replace_batchnorm: mode={mode!r} is not one of {BATCHNORM_MODES}")
     if mode == "freeze":
         for layer in _all_layers(model):
-            if isinstance(layer, _BN):
+            if is_batch_normalization(layer):
                 layer.trainable = False
         return model
     return _to_groupnorm(model)
@@ -169,7 +169,7 @@ def load_keras_model(path: Union[str, os.PathLike]) -> tf.keras.Model:
 
 def _trainable_batchnorm(model: tf.keras.Model) -> Optional[str]:
     for layer in _all_layers(model):
-        if isinstance(layer, _BN) and layer.trainable:
+        if is_batch_normalization(layer) and layer.trainable:
             return layer.name
     return None
 

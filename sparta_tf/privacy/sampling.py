@@ -39,15 +39,15 @@ A sampler has one 63-bit integer ``seed`` (drawn from :mod:`secrets` when not
 given; read it back from :attr:`PoissonSampler.seed` and store it with the
 checkpoint). The randomness of global step ``t`` is::
 
-    seed_t = tf.random.experimental.stateless_fold_in(
-        [seed, POISSON_DOMAIN], t, alg="philox")    # = [h(seed), t]
+    seed_t = random_streams.step_key(seed, "poisson_sampling", t)
+           = stateless_fold_in([seed, POISSON_DOMAIN], t, alg="philox")
 
-with ``h(seed)`` a Philox hash of ``(seed, POISSON_DOMAIN)``. Element ``t``
-depends only on ``(seed, t)``, so a run resumed with ``start_step=t`` yields
-exactly the batches an uninterrupted run yields from step ``t`` on, and the
-draw is the same on CPU and GPU. The domain constant separates this stream
-from others derived from the same seed (e.g. :func:`shuffled_dataset` uses
-``SHUFFLE_DOMAIN``); noise generators should use their own domains.
+(:mod:`sparta_tf.random_streams`: one named stream per mechanism). Element
+``t`` depends only on ``(seed, t)``, so a run resumed with ``start_step=t``
+yields exactly the batches an uninterrupted run yields from step ``t`` on,
+and the draw is the same on CPU and GPU. Other mechanisms that sample
+(DP-FROST's selection rounds) pass their own ``stream``;
+:func:`shuffled_dataset` uses the ``"shuffle"`` stream.
 
 **Keep the seed secret.** Privacy amplification by subsampling assumes the
 adversary does not know which examples were in which batch; anyone who knows
@@ -63,11 +63,12 @@ from __future__ import annotations
 
 import math
 import numbers
-import secrets
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
+
+from sparta_tf import random_streams
 
 __all__ = [
     "POISSON_DOMAIN",
@@ -77,16 +78,15 @@ __all__ = [
     "poisson_dataset",
     "shuffled_dataset",
     "shuffled_steps_per_epoch",
-    "step_seed",
     "steps_per_epoch",
 ]
 
-#: Domain constant folded into the seed for Poisson sampling ("pois").
-POISSON_DOMAIN: int = 0x706F6973
-#: Domain constant folded into the seed for shuffled batches ("shuf").
-SHUFFLE_DOMAIN: int = 0x73687566
-
-_MAX_SEED = 2**63  # seeds live in [0, 2**63) so they fit an int64
+POISSON_STREAM = "poisson_sampling"
+SHUFFLE_STREAM = "shuffle"
+#: Domain constant of the Poisson sampling stream (see :mod:`sparta_tf.random_streams`).
+POISSON_DOMAIN: int = random_streams.STREAMS[POISSON_STREAM]
+#: Domain constant of the shuffled-batches stream.
+SHUFFLE_DOMAIN: int = random_streams.STREAMS[SHUFFLE_STREAM]
 
 
 # --------------------------------------------------------------------------
@@ -126,22 +126,6 @@ def _check_start_step(start_step: Any) -> int:
             "number of logical steps already taken (e.g. optimizer.iterations)."
         )
     return int(start_step)
-
-
-def _resolve_seed(seed: Any) -> int:
-    """Returns ``seed`` validated, or a fresh 63-bit seed from :mod:`secrets`."""
-    if seed is None:
-        return secrets.randbits(63)
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise ValueError(
-            f"seed must be None or an integer in [0, 2**63), got {seed!r}; "
-            "pass None to draw a secure random seed."
-        )
-    if not 0 <= int(seed) < _MAX_SEED:
-        raise ValueError(
-            f"seed must be in [0, 2**63), got {seed!r}; reduce it, e.g. seed % 2**63."
-        )
-    return int(seed)
 
 
 def _leading_dim(leaf: Any) -> int | None:
@@ -256,21 +240,6 @@ def default_physical_batch_size(
     return -(-p // multiple_of) * multiple_of
 
 
-def step_seed(seed: int | tf.Tensor, step: int | tf.Tensor, domain: int) -> tf.Tensor:
-    """The stateless seed of global step ``step``: an int64 tensor of shape [2].
-
-    ``stateless_fold_in([seed, domain], step, alg="philox")``, i.e.
-    ``[h(seed, domain), step]`` where ``h`` is a Philox hash. Works eagerly and
-    inside graphs; ``step`` may be a tensor.
-    """
-    key = tf.stack(
-        [tf.cast(seed, tf.int64), tf.constant(domain, tf.int64)]
-    )
-    return tf.random.experimental.stateless_fold_in(
-        key, tf.cast(step, tf.int64), alg="philox"
-    )
-
-
 # --------------------------------------------------------------------------
 # Poisson sampling
 # --------------------------------------------------------------------------
@@ -284,6 +253,8 @@ class PoissonSampler:
       sample_rate: the rate ``q``.
       physical_batch_size: ``P``; every element has ``k * P`` rows.
       seed: the 63-bit seed (see the module docstring's seed policy; secret).
+      stream: the named random stream of the membership draws
+        (:mod:`sparta_tf.random_streams`; ``"poisson_sampling"`` for DP-SGD).
       steps_per_epoch: ``max(1, round(1 / q))``.
       expected_batch_size: ``q * n``, the normaliser of the noisy gradient sum.
 
@@ -300,6 +271,7 @@ class PoissonSampler:
         sample_rate: float,
         physical_batch_size: int | None = None,
         seed: int | None = None,
+        stream: str = POISSON_STREAM,
     ) -> None:
         self.n: int = _check_positive_int(n, "n", "pass the number of training examples")
         self.sample_rate: float = _check_sample_rate(sample_rate)
@@ -310,7 +282,9 @@ class PoissonSampler:
             "physical_batch_size",
             "pass e.g. default_physical_batch_size(n, sample_rate)",
         )
-        self.seed: int = _resolve_seed(seed)
+        self.seed: int = random_streams.resolve_seed(seed)
+        random_streams.domain(stream)  # an unknown stream name fails here, not mid-training
+        self.stream: str = stream
 
     @property
     def steps_per_epoch(self) -> int:
@@ -330,7 +304,7 @@ class PoissonSampler:
         """Bool [n]: which examples are in the sample of global step ``step``."""
         u = tf.random.stateless_uniform(
             [self.n],
-            seed=step_seed(self.seed, step, POISSON_DOMAIN),
+            seed=random_streams.step_key(self.seed, self.stream, step),
             dtype=tf.float64,
             alg="philox",
         )
@@ -441,7 +415,7 @@ def shuffled_dataset(
     amplification analysis here and can give a weaker guarantee).
 
     Each epoch draws a fresh permutation of the ``n`` examples
-    (``stateless_shuffle`` with ``step_seed(seed, epoch, SHUFFLE_DOMAIN)``) and
+    (``stateless_shuffle`` keyed by the ``"shuffle"`` stream at ``epoch``) and
     cuts it into ``shuffled_steps_per_epoch(n, B, drop_remainder)`` batches,
     so every example is used exactly once per epoch. Elements are
     ``(x_batch, y_batch, sample_weight)`` with static leading dimension ``B``:
@@ -454,7 +428,7 @@ def shuffled_dataset(
     n = _num_examples(x, y)
     b = _check_positive_int(batch_size, "batch_size", "pass a positive batch size")
     steps = shuffled_steps_per_epoch(n, b, drop_remainder)
-    seed = _resolve_seed(seed)
+    seed = random_streams.resolve_seed(seed)
     start_step = _check_start_step(start_step)
     x_t, y_t = _to_host_tensors(x), _to_host_tensors(y)
     padded_len = steps * b
@@ -462,7 +436,7 @@ def shuffled_dataset(
     def epoch_batches(epoch: tf.Tensor) -> tf.data.Dataset:
         perm = tf.random.experimental.stateless_shuffle(
             tf.range(n, dtype=tf.int64),
-            seed=step_seed(seed, epoch, SHUFFLE_DOMAIN),
+            seed=random_streams.step_key(seed, SHUFFLE_STREAM, epoch),
             alg="philox",
         )
         if drop_remainder:

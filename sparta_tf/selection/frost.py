@@ -53,15 +53,21 @@ import numpy as np
 import tensorflow as tf
 from dp_accounting import mechanism_calibration
 
+from sparta_tf import random_streams
 from sparta_tf import trainable as trainable_lib
+from sparta_tf.clipping import clipped_sum
 from sparta_tf.groups import parameter_table
 from sparta_tf.losses import per_example_loss_fn
 from sparta_tf.per_example.engines import make_engine
+from sparta_tf.noise import gaussian_noise
 from sparta_tf.privacy import accounting
+from sparta_tf.privacy.sampling import PoissonSampler
 
 METHODS = ("mg", "mgn", "mgna")
 SELECTION_PHASE = "frost_selection"
 SELECTION_KIND = "frost_selection"
+SAMPLING_STREAM = "frost_sampling"  # named random streams (sparta_tf.random_streams)
+NOISE_STREAM = "frost_noise"
 
 # Paper defaults (Section 5): MGNA, alpha = 1, r_eps = 0.9, T = 5, q_ps = 0.02, nu = 5, J = 1000.
 DEFAULT_METHOD = "mgna"
@@ -134,17 +140,18 @@ def clipped_partition_sums(
     """
     _check(method, alpha)
     sizes = [g.shape[1] for g in grads]
+    blocks = [tf.convert_to_tensor(np.asarray(g), tf.float64) for g in grads]
     if method == "mg":
-        blocks, bound = [np.asarray(g, np.float64) for g in grads], float(clip)
+        bound = float(clip)
     else:
-        blocks = [np.asarray(g, np.float64) / n ** (1.0 / alpha) for g, n in zip(grads, sizes)]
+        blocks = [b / n ** (1.0 / alpha) for b, n in zip(blocks, sizes)]
         if method == "mgna":
-            blocks = [np.abs(b) for b in blocks]
+            blocks = [tf.abs(b) for b in blocks]
         bound = pgm_sensitivity(sizes, method, alpha, clip)  # c_bar
-    norm_pow = sum(np.sum(np.abs(b) ** alpha, axis=1) for b in blocks)  # ||h(x)||_alpha^alpha, [B]
-    norms = norm_pow ** (1.0 / alpha)
-    factor = np.minimum(1.0, bound / np.maximum(norms, 1e-300))
-    return [np.sum(b * factor[:, None], axis=0) for b in blocks]
+    # The DP step's clipped sum, in the alpha-norm over the concatenation of R.
+    valid = tf.ones([int(blocks[0].shape[0])], tf.bool)
+    sums, _ = clipped_sum(blocks, bound, valid, order=alpha)
+    return [s.numpy() for s in sums]
 
 
 def magnitudes_from_sums(sums: Sequence[np.ndarray], method: str, alpha: int) -> np.ndarray:
@@ -456,11 +463,12 @@ def frost_select(
     grad_engine = make_engine(model, variables, engine)
     loss_fn = per_example_loss_fn(loss)
     n = len(tf.nest.flatten(y)[0])
-    rng = np.random.default_rng(seed)
+    seed = random_streams.resolve_seed(seed)
+    sampler = PoissonSampler(n, q_ps, physical_batch_size, seed=seed, stream=SAMPLING_STREAM)
     owner = np.concatenate([[k] * len(p.variables) for k, p in enumerate(parts)]).astype(int)
 
     def observe(t: int, remaining: np.ndarray) -> tuple[np.ndarray, float]:
-        index = np.nonzero(rng.random(n) < q_ps)[0]  # Poisson sample X_t
+        index = np.nonzero(sampler.sample_mask(t).numpy())[0]  # Poisson sample X_t
         rem_sizes = [sizes[i] for i in remaining]
         sums = [np.zeros(s) for s in rem_sizes]
         for xb, yb in _batches(x, y, index, physical_batch_size):
@@ -472,7 +480,8 @@ def frost_select(
                 s += part_sum
         mu = magnitudes_from_sums(sums, method, alpha)
         sens = pgm_sensitivity(rem_sizes, method, alpha, clip_norm)
-        return mu + rng.normal(0.0, sigma_sel * sens, size=mu.shape), sens
+        (noise,) = gaussian_noise([mu.shape], sigma_sel * sens, seed, t, dtype=tf.float64, stream=NOISE_STREAM)
+        return mu + noise.numpy(), sens
 
     chosen, info = psel(observe, sizes, total, sigma_sel, gamma, iterations, nu, q_ps, pgm_iterations)
     if ledger is not None:

@@ -13,6 +13,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from sparta_tf import random_streams
 from sparta_tf.groups import RowGroup
 from sparta_tf.selection.scoring import GRANULARITIES
 from sparta_tf.selection.topk import selections_from_scores
@@ -38,9 +39,10 @@ def magnitude_scores(groups: Sequence[RowGroup], granularity: str = "entry") -> 
 
 
 def random_scores(groups: Sequence[RowGroup], granularity: str = "row", seed: int = 0) -> list[np.ndarray]:
-    """I.i.d. uniform scores (top-k of them is a uniformly random subset per layer)."""
+    """I.i.d. uniform scores (top-k of them is a uniformly random subset per layer), from the
+    ``"random_mask"`` stream of ``seed`` (:mod:`sparta_tf.random_streams`)."""
     _check_granularity(granularity)
-    rng = np.random.default_rng(seed)
+    rng = random_streams.numpy_rng(seed, "random_mask")
     return [rng.random(g.n_rows if granularity == "row" else g.shape) for g in groups]
 
 
