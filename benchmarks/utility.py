@@ -46,6 +46,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import utility_report  # noqa: E402
+from trainers.config import METHOD_OPTIONS  # noqa: E402
 
 METHODS = ("sparta", "all", "last", "bitfit", "mp", "random", "dpsgd_grad", "oracle", "x_bitfit",
            "dp_frost", "dp_ssgd", "nonprivate")
@@ -111,10 +112,9 @@ def base_config(track: str, profile: dict, data_dir: str, fashion_dir: str, work
 
 def cell_config(base: dict, method: str, epsilon: float, seed: int, lr: float, density: float, out: str) -> dict:
     config = copy.deepcopy(base)
-    epochs = config["training"]["epochs"]
-    config["method"] = {"name": method, "density": density}
-    if method in ("sparta", "dpsgd_grad", "oracle"):
-        config["method"]["warmup_epochs"] = max(1, epochs // 5)
+    config["method"] = {"name": method}  # warm-up: the config's default, T0 = T / 5
+    if "density" in METHOD_OPTIONS[method]:
+        config["method"]["density"] = density
     config["privacy"]["target_epsilon"] = epsilon
     config["training"].update({"learning_rate": lr, "head_learning_rate": 10 * lr, "seed": seed})
     config["output_dir"] = out

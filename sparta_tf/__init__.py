@@ -16,7 +16,7 @@ from sparta_tf.privacy import (
 from sparta_tf.selection import SpartaSelector
 from sparta_tf.trainable import TrainableSet, VariableSelection
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "DPModel",

@@ -4,17 +4,36 @@ A mask directory holds
 
 * ``mask.npz`` -- for every masked kernel, its kept row indices
   (``<variable>::rows``) or flat entry indices (``<variable>::entries``), plus
-  ``__meta__`` (a JSON string: method, score, density, granularity, private);
+  ``__meta__`` (a JSON string: method, score, density, granularity, the
+  privacy provenance and the model it belongs to);
 * ``mask.json`` -- the same meta data and rows/entries kept per layer;
 * ``mask.md`` -- a Markdown table of the kept rows per layer, for humans.
 
 Files are written to a temporary name and renamed, so a crash never leaves
-a half-written mask behind. The mask is a DP output (or public, for MP and
-random), so it can be shared; ``private: false`` marks an oracle mask.
+a half-written mask behind.
+
+**Provenance.** A mask is an output of whatever chose it, so using it in
+another run composes with that choice. ``meta["privacy"]`` records it
+(:class:`MaskProvenance`): ``private`` (False for an oracle mask, chosen from
+exact gradients), the reasons it is not, and the ledger entries spent up to
+the moment it was chosen (SPARTA: the warm-up and the selection epoch; MP
+and random masks: none, they look at no private data). A run that loads a
+mask charges those entries to its own ledger and is marked non-private when
+the mask is (:meth:`MaskProvenance.charge`), assuming the worst case that
+the mask was chosen on the same private data. A mask without provenance
+(made by hand, or by sparta-tf before it recorded one) cannot be accounted
+for and marks the run non-private; re-save it with
+``save_mask(..., provenance=MaskProvenance.public())`` if it was chosen from
+public information only.
+
+**Model.** ``meta["model"]`` lists the shape of every maskable kernel; a mask
+loads only into a model whose maskable kernels have the same names and
+shapes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any, Sequence
@@ -23,13 +42,63 @@ import numpy as np
 import tensorflow as tf
 
 from sparta_tf import trainable
-from sparta_tf.groups import parameter_table
+from sparta_tf.groups import parameter_table, row_groups
+from sparta_tf.privacy.ledger import LedgerEntry
 from sparta_tf.trainable import VariableSelection
 
 MASK_FILE = "mask.npz"
 SUMMARY_FILE = "mask.json"
 TABLE_FILE = "mask.md"
 _META_KEY = "__meta__"
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskProvenance:
+    """How a mask was chosen, for the privacy ledger of a run that uses it (see the module doc)."""
+
+    private: bool
+    entries: tuple[LedgerEntry, ...] = ()
+    reasons: tuple[str, ...] = ()
+
+    @classmethod
+    def public(cls) -> "MaskProvenance":
+        """A mask that looked at no private data (MP, random, hand-made from public knowledge)."""
+        return cls(private=True)
+
+    @classmethod
+    def of_ledger(cls, ledger) -> "MaskProvenance":
+        """The provenance of a mask chosen now, by a run whose ledger is ``ledger``."""
+        return cls(private=ledger.is_private, entries=tuple(ledger.entries), reasons=ledger.nonprivate_reasons)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"private": self.private, "entries": [e.to_dict() for e in self.entries],
+                "nonprivate_reasons": list(self.reasons)}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any], path: str) -> "MaskProvenance":
+        privacy = meta.get("privacy")
+        if not isinstance(privacy, dict) or "private" not in privacy:
+            return cls(private=False, reasons=(
+                f"mask {path} records no privacy provenance (made by hand or by an older sparta-tf), so what "
+                "chose it cannot be accounted for",))
+        entries = tuple(LedgerEntry.from_dict(e) for e in privacy.get("entries", []))
+        reasons = tuple(privacy.get("nonprivate_reasons", []))
+        if not privacy["private"] and not reasons:
+            reasons = (f"mask {path} was chosen without differential privacy (method {meta.get('method')})",)
+        return cls(bool(privacy["private"]) and not reasons, entries, reasons)
+
+    def charge(self, ledger, source: str) -> None:
+        """Records in ``ledger`` what choosing the mask spent, phase ``mask:<its phase>``."""
+        for entry in self.entries:
+            ledger.record(entry.noise_multiplier, entry.sample_rate, entry.count, entry.kind,
+                          f"mask:{entry.phase}")
+        for reason in self.reasons:
+            ledger.record_nonprivate(f"{reason} (loaded from {source})")
+
+
+def model_fingerprint(model: tf.keras.Model) -> dict[str, list[int]]:
+    """``{kernel variable name: shape}`` of every maskable kernel: what a mask must match."""
+    return {g.variable.name: g.variable.shape.as_list() for g in row_groups(model)}
 
 
 def _atomic_write(path: str, write) -> None:
@@ -63,15 +132,22 @@ def mask_summary(selections: Sequence[VariableSelection], model: tf.keras.Model)
 
 
 def _markdown(summary: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    header = ", ".join(f"{k}={v}" for k, v in meta.items())
+    header = ", ".join(f"{k}={v}" for k, v in meta.items() if k not in ("privacy", "model"))
+    header += f", private={meta['privacy']['private']}"
     lines = [f"# Mask ({header})", "", "| layer | variable | kept | total | fraction |", "|---|---|---:|---:|---:|"]
     for r in summary:
         lines.append(f"| {r['layer']} | {r['variable']} | {r['kept']} {r['unit']} | {r['total']} | {r['fraction']:.1%} |")
     return "\n".join(lines) + "\n"
 
 
-def save_mask(directory: str, selections: Sequence[VariableSelection], model: tf.keras.Model, **meta) -> str:
-    """Writes ``mask.npz``, ``mask.json``, ``mask.md`` into ``directory``; returns the npz path."""
+def save_mask(directory: str, selections: Sequence[VariableSelection], model: tf.keras.Model, *,
+              provenance: MaskProvenance, **meta) -> str:
+    """Writes ``mask.npz``, ``mask.json``, ``mask.md`` into ``directory``; returns the npz path.
+
+    ``provenance``: how the mask was chosen (:class:`MaskProvenance`); ``meta``:
+    free labels (method, score, density, granularity).
+    """
+    meta = dict(meta, privacy=provenance.to_json(), model=model_fingerprint(model))
     names = [sel.variable.name for sel in selections]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -107,16 +183,40 @@ def save_mask(directory: str, selections: Sequence[VariableSelection], model: tf
     return npz_path
 
 
-def load_mask(path: str, model: tf.keras.Model) -> tuple[list[VariableSelection], dict[str, Any]]:
-    """``(selections, meta)`` from a mask directory or ``mask.npz`` for ``model``."""
+def has_mask(directory: str | None) -> bool:
+    """True when ``directory`` holds a saved mask."""
+    return directory is not None and os.path.exists(os.path.join(directory, MASK_FILE))
+
+
+def mask_file(path: str) -> str:
+    """``path`` itself, or ``path/mask.npz`` for a mask directory; FileNotFoundError if absent."""
     if os.path.isdir(path):
         path = os.path.join(path, MASK_FILE)
     if not os.path.exists(path):
         raise FileNotFoundError(f"no mask at {path}: run a selection epoch first or fix the path")
+    return path
+
+
+def read_provenance(path: str) -> MaskProvenance:
+    """The provenance recorded with the mask at ``path`` (a directory or ``mask.npz``)."""
+    path = mask_file(path)
+    with np.load(path) as data:
+        meta = json.loads(str(data[_META_KEY])) if _META_KEY in data else {}
+    return MaskProvenance.from_meta(meta, path)
+
+
+def load_mask(path: str, model: tf.keras.Model) -> tuple[list[VariableSelection], dict[str, Any]]:
+    """``(selections, meta)`` from a mask directory or ``mask.npz`` for ``model``.
+
+    ``MaskProvenance.from_meta(meta, path)`` says what using it costs. A mask
+    recorded for a model with other maskable kernels is refused.
+    """
+    path = mask_file(path)
     by_name = {info.variable.name: info for info in parameter_table(model)}
     selections = []
     with np.load(path) as data:
         meta = json.loads(str(data[_META_KEY])) if _META_KEY in data else {}
+        _check_model(meta, model, path)
         for key in data.files:
             if key == _META_KEY:
                 continue
@@ -135,3 +235,18 @@ def load_mask(path: str, model: tf.keras.Model) -> tuple[list[VariableSelection]
             else:
                 selections.append(trainable.dense(info.variable))
     return [s for s in selections if s is not None], meta
+
+
+def _check_model(meta: dict[str, Any], model: tf.keras.Model, path: str) -> None:
+    recorded = meta.get("model")
+    if recorded is None:
+        return  # an older mask: the variable names are still checked one by one
+    ours = model_fingerprint(model)
+    if recorded != ours:
+        first = (sorted(set(recorded) ^ set(ours)) or sorted(k for k in ours if recorded.get(k) != ours[k]))[0]
+        raise ValueError(
+            f"mask {path} was selected for another model ({len(recorded)} maskable kernels, this model has "
+            f"{len(ours)}; first difference: {first} {recorded.get(first)} vs {ours.get(first)}); load a mask "
+            "selected for this "
+            "model architecture"
+        )

@@ -122,7 +122,7 @@ def probe_batch_mixing(model: tf.keras.Model, x) -> bool:
     returns False when the probe could not decide (the model's randomness
     cannot be replayed), True when it passed. Every variable is restored.
     """
-    x = tf.nest.map_structure(lambda t: tf.convert_to_tensor(t)[:PROBE_EXAMPLES], x)
+    x = tf.nest.map_structure(lambda t: tf.convert_to_tensor(t[:PROBE_EXAMPLES]), x)
     batch = int(tf.shape(tf.nest.flatten(x)[0])[0])
     if batch < 2:
         return False

@@ -6,7 +6,7 @@ import sys
 import pytest
 import yaml
 
-from trainers.config import ConfigError, apply_overrides, check_against_data, load_config, validate
+from trainers.config import SCHEMA, ConfigError, apply_overrides, check_against_data, load_config, validate
 
 BASE = {
     "data": {"source": "synthetic"},
@@ -50,8 +50,8 @@ MALFORMED = [
     ("method.warmup_epochs", 9, "method.warmup_epochs=9 must be < training.epochs - 1"),
     ("method.warmup_epochs", -1, "method.warmup_epochs=-1 must be >= 0"),
     ("method.warmup_epochs", 2.5, "method.warmup_epochs=2.5 must be an integer"),
-    ("method.score", "max", "method.score='max' must be one of"),
-    ("method.score", "signed", "is not a SPARTA score"),
+    ("method.score", "max", "method.score='max' is not a score of sparta; use sum_abs or abs_sum"),
+    ("method.score", "signed", "is not a score of sparta"),
     ("method.granularity", "block", "method.granularity='block' must be row or entry"),
     ("method.density_overrides", {"conv*": 2}, "every density must be a number in [0, 1]"),
     ("privacy.target_epsilon", 0, "privacy.target_epsilon=0 must be > 0"),
@@ -109,9 +109,25 @@ def test_x_bitfit_needs_a_bias_phase():
         validate(with_change("method", {"name": "x_bitfit", "full_epochs": 10, "warmup_epochs": 0}))
 
 
-def test_bitfit_rejects_warmup_and_defaults_fill_in():
-    with pytest.raises(ConfigError, match="applies only to sparta"):
-        validate(with_change("method", {"name": "bitfit", "warmup_epochs": 2}))
+def test_switching_method_drops_other_methods_options_with_a_note():
+    config = validate(with_change("method", {"name": "bitfit", "warmup_epochs": 2, "density": 0.3}))
+    assert config["method"] == {"name": "bitfit"}
+    assert config["notes"] == ["method.warmup_epochs=2 does not apply to method bitfit; ignored",
+                               "method.density=0.3 does not apply to method bitfit; ignored"]
+    assert validate(BASE)["notes"] == []
+
+
+def test_config_method_options_are_the_methods_own():
+    from sparta_tf.methods import METHODS
+    from trainers.config import METHOD_OPTIONS
+
+    assert set(METHOD_OPTIONS) == set(METHODS)
+    for name, cls in METHODS.items():
+        assert set(METHOD_OPTIONS[name]) == set(cls.options), name
+        assert set(METHOD_OPTIONS[name]) <= set(SCHEMA["method"]), name
+
+
+def test_defaults_fill_in():
     config = validate(BASE)
     assert config["method"]["warmup_epochs"] == 2  # T/5
     assert config["privacy"]["target_epsilon"] == 8.0 and config["training"]["momentum"] == 0.9

@@ -51,8 +51,21 @@ def test_every_method_runs_end_to_end(tmp_path, method):
     if method == "dp_frost":
         ledger = json.loads((tmp_path / method / "ledger.json").read_text())
         assert any(e.get("phase") == "frost_selection" for e in ledger["entries"])
-    if method in ("sparta", "dpsgd_grad", "oracle", "mp", "random"):
+    if method in ("sparta", "dpsgd_grad", "oracle", "mp", "random", "dp_frost", "dp_ssgd"):
         assert (tmp_path / method / "mask" / "mask.npz").exists()
+    _assert_ledger_follows_the_plan(config, tmp_path / method)
+
+
+def _assert_ledger_follows_the_plan(config, out):
+    """The dry run's plan, the run's plan.json and the finished ledger hold the same mechanism runs."""
+    ledger = json.loads((out / "ledger.json").read_text())
+    planned = json.loads((out / "plan.json").read_text())
+    dry = run.dry_run(config)
+    assert [e.to_dict() for e in dry.events()] == planned["events"] == ledger["entries"]
+    # The learning-rate schedule spans the update steps: a selection epoch does not advance it.
+    results = json.loads((out / "results.json").read_text())
+    assert results["optimizer_steps"] == planned["update_steps"] == dry.update_steps
+    assert dry.private == planned["private"] == (not ledger["nonprivate"])
 
 
 def test_dp_ssgd_with_dp_snip_charges_pre_pruning_within_budget(tmp_path):
@@ -113,6 +126,15 @@ def test_sigkill_mid_epoch_then_resume_never_undercounts(tmp_path):
         process.send_signal(signal.SIGKILL)
         process.wait()
     assert not (out / "results.json").exists(), "the run finished before it could be killed"
+    state_before = sorted(p.name for p in (out / "checkpoints").iterdir())
+    journal_before = (out / "checkpoints" / "journal.json").read_text()
+    # Regression: a fresh start in the killed run's directory overwrote its journal, so --resume later
+    # charged none of the killed run's steps after its checkpoint. A fresh start must be refused.
+    fresh = subprocess.run([sys.executable, "-m", "trainers", "--config", str(path)], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert fresh.returncode == 2 and "holds an interrupted run" in fresh.stderr, fresh.stderr[-1000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == state_before
+    assert (out / "checkpoints" / "journal.json").read_text() == journal_before
     latest = (out / "checkpoints" / "latest").read_text()
     state = json.loads((out / "checkpoints" / latest / "state.json").read_text())
     started = json.loads((out / "checkpoints" / "journal.json").read_text())["started_through"]
@@ -133,3 +155,29 @@ def test_sigkill_mid_epoch_then_resume_never_undercounts(tmp_path):
     assert results["epsilon"] <= 8.0 + 1e-6  # the charged steps may cost the last epoch, never the budget
     assert not [d for d in os.listdir(out / "checkpoints") if d.startswith(".partial-")]
     assert "resuming after epoch" in result.stdout
+
+
+def test_one_process_owns_an_output_dir(tmp_path):
+    from trainers.run_dir import RunDirectory
+
+    config = validate(tiny_config(tmp_path / "owned", "bitfit", epochs=1))
+    with RunDirectory(config["output_dir"], config, resume=False):
+        with pytest.raises(run.ConfigError, match="is in use by another sparta-train"):
+            run.train(config)
+    results = run.train(config)  # the lock is released with its owner
+    assert results["method"] == "bitfit"
+
+
+def test_resume_refuses_another_config(tmp_path):
+    out = tmp_path / "run"
+    config = validate(tiny_config(out, "bitfit", epochs=2))
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "journal.json").write_text(json.dumps({"started_through": 3}))
+    (out / "config.json").write_text(json.dumps(config))
+    other = validate(tiny_config(out, "all", epochs=2))
+    with pytest.raises(run.ConfigError, match="started with another method section"):
+        run.train(other, resume=True)
+    results = run.train(config, resume=True)  # no checkpoint: starts over, the 3 started steps charged
+    ledger = json.loads((out / "ledger.json").read_text())
+    assert ledger["entries"][0]["phase"] == "interrupted" and ledger["entries"][0]["count"] == 3
+    assert results["steps"] == 3 + 2 * round(1 / results["sample_rate"])

@@ -10,6 +10,7 @@ import tensorflow as tf
 import sparta_tf as st
 from sparta_tf import methods
 from sparta_tf.groups import parameter_table, row_groups
+from sparta_tf.masks import MaskProvenance
 from sparta_tf.selection import SelectionScorer, kept_count
 from sparta_tf.trainable import VariableSelection
 
@@ -157,7 +158,7 @@ def test_trainable_set_of_every_method():
         with pytest.raises(ValueError, match="needs a mask"):
             methods.trainable_set(model, method)
     with pytest.raises(ValueError, match="unknown method"):
-        methods.method_spec("lora")
+        methods.method_class("lora")
 
 
 def test_mp_keeps_largest_pretrained_magnitudes_and_random_is_seeded():
@@ -184,7 +185,8 @@ def test_static_methods_fit_without_selection_epoch(method):
     model = _conv_model()
     x, y = _conv_data()
     dp = dp_model(model, sigma=1.0, delta=1e-5)
-    callback = st.MethodCallback(method, density=0.2, verbose=0)
+    options = {"density": 0.2} if method in ("mp", "random") else {}
+    callback = st.MethodCallback(method, verbose=0, **options)
     history = dp.fit(x, y, epochs=2, callbacks=[callback], verbose=0)
     assert {e.phase for e in dp.ledger.entries} == {method}
     expected = methods.trainable_set(model, method, callback.mask_selections).fraction_of(model)
@@ -216,9 +218,11 @@ def test_mask_save_load_round_trip(tmp_path):
         st.trainable.rows(groups[0], [1, 4]),
         st.trainable.entries(groups[1].variable, np.random.default_rng(0).random(groups[1].shape) < 0.3),
     ]
-    st.save_mask(str(tmp_path), selections, model, method="sparta", density=0.2)
+    st.save_mask(str(tmp_path), selections, model, provenance=MaskProvenance.public(), method="sparta",
+                 density=0.2)
     loaded, meta = st.load_mask(str(tmp_path), model)
-    assert meta == {"method": "sparta", "density": 0.2}
+    assert {k: meta[k] for k in ("method", "density")} == {"method": "sparta", "density": 0.2}
+    assert MaskProvenance.from_meta(meta, "m") == MaskProvenance.public()
     assert [(s.variable.name, s.kind) for s in loaded] == [(s.variable.name, s.kind) for s in selections]
     assert np.array_equal(loaded[0].rows, [1, 4])
     assert np.array_equal(loaded[1].entries, selections[1].entries)
@@ -229,7 +233,7 @@ def test_mask_save_load_round_trip(tmp_path):
     other = _conv_model(seed=1)
     tf.keras.backend.clear_session()
     renamed = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(2, name="head")])
-    with pytest.raises(ValueError, match="does not have"):
+    with pytest.raises(ValueError, match="was selected for another model"):
         st.load_mask(str(tmp_path), renamed)
     del other
 
@@ -238,7 +242,7 @@ def test_loaded_mask_skips_selection(tmp_path):
     model = _conv_model()
     x, y = _conv_data()
     mask = [st.trainable.rows(g, [0]) for g in row_groups(model)]
-    st.save_mask(str(tmp_path), mask, model, method="sparta")
+    st.save_mask(str(tmp_path), mask, model, provenance=MaskProvenance.public(), method="sparta")
     dp = dp_model(model, sigma=1.0, delta=1e-5)
     callback = st.SpartaCallback(warmup_epochs=1, mask=str(tmp_path), verbose=0)
     dp.fit(x, y, epochs=2, callbacks=[callback], verbose=0)

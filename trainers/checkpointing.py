@@ -30,7 +30,8 @@ JOURNAL = "journal.json"
 KEEP = 2
 
 
-def _write_atomic(path: str, text: str) -> None:
+def write_atomic(path: str, text: str) -> None:
+    """Writes ``text`` to ``path`` through a temporary file, fsync and rename."""
     directory = os.path.dirname(path)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
     with os.fdopen(fd, "w") as f:
@@ -40,31 +41,20 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def trackables(dp_model) -> dict:
-    """What a checkpoint saves: weights, optimizer state, counters."""
-    return {
-        "model": dp_model.model,
-        "dp_step": dp_model.dp_step,
-        "noise_seed": dp_model._noise_seed,
-        "iterations": dp_model.optimizer.iterations,
-        "masked_optimizer": dp_model._masked_optimizer,
-    }
-
-
 def save(output_dir: str, epoch: int, dp_model, state: dict) -> str:
     """Writes the checkpoint after ``epoch`` (1-based count of finished epochs)."""
     root = os.path.join(output_dir, CHECKPOINTS)
     os.makedirs(root, exist_ok=True)
     name = f"epoch-{epoch:04d}"
     tmp = tempfile.mkdtemp(dir=root, prefix=".partial-")
-    tf.train.Checkpoint(**trackables(dp_model)).write(os.path.join(tmp, "ckpt"))
+    tf.train.Checkpoint(**dp_model.checkpoint_state()).write(os.path.join(tmp, "ckpt"))
     with open(os.path.join(tmp, "state.json"), "w") as f:
         json.dump(dict(state, epoch=epoch), f, indent=1)
     final = os.path.join(root, name)
     if os.path.exists(final):
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _write_atomic(os.path.join(root, LATEST), name)
+    write_atomic(os.path.join(root, LATEST), name)
     _prune(root, keep=name)
     return final
 
@@ -77,6 +67,17 @@ def _prune(root: str, keep: str) -> None:
     for partial in os.listdir(root):
         if partial.startswith(".partial-"):
             shutil.rmtree(os.path.join(root, partial), ignore_errors=True)
+
+
+def has_state(output_dir: str) -> str | None:
+    """What a killed run left in ``output_dir`` (a description), or None when there is nothing."""
+    root = os.path.join(output_dir, CHECKPOINTS)
+    if os.path.exists(os.path.join(root, LATEST)):
+        with open(os.path.join(root, LATEST)) as f:
+            return f"checkpoint {f.read().strip()}"
+    if os.path.exists(os.path.join(root, JOURNAL)):
+        return "a step journal, no checkpoint yet"
+    return None
 
 
 def latest(output_dir: str) -> tuple[str, dict] | None:
@@ -100,7 +101,7 @@ def restore(path: str, dp_model) -> None:
     as in an uninterrupted run.
     """
     prefix = os.path.join(path, "ckpt")
-    required = trackables(dp_model)
+    required = dict(dp_model.checkpoint_state())
     optimizer = required.pop("masked_optimizer")
     tf.train.Checkpoint(**required).read(prefix).expect_partial().assert_existing_objects_matched()
     tf.train.Checkpoint(masked_optimizer=optimizer).read(prefix).expect_partial()
@@ -116,7 +117,7 @@ class StepJournal(tf.keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         step = int(self.model.dp_step.numpy())
-        _write_atomic(self.path, json.dumps({"started_through": step + 1}))
+        write_atomic(self.path, json.dumps({"started_through": step + 1}))
 
 
 def charge_interrupted_steps(output_dir: str, checkpoint_step: int, ledger, noise_multiplier: float,

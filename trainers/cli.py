@@ -34,6 +34,8 @@ def main(argv=None) -> int:
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
+    for note in config["notes"]:
+        print(f"note: {note}", file=sys.stderr)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     from trainers import run  # heavy: imports TensorFlow
 

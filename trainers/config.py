@@ -11,8 +11,11 @@ vision settings where it has one):
 * ``data`` (required): the private data set, see :mod:`sparta_tf.data`.
 * ``pretrain``: non-private pre-training on public data before DP fine-tuning.
 * ``model`` (required): ``name`` and its arguments, see :mod:`sparta_tf.models.zoo`.
-* ``method``: ``name`` (sparta, all, last, bitfit, mp, random, dpsgd_grad,
-  oracle) and its options.
+* ``method``: ``name`` (one of :data:`METHOD_OPTIONS`: sparta, all, last,
+  bitfit, x_bitfit, mp, random, dpsgd_grad, oracle, dp_frost, dp_ssgd) and
+  its options. Switching ``method.name`` keeps the rest of the config valid:
+  an option given for another method is dropped with a one-line note
+  (``config["notes"]``), not refused.
 * ``privacy``: target epsilon, delta, clip norm, accountant, sampling.
 * ``training``: epochs, batch sizes, optimizer, learning rates, schedule, seed, XLA.
 * ``output_dir`` (required), ``export``.
@@ -26,9 +29,20 @@ from typing import Any, Callable
 
 import yaml
 
-METHOD_NAMES = ("sparta", "all", "last", "bitfit", "mp", "random", "dpsgd_grad", "oracle", "x_bitfit",
-                "dp_frost", "dp_ssgd")
-SCORES = ("sum_abs", "abs_sum", "signed", "oracle")
+_SELECTION = ("warmup_epochs", "score", "mask", "density", "granularity", "density_overrides")
+_MASK = ("density", "granularity", "density_overrides")
+METHOD_OPTIONS: dict[str, tuple[str, ...]] = {
+    "sparta": _SELECTION, "dpsgd_grad": _SELECTION, "oracle": _SELECTION,
+    "all": (), "last": (), "bitfit": (),
+    "x_bitfit": ("full_epochs", "bitfit_learning_rate_scale"),
+    "mp": _MASK, "random": _MASK + ("seed",),
+    "dp_frost": ("frost_magnitude", "frost_alpha", "r_eps", "frost_iterations", "q_ps", "nu", "gamma"),
+    "dp_ssgd": ("prune", "prune_rate", "drop_rate", "drop_mode", "snip_noise_multiplier", "synflow_iterations"),
+}
+"""The options of each method (``sparta_tf.methods.METHODS[name].options``, kept here so that
+the config is checked without importing TensorFlow; a test keeps the two equal)."""
+METHOD_NAMES = tuple(METHOD_OPTIONS)
+SCORES = {"sparta": ("sum_abs", "abs_sum"), "dpsgd_grad": ("signed",), "oracle": ("oracle",)}
 
 
 class ConfigError(ValueError):
@@ -101,7 +115,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "name": Field((str,), "sparta", _one_of(*METHOD_NAMES)),
         "density": Field(NUMBER, 0.2, _fraction),
         "warmup_epochs": Field(OPTIONAL_INT, None, lambda v: None if v is None or v >= 0 else "must be >= 0"),
-        "score": Field(OPTIONAL_STR, None, lambda v: None if v is None or v in SCORES else f"must be one of {', '.join(SCORES)}"),
+        "score": Field(OPTIONAL_STR, None),
         "granularity": Field(OPTIONAL_STR, None, lambda v: None if v in (None, "row", "entry") else "must be row or entry"),
         "density_overrides": Field((dict,), {}, _density_overrides),
         "mask": Field(OPTIONAL_STR, None),
@@ -152,7 +166,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "version": Field(OPTIONAL_INT, None, lambda v: None if v is None or v >= 1 else "must be >= 1"),
     },
 }
-TOP_LEVEL = ("data", "model", "pretrain", "method", "privacy", "training", "export", "output_dir")
+TOP_LEVEL = ("data", "model", "pretrain", "method", "privacy", "training", "export", "output_dir", "notes")
 REQUIRED_TOP_LEVEL = ("data", "model", "output_dir")
 
 
@@ -243,8 +257,20 @@ def validate(raw: dict) -> dict:
         if section in ("data", "model"):
             continue
         config[section] = _validate_section(section, raw.get(section) or {}, fields)
+    config["notes"] = _keep_method_options(config["method"], raw.get("method") or {})
     _check_cross_field(config)
     return config
+
+
+def _keep_method_options(method: dict, given: dict) -> list[str]:
+    """Drops the options that do not apply to ``method.name``; a note for each one the user gave."""
+    applicable = METHOD_OPTIONS[method["name"]]
+    notes = [f"method.{key}={given[key]!r} does not apply to method {method['name']}; ignored"
+             for key in given if key != "name" and key not in applicable]
+    for key in list(method):
+        if key != "name" and key not in applicable:
+            del method[key]
+    return notes
 
 
 def _validate_section(section: str, values: Any, fields: dict[str, Field]) -> dict:
@@ -269,28 +295,28 @@ def _validate_section(section: str, values: Any, fields: dict[str, Field]) -> di
 
 def _check_cross_field(config: dict) -> None:
     method, training, privacy = config["method"], config["training"], config["privacy"]
-    epochs = training["epochs"]
-    needs_selection = method["name"] in ("sparta", "dpsgd_grad", "oracle")
-    if method["warmup_epochs"] is None:
-        method["warmup_epochs"] = max(1, epochs // 5) if needs_selection and method["mask"] is None else 0
-    if method["warmup_epochs"] and not needs_selection:
-        raise ConfigError(f"method.warmup_epochs={method['warmup_epochs']} applies only to sparta, dpsgd_grad "
-                          f"and oracle; remove it for {method['name']}")
-    if needs_selection and method["mask"] is None and method["warmup_epochs"] + 1 >= epochs:
-        raise ConfigError(f"method.warmup_epochs={method['warmup_epochs']} must be < training.epochs - 1 "
-                          f"(={epochs - 1}): T0 warm-up + 1 selection epoch must leave a sparse epoch")
-    if method["name"] == "x_bitfit" and method["full_epochs"] >= epochs:
+    epochs, name = training["epochs"], method["name"]
+    if "warmup_epochs" in method:
+        if method["warmup_epochs"] is None:  # the methods' default, T0 = T / 5 (at least 1)
+            method["warmup_epochs"] = max(1, epochs // 5)
+        warmup = method["warmup_epochs"]
+        selection = 1 if method["mask"] is None else 0
+        if warmup + selection >= epochs:
+            raise ConfigError(f"method.warmup_epochs={warmup} must be < training.epochs - {selection} "
+                              f"(={epochs - selection}): the warm-up{' + 1 selection epoch' if selection else ''} "
+                              "must leave a sparse epoch")
+    if "score" in method and method["score"] is not None and method["score"] not in SCORES[name]:
+        raise ConfigError(f"method.score={method['score']!r} is not a score of {name}; use "
+                          f"{' or '.join(SCORES[name])} (or another method.name)")
+    if name == "x_bitfit" and method["full_epochs"] >= epochs:
         raise ConfigError(f"method.full_epochs={method['full_epochs']} must be < training.epochs (={epochs}) "
                           "so that the bias-only phase runs")
-    if method["name"] == "sparta" and method["score"] in ("signed", "oracle"):
-        raise ConfigError(f"method.score={method['score']!r} is not a SPARTA score; use sum_abs or abs_sum "
-                          "(or method.name: dpsgd_grad / oracle)")
-    if method["score"] == "signed" and method["granularity"] == "row":
+    if method.get("score") == "signed" and method.get("granularity") == "row":
         raise ConfigError("method.granularity=row cannot be used with score signed; use entry")
     physical = training["physical_batch_size"]
     if physical is not None and physical < 1:
         raise ConfigError(f"training.physical_batch_size={physical} must be >= 1")
-    if privacy["noise_multiplier"] is not None and privacy["noise_multiplier"] == 0 and method["name"] != "oracle":
+    if privacy["noise_multiplier"] is not None and privacy["noise_multiplier"] == 0 and name != "oracle":
         raise ConfigError("privacy.noise_multiplier=0 gives no privacy; leave it null to calibrate it "
                           "from privacy.target_epsilon")
 

@@ -1,9 +1,17 @@
-"""One ``sparta-train`` run: data -> (pre-training) -> model -> method -> DP training -> outputs.
+"""One ``sparta-train`` run: data -> (pre-training) -> model -> method -> plan -> DP training -> outputs.
 
-Outputs in ``output_dir``: ``config.json`` (the validated config),
-``pretrained.keras`` (when pre-training), ``plan.json``, ``ledger.json``,
-``mask/`` (sparse methods), ``tensorboard/``, ``checkpoints/`` (every epoch,
-resumable), ``results.json`` and ``export/<version>/`` (TF Serving SavedModel).
+The run uses sparta_tf's public API only: the method comes from
+:func:`sparta_tf.methods.make_method`, the privacy plan from
+:func:`sparta_tf.privacy.plan.make_privacy_plan` (what ``--dry-run``
+prints and ``plan.json`` records), training is ``DPModel.fit`` with a
+:class:`sparta_tf.MethodCallback`.
+
+Outputs in ``output_dir`` (owned by one process, :mod:`trainers.run_dir`):
+``config.json`` (the validated config), ``pretrained.keras`` (when
+pre-training), ``plan.json``, ``ledger.json``, ``mask/`` (methods with a
+mask or a choice made before training), ``tensorboard/``, ``checkpoints/``
+(every epoch, resumable), ``results.json`` and ``export/<version>/`` (TF
+Serving SavedModel).
 """
 
 from __future__ import annotations
@@ -17,14 +25,14 @@ import numpy as np
 import tensorflow as tf
 
 import sparta_tf
-from sparta_tf import methods
+from sparta_tf.methods import Method, make_method
 from sparta_tf.privacy import PrivacyCallback, PrivacyLedger
-from trainers import checkpointing, external_methods
+from sparta_tf.privacy.plan import PrivacyPlan, make_privacy_plan
+from trainers import checkpointing
 from trainers.config import ConfigError, check_against_data
-from trainers.plan import Plan, make_plan
+from trainers.run_dir import RESULTS, RunDirectory
 
 LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-RESULTS = "results.json"
 
 
 # ----------------------------------------------------------------- building blocks
@@ -43,7 +51,7 @@ def _seed(config: dict) -> int:
     return 0 if seed is None else seed
 
 
-def pretrain(config: dict, input_shape, output_dir: str) -> tf.keras.Model:
+def pretrain(config: dict, output_dir: str) -> tf.keras.Model:
     """Non-private pre-training on the public data (cached in ``pretrained.keras``)."""
     from sparta_tf.data import load_dataset, make_augmenter
     from sparta_tf.models.zoo import build_model
@@ -60,13 +68,12 @@ def pretrain(config: dict, input_shape, output_dir: str) -> tf.keras.Model:
     model = build_model(config["model"], public.num_classes, public.input_shape)
     optimizer = (tf.keras.optimizers.Adam(spec["learning_rate"]) if spec["optimizer"] == "adam"
                  else tf.keras.optimizers.SGD(spec["learning_rate"], momentum=0.9))
-    x = public.x_train
     inputs = tf.keras.Input(public.input_shape)
     trainer = model
     if spec["augment"]:
         trainer = tf.keras.Model(inputs, model(make_augmenter(seed=_seed(config))(inputs)))
     trainer.compile(optimizer, loss=LOSS, metrics=["accuracy"])
-    trainer.fit(x, public.y_train, epochs=spec["epochs"], batch_size=spec["batch_size"],
+    trainer.fit(public.x_train, public.y_train, epochs=spec["epochs"], batch_size=spec["batch_size"],
                 validation_data=(public.x_test, public.y_test), verbose=2)
     tmp = path + ".tmp.keras"
     model.save(tmp)
@@ -79,70 +86,48 @@ def build_private_model(config: dict, dataset, output_dir: str) -> tf.keras.Mode
     from sparta_tf.models.zoo import build_model
 
     if config["pretrain"]["enabled"]:
-        base = pretrain(config, dataset.input_shape, output_dir)
-        return with_fresh_head(base, dataset.num_classes)
+        return with_fresh_head(pretrain(config, output_dir), dataset.num_classes)
     return build_model(config["model"], dataset.num_classes, dataset.input_shape)
 
 
-def phase_sizes(config: dict, model: tf.keras.Model) -> list[tuple[str, int, int | None]]:
-    """``(phase, epochs, trainable coordinates)`` of the configured method."""
-    method, epochs = config["method"], config["training"]["epochs"]
-    spec = methods.method_spec(method["name"])
-    if spec.selection == "epoch":
-        warmup = method["warmup_epochs"]
-        phases = [("warmup", warmup, methods.warmup_set(model).size)] if warmup else []
-        sparse = _expected_sparse_size(model, method, spec)
-        if method["mask"] is None:
-            phases.append(("selection", 1, 0))
-            return phases + [("sparse", epochs - warmup - 1, sparse)]
-        return phases + [("sparse", epochs - warmup, None)]
-    if spec.selection == "external":
-        return external_methods.planned_phases(config, model)
-    if spec.selection == "two_phase":
-        full = method["full_epochs"]
-        phases = [("full", full, methods.trainable_set(model, "all").size)] if full else []
-        return phases + [("bias_terms", epochs - full, methods.bias_terms_set(model).size)]
-    if spec.selection == "static":
-        from sparta_tf.groups import row_groups
-        from sparta_tf.selection import magnitude_selections, random_selections
-
-        groups = row_groups(model)
-        granularity = method["granularity"] or spec.granularity
-        mask = (magnitude_selections(groups, method["density"], granularity, method["density_overrides"])
-                if spec.name == "mp" else
-                random_selections(groups, method["density"], granularity, method["seed"], method["density_overrides"]))
-        return [(spec.name, epochs, methods.trainable_set(model, spec.name, mask).size)]
-    return [(spec.name, epochs, methods.trainable_set(model, spec.name).size)]
-
-
-def _expected_sparse_size(model: tf.keras.Model, method: dict, spec) -> int:
-    """Trainable coordinates after selection: the warm-up set + the kept rows/entries per layer."""
-    from sparta_tf.groups import row_groups
-    from sparta_tf.selection.topk import density_for, kept_count
-
-    total = methods.warmup_set(model).size
-    granularity = method["granularity"] or spec.granularity
-    for group in row_groups(model):
-        density = density_for(group, method["density"], method["density_overrides"])
-        if granularity == "row":
-            total += kept_count(group.n_rows, density) * group.row_size
-        else:
-            total += kept_count(group.n_rows * group.row_size, density)
-    return total
-
-
-def method_callback(config: dict, output_dir: str | None) -> sparta_tf.MethodCallback:
-    method, training = config["method"], config["training"]
+def build_method(config: dict, output_dir: str | None) -> Method:
+    """The configured method (its options are the ``method`` section's, see ``METHOD_OPTIONS``)."""
+    training = config["training"]
+    options = {k: v for k, v in config["method"].items() if k != "name"}
     head_lr = training["head_learning_rate"] or training["learning_rate"]
-    return sparta_tf.MethodCallback(
-        method["name"], warmup_epochs=method["warmup_epochs"], density=method["density"],
-        score=method["score"], granularity=method["granularity"],
-        density_overrides=method["density_overrides"],
-        head_learning_rate_scale=head_lr / training["learning_rate"],
-        mask_dir=None if output_dir is None else os.path.join(output_dir, "mask"),
-        mask=method["mask"], seed=method["seed"], full_epochs=method["full_epochs"],
-        bitfit_learning_rate_scale=method["bitfit_learning_rate_scale"],
+    return make_method(config["method"]["name"], head_learning_rate_scale=head_lr / training["learning_rate"],
+                       mask_dir=None if output_dir is None else os.path.join(output_dir, "mask"), **options)
+
+
+def make_plan(config: dict, dataset, method: Method) -> PrivacyPlan:
+    """The run's :class:`PrivacyPlan`: the method's phases and mechanisms, the data's privacy status."""
+    privacy, training = config["privacy"], config["training"]
+    n = len(dataset.x_train)
+    return make_privacy_plan(
+        n=n, expected_batch_size=training["batch_size"], phases=method.phases(training["epochs"]),
+        delta=privacy["delta"], target_epsilon=privacy["target_epsilon"], accountant=privacy["accountant"],
+        noise_multiplier=privacy["noise_multiplier"],
+        before_training=method.mechanisms_before_training(n, min(1.0, training["batch_size"] / n)),
+        training_share=method.training_share,
+        nonprivate_reasons=method.nonprivate_reasons() + dataset.nonprivate_reasons(),
     )
+
+
+def describe(plan: PrivacyPlan, method: Method, model: tf.keras.Model) -> str:
+    trainable = {phase.name: method.planned_trainable(phase, model) for phase in method.phases(plan.epochs)}
+    return plan.describe(trainable, _count(model))
+
+
+def make_optimizer(config: dict, schedule_steps: int) -> tf.keras.optimizers.Optimizer:
+    """The configured optimizer; a cosine schedule spans ``schedule_steps`` (the plan's update steps)."""
+    training = config["training"]
+    lr = training["learning_rate"]
+    if training["schedule"] == "cosine":
+        lr = sparta_tf.cosine_with_warmup(lr, schedule_steps, training["warmup_fraction"])
+    decay = training["weight_decay"] or None
+    if training["optimizer"] == "adam":
+        return tf.keras.optimizers.Adam(lr, weight_decay=decay)
+    return tf.keras.optimizers.SGD(lr, momentum=training["momentum"], weight_decay=decay)
 
 
 def serving_preprocessing(dataset) -> dict | None:
@@ -152,94 +137,76 @@ def serving_preprocessing(dataset) -> dict | None:
     return {"mean": dataset.mean, "std": dataset.std}
 
 
-def make_optimizer(config: dict, total_steps: int) -> tf.keras.optimizers.Optimizer:
-    training = config["training"]
-    lr = training["learning_rate"]
-    if training["schedule"] == "cosine":
-        lr = sparta_tf.cosine_with_warmup(lr, total_steps, training["warmup_fraction"])
-    decay = training["weight_decay"] or None
-    if training["optimizer"] == "adam":
-        return tf.keras.optimizers.Adam(lr, weight_decay=decay)
-    return tf.keras.optimizers.SGD(lr, momentum=training["momentum"], weight_decay=decay)
+def _count(model: tf.keras.Model) -> int:
+    return int(sum(np.prod(v.shape.as_list()) for v in model.trainable_variables))
 
 
 # ----------------------------------------------------------------- the run
 
 
-def dry_run(config: dict) -> Plan:
+def dry_run(config: dict) -> PrivacyPlan:
+    """Loads the data, builds the model (not pre-trained) and prints the plan; writes nothing."""
+    from sparta_tf.models.zoo import build_model
+
     dataset = load_private_data(config)
-    model = build_model_for_plan(config, dataset)
-    plan = _plan(config, len(dataset.x_train), model)
-    print(plan.describe())
+    model = build_model(config["model"], dataset.num_classes, dataset.input_shape)
+    method = build_method(config, None)
+    plan = make_plan(config, dataset, method)
+    print(describe(plan, method, model))
     return plan
 
 
-def _plan(config: dict, n: int, model: tf.keras.Model) -> Plan:
-    noise_multiplier, prior = external_methods.training_sigma_and_prior(config, n)
-    return make_plan(config, n, phase_sizes(config, model), _count(model), noise_multiplier, prior)
-
-
-def build_model_for_plan(config: dict, dataset) -> tf.keras.Model:
-    from sparta_tf.models.zoo import build_model
-
-    return build_model(config["model"], dataset.num_classes, dataset.input_shape)
-
-
-def _count(model: tf.keras.Model) -> int:
-    return int(sum(np.prod(v.shape.as_list()) for v in model.trainable_variables))
-
-
 def train(config: dict, resume: bool = False) -> dict:
-    output_dir = config["output_dir"]
-    previous = checkpointing.latest(output_dir) if resume else None
-    if not resume and os.path.exists(os.path.join(output_dir, RESULTS)):
-        raise ConfigError(f"output_dir {output_dir} already holds a finished run; choose a new output_dir "
-                          "or pass --resume to continue an interrupted one")
-    if resume and previous is None and checkpointing.latest(output_dir) is None:
+    """Runs (or with ``resume`` continues) the configured run; returns ``results.json``'s content."""
+    with RunDirectory(config["output_dir"], config, resume) as run_dir:
+        return _train(config, run_dir)
+
+
+def _train(config: dict, run_dir: RunDirectory) -> dict:
+    output_dir = run_dir.path
+    previous = checkpointing.latest(output_dir) if run_dir.resume else None
+    if run_dir.resume and previous is None:
         print(f"== --resume: no checkpoint in {output_dir}, starting from scratch")
-    os.makedirs(output_dir, exist_ok=True)
-    with open(os.path.join(output_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
+    run_dir.write_config()
     tf.keras.utils.set_random_seed(_seed(config))
     timings = {}
     start = time.perf_counter()
     dataset = load_private_data(config)
     model = build_private_model(config, dataset, output_dir)
     timings["prepare_s"] = time.perf_counter() - start
-    plan = _plan(config, len(dataset.x_train), model)
-    print(plan.describe())
-    with open(os.path.join(output_dir, "plan.json"), "w") as f:
-        json.dump(plan.to_json(), f, indent=1)
+    method = build_method(config, output_dir)
+    plan = make_plan(config, dataset, method)
+    print(describe(plan, method, model))
+    checkpointing.write_atomic(os.path.join(output_dir, "plan.json"), json.dumps(plan.to_json(), indent=1))
 
     privacy, training = config["privacy"], config["training"]
-    seed = previous[1]["seed"] if previous else (training["seed"] if training["seed"] is not None else None)
-    dp_kwargs = dict(
-        noise_multiplier=plan.noise_multiplier, clip_norm=privacy["clip_norm"],
+    seed = previous[1]["seed"] if previous else training["seed"]
+    dp = method.make_dp_model(
+        model, noise_multiplier=plan.noise_multiplier, clip_norm=privacy["clip_norm"],
         sample_rate=plan.sample_rate, dataset_size=plan.n, physical_batch_size=training["physical_batch_size"],
         sampling=privacy["sampling"], delta=privacy["delta"], target_epsilon=privacy["target_epsilon"],
         accountant=privacy["accountant"], seed=seed, engine=training["engine"], jit_compile=training["jit_compile"],
     )
-    external = config["method"]["name"] in external_methods.EXTERNAL
-    if external and previous is not None:
-        raise ConfigError(f"--resume is not supported for method {config['method']['name']} yet "
-                          "(its selection would be charged twice); start a new output_dir")
-    dp = (external_methods.build_dp_model(config, model, dp_kwargs) if external
-          else sparta_tf.DPModel(model, **dp_kwargs))
-    dp.compile(make_optimizer(config, plan.steps), loss=LOSS, metrics=["accuracy"])
-    method_info = external_methods.choose_trainable_set(config, dp, dataset, LOSS, plan) if external else {}
-    callback = method_callback(config, output_dir)
-    initial_epoch = 0
+    dp.compile(make_optimizer(config, plan.update_steps), loss=LOSS, metrics=["accuracy"])
+    callback = sparta_tf.MethodCallback(method)
+    initial_epoch = previous[1]["epoch"] if previous else 0
+    if previous is None:
+        for reason in dataset.nonprivate_reasons():
+            dp.ledger.record_nonprivate(reason)
+        _charge_steps_before_first_checkpoint(dp, plan, output_dir)
+    method_info = method.prepare(dp, dataset.x_train, dataset.y_train, LOSS, plan, initial_epoch)
+    callback.begin(dp, plan.epochs, initial_epoch)
     if previous is not None:
-        initial_epoch = _resume(previous, dp, callback, plan, output_dir)
+        _restore(previous, dp, callback, plan, output_dir)
     ledger_path = os.path.join(output_dir, "ledger.json")
     privacy_callback = PrivacyCallback(dp.ledger, plan.noise_multiplier, plan.sample_rate, plan.steps_per_epoch,
                                        step_counter=dp.dp_step, budget_mode="until_exhausted",
                                        on_budget_exhausted=lambda: dp.ledger.save(ledger_path))
-    saver = _EpochCheckpoint(output_dir, dp, plan, seed=dp._sampling_seed)
+    saver = _EpochCheckpoint(output_dir, dp)
     callbacks = [privacy_callback, callback, checkpointing.StepJournal(output_dir), saver,
                  tf.keras.callbacks.TensorBoard(os.path.join(output_dir, "tensorboard"))]
     start = time.perf_counter()
-    history = dp.fit(dataset.x_train, dataset.y_train, epochs=training["epochs"], initial_epoch=initial_epoch,
+    history = dp.fit(dataset.x_train, dataset.y_train, epochs=plan.epochs, initial_epoch=initial_epoch,
                      validation_data=(dataset.x_val, dataset.y_val) if len(dataset.x_val) else None,
                      callbacks=callbacks, verbose=1 if sys.stdout.isatty() else 2)
     timings["train_s"] = time.perf_counter() - start
@@ -252,44 +219,42 @@ def train(config: dict, resume: bool = False) -> dict:
             dp.model, os.path.join(output_dir, "export"), version=config["export"]["version"],
             preprocessing=serving_preprocessing(dataset),
         )
-    tmp = os.path.join(output_dir, RESULTS + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(results, f, indent=1)
-    os.replace(tmp, os.path.join(output_dir, RESULTS))
+    checkpointing.write_atomic(os.path.join(output_dir, RESULTS), json.dumps(results, indent=1))
     print(dp.ledger.report())
-    spent = f"epsilon {results['epsilon']:.4g}" if results["private"] else "NO privacy guarantee (oracle mask)"
+    spent = f"epsilon {results['epsilon']:.4g}" if results["private"] else "NO privacy guarantee"
     print(f"== test accuracy {results['test_accuracy']:.4f} at {spent} "
           f"(delta {privacy['delta']:g}); results in {os.path.join(output_dir, RESULTS)}")
     return results
 
 
-def _resume(previous, dp, callback, plan: Plan, output_dir: str) -> int:
+def _charge_steps_before_first_checkpoint(dp, plan: PrivacyPlan, output_dir: str) -> None:
+    """A resumed run killed before its first checkpoint starts over; the steps it ran stay charged."""
+    lost = checkpointing.charge_interrupted_steps(output_dir, 0, dp.ledger, plan.noise_multiplier, plan.sample_rate)
+    if lost:
+        dp.dp_step.assign(lost)  # fresh noise and batch keys; the journal keeps counting every step run
+        print(f"== {lost} step(s) of the interrupted run (before its first checkpoint) charged to the ledger")
+
+
+def _restore(previous, dp, callback, plan: PrivacyPlan, output_dir: str) -> None:
+    """Restores the last checkpoint and charges the steps the killed run started after it."""
     path, state = previous
     epoch = state["epoch"]
     dp.ledger = PrivacyLedger.from_json(state["ledger"])
-    dp.ledger.target_epsilon = plan.target_epsilon
-    phase = callback.phase_of(epoch)
-    callback.model = dp
-    callback.params = {"epochs": plan.epochs}
-    callback.on_train_begin()
+    dp.ledger.target_epsilon = plan.target_epsilon if dp.ledger.is_private else None
     callback.on_epoch_begin(epoch)  # recreates the trainable set (and optimizer slots) of that phase
-    if phase == "selection":
-        dp.end_scoring()
     checkpointing.restore(path, dp)
     lost = checkpointing.charge_interrupted_steps(output_dir, int(dp.dp_step.numpy()), dp.ledger,
                                                   plan.noise_multiplier, plan.sample_rate)
     print(f"== resuming after epoch {epoch} from {path}; {lost} step(s) of the interrupted epoch charged "
           f"to the ledger (epsilon so far {dp.ledger.epsilon():.4g})")
-    callback.phase = None
-    return epoch
 
 
 class _EpochCheckpoint(tf.keras.callbacks.Callback):
     """Saves a resumable checkpoint and the ledger after every epoch; times phases."""
 
-    def __init__(self, output_dir: str, dp, plan: Plan, seed: int):
+    def __init__(self, output_dir: str, dp):
         super().__init__()
-        self.output_dir, self.dp, self.plan, self.seed = output_dir, dp, plan, seed
+        self.output_dir, self.dp = output_dir, dp
         self.phase_seconds: dict[str, float] = {}
         self._start = 0.0
 
@@ -302,25 +267,27 @@ class _EpochCheckpoint(tf.keras.callbacks.Callback):
         self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + time.perf_counter() - self._start
         if self.dp.privacy_callback is not None:
             self.dp.privacy_callback.flush()
-        checkpointing.save(self.output_dir, epoch + 1, self.dp,
-                           {"seed": self.seed, "ledger": self.dp.ledger.to_json()})
+        checkpointing.save(self.output_dir, epoch + 1, self.dp, {"seed": self.dp.seed, "ledger": self.dp.ledger.to_json()})
         self.dp.ledger.save(os.path.join(self.output_dir, "ledger.json"))
 
 
-def _results(config, dp, plan: Plan, dataset, phase_seconds, timings, history) -> dict:
+def _results(config, dp, plan: PrivacyPlan, dataset, phase_seconds, timings, history) -> dict:
     test_loss, test_accuracy = dp.evaluate(dataset.x_test, dataset.y_test, verbose=0)[:2]
     return {
         "method": config["method"]["name"],
         "private": dp.ledger.is_private,
-        "epsilon": dp.ledger.epsilon() if dp.ledger.is_private else None,  # None: not DP (oracle)
+        "nonprivate_reasons": list(dp.ledger.nonprivate_reasons),
+        "epsilon": dp.ledger.epsilon() if dp.ledger.is_private else None,  # None: not DP
         "target_epsilon": plan.target_epsilon,
         "delta": plan.delta,
         "noise_multiplier": plan.noise_multiplier,
         "sample_rate": plan.sample_rate,
         "clip_norm": config["privacy"]["clip_norm"],
         "steps": dp.ledger.steps,
+        "optimizer_steps": int(dp.optimizer.iterations.numpy()),  # = plan.update_steps: the schedule's span
         "epochs": plan.epochs,
         "n": plan.n,
+        "plan": plan.to_json(),
         "test_accuracy": float(test_accuracy),
         "test_loss": float(test_loss),
         "trainable_fraction": dp.trainable_set.fraction_of(dp.model),

@@ -32,6 +32,16 @@ class Dataset:
     name: str
     mean: Optional[np.ndarray] = None
     std: Optional[np.ndarray] = None
+    statistics_from_private_data: bool = False
+    """True when ``mean``/``std`` were computed from ``x_train`` without noise: a release of the
+    private data that no DP accounting covers (a run using them is reported NOT private)."""
+
+    def nonprivate_reasons(self) -> list[str]:
+        """Why training on this data set is not covered by the DP guarantee (empty: it is)."""
+        if not self.statistics_from_private_data:
+            return []
+        return ["data.normalize: standard computed mean/std from the private training split without noise; "
+                "pass data.mean and data.std computed on public data"]
 
     @property
     def input_shape(self) -> tuple[int, int, int]:

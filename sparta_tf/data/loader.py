@@ -98,6 +98,7 @@ def build_dataset(raw: RawData, spec: DataSpec, seed: int) -> Dataset:
         name=raw.name,
         mean=mean,
         std=std,
+        statistics_from_private_data=spec.normalize == "standard" and spec.mean is None,
     )
 
 

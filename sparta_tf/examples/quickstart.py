@@ -57,7 +57,8 @@ def main(argv=None) -> None:
     parser.add_argument("--delta", type=float, default=1e-5)
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--sample-rate", type=float, default=0.1)
-    parser.add_argument("--method", default="sparta", help="sparta (default), all, last, bitfit, mp, random, dpsgd_grad, oracle")
+    parser.add_argument("--method", default="sparta", help="sparta (default), all, last, bitfit, x_bitfit, mp, random, "
+                        "dpsgd_grad, oracle")
     parser.add_argument("--lr", type=float, default=0.05, help="learning rate of the backbone")
     parser.add_argument("--head-lr", type=float, default=0.5, help="learning rate of the fresh head (paper: 10x)")
     parser.add_argument("--density", type=float, default=0.2, help="fraction of rows kept per layer (sparse methods)")
@@ -88,10 +89,8 @@ def main(argv=None) -> None:
     dp_model = DPModel(model, noise_multiplier=sigma, clip_norm=1.0, sample_rate=q,
                        delta=args.delta, target_epsilon=args.epsilon, seed=args.seed)
     dp_model.compile(tf.keras.optimizers.SGD(args.lr, momentum=0.9), loss=loss, metrics=["accuracy"])
-    spec = methods.method_spec(args.method)
-    warmup = max(1, args.epochs // 5) if spec.selection == "epoch" else 0
-    callback = MethodCallback(args.method, warmup_epochs=warmup, density=args.density,
-                              head_learning_rate_scale=args.head_lr / args.lr)
+    options = {"density": args.density} if "density" in methods.method_class(args.method).options else {}
+    callback = MethodCallback(args.method, head_learning_rate_scale=args.head_lr / args.lr, **options)
     dp_model.fit(*private, epochs=args.epochs, validation_data=test, callbacks=[callback], verbose=2)
 
     accuracy = dp_model.evaluate(*test, verbose=0)[1]

@@ -287,75 +287,101 @@ def calibrate_noise_multiplier(
 ) -> float:
     """Smallest ``sigma`` with ``epsilon(sigma) <= target_epsilon`` for ``steps`` steps.
 
-    ``epsilon(sigma)`` is :func:`compute_epsilon` (decreasing in ``sigma``). The
-    root of ``epsilon(sigma) - target`` is found by
-    ``dp_accounting.calibrate_dp_mechanism`` (Brent's method) to an absolute
-    tolerance ``rtol * sigma``; dp_accounting then nudges the root so that
-    ``epsilon(sigma) <= target`` holds for the returned value. For ``"pld"``
-    the bracket comes from the (fast, looser) RDP solution ``sigma_rdp``:
-    RDP over-states epsilon, so ``epsilon_pld(sigma_rdp) <= target`` and the
-    PLD root lies a little below ``sigma_rdp``.
+    ``epsilon(sigma)`` is :func:`compute_epsilon`; the calibration is
+    :func:`calibrate_composition` with no fixed mechanism.
+    """
+    check_sample_rate(sample_rate)
+    if check_steps(steps) == 0:
+        raise ValueError("steps must be >= 1 to calibrate a noise multiplier.")
+    return calibrate_composition((), ((sample_rate, steps),), target_epsilon, delta, accountant, rtol)
+
+
+Fixed = tuple  # ((sigma, q, count), ...): mechanisms whose noise multiplier is known
+Unknown = tuple  # ((q, count), ...): mechanisms that share the noise multiplier being calibrated
+
+
+def composition_event(fixed: Fixed, unknown: Unknown, sigma: float) -> dp_accounting.DpEvent:
+    """``ComposedDpEvent`` of the fixed mechanisms and the unknown ones at noise multiplier ``sigma``."""
+    events = [dp_sgd_event(s, q, count) for s, q, count in fixed]
+    events += [dp_sgd_event(sigma, q, count) for q, count in unknown]
+    return dp_accounting.ComposedDpEvent(events)
+
+
+def calibrate_composition(
+    fixed: Fixed,
+    unknown: Unknown,
+    target_epsilon: float,
+    delta: float,
+    accountant: str = "pld",
+    rtol: float = CALIBRATION_RTOL,
+) -> float:
+    """The one calibrator: smallest ``sigma`` such that ``fixed`` composed with ``unknown`` at ``sigma``
+    spends at most ``target_epsilon`` at ``delta``.
+
+    ``fixed``: ``((sigma, q, count), ...)`` mechanisms already decided (e.g.
+    DP-SNIP's release, a loaded mask's selection epoch, DP-SGD when
+    calibrating DP-FROST's selection rounds); ``unknown``: ``((q, count), ...)``
+    mechanisms that all use the calibrated ``sigma``. The root of
+    ``epsilon(sigma) - target`` is found by
+    ``dp_accounting.calibrate_dp_mechanism`` (Brent's method), which searches
+    its own bracket from ``LowerEndpointAndGuess`` and nudges the root so that
+    ``epsilon(sigma) <= target`` holds for the returned value (to an absolute
+    tolerance ``rtol * sigma``). For ``"pld"`` the search starts from the
+    (fast, looser) RDP solution ``sigma_rdp``: RDP over-states epsilon, so the
+    PLD root lies a little below it. With fixed mechanisms the search starts
+    from the root without them, a lower bound of the root with them.
     """
     target = check_target_epsilon(target_epsilon)
     delta = check_delta(delta)
-    q = check_sample_rate(sample_rate)
-    if check_steps(steps) == 0:
-        raise ValueError("steps must be >= 1 to calibrate a noise multiplier.")
     check_accountant(accountant)
-    return _calibrated(target, delta, q, steps, accountant, rtol)
+    fixed = tuple((float(check_noise_multiplier(s)), float(check_sample_rate(q)), int(check_steps(c)))
+                  for s, q, c in fixed)
+    unknown = tuple((float(check_sample_rate(q)), int(check_steps(c))) for q, c in unknown)
+    if not any(count for _, count in unknown):
+        raise ValueError("nothing to calibrate: no mechanism uses the unknown noise multiplier")
+    if fixed:
+        spent = epsilon_of_event(composition_event(fixed, (), 1.0), delta, accountant)
+        if spent >= target:
+            raise ValueError(f"the mechanisms with a fixed noise multiplier already spend epsilon={spent:.4g} "
+                             f">= target {target:g}; raise their noise multiplier or the target epsilon")
+    return _calibrated(fixed, unknown, target, delta, accountant, rtol)
 
 
 @functools.lru_cache(maxsize=256)
-def _calibrated(target: float, delta: float, q: float, steps: int, accountant: str, rtol: float) -> float:
-    """:func:`calibrate_noise_multiplier` on validated arguments; memoised (a pure function,
-    and the costliest call of a run's set-up: seconds of PLD compositions)."""
-    epsilon_at = lambda sigma, name: compute_epsilon(sigma, q, steps, delta, name)
-    lo, hi = _bracket(lambda s: epsilon_at(s, "rdp"), target)
+def _calibrated(fixed: Fixed, unknown: Unknown, target: float, delta: float, accountant: str, rtol: float) -> float:
+    """:func:`calibrate_composition` on validated arguments; memoised (a pure function, and the
+    costliest call of a run's set-up: seconds of PLD compositions)."""
+    if fixed:
+        # Fixed mechanisms only add epsilon, so the root lies above the root without them: search
+        # upwards from just below that one (dp_accounting doubles the interval until it brackets).
+        lower = _calibrated((), unknown, target, delta, accountant, rtol) * (1 - 1e-3)
+        search = mechanism_calibration.LowerEndpointAndGuess(lower, 2 * lower)
+        return _solve(fixed, unknown, target, delta, accountant, search, rtol)
+    smallest, _ = _SIGMA_SEARCH_RANGE
+    rdp_floor = epsilon_of_event(composition_event(fixed, unknown, smallest), delta, "rdp")
+    if rdp_floor <= target:
+        raise ValueError(f"target_epsilon={target:g} is met even by noise_multiplier {smallest:g}; such a "
+                         "guarantee is meaningless: use a smaller target_epsilon (e.g. 1 to 10)")
+    search = mechanism_calibration.LowerEndpointAndGuess(smallest, 1.0)
+    sigma_rdp = _solve(fixed, unknown, target, delta, "rdp", search, rtol)
     if accountant == "rdp":
-        return _solve(target, delta, q, steps, "rdp", lo, hi, rtol)
-    sigma_rdp = _solve(target, delta, q, steps, "rdp", lo, hi, max(rtol, 1e-2))
+        return sigma_rdp
     try:  # Common case: the PLD root lies in [0.8 sigma_rdp, sigma_rdp].
-        return _solve(target, delta, q, steps, "pld", 0.8 * sigma_rdp, sigma_rdp, rtol)
-    except ValueError:  # Not bracketed: search from scratch with PLD.
-        lo, hi = _bracket(lambda s: epsilon_at(s, "pld"), target)
-        return _solve(target, delta, q, steps, "pld", lo, hi, rtol)
+        narrow = mechanism_calibration.ExplicitBracketInterval(0.8 * sigma_rdp, sigma_rdp)
+        return _solve(fixed, unknown, target, delta, "pld", narrow, rtol)
+    except ValueError:  # Not bracketed: let dp_accounting search upwards from half the RDP root.
+        wide = mechanism_calibration.LowerEndpointAndGuess(0.5 * sigma_rdp, sigma_rdp)
+        return _solve(fixed, unknown, target, delta, "pld", wide, rtol)
 
 
-def _solve(
-    target: float, delta: float, q: float, steps: int, accountant: str,
-    lo: float, hi: float, rtol: float,
-) -> float:
-    """``calibrate_dp_mechanism`` on the bracket ``[lo, hi]`` (``eps(lo) > target >= eps(hi)``)."""
-    return float(
-        mechanism_calibration.calibrate_dp_mechanism(
-            lambda: make_accountant(accountant),
-            lambda sigma: dp_sgd_event(sigma, q, steps),
-            target,
-            delta,
-            bracket_interval=mechanism_calibration.ExplicitBracketInterval(lo, hi),
-            tol=rtol * hi,
-        )
-    )
-
-
-def _bracket(epsilon_at: Callable[[float], float], target: float) -> tuple[float, float]:
-    """Geometric search from ``sigma = 1`` for ``eps(lo) > target >= eps(hi)``, ``hi = 2 lo``."""
-    smallest, largest = _SIGMA_SEARCH_RANGE
-    sigma = 1.0
-    if epsilon_at(sigma) > target:
-        while epsilon_at(2 * sigma) > target:
-            sigma *= 2
-            if sigma > largest:
-                raise ValueError(
-                    f"target_epsilon={target:g} needs noise_multiplier > {largest:g}; "
-                    "raise target_epsilon or lower the sample rate / number of steps."
-                )
-        return sigma, 2 * sigma
-    while epsilon_at(sigma / 2) <= target:
-        sigma /= 2
-        if sigma < smallest:
-            raise ValueError(
-                f"target_epsilon={target:g} is met even by noise_multiplier < {smallest:g}; "
-                "use a smaller target_epsilon."
-            )
-    return sigma / 2, sigma
+def _solve(fixed: Fixed, unknown: Unknown, target: float, delta: float, accountant: str,
+           bracket: mechanism_calibration.BracketInterval, rtol: float) -> float:
+    guess = getattr(bracket, "initial_guess", None) or getattr(bracket, "endpoint_2")
+    try:
+        return float(mechanism_calibration.calibrate_dp_mechanism(
+            lambda: make_accountant(accountant), lambda sigma: composition_event(fixed, unknown, sigma),
+            target, delta, bracket_interval=bracket, tol=rtol * guess,
+        ))
+    except mechanism_calibration.NoBracketIntervalFoundError as error:
+        raise ValueError(f"target_epsilon={target:g} needs a noise multiplier outside the searched range; "
+                         "raise target_epsilon or lower the sample rate / number of steps") from error

@@ -48,10 +48,8 @@ import dataclasses
 import math
 from typing import Callable, Sequence
 
-import dp_accounting
 import numpy as np
 import tensorflow as tf
-from dp_accounting import mechanism_calibration
 
 from sparta_tf import random_streams
 from sparta_tf import trainable as trainable_lib
@@ -335,17 +333,6 @@ def psel(
 # --------------------------------------------------------------------------
 
 
-def frost_event(
-    sigma_selection: float, selection_rate: float, selection_steps: int,
-    sigma_training: float, sample_rate: float, steps: int,
-) -> dp_accounting.DpEvent:
-    """``T_ps`` selection mechanisms ``M_{q_ps, sigma_ps}`` composed with ``steps`` DP-SGD steps."""
-    return dp_accounting.ComposedDpEvent([
-        accounting.dp_sgd_event(sigma_selection, selection_rate, selection_steps),
-        accounting.dp_sgd_event(sigma_training, sample_rate, steps),
-    ])
-
-
 def compute_sigmas(
     target_epsilon: float,
     delta: float,
@@ -370,30 +357,9 @@ def compute_sigmas(
     if not 0.0 < r_eps < 1.0:
         raise ValueError(f"r_eps must be in (0, 1), got {r_eps!r}")
     accounting.check_steps(selection_steps, "selection_steps")
-    sigma_training = accounting.calibrate_noise_multiplier(r_eps * eps, delta, sample_rate, steps, accountant)
-
-    def event(sigma: float) -> dp_accounting.DpEvent:
-        return frost_event(sigma, selection_rate, selection_steps, sigma_training, sample_rate, steps)
-
-    def eps_at(sigma: float) -> float:
-        return accounting.epsilon_of_event(event(sigma), delta, accountant)
-
-    hi = 1.0
-    while eps_at(hi) > eps:
-        hi *= 2.0
-        if hi > 1e7:
-            raise ValueError("cannot fit the selection mechanisms into the remaining budget")
-    lo = hi / 2.0
-    while eps_at(lo) <= eps and lo > 1e-3:
-        hi, lo = lo, lo / 2.0
-    sigma_selection = mechanism_calibration.calibrate_dp_mechanism(
-        lambda: accounting.make_accountant(accountant),
-        event,
-        eps,
-        delta,
-        bracket_interval=mechanism_calibration.ExplicitBracketInterval(lo, hi),
-        tol=rtol * hi,
-    )
+    sigma_training = accounting.calibrate_noise_multiplier(r_eps * eps, delta, sample_rate, steps, accountant, rtol)
+    sigma_selection = accounting.calibrate_composition(
+        ((sigma_training, sample_rate, steps),), ((selection_rate, selection_steps),), eps, delta, accountant, rtol)
     return float(sigma_selection), float(sigma_training)
 
 
@@ -438,6 +404,7 @@ def frost_select(
     physical_batch_size: int = 256,
     seed: int | None = None,
     engine: str = "auto",
+    noise_multiplier: float | None = None,
 ) -> tuple[trainable_lib.TrainableSet, dict]:
     """DP-FROST (Algorithm 1, lines 1-3): ComputeSigma, then PSEL on the model's partitions.
 
@@ -449,16 +416,22 @@ def frost_select(
     caller records the DP-SGD steps with ``sigma_training`` while training.
     The paper keeps nothing else trainable (no separate head rule). If no
     partition fits into ``gamma |Theta|`` the TrainableSet cannot be built and
-    a ValueError is raised.
+    a ValueError is raised. ``noise_multiplier``: the selection rounds' sigma
+    when the caller calibrated it already (a :class:`~sparta_tf.privacy.plan.PrivacyPlan`);
+    then ``info["sigma_training"]`` is None. The ledger is charged all
+    ``iterations`` rounds, also when PSEL stops early (all partitions chosen).
     """
     _check(method, alpha)
     parts = partitions(model)
     sizes = [p.size for p in parts]
     total = sum(int(np.prod(v.shape.as_list())) for v in model.trainable_variables)
-    sigma_sel, sigma_sgd = compute_sigmas(
-        target_epsilon, delta, r_eps, sample_rate=sample_rate, steps=steps,
-        selection_rate=q_ps, selection_steps=iterations, accountant=accountant,
-    )
+    if noise_multiplier is None:
+        sigma_sel, sigma_sgd = compute_sigmas(
+            target_epsilon, delta, r_eps, sample_rate=sample_rate, steps=steps,
+            selection_rate=q_ps, selection_steps=iterations, accountant=accountant,
+        )
+    else:
+        sigma_sel, sigma_sgd = accounting.check_noise_multiplier(noise_multiplier), None
     variables = [v for p in parts for v in p.variables]
     grad_engine = make_engine(model, variables, engine)
     loss_fn = per_example_loss_fn(loss)
@@ -485,7 +458,7 @@ def frost_select(
 
     chosen, info = psel(observe, sizes, total, sigma_sel, gamma, iterations, nu, q_ps, pgm_iterations)
     if ledger is not None:
-        record_selection(ledger, sigma_sel, q_ps, info["rounds"])
+        record_selection(ledger, sigma_sel, q_ps, iterations)
     selected = [parts[i] for i in chosen]
     if not selected:
         raise ValueError(f"DP-FROST selected no partition: gamma={gamma} is smaller than every partition")

@@ -1,0 +1,141 @@
+"""The ``Method`` interface: a fine-tuning method as phases, mechanisms and phase boundaries.
+
+A method trains a model with DP-SGD for ``T`` epochs in consecutive
+*phases* (:class:`~sparta_tf.privacy.plan.TrainingPhase`): e.g. SPARTA's
+``warmup`` (``T0`` epochs), ``selection`` (1 epoch that releases row scores
+and updates nothing) and ``sparse`` (the rest). Every step of every phase is
+one Poisson-subsampled Gaussian mechanism with the run's ``(q, sigma)``.
+Some methods also run mechanisms *before* training
+(:meth:`Method.mechanisms_before_training`: DP-FROST's selection rounds,
+DP-SNIP, the selection epoch of a loaded mask). The same phase list and
+mechanisms feed the dry-run plan (:mod:`sparta_tf.privacy.plan`) and the
+fit, so the plan's ledger events are the run's.
+
+Life cycle, driven by :class:`sparta_tf.callbacks.MethodCallback` inside
+``DPModel.fit`` (and by ``sparta-train``)::
+
+    dp = method.make_dp_model(model, **dp_kwargs)       # DPModel, or DP-SSGD's SSGDModel
+    info = method.prepare(dp, x, y, loss, plan, first_epoch)  # before fit: choices made before training
+    method.start(dp, epochs, first_epoch)               # on_train_begin: masks, provenance
+    method.enter(phase, dp)                             # first epoch of each phase
+    method.leave(phase, dp)                             # after its last epoch
+
+Options: every method takes ``head`` (the classifier layer or its name;
+default the layer named "head", else the last Dense),
+``head_learning_rate_scale``, ``mask_dir`` (where masks are saved) and
+``verbose``, plus the options named in its :attr:`Method.options`.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, ClassVar, Sequence
+
+import tensorflow as tf
+
+from sparta_tf.privacy.plan import Mechanism, TrainingPhase
+from sparta_tf.trainable import TrainableSet
+
+COMMON_OPTIONS = ("head", "head_learning_rate_scale", "mask_dir", "verbose")
+
+
+class Method(abc.ABC):
+    """One fine-tuning method (see the module doc). Subclasses set ``name`` and ``options``."""
+
+    name: ClassVar[str]
+    options: ClassVar[tuple[str, ...]] = ()
+    """The method's own keyword options (``sparta-train``: keys of the ``method`` section)."""
+    private: ClassVar[bool] = True
+    """False for a method whose choices look at private data without noise (``oracle``)."""
+
+    def __init__(self, *, head=None, head_learning_rate_scale: float = 1.0, mask_dir: str | None = None,
+                 verbose: int = 1, **options: Any):
+        unknown = sorted(set(options) - set(self.options))
+        if unknown:
+            accepted = ", ".join(self.options) or "none besides " + ", ".join(COMMON_OPTIONS)
+            raise ValueError(f"method {self.name!r} has no option {unknown[0]!r}; its options: {accepted}")
+        if not head_learning_rate_scale > 0:
+            raise ValueError(f"head_learning_rate_scale={head_learning_rate_scale!r} must be > 0")
+        self.head = head
+        self.head_learning_rate_scale = float(head_learning_rate_scale)
+        self.mask_dir = mask_dir
+        self.verbose = verbose
+        self.configure(**options)
+
+    def configure(self, **options: Any) -> None:
+        """Validates and stores the method's own options (defaults for the missing ones)."""
+
+    # ------------------------------------------------------------------ plan
+
+    @abc.abstractmethod
+    def phases(self, epochs: int) -> list[TrainingPhase]:
+        """The training phases of a fit of ``epochs`` epochs, in order (their epochs sum to ``epochs``)."""
+
+    def mechanisms_before_training(self, n: int, sample_rate: float) -> list[Mechanism]:
+        """Mechanisms charged before the first training step (noise multiplier None: calibrated)."""
+        return []
+
+    @property
+    def training_share(self) -> float:
+        """Fraction of the target epsilon the training steps are calibrated for on their own (DP-FROST's
+        ``r_eps``); 1: calibrated together with the fixed mechanisms before training."""
+        return 1.0
+
+    def nonprivate_reasons(self) -> list[str]:
+        """Why a run of this method is not differentially private (empty: it is)."""
+        return []
+
+    def planned_trainable(self, phase: TrainingPhase, model: tf.keras.Model) -> int | None:
+        """Trainable coordinates in ``phase`` as far as known before the run (None: chosen privately)."""
+        selections = self.trainable_set(phase, model)
+        return None if selections is None else selections.size
+
+    @abc.abstractmethod
+    def trainable_set(self, phase: TrainingPhase, model: tf.keras.Model) -> TrainableSet | None:
+        """What ``phase`` trains, or None while it depends on a choice not made yet."""
+
+    # ------------------------------------------------------------------ run
+
+    def make_dp_model(self, model: tf.keras.Model, **dp_kwargs: Any):
+        """The DP model the method trains with (:class:`~sparta_tf.DPModel` by default)."""
+        from sparta_tf.dp_model import DPModel  # late: dp_model imports the whole engine
+
+        return DPModel(model, **dp_kwargs)
+
+    def prepare(self, dp, x, y, loss, plan, first_epoch: int = 0) -> dict[str, Any]:
+        """Runs the choices made before training (charging ``plan.before_training``); returns info.
+        ``first_epoch > 0``: a resumed run, whose choices were made (and charged) already."""
+        return {}
+
+    def start(self, dp, epochs: int, first_epoch: int = 0) -> None:
+        """``on_train_begin``: set up what the phases need (``first_epoch > 0``: a resumed run)."""
+
+    def enter(self, phase: TrainingPhase, dp) -> None:
+        """The first epoch of ``phase`` begins: set the trainable set (default) or begin scoring."""
+        dp.set_trainable_set(self.trainable_set(phase, dp.model))
+
+    def leave(self, phase: TrainingPhase, dp) -> None:
+        """The last epoch of ``phase`` ended."""
+
+    # ------------------------------------------------------------------ helpers
+
+    def phase_of(self, epoch: int, epochs: int) -> TrainingPhase:
+        """The phase epoch ``epoch`` (0-based) of a fit of ``epochs`` epochs belongs to."""
+        first = 0
+        for phase in self.phases(epochs):
+            if epoch < first + phase.epochs:
+                return phase
+            first += phase.epochs
+        raise ValueError(f"epoch {epoch} is past the {epochs} epochs of the plan")
+
+    def describe_options(self) -> dict[str, Any]:
+        return {name: getattr(self, name, None) for name in self.options}
+
+
+def single_phase(name: str, epochs: int) -> list[TrainingPhase]:
+    return [TrainingPhase(name, epochs)]
+
+
+def check_epochs(phases: Sequence[TrainingPhase], epochs: int) -> None:
+    if sum(p.epochs for p in phases) != epochs or any(p.epochs < 0 for p in phases):
+        raise AssertionError(f"phases {phases} do not cover {epochs} epochs")

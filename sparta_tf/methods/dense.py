@@ -1,0 +1,85 @@
+"""Methods that train whole variables by role: ``all``, ``last``, ``bitfit`` and DP-BiTFiT's ``x_bitfit``.
+
+======== ========================================== ======================================
+method   trains                                     phases
+======== ========================================== ======================================
+all      every trainable variable                   ``all`` (T epochs)
+last     head + normalisation parameters            ``last``
+bitfit   biases + norms + head (DP-BitFit)          ``bitfit``
+x_bitfit X epochs everything, then the bias terms   ``full`` (X), ``bias_terms`` (T - X)
+         (layer biases + norm offsets; Bu et al.
+         2024, two-phase DP-BiTFiT)
+======== ========================================== ======================================
+
+None looks at private data except through the DP steps themselves.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import tensorflow as tf
+
+from sparta_tf.methods.base import Method, single_phase
+from sparta_tf.methods.sets import ALWAYS_TRAINABLE, bias_terms_set, role_set
+from sparta_tf.privacy.plan import TrainingPhase
+from sparta_tf.trainable import TrainableSet
+
+
+class RoleMethod(Method):
+    """One phase, named after the method, training whole variables of ``roles``."""
+
+    roles: ClassVar[tuple[str, ...]]
+
+    def phases(self, epochs: int) -> list[TrainingPhase]:
+        return single_phase(self.name, epochs)
+
+    def trainable_set(self, phase: TrainingPhase, model: tf.keras.Model) -> TrainableSet:
+        return role_set(model, self.roles, (), self.head, self.head_learning_rate_scale)
+
+
+class All(RoleMethod):
+    name = "all"
+    roles = ("kernel", "bias", "norm", "head", "other")
+
+
+class Last(RoleMethod):
+    name = "last"
+    roles = ("norm", "head")
+
+
+class BitFit(RoleMethod):
+    name = "bitfit"
+    roles = ALWAYS_TRAINABLE
+
+
+class XBitFit(Method):
+    """DP-BiTFiT's two-phase ``X+BiTFiT``: ``full_epochs`` of full DP fine-tuning, then the bias terms.
+
+    Options: ``full_epochs`` (X, default 1), ``bitfit_learning_rate_scale``
+    (learning-rate multiplier of the bias phase; the paper uses 5e-3 after
+    1e-3: 5). The bias phase computes no per-example weight gradient.
+    """
+
+    name = "x_bitfit"
+    options = ("full_epochs", "bitfit_learning_rate_scale")
+
+    def configure(self, full_epochs: int = 1, bitfit_learning_rate_scale: float = 5.0) -> None:
+        if full_epochs < 0:
+            raise ValueError(f"full_epochs={full_epochs} must be >= 0")
+        if not bitfit_learning_rate_scale > 0:
+            raise ValueError(f"bitfit_learning_rate_scale={bitfit_learning_rate_scale!r} must be > 0")
+        self.full_epochs = int(full_epochs)
+        self.bitfit_learning_rate_scale = float(bitfit_learning_rate_scale)
+
+    def phases(self, epochs: int) -> list[TrainingPhase]:
+        """``full`` then ``bias_terms``; a fit shorter than ``full_epochs`` (e.g. the first part of a run
+        continued with ``initial_epoch``) is all ``full`` (``sparta-train`` refuses such a config)."""
+        full = min(self.full_epochs, epochs)
+        phases = [TrainingPhase("full", full)] if full else []
+        return phases + ([TrainingPhase("bias_terms", epochs - full)] if epochs > full else [])
+
+    def trainable_set(self, phase: TrainingPhase, model: tf.keras.Model) -> TrainableSet:
+        if phase.name == "full":
+            return role_set(model, All.roles, (), self.head, self.head_learning_rate_scale)
+        return bias_terms_set(model, self.head, self.bitfit_learning_rate_scale)

@@ -1,0 +1,75 @@
+"""DP-FROST as a method: the layers (partitions) PSEL selects, chosen before training.
+
+Before training, ``frost_iterations`` (T) rounds of noisy partition-gradient
+magnitudes at Poisson rate ``q_ps`` (:func:`sparta_tf.selection.frost.frost_select`,
+the ``"frost_selection"`` mechanism); then DP-SGD on the selected
+partitions (whole kernels + biases) for all epochs (phase ``dp_frost``).
+ComputeSigma's budget split: the training sigma spends ``r_eps`` of the
+target on its own, the selection sigma the rest
+(:func:`sparta_tf.privacy.plan.make_privacy_plan` with ``training_share=r_eps``).
+The selected partitions are saved to ``mask_dir`` with their provenance, so
+a resumed run reuses them instead of selecting (and paying) again.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from sparta_tf import masks
+from sparta_tf.methods.base import Method, single_phase
+from sparta_tf.privacy.plan import Mechanism, TrainingPhase
+from sparta_tf.selection import frost
+from sparta_tf.trainable import TrainableSet
+
+
+class DpFrost(Method):
+    name = "dp_frost"
+    options = ("frost_magnitude", "frost_alpha", "r_eps", "frost_iterations", "q_ps", "nu", "gamma")
+
+    def configure(self, frost_magnitude: str = frost.DEFAULT_METHOD, frost_alpha: int = frost.DEFAULT_ALPHA,
+                  r_eps: float = frost.DEFAULT_R_EPS, frost_iterations: int = frost.DEFAULT_T,
+                  q_ps: float = frost.DEFAULT_Q_PS, nu: float = frost.DEFAULT_NU, gamma: float = 0.2) -> None:
+        if not 0 < r_eps < 1:
+            raise ValueError(f"r_eps={r_eps!r} must be in (0, 1)")
+        if not 0 < q_ps < 1:
+            raise ValueError(f"q_ps={q_ps!r} must be in (0, 1)")
+        if not 0 < gamma <= 1:
+            raise ValueError(f"gamma={gamma!r} must be in (0, 1]")
+        if frost_iterations < 1:
+            raise ValueError(f"frost_iterations={frost_iterations!r} must be >= 1")
+        self.frost_magnitude, self.frost_alpha = frost_magnitude, int(frost_alpha)
+        self.r_eps, self.frost_iterations, self.q_ps = float(r_eps), int(frost_iterations), float(q_ps)
+        self.nu, self.gamma = float(nu), float(gamma)
+        self.selected: TrainableSet | None = None
+
+    def phases(self, epochs: int) -> list[TrainingPhase]:
+        return single_phase(self.name, epochs)
+
+    def mechanisms_before_training(self, n: int, sample_rate: float) -> list[Mechanism]:
+        return [Mechanism(frost.SELECTION_PHASE, self.q_ps, self.frost_iterations, None, frost.SELECTION_KIND)]
+
+    @property
+    def training_share(self) -> float:
+        return self.r_eps
+
+    def trainable_set(self, phase: TrainingPhase, model: tf.keras.Model) -> TrainableSet | None:
+        return self.selected
+
+    def prepare(self, dp, x, y, loss, plan, first_epoch: int = 0) -> dict:
+        if first_epoch and masks.has_mask(self.mask_dir):  # resumed: the selection was made (and charged) already
+            selections, _ = masks.load_mask(self.mask_dir, dp.model)
+            self.selected = TrainableSet(selections)
+            return {"frost_selected_partitions": "reloaded"}
+        (selection,) = plan.before_training
+        self.selected, info = frost.frost_select(
+            dp.model, x, y, loss, target_epsilon=plan.target_epsilon, delta=plan.delta,
+            sample_rate=plan.sample_rate, steps=plan.steps, gamma=self.gamma, method=self.frost_magnitude,
+            alpha=self.frost_alpha, clip_norm=dp.clip_norm, r_eps=self.r_eps, iterations=self.frost_iterations,
+            q_ps=self.q_ps, nu=self.nu, accountant=plan.accountant, ledger=dp.ledger, seed=dp.seed,
+            noise_multiplier=selection.noise_multiplier,
+        )
+        if self.mask_dir is not None:
+            masks.save_mask(self.mask_dir, list(self.selected), dp.model,
+                            provenance=masks.MaskProvenance.of_ledger(dp.ledger), method=self.name)
+        return {"frost_selected_partitions": [str(s) for s in info.get("selected", [])],
+                "frost_sigma_selection": float(info["sigma_selection"])}

@@ -1,0 +1,71 @@
+"""What every sparse method shares: a mask of kernel rows (or entries) on top of the DP-BitFit set.
+
+A sparse method trains biases + norms + head (:data:`ALWAYS_TRAINABLE`)
+plus, in every maskable kernel, the rows or entries its mask keeps (a
+``density`` fraction per layer, at least one; ``density_overrides`` per layer
+name pattern). The mask is saved to ``mask_dir`` (``mask.npz/json/md``) with
+its privacy provenance (:class:`sparta_tf.masks.MaskProvenance`); a resumed
+run reloads its own saved mask rather than choosing again.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Mapping
+
+import tensorflow as tf
+
+from sparta_tf import masks
+from sparta_tf.groups import row_groups
+from sparta_tf.methods.base import Method
+from sparta_tf.methods.sets import ALWAYS_TRAINABLE, role_set
+from sparta_tf.selection.scoring import GRANULARITIES
+from sparta_tf.selection.topk import check_density, density_for, kept_count
+from sparta_tf.trainable import TrainableSet, VariableSelection
+
+MASK_OPTIONS = ("density", "granularity", "density_overrides")
+
+
+class MaskedMethod(Method):
+    """A method whose final trainable set is the DP-BitFit set plus a kernel mask."""
+
+    default_granularity: ClassVar[str] = "row"
+
+    def configure_mask(self, density: float = 0.2, granularity: str | None = None,
+                       density_overrides: Mapping[str, float] | None = None) -> None:
+        self.density = check_density(density)
+        self.granularity = granularity or self.default_granularity
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"granularity={self.granularity!r} is not one of {GRANULARITIES}")
+        self.density_overrides = dict(density_overrides or {})
+        for pattern, value in self.density_overrides.items():
+            check_density(value, f"density_overrides[{pattern!r}]")
+        self.mask_selections: list[VariableSelection] | None = None
+
+    def masked_set(self, model: tf.keras.Model) -> TrainableSet:
+        """The DP-BitFit set plus the mask (which must be known)."""
+        if self.mask_selections is None:
+            raise ValueError(f"method {self.name!r} has no mask yet")
+        return role_set(model, ALWAYS_TRAINABLE, self.mask_selections, self.head, self.head_learning_rate_scale)
+
+    def expected_masked_size(self, model: tf.keras.Model) -> int:
+        """Coordinates of the masked set before the mask is known: the kept count per layer is fixed."""
+        total = role_set(model, ALWAYS_TRAINABLE, (), self.head).size
+        for group in row_groups(model, self.head):
+            density = density_for(group, self.density, self.density_overrides)
+            if self.granularity == "row":
+                total += kept_count(group.n_rows, density) * group.row_size
+            else:
+                total += kept_count(group.n_rows * group.row_size, density)
+        return total
+
+    def save_mask(self, model: tf.keras.Model, provenance: masks.MaskProvenance, **labels) -> None:
+        if self.mask_dir is not None and self.mask_selections is not None:
+            masks.save_mask(self.mask_dir, self.mask_selections, model, provenance=provenance, method=self.name,
+                            granularity=self.granularity, density=self.density, **labels)
+
+    def reload_own_mask(self, model: tf.keras.Model) -> bool:
+        """A resumed run: the mask this run saved before it was interrupted (already accounted for)."""
+        if not masks.has_mask(self.mask_dir):
+            return False
+        self.mask_selections, _ = masks.load_mask(self.mask_dir, model)
+        return True

@@ -1,0 +1,95 @@
+"""DP-SSGD as a method: pre-pruning before training, gradient dropping at every step.
+
+Before training the prunable kernels are pre-pruned at rate ``prune_rate``
+(``prune``: ``random`` and ``synflow`` look at no private data; ``dp_snip``
+is one Gaussian mechanism on the whole training set with noise multiplier
+``snip_noise_multiplier``, charged before training, and the training sigma is
+calibrated so that both together spend the target); ``none`` skips it. Then
+:class:`sparta_tf.ssgd.SSGDModel` trains the kept coordinates for all epochs
+(phase ``dp_ssgd``), dropping a ``drop_rate`` fraction at every step
+(``drop_mode``: ``random`` or ``magnitude``). The kept entries are saved to
+``mask_dir`` with their provenance, so a resumed run reuses them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from sparta_tf import masks, ssgd
+from sparta_tf.methods.base import Method, single_phase
+from sparta_tf.privacy.plan import Mechanism, TrainingPhase
+from sparta_tf.trainable import TrainableSet, entries
+
+PRUNE_MODES = ("none", "random", "synflow", "dp_snip")
+SNIP_PHASE, SNIP_KIND = "pre-pruning", "dp_snip"
+
+
+class DpSsgd(Method):
+    name = "dp_ssgd"
+    options = ("prune", "prune_rate", "drop_rate", "drop_mode", "snip_noise_multiplier", "synflow_iterations")
+
+    def configure(self, prune: str = "random", prune_rate: float = 0.5, drop_rate: float = 0.5,
+                  drop_mode: str = "random", snip_noise_multiplier: float = 5.0, synflow_iterations: int = 100,
+                  ) -> None:
+        if prune not in PRUNE_MODES:
+            raise ValueError(f"prune={prune!r} is not one of {PRUNE_MODES}")
+        if drop_mode not in ssgd.DROP_MODES:
+            raise ValueError(f"drop_mode={drop_mode!r} is not one of {ssgd.DROP_MODES}")
+        if prune == "dp_snip" and not snip_noise_multiplier > 0:
+            raise ValueError(f"snip_noise_multiplier={snip_noise_multiplier!r} must be > 0")
+        self.prune = "none" if prune_rate == 0 else prune
+        self.prune_rate = ssgd._check_rate("prune_rate", prune_rate)
+        self.drop_rate = ssgd._check_rate("drop_rate", drop_rate)
+        self.drop_mode = drop_mode
+        self.snip_noise_multiplier = float(snip_noise_multiplier)
+        self.synflow_iterations = int(synflow_iterations)
+
+    def phases(self, epochs: int) -> list[TrainingPhase]:
+        return single_phase(self.name, epochs)
+
+    def mechanisms_before_training(self, n: int, sample_rate: float) -> list[Mechanism]:
+        if self.prune != "dp_snip":
+            return []
+        return [Mechanism(SNIP_PHASE, 1.0, 1, self.snip_noise_multiplier, SNIP_KIND)]
+
+    def trainable_set(self, phase: TrainingPhase, model: tf.keras.Model) -> TrainableSet | None:
+        return None if self.prune != "none" else TrainableSet.of_variables(model.trainable_variables)
+
+    def planned_trainable(self, phase: TrainingPhase, model: tf.keras.Model) -> int | None:
+        total = sum(int(np.prod(v.shape.as_list())) for v in model.trainable_variables)
+        pruned = sum(int(np.prod(v.shape.as_list())) for v in ssgd.prunable_variables(model))
+        return total - int(pruned * (self.prune_rate if self.prune != "none" else 0.0))
+
+    def make_dp_model(self, model: tf.keras.Model, **dp_kwargs):
+        return ssgd.SSGDModel(model, drop_rate=self.drop_rate, drop_mode=self.drop_mode, **dp_kwargs)
+
+    def enter(self, phase: TrainingPhase, dp) -> None:
+        pass  # the trainable set is the pre-pruned one, set in prepare
+
+    def prepare(self, dp, x, y, loss, plan, first_epoch: int = 0) -> dict:
+        if self.prune == "none":
+            return {"prune": "none"}
+        if first_epoch and masks.has_mask(self.mask_dir):  # resumed: pruned (and charged) already
+            selections, _ = masks.load_mask(self.mask_dir, dp.model)
+            kept = {id(s.variable): s.dense_mask() for s in selections}
+            dp.set_keep_masks([(v, kept.get(id(v), np.zeros(v.shape.as_list(), bool)))
+                               for v in ssgd.prunable_variables(dp.model)])
+            return {"prune": self.prune, "kept_fraction_of_pruned_kernels": "reloaded"}
+        keep = self._prune(dp, x, y, loss)
+        dp.set_keep_masks(keep)
+        if self.mask_dir is not None:
+            provenance = (masks.MaskProvenance.of_ledger(dp.ledger) if self.prune == "dp_snip"
+                          else masks.MaskProvenance.public())
+            kept = [s for s in (entries(v, m) for v, m in keep) if s is not None]
+            masks.save_mask(self.mask_dir, kept, dp.model, provenance=provenance,
+                            method=self.name, prune=self.prune, prune_rate=self.prune_rate)
+        return {"prune": self.prune, "kept_fraction_of_pruned_kernels": float(ssgd.keep_fraction(keep))}
+
+    def _prune(self, dp, x, y, loss) -> ssgd.KeepMasks:
+        if self.prune == "random":
+            return ssgd.prune_random(dp.model, self.prune_rate, seed=dp.seed)
+        if self.prune == "synflow":
+            return ssgd.prune_synflow(dp.model, self.prune_rate, iterations=self.synflow_iterations)
+        return ssgd.prune_dp_snip(dp.model, x, y, loss, self.prune_rate, self.snip_noise_multiplier, dp.clip_norm,
+                                  1.0, dp.ledger, seed=dp.seed)

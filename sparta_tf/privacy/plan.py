@@ -1,0 +1,215 @@
+"""``PrivacyPlan``: the privacy side of a run, computed once, printed by the dry run, followed by the run.
+
+A run of ``T`` epochs on ``n`` private examples with expected batch ``b`` is
+
+* ``q = min(1, b / n)``, ``s = round(1 / q)`` DP steps per epoch, ``T s``
+  steps in all, grouped into the method's phases (``warmup``, ``selection``,
+  ``sparse``, ...); every step, whether it updates weights or releases
+  SPARTA's selection scores, is one Poisson-subsampled Gaussian mechanism
+  ``M_{q, sigma}`` (:mod:`sparta_tf.privacy.accounting`);
+* plus the mechanisms a method runs *before* training (DP-SNIP's release,
+  DP-FROST's selection rounds, the selection epoch of a loaded mask), each
+  ``M_{q_k, sigma_k}`` run ``count_k`` times.
+
+Noise multipliers, by one calibrator
+(:func:`sparta_tf.privacy.accounting.calibrate_composition`):
+
+1. the training ``sigma``: given, or the smallest with
+   ``eps(before-training mechanisms with a known sigma  o  training) <= share * target``
+   (``share = 1`` except DP-FROST's ``r_eps``, where the known mechanisms
+   are left out);
+2. then every before-training mechanism whose ``sigma`` is not given: the
+   smallest with ``eps(everything) <= target``.
+
+:meth:`PrivacyPlan.events` lists the ledger entries a run must record, in
+order; a finished run's ledger equals them (tested for every method), so the
+plan's ``epsilon after`` each phase is what the ledger will report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Sequence
+
+from sparta_tf.privacy import accounting
+from sparta_tf.privacy.ledger import DEFAULT_KIND, LedgerEntry, PrivacyLedger
+from sparta_tf.privacy.sampling import steps_per_epoch
+
+
+@dataclasses.dataclass(frozen=True)
+class Mechanism:
+    """``count`` runs of ``M_{q, sigma}`` labelled ``phase`` / ``kind``; ``sigma=None``: to be calibrated."""
+
+    phase: str
+    sample_rate: float
+    count: int
+    noise_multiplier: float | None = None
+    kind: str = DEFAULT_KIND
+
+    def entry(self) -> LedgerEntry:
+        if self.noise_multiplier is None:
+            raise ValueError(f"mechanism {self.phase!r} has no noise multiplier yet")
+        return LedgerEntry(self.noise_multiplier, self.sample_rate, self.count, self.kind, self.phase)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingPhase:
+    """``epochs`` epochs of DP steps labelled ``name``; ``updates``: False for a selection epoch."""
+
+    name: str
+    epochs: int
+    updates: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedPhase:
+    name: str
+    epochs: int
+    steps: int
+    updates: bool
+    epsilon_after: float
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivacyPlan:
+    """Everything about a run's privacy that is known before it starts (see the module doc)."""
+
+    n: int
+    sample_rate: float
+    steps_per_epoch: int
+    epochs: int
+    noise_multiplier: float
+    delta: float
+    target_epsilon: float | None
+    accountant: str
+    before_training: tuple[Mechanism, ...]
+    phases: tuple[PlannedPhase, ...]
+    nonprivate_reasons: tuple[str, ...] = ()
+
+    @property
+    def steps(self) -> int:
+        """DP steps of training (every phase)."""
+        return self.steps_per_epoch * self.epochs
+
+    @property
+    def update_steps(self) -> int:
+        """Training steps that update weights (a selection epoch releases scores instead): the
+        length a learning-rate schedule must cover, since only these advance ``optimizer.iterations``."""
+        return sum(p.steps for p in self.phases if p.updates)
+
+    @property
+    def private(self) -> bool:
+        return not self.nonprivate_reasons
+
+    @property
+    def epsilon(self) -> float:
+        """Epsilon after the whole run (``inf`` when not private)."""
+        return self.phases[-1].epsilon_after if self.phases else 0.0
+
+    def events(self) -> list[LedgerEntry]:
+        """The ledger entries the run records, in order (consecutive equal keys merged)."""
+        ledger = PrivacyLedger(self.delta, accountant=self.accountant)
+        for entry in self._entries():
+            ledger.record(entry.noise_multiplier, entry.sample_rate, entry.count, entry.kind, entry.phase)
+        return list(ledger.entries)
+
+    def _entries(self) -> list[LedgerEntry]:
+        training = [LedgerEntry(self.noise_multiplier, self.sample_rate, p.steps, DEFAULT_KIND, p.name)
+                    for p in self.phases if p.steps]
+        return [m.entry() for m in self.before_training if m.count] + training
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self) | {"steps": self.steps, "update_steps": self.update_steps,
+                                           "private": self.private,
+                                           "events": [e.to_dict() for e in self.events()]}
+
+    def describe(self, trainable: Mapping[str, int | None] | None = None, total_parameters: int | None = None) -> str:
+        """The plan as the dry run prints it; ``trainable``: coordinates trained per phase
+        (None: chosen privately during the run) out of ``total_parameters``."""
+        target = "none" if self.target_epsilon is None else f"{self.target_epsilon:g}"
+        lines = [
+            f"private training examples n = {self.n}",
+            f"sample rate q = {self.sample_rate:.6g} (expected batch {self.sample_rate * self.n:.1f}), "
+            f"{self.steps_per_epoch} steps/epoch, {self.epochs} epochs = {self.steps} steps",
+            f"noise multiplier sigma = {self.noise_multiplier:.6g} "
+            f"(target epsilon {target}, delta {self.delta:g}, {self.accountant})",
+        ]
+        for mechanism in self.before_training:
+            lines.append(f"before training: {mechanism.phase}: {mechanism.count} x {mechanism.kind} "
+                         f"(q = {mechanism.sample_rate:.4g}, sigma = {mechanism.noise_multiplier:.6g})")
+        lines += [f"NOT differentially private: {reason}" for reason in self.nonprivate_reasons]
+        lines.append("phase          epochs   trainable parameters        epsilon at end")
+        for phase in self.phases:
+            lines.append(f"{phase.name:<14} {phase.epochs:>6}   {_trainable(phase, trainable, total_parameters):<27} "
+                         f"{phase.epsilon_after:.4g}")
+        return "\n".join(lines)
+
+
+def _trainable(phase: PlannedPhase, trainable, total) -> str:
+    if not phase.updates:
+        return "0 (scores only)"
+    count = (trainable or {}).get(phase.name)
+    if count is None:
+        return "selected privately" if trainable is not None else "-"
+    return f"{count:,} ({count / total:.2%})" if total else f"{count:,}"
+
+
+def make_privacy_plan(
+    *,
+    n: int,
+    expected_batch_size: float,
+    phases: Sequence[TrainingPhase],
+    delta: float,
+    target_epsilon: float | None,
+    accountant: str = "pld",
+    noise_multiplier: float | None = None,
+    before_training: Sequence[Mechanism] = (),
+    training_share: float = 1.0,
+    nonprivate_reasons: Sequence[str] = (),
+) -> PrivacyPlan:
+    """Calibrates every noise multiplier of a run and the epsilon after each phase (module doc)."""
+    if n < 1:
+        raise ValueError(f"n={n} private training examples: need at least 1")
+    q = min(1.0, expected_batch_size / n)
+    per_epoch = steps_per_epoch(q)
+    epochs = sum(p.epochs for p in phases)
+    training = tuple((q, p.epochs * per_epoch) for p in phases if p.epochs)
+    if noise_multiplier is None:
+        if target_epsilon is None:
+            raise ValueError("give a target epsilon or a noise multiplier")
+        known = () if training_share < 1 else _known(before_training)
+        noise_multiplier = accounting.calibrate_composition(
+            known, training, training_share * target_epsilon, delta, accountant)
+    before = tuple(_calibrated_before(before_training, noise_multiplier, training, target_epsilon, delta, accountant))
+    ledger = PrivacyLedger(delta, accountant=accountant)
+    for reason in nonprivate_reasons:
+        ledger.record_nonprivate(reason)
+    for mechanism in before:
+        ledger.record(mechanism.noise_multiplier, mechanism.sample_rate, mechanism.count, mechanism.kind,
+                      mechanism.phase)
+    planned = []
+    for phase in phases:
+        steps = phase.epochs * per_epoch
+        ledger.record(noise_multiplier, q, steps, DEFAULT_KIND, phase.name)
+        planned.append(PlannedPhase(phase.name, phase.epochs, steps, phase.updates, ledger.epsilon()))
+    return PrivacyPlan(n, q, per_epoch, epochs, float(noise_multiplier), delta, target_epsilon, accountant,
+                       before, tuple(planned), tuple(nonprivate_reasons))
+
+
+def _known(mechanisms: Sequence[Mechanism]) -> tuple:
+    return tuple((m.noise_multiplier, m.sample_rate, m.count) for m in mechanisms
+                 if m.noise_multiplier is not None and m.count)
+
+
+def _calibrated_before(before: Sequence[Mechanism], sigma: float, training: tuple, target: float | None,
+                       delta: float, accountant: str):
+    """``before`` with every missing noise multiplier calibrated to fill the budget."""
+    unknown = tuple((m.sample_rate, m.count) for m in before if m.noise_multiplier is None)
+    if not unknown:
+        return list(before)
+    if target is None:
+        raise ValueError("a mechanism before training has no noise multiplier and there is no target epsilon")
+    fixed = _known(before) + tuple((sigma, q, count) for q, count in training)
+    calibrated = accounting.calibrate_composition(fixed, unknown, target, delta, accountant)
+    return [m if m.noise_multiplier is not None else dataclasses.replace(m, noise_multiplier=calibrated)
+            for m in before]

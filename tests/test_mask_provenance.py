@@ -1,0 +1,95 @@
+"""A loaded mask brings its privacy cost: an oracle mask makes the run non-private, a SPARTA mask's
+selection epoch is charged again, a mask from another model is refused."""
+
+import json
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import sparta_tf as st
+from sparta_tf.groups import row_groups
+from sparta_tf.masks import MaskProvenance, load_mask, read_provenance, save_mask
+
+XENT = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _model(seed=0, width=6):
+    tf.keras.utils.set_random_seed(seed)
+    inputs = tf.keras.Input((6, 6, 1))
+    x = tf.keras.layers.Conv2D(width, 3, name="conv1")(inputs)
+    x = tf.keras.layers.GroupNormalization(2, name="gn1")(x)
+    x = tf.keras.layers.Flatten()(x)
+    x = tf.keras.layers.Dense(8, activation="relu", name="fc")(x)
+    return tf.keras.Model(inputs, tf.keras.layers.Dense(3, name="head")(x))
+
+
+def _data(n=48):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, 6, 6, 1)).astype(np.float32), rng.integers(0, 3, size=n)
+
+
+def _dp(model):
+    dp = st.DPModel(model, noise_multiplier=1.0, sample_rate=0.25, delta=1e-5, seed=0)
+    dp.compile(tf.keras.optimizers.SGD(0.05), loss=XENT)
+    return dp
+
+
+def test_an_oracle_mask_makes_the_run_that_loads_it_non_private(tmp_path):
+    """Regression: the mask's `private: false` was read and dropped; the second run reported eps = 6.45."""
+    x, y = _data()
+    first = _dp(_model())
+    first.fit(x, y, epochs=3, verbose=0,
+              callbacks=[st.MethodCallback("oracle", warmup_epochs=1, mask_dir=str(tmp_path), verbose=0)])
+    assert not read_provenance(str(tmp_path)).private
+
+    second = _dp(_model())
+    second.fit(x, y, epochs=2, verbose=0, callbacks=[st.SpartaCallback(warmup_epochs=1, mask=str(tmp_path),
+                                                                       verbose=0)])
+    assert not second.ledger.is_private
+    assert second.ledger.epsilon() == float("inf")
+    assert any("oracle" in reason for reason in second.ledger.nonprivate_reasons)
+
+
+def test_a_sparta_mask_brings_its_selection_cost_into_the_run_that_loads_it(tmp_path):
+    x, y = _data()
+    first = _dp(_model())
+    first.fit(x, y, epochs=3, verbose=0,
+              callbacks=[st.SpartaCallback(warmup_epochs=1, mask_dir=str(tmp_path), verbose=0)])
+    provenance = read_provenance(str(tmp_path))
+    assert provenance.private
+    assert [(e.phase, e.count) for e in provenance.entries] == [("warmup", 4), ("selection", 4)]
+
+    second = _dp(_model())
+    second.fit(x, y, epochs=2, verbose=0, callbacks=[st.SpartaCallback(warmup_epochs=1, mask=str(tmp_path),
+                                                                       verbose=0)])
+    phases = [(e.phase, e.count) for e in second.ledger.entries]
+    assert phases == [("mask:warmup", 4), ("mask:selection", 4), ("warmup", 4), ("sparse", 4)]
+    own_steps_only = st.compute_epsilon(1.0, 0.25, 8, 1e-5)
+    assert second.ledger.epsilon() > own_steps_only * 1.2  # 16 steps composed, not 8
+
+
+def test_a_public_mask_costs_nothing_and_a_mask_without_provenance_is_not_private(tmp_path):
+    model = _model()
+    mask = [st.trainable.rows(g, [0]) for g in row_groups(model)]
+    save_mask(str(tmp_path / "public"), mask, model, provenance=MaskProvenance.public(), method="hand-made")
+    assert read_provenance(str(tmp_path / "public")) == MaskProvenance.public()
+    save_mask(str(tmp_path / "bare"), mask, model, provenance=MaskProvenance.public())
+    npz = tmp_path / "bare" / "mask.npz"
+    with np.load(npz) as data:
+        arrays = dict(data)
+    meta = json.loads(str(arrays["__meta__"]))
+    del meta["privacy"]  # as an older sparta-tf or a hand-written file would leave it
+    arrays["__meta__"] = np.array(json.dumps(meta))
+    np.savez(npz, **arrays)
+    provenance = read_provenance(str(tmp_path / "bare"))
+    assert not provenance.private and "no privacy provenance" in provenance.reasons[0]
+
+
+def test_a_mask_of_another_model_is_refused_even_when_layer_names_match(tmp_path):
+    model = _model()
+    mask = [st.trainable.rows(g, [0]) for g in row_groups(model)]
+    save_mask(str(tmp_path), mask, model, provenance=MaskProvenance.public())
+    wider = _model(width=4)  # same layer names, other kernel shapes
+    with pytest.raises(ValueError, match="was selected for another model"):
+        load_mask(str(tmp_path), wider)

@@ -1,0 +1,103 @@
+"""One owner per run directory: a lock, and no mixing of a new run with a killed one's state.
+
+``output_dir`` belongs to one ``sparta-train`` process at a time: it holds an
+exclusive ``flock`` on ``output_dir/.lock`` (released by the kernel when the
+process dies, even by SIGKILL), and a second process is refused at once.
+
+A fresh start (no ``--resume``) is refused in a directory that holds a
+killed run's state (checkpoints or the step journal): mixing the two would
+let ``--resume`` pick up the first run's checkpoint with the second run's
+journal and under-count the first run's steps. ``--resume`` continues the
+killed run, and only with the config it was started with.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+
+from trainers import checkpointing
+from trainers.config import ConfigError
+
+LOCK_FILE = ".lock"
+RESULTS = "results.json"
+CONFIG = "config.json"
+
+
+class RunDirectory:
+    """The locked ``output_dir`` of one run (a context manager)."""
+
+    def __init__(self, path: str, config: dict, resume: bool):
+        self.path, self.config, self.resume = path, config, resume
+        self._lock = None
+
+    def __enter__(self) -> "RunDirectory":
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except OSError as error:
+            raise ConfigError(f"output_dir {self.path} cannot be created ({error.strerror}); choose a writable "
+                              "path") from None
+        self._acquire()
+        try:
+            self._check_state()
+        except BaseException:
+            self._release()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._release()
+
+    def _acquire(self) -> None:
+        path = os.path.join(self.path, LOCK_FILE)
+        try:
+            handle = open(path, "a+")
+        except OSError as error:
+            raise ConfigError(f"output_dir {self.path} is not writable ({error.strerror}); choose another "
+                              "output_dir") from None
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            owner = handle.read().strip() or "?"
+            handle.close()
+            raise ConfigError(f"output_dir {self.path} is in use by another sparta-train (pid {owner}); wait for "
+                              "it to finish or choose another output_dir") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        self._lock = handle
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            fcntl.flock(self._lock, fcntl.LOCK_UN)
+            self._lock.close()
+            self._lock = None
+
+    def _check_state(self) -> None:
+        if os.path.exists(os.path.join(self.path, RESULTS)) and not self.resume:
+            raise ConfigError(f"output_dir {self.path} already holds a finished run; choose a new output_dir")
+        if os.path.exists(os.path.join(self.path, RESULTS)):
+            raise ConfigError(f"output_dir {self.path} holds a finished run: there is nothing to resume")
+        interrupted = checkpointing.has_state(self.path)
+        if interrupted and not self.resume:
+            raise ConfigError(f"output_dir {self.path} holds an interrupted run ({interrupted}); pass --resume to "
+                              "continue it, or choose a new output_dir")
+        if interrupted:
+            self._check_same_config()
+
+    def _check_same_config(self) -> None:
+        path = os.path.join(self.path, CONFIG)
+        if not os.path.exists(path):
+            return
+        with open(path) as f:
+            before = json.load(f)
+        for section in ("data", "model", "pretrain", "method", "privacy", "training"):
+            if before.get(section) != self.config.get(section):
+                raise ConfigError(f"--resume: the interrupted run in {self.path} was started with another "
+                                  f"{section} section; resume it with the config it was started with")
+
+    def write_config(self) -> None:
+        checkpointing.write_atomic(os.path.join(self.path, CONFIG), json.dumps(self.config, indent=1))
