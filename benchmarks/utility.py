@@ -113,7 +113,7 @@ def base_config(track: str, profile: dict, data_dir: str, fashion_dir: str, work
 def cell_config(base: dict, method: str, epsilon: float, seed: int, lr: float, density: float, out: str) -> dict:
     config = copy.deepcopy(base)
     config["method"] = {"name": method}  # warm-up: the config's default, T0 = T / 5
-    if "density" in METHOD_OPTIONS[method]:
+    if "density" in METHOD_OPTIONS.get(method, ()):  # "nonprivate" is the runner's own, not a method
         config["method"]["density"] = density
     config["privacy"]["target_epsilon"] = epsilon
     config["training"].update({"learning_rate": lr, "head_learning_rate": 10 * lr, "seed": seed})

@@ -125,7 +125,6 @@ class SelectionEpochMethod(MaskedMethod):
                                        self.density_overrides, self.head)
         if not self.private and dp.ledger is not None:
             dp.ledger.record_nonprivate(self._oracle_reason())
-            dp.ledger.target_epsilon = None  # epsilon is now infinite: no budget to enforce, only to report
         dp.begin_scoring(self.selector.make_scorer(dp.noise_multiplier, dp.clip_norm))
 
     def leave(self, phase: TrainingPhase, dp) -> None:

@@ -169,10 +169,12 @@ class PrivacyLedger:
         self._entries = _appended(self._entries, entry)
 
     def record_nonprivate(self, reason: str) -> None:
-        """Marks the run as NOT differentially private: epsilon is ``inf`` from now on."""
+        """Marks the run as NOT differentially private: epsilon is ``inf`` from now on, so the
+        budget is dropped (``target_epsilon = None``): it can no longer be kept, only reported broken."""
         if not isinstance(reason, str) or not reason:
             raise ValueError("reason must be a non-empty string saying what broke privacy.")
         self._nonprivate.append(reason)
+        self._target_epsilon = None
 
     # ------------------------------------------------------------------ views
 
