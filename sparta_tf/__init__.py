@@ -1,6 +1,6 @@
 """sparta-tf: differentially private (sparse) fine-tuning for TensorFlow/Keras."""
 
-from sparta_tf.callbacks import MethodCallback, SpartaCallback
+from sparta_tf.callbacks import MethodCallback, NonFiniteGuard, NonFiniteTrainingError, SpartaCallback
 from sparta_tf.dp_model import DPModel
 from sparta_tf.groups import group_table, parameter_table, row_groups
 from sparta_tf.masks import load_mask, save_mask
@@ -23,6 +23,8 @@ __all__ = [
     "METHODS",
     "MaskedOptimizer",
     "MethodCallback",
+    "NonFiniteGuard",
+    "NonFiniteTrainingError",
     "NotPerExampleSafeError",
     "PoissonSampler",
     "PrivacyLedger",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from sparta_tf.methods import Method, make_method
@@ -114,3 +115,31 @@ class SpartaCallback(MethodCallback):
                  granularity: str = "row", **options: Any):
         super().__init__("sparta", warmup_epochs=warmup_epochs, density=density, score=score,
                          granularity=granularity, **options)
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """Training produced a non-finite loss or weight; the model is unusable."""
+
+
+class NonFiniteGuard(tf.keras.callbacks.Callback):
+    """Stops ``fit`` with :class:`NonFiniteTrainingError` once the loss or any weight is NaN or infinite.
+
+    Keras' ``TerminateOnNaN`` only stops training, so a diverged model would
+    still be evaluated, saved and exported; this raises instead. The loss is
+    checked after every batch, the weights after every epoch.
+    """
+
+    def on_train_batch_end(self, batch, logs=None):
+        loss = (logs or {}).get("loss")
+        if loss is not None and not np.isfinite(loss):
+            raise NonFiniteTrainingError(
+                f"the training loss became {loss} at batch {batch + 1}: training diverged; lower the learning "
+                "rate (training.learning_rate / head_learning_rate) or check the data")
+
+    def on_epoch_end(self, epoch, logs=None):
+        model = getattr(self.model, "model", self.model)
+        bad = [v.name for v in model.weights if not np.all(np.isfinite(v.numpy()))]
+        if bad:
+            raise NonFiniteTrainingError(
+                f"after epoch {epoch + 1} the weights {bad[:3]} are not finite: training diverged; lower the "
+                "learning rate or check the data")

@@ -35,6 +35,7 @@ Poisson-subsampled Gaussian mechanism (Abadi et al. 2016)::
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import tensorflow as tf
@@ -62,8 +63,8 @@ SAMPLING_MODES = ("poisson", "shuffle")
 
 
 def _check_positive(name: str, value: float) -> float:
-    if not value > 0:
-        raise ValueError(f"{name}={value!r} must be > 0")
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name}={value!r} must be a finite number > 0")
     return value
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import zipfile
 from typing import Any, Sequence
 
 import numpy as np
@@ -81,8 +82,11 @@ class MaskProvenance:
             return cls(private=False, reasons=(
                 f"mask {path} records no privacy provenance (made by hand or by an older sparta-tf), so what "
                 "chose it cannot be accounted for",))
-        entries = tuple(LedgerEntry.from_dict(e) for e in privacy.get("entries", []))
-        reasons = tuple(privacy.get("nonprivate_reasons", []))
+        try:
+            entries = tuple(LedgerEntry.from_dict(e) for e in privacy.get("entries", []))
+            reasons = tuple(str(r) for r in privacy.get("nonprivate_reasons", []))
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise ValueError(f"mask {path} has a damaged privacy record ({error}); re-create the mask") from None
         if not privacy["private"] and not reasons:
             reasons = (f"mask {path} was chosen without differential privacy (method {meta.get('method')})",)
         return cls(bool(privacy["private"]) and not reasons, entries, reasons)
@@ -197,12 +201,25 @@ def mask_file(path: str) -> str:
     return path
 
 
+def _read(path: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """``(arrays, meta)`` of the mask file at ``path``; a ValueError for anything that is not one."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {key: data[key] for key in data.files}
+        meta = json.loads(str(arrays.pop(_META_KEY))) if _META_KEY in arrays else {}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ValueError(f"{path} is not a mask saved by sparta-tf ({first}); point to a mask directory "
+                         "written by a selection epoch or save_mask") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path} is not a mask saved by sparta-tf (its metadata is not a mapping)")
+    return arrays, meta
+
+
 def read_provenance(path: str) -> MaskProvenance:
     """The provenance recorded with the mask at ``path`` (a directory or ``mask.npz``)."""
     path = mask_file(path)
-    with np.load(path) as data:
-        meta = json.loads(str(data[_META_KEY])) if _META_KEY in data else {}
-    return MaskProvenance.from_meta(meta, path)
+    return MaskProvenance.from_meta(_read(path)[1], path)
 
 
 def load_mask(path: str, model: tf.keras.Model) -> tuple[list[VariableSelection], dict[str, Any]]:
@@ -213,28 +230,34 @@ def load_mask(path: str, model: tf.keras.Model) -> tuple[list[VariableSelection]
     """
     path = mask_file(path)
     by_name = {info.variable.name: info for info in parameter_table(model)}
+    arrays, meta = _read(path)
+    _check_model(meta, model, path)
     selections = []
-    with np.load(path) as data:
-        meta = json.loads(str(data[_META_KEY])) if _META_KEY in data else {}
-        _check_model(meta, model, path)
-        for key in data.files:
-            if key == _META_KEY:
-                continue
-            name, _, kind = key.rpartition("::")
-            info = by_name.get(name)
-            if info is None:
-                raise ValueError(f"mask {path} names variable {name!r}, which this model does not have; "
-                                 "load the mask into the model it was selected for")
-            values = data[key]
-            if kind == "rows":
-                selections.append(trainable.rows(info.group, values))
-            elif kind == "entries":
-                mask = np.zeros(info.size, dtype=bool)
-                mask[values] = True
-                selections.append(trainable.entries(info.variable, mask.reshape(info.variable.shape)))
-            else:
-                selections.append(trainable.dense(info.variable))
+    for key, values in arrays.items():
+        name, _, kind = key.rpartition("::")
+        info = by_name.get(name)
+        if info is None:
+            raise ValueError(f"mask {path} names variable {name!r}, which this model does not have; "
+                             "load the mask into the model it was selected for")
+        selections.append(_selection(info, kind, values, path))
     return [s for s in selections if s is not None], meta
+
+
+def _selection(info, kind: str, values: np.ndarray, path: str):
+    """The selection stored under ``<variable>::<kind>``, checked against the variable."""
+    if kind == "rows":
+        if info.group is None or values.size and (values.min() < 0 or values.max() >= info.group.n_rows):
+            raise ValueError(f"mask {path}: rows of {info.variable.name} do not fit this model")
+        return trainable.rows(info.group, values)
+    if kind == "entries":
+        if values.size and (values.min() < 0 or values.max() >= info.size):
+            raise ValueError(f"mask {path}: entries of {info.variable.name} do not fit this model")
+        mask = np.zeros(info.size, dtype=bool)
+        mask[values] = True
+        return trainable.entries(info.variable, mask.reshape(info.variable.shape))
+    if kind == "dense":
+        return trainable.dense(info.variable)
+    raise ValueError(f"mask {path}: unknown selection kind {kind!r} for {info.variable.name}")
 
 
 def _check_model(meta: dict[str, Any], model: tf.keras.Model, path: str) -> None:

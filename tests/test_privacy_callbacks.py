@@ -116,6 +116,20 @@ def test_stops_when_the_budget_runs_out_and_calls_the_save_hook(capsys):
     assert "privacy budget exhausted" in capsys.readouterr().out
 
 
+def test_until_exhausted_runs_the_steps_of_a_last_epoch_that_still_fit(capsys):
+    """A budget for 10 steps of 4-step epochs: two whole epochs, then 2 steps of the third, then stop."""
+    model = _model()
+    ledger = PrivacyLedger(DELTA, target_epsilon=_epsilon(10) * 1.0001)
+    saved = []
+    callback = PrivacyCallback(ledger, SIGMA, Q, step_counter=model.optimizer.iterations,
+                               on_budget_exhausted=lambda: saved.append(ledger.steps), budget_mode="until_exhausted")
+    history = _fit(model, [callback], epochs=5)
+    assert int(model.optimizer.iterations.numpy()) == ledger.steps == 10
+    assert ledger.epsilon() <= ledger.target_epsilon
+    assert len(history.history["epsilon"]) == 3 and callback.budget_exhausted and saved == [10]
+    assert "only 2 of the 4 steps of epoch 3" in capsys.readouterr().out
+
+
 def test_never_runs_a_step_past_the_budget_when_noise_is_lowered_mid_run():
     model = _model()
     ledger = PrivacyLedger(DELTA, target_epsilon=_epsilon(12) * 1.001)  # 3 epochs at SIGMA fit

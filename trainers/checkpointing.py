@@ -6,13 +6,17 @@ counter and the DP step counter, plus ``state.json`` (epoch, seed, ledger).
 A checkpoint is written into a temporary directory and renamed, and
 ``checkpoints/latest`` (the name of the newest complete checkpoint) is
 replaced atomically afterwards: a crash at any point leaves the previous
-checkpoint as the latest.
+checkpoint as the latest. The last :data:`KEEP` checkpoints are kept; a
+damaged newest one (truncated, foreign, unreadable) is skipped for the one
+before it, with a note.
 
 The step journal (``checkpoints/journal.json``) records, before every step,
-the DP step about to run. After a SIGKILL the steps between the last
-checkpoint and the journal were run (their noisy updates may have been
-observed), so :func:`charge_interrupted_steps` records them in the ledger
-before training resumes: epsilon is never under-counted.
+the DP step about to run, and ``ledger.json`` is rewritten with that step
+already charged: the ledger on disk never under-counts steps that ran. After
+a SIGKILL the steps between the last checkpoint and the journal were run
+(their noisy updates may have been observed), so
+:func:`charge_interrupted_steps` records them in the ledger before training
+resumes: epsilon is never under-counted.
 """
 
 from __future__ import annotations
@@ -24,21 +28,33 @@ import tempfile
 
 import tensorflow as tf
 
+from sparta_tf.privacy import PrivacyLedger
+
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 JOURNAL = "journal.json"
+LEDGER = "ledger.json"
 KEEP = 2
 
 
+class CheckpointError(ValueError):
+    """No usable checkpoint (damaged, foreign or missing files); the message names the fix."""
+
+
 def write_atomic(path: str, text: str) -> None:
-    """Writes ``text`` to ``path`` through a temporary file, fsync and rename."""
-    directory = os.path.dirname(path)
+    """Writes ``text`` to ``path`` through a temporary file, fsync and rename (no temporary is left)."""
+    directory = os.path.dirname(path) or "."
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def save(output_dir: str, epoch: int, dp_model, state: dict) -> str:
@@ -47,13 +63,19 @@ def save(output_dir: str, epoch: int, dp_model, state: dict) -> str:
     os.makedirs(root, exist_ok=True)
     name = f"epoch-{epoch:04d}"
     tmp = tempfile.mkdtemp(dir=root, prefix=".partial-")
-    tf.train.Checkpoint(**dp_model.checkpoint_state()).write(os.path.join(tmp, "ckpt"))
-    with open(os.path.join(tmp, "state.json"), "w") as f:
-        json.dump(dict(state, epoch=epoch), f, indent=1)
-    final = os.path.join(root, name)
-    if os.path.exists(final):
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    try:
+        tf.train.Checkpoint(**dp_model.checkpoint_state()).write(os.path.join(tmp, "ckpt"))
+        with open(os.path.join(tmp, "state.json"), "w") as f:
+            json.dump(dict(state, epoch=epoch), f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        final = os.path.join(root, name)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     write_atomic(os.path.join(root, LATEST), name)
     _prune(root, keep=name)
     return final
@@ -72,24 +94,64 @@ def _prune(root: str, keep: str) -> None:
 def has_state(output_dir: str) -> str | None:
     """What a killed run left in ``output_dir`` (a description), or None when there is nothing."""
     root = os.path.join(output_dir, CHECKPOINTS)
-    if os.path.exists(os.path.join(root, LATEST)):
-        with open(os.path.join(root, LATEST)) as f:
-            return f"checkpoint {f.read().strip()}"
+    complete = sorted(d for d in os.listdir(root) if d.startswith("epoch-")) if os.path.isdir(root) else []
+    if complete:
+        return f"checkpoint {complete[-1]}"
     if os.path.exists(os.path.join(root, JOURNAL)):
         return "a step journal, no checkpoint yet"
     return None
 
 
-def latest(output_dir: str) -> tuple[str, dict] | None:
-    """``(checkpoint dir, state)`` of the newest complete checkpoint, or None."""
+def candidates(output_dir: str) -> list[str]:
+    """Complete checkpoint directories, newest first."""
     root = os.path.join(output_dir, CHECKPOINTS)
-    pointer = os.path.join(root, LATEST)
-    if not os.path.exists(pointer):
-        return None
-    with open(pointer) as f:
-        path = os.path.join(root, f.read().strip())
+    if not os.path.isdir(root):
+        return []
+    return [os.path.join(root, d) for d in sorted(os.listdir(root), reverse=True) if d.startswith("epoch-")]
+
+
+def read_state(path: str) -> dict:
+    """``state.json`` of checkpoint ``path``, checked; CheckpointError if it is damaged."""
+    try:
+        with open(os.path.join(path, "state.json")) as f:
+            state = json.load(f)
+        PrivacyLedger.from_json(state["ledger"])
+        int(state["epoch"]), int(state["seed"])
+        tf.train.load_checkpoint(os.path.join(path, "ckpt"))  # the index and the shards are there
+    except (OSError, ValueError, KeyError, TypeError, tf.errors.OpError) as error:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        raise CheckpointError(f"checkpoint {path} is damaged ({first})") from None
+    return state
+
+
+def latest(output_dir: str) -> tuple[str, dict] | None:
+    """``(checkpoint dir, state)`` of the newest readable checkpoint, or None when there is none.
+
+    A damaged newer checkpoint is skipped (with a note) for an older one; the
+    steps after the older one are charged from the journal like any other
+    interrupted steps. CheckpointError when checkpoints exist but none is readable.
+    """
+    problems = []
+    for path in candidates(output_dir):
+        try:
+            state = read_state(path)
+        except CheckpointError as error:
+            problems.append(str(error))
+            print(f"== note: {error}; trying an older checkpoint")
+            continue
+        return path, state
+    if problems:
+        raise CheckpointError(f"no usable checkpoint in {output_dir}: {problems[-1]}; start a new output_dir "
+                              "(the interrupted run cannot be continued)")
+    return None
+
+
+def update_ledger(path: str, ledger) -> None:
+    """Rewrites checkpoint ``path``'s ledger (after charging interrupted steps), so that a second kill
+    before the next checkpoint cannot lose the charge."""
     with open(os.path.join(path, "state.json")) as f:
-        return path, json.load(f)
+        state = json.load(f)
+    write_atomic(os.path.join(path, "state.json"), json.dumps(dict(state, ledger=ledger.to_json()), indent=1))
 
 
 def restore(path: str, dp_model) -> None:
@@ -98,26 +160,39 @@ def restore(path: str, dp_model) -> None:
     Weights and counters must all match. Optimizer state is restored for the
     selections the checkpoint has; a selection that starts with this epoch
     (SPARTA's rows after the selection epoch) starts from zero state, exactly
-    as in an uninterrupted run.
+    as in an uninterrupted run. CheckpointError for a checkpoint of another model.
     """
     prefix = os.path.join(path, "ckpt")
     required = dict(dp_model.checkpoint_state())
     optimizer = required.pop("masked_optimizer")
-    tf.train.Checkpoint(**required).read(prefix).expect_partial().assert_existing_objects_matched()
-    tf.train.Checkpoint(masked_optimizer=optimizer).read(prefix).expect_partial()
+    try:
+        tf.train.Checkpoint(**required).read(prefix).expect_partial().assert_existing_objects_matched()
+        tf.train.Checkpoint(masked_optimizer=optimizer).read(prefix).expect_partial()
+    except (AssertionError, ValueError, tf.errors.OpError) as error:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        raise CheckpointError(f"checkpoint {path} does not fit this run's model ({first}); resume with the "
+                              "config the run was started with, or start a new output_dir") from None
 
 
 class StepJournal(tf.keras.callbacks.Callback):
-    """Writes the DP step about to run before each training step (see module doc)."""
+    """Before each training step: the journal says the step started, and ``ledger.json`` charges it."""
 
     def __init__(self, output_dir: str):
         super().__init__()
         self.path = os.path.join(output_dir, CHECKPOINTS, JOURNAL)
+        self.ledger_path = os.path.join(output_dir, LEDGER)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
 
     def on_train_batch_begin(self, batch, logs=None):
-        step = int(self.model.dp_step.numpy())
+        dp = self.model
+        step = int(dp.dp_step.numpy())
         write_atomic(self.path, json.dumps({"started_through": step + 1}))
+        privacy = dp.privacy_callback
+        if privacy is not None:
+            charged = PrivacyLedger.from_json(privacy.ledger.to_json())
+            charged.record(privacy.noise_multiplier, privacy.sample_rate, privacy.pending_steps() + 1,
+                           privacy.kind, privacy.phase)
+            write_atomic(self.ledger_path, json.dumps(charged.to_json(), indent=1))
 
 
 def charge_interrupted_steps(output_dir: str, checkpoint_step: int, ledger, noise_multiplier: float,
@@ -126,8 +201,12 @@ def charge_interrupted_steps(output_dir: str, checkpoint_step: int, ledger, nois
     path = os.path.join(output_dir, CHECKPOINTS, JOURNAL)
     if not os.path.exists(path):
         return 0
-    with open(path) as f:
-        started = json.load(f)["started_through"]
+    try:
+        with open(path) as f:
+            started = int(json.load(f)["started_through"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"the step journal {path} is damaged ({error}): the steps the killed run started "
+                              "cannot be counted, so it cannot be resumed safely; start a new output_dir") from None
     lost = max(0, started - checkpoint_step)
     if lost:
         ledger.record(noise_multiplier, sample_rate, lost, phase="interrupted")

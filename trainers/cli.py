@@ -11,6 +11,7 @@ last complete checkpoint in ``output_dir``.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 
@@ -49,6 +50,12 @@ def main(argv=None) -> int:
         return 2
     except run.USER_ERRORS as error:
         print(f"error: {error}", file=sys.stderr)
+        return 1
+    except OSError as error:  # the disk, not the config: a full disk, a vanished file, an I/O error
+        where = f" writing {error.filename}" if getattr(error, "filename", None) else ""
+        fix = ("free disk space, then run again with --resume" if error.errno == errno.ENOSPC
+               else "fix the file system problem, then run again with --resume")
+        print(f"error: {error.strerror or error}{where}; {fix}", file=sys.stderr)
         return 1
     return 0
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from typing import Any, Callable
 
 import yaml
@@ -180,11 +181,36 @@ def _check_type(key: str, value: Any, field: Field) -> None:
     ok = isinstance(value, field.types) and not (isinstance(value, bool) and bool not in field.types)
     if not ok:
         raise ConfigError(f"{key}={value!r} must be {_type_name(field.types)}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}={value!r} must be a finite number")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (YAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigError(f"key {key!r} appears twice in one mapping (lines {seen[key] + 1} and "
+                                  f"{key_node.start_mark.line + 1}); keep one")
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 def parse_value(text: str) -> Any:
     """A ``--set`` value parsed as YAML (``1e-5`` -> float, ``true`` -> bool, ``[a, b]`` -> list)."""
-    value = yaml.safe_load(text)
+    try:
+        value = _yaml(text)
+    except yaml.YAMLError as error:
+        problem = getattr(error, "problem", None) or type(error).__name__
+        raise ConfigError(f"value {text!r} is not valid YAML ({problem}); quote text values, e.g. "
+                          "output_dir='runs/a b'") from None
     if isinstance(value, str) and _looks_like_float(value):
         return float(value)
     return value
@@ -207,21 +233,37 @@ def apply_overrides(config: dict, overrides: list[str]) -> dict:
             raise ConfigError(f"--set {item!r} must look like section.key=value (e.g. privacy.target_epsilon=2)")
         node = config
         parts = path.split(".")
+        if not all(parts):
+            raise ConfigError(f"--set {item!r}: {path!r} has an empty key; write section.key=value")
         for part in parts[:-1]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {item!r}: {part} is not a section")
-        node[parts[-1]] = parse_value(text)
+        try:
+            node[parts[-1]] = parse_value(text)
+        except ConfigError as error:
+            raise ConfigError(f"--set {item!r}: {error}") from None
     return config
 
 
 def load_config(path: str, overrides: list[str] | None = None) -> dict:
     """Reads, overrides and validates a config; returns it with every default filled in."""
     try:
-        with open(path) as f:
-            raw = yaml.safe_load(f)
+        with open(path, "rb") as f:
+            text = f.read().decode("utf-8")
+        raw = _yaml(text)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist; pass --config configs/NAME.yaml") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory; pass the YAML file, e.g. "
+                          "--config configs/quickstart.yaml") from None
+    except PermissionError:
+        raise ConfigError(f"config file {path} is not readable (permission denied); fix its permissions") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte 0x{error.object[error.start]:02x} at "
+                          f"offset {error.start}); save it as UTF-8 YAML") from None
+    except ConfigError as error:
+        raise ConfigError(f"config file {path}: {error}") from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
@@ -313,6 +355,10 @@ def _check_cross_field(config: dict) -> None:
                           "so that the bias-only phase runs")
     if method.get("score") == "signed" and method.get("granularity") == "row":
         raise ConfigError("method.granularity=row cannot be used with score signed; use entry")
+    pretrain = config["pretrain"]
+    if pretrain["enabled"] and pretrain["data"] is None and not pretrain["checkpoint"]:
+        raise ConfigError("pretrain.enabled is true but there is neither pretrain.data (the public data set to "
+                          "pre-train on) nor pretrain.checkpoint (a pre-trained model); give one")
     physical = training["physical_batch_size"]
     if physical is not None and physical < 1:
         raise ConfigError(f"training.physical_batch_size={physical} must be >= 1")

@@ -30,12 +30,37 @@ from sparta_tf.privacy import PrivacyCallback, PrivacyLedger
 from sparta_tf.privacy.plan import PrivacyPlan, make_privacy_plan
 from trainers import checkpointing
 from trainers.config import ConfigError, check_against_data
-from trainers.run_dir import RESULTS, RunDirectory
+from trainers.run_dir import RESULTS, RunDirectory, check_output_dir
 
 LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
 # ----------------------------------------------------------------- building blocks
+
+
+def preflight(config: dict) -> None:
+    """What the dry run and the run check before loading data: the model section (the zoo's own
+    validation), the public data spec, the pre-training checkpoint and the output directory."""
+    from sparta_tf.data import DataError, parse_spec
+    from sparta_tf.models.zoo import validate_model_spec
+
+    try:
+        validate_model_spec(config["model"])
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    spec = config["pretrain"]
+    if spec["enabled"] and spec["data"] is not None:
+        try:
+            parse_spec(spec["data"])
+        except DataError as error:
+            raise DataError(str(error.under("pretrain.data"))) from None
+    checkpoint = spec["checkpoint"] if spec["enabled"] else None
+    if checkpoint and not os.path.exists(checkpoint) and spec["data"] is None:
+        raise ConfigError(f"pretrain.checkpoint={checkpoint!r} does not exist and there is no pretrain.data to "
+                          "make it; fix the path or give the public data")
+    if checkpoint and os.path.exists(checkpoint):
+        _load_pretrained(checkpoint, "pretrain.checkpoint")
+    check_output_dir(config["output_dir"])
 
 
 def load_private_data(config: dict):
@@ -56,14 +81,17 @@ def pretrain(config: dict, output_dir: str) -> tf.keras.Model:
     from sparta_tf.data import load_dataset, make_augmenter
     from sparta_tf.models.zoo import build_model
 
+    from sparta_tf.data import DataError
+
     spec = config["pretrain"]
     path = spec["checkpoint"] or os.path.join(output_dir, "pretrained.keras")
     if os.path.exists(path):
         print(f"== pre-trained model: {path}")
-        return tf.keras.models.load_model(path, compile=False)
-    if spec["data"] is None:
-        raise ConfigError("pretrain.data is required when pretrain.enabled is true (the public data set)")
-    public = load_dataset(spec["data"], seed=_seed(config))
+        return _load_pretrained(path, "pretrain.checkpoint" if spec["checkpoint"] else f"the cached {path}")
+    try:
+        public = load_dataset(spec["data"], seed=_seed(config))
+    except DataError as error:
+        raise error.under("pretrain.data") from None
     print(f"== non-private pre-training on public data {public.name} (n={len(public.x_train)})")
     model = build_model(config["model"], public.num_classes, public.input_shape)
     optimizer = (tf.keras.optimizers.Adam(spec["learning_rate"]) if spec["optimizer"] == "adam"
@@ -81,36 +109,67 @@ def pretrain(config: dict, output_dir: str) -> tf.keras.Model:
     return model
 
 
-def build_private_model(config: dict, dataset, output_dir: str) -> tf.keras.Model:
+def _load_pretrained(path: str, what: str) -> tf.keras.Model:
+    from sparta_tf.models.convert import load_keras_model
+
+    try:
+        return load_keras_model(path)
+    except (ValueError, OSError) as error:
+        raise ConfigError(f"{what}: {error}; point it at a model saved by Keras (or delete the cache)") from None
+
+
+def build_private_model(config: dict, dataset, output_dir: str | None) -> tf.keras.Model:
+    """The model DP fine-tuning starts from: pre-trained with a fresh head, or built from the zoo
+    (``output_dir=None``: the dry run, which builds without pre-training)."""
     from sparta_tf.models.convert import with_fresh_head
     from sparta_tf.models.zoo import build_model
 
-    if config["pretrain"]["enabled"]:
-        return with_fresh_head(pretrain(config, output_dir), dataset.num_classes)
-    return build_model(config["model"], dataset.num_classes, dataset.input_shape)
+    try:
+        if config["pretrain"]["enabled"] and output_dir is not None:
+            return with_fresh_head(pretrain(config, output_dir), dataset.num_classes)
+        return build_model(config["model"], dataset.num_classes, dataset.input_shape)
+    except (ValueError, TypeError) as error:
+        message = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ConfigError(message if message.startswith(("model", "pretrain")) else f"model: {message}") from None
 
 
-def build_method(config: dict, output_dir: str | None) -> Method:
-    """The configured method (its options are the ``method`` section's, see ``METHOD_OPTIONS``)."""
+def build_method(config: dict, output_dir: str | None, model: tf.keras.Model) -> Method:
+    """The configured method (its options are the ``method`` section's, see ``METHOD_OPTIONS``), checked
+    against ``model`` (e.g. that ``method.mask`` belongs to it)."""
     training = config["training"]
     options = {k: v for k, v in config["method"].items() if k != "name"}
     head_lr = training["head_learning_rate"] or training["learning_rate"]
-    return make_method(config["method"]["name"], head_learning_rate_scale=head_lr / training["learning_rate"],
-                       mask_dir=None if output_dir is None else os.path.join(output_dir, "mask"), **options)
+    try:
+        method = make_method(config["method"]["name"], head_learning_rate_scale=head_lr / training["learning_rate"],
+                             mask_dir=None if output_dir is None else os.path.join(output_dir, "mask"), **options)
+        method.check(model)
+    except (ValueError, OSError) as error:
+        message = str(error).splitlines()[0]
+        key = "method.mask" if config["method"].get("mask") and "mask" in message else "method"
+        raise ConfigError(f"{key}: {message}") from None
+    return method
 
 
 def make_plan(config: dict, dataset, method: Method) -> PrivacyPlan:
     """The run's :class:`PrivacyPlan`: the method's phases and mechanisms, the data's privacy status."""
     privacy, training = config["privacy"], config["training"]
     n = len(dataset.x_train)
-    return make_privacy_plan(
-        n=n, expected_batch_size=training["batch_size"], phases=method.phases(training["epochs"]),
-        delta=privacy["delta"], target_epsilon=privacy["target_epsilon"], accountant=privacy["accountant"],
-        noise_multiplier=privacy["noise_multiplier"],
-        before_training=method.mechanisms_before_training(n, min(1.0, training["batch_size"] / n)),
-        training_share=method.training_share,
-        nonprivate_reasons=method.nonprivate_reasons() + dataset.nonprivate_reasons(),
-    )
+    try:
+        plan = make_privacy_plan(
+            n=n, expected_batch_size=training["batch_size"], phases=method.phases(training["epochs"]),
+            delta=privacy["delta"], target_epsilon=privacy["target_epsilon"], accountant=privacy["accountant"],
+            noise_multiplier=privacy["noise_multiplier"],
+            before_training=method.mechanisms_before_training(n, min(1.0, training["batch_size"] / n)),
+            training_share=method.training_share,
+            nonprivate_reasons=method.nonprivate_reasons() + dataset.nonprivate_reasons(),
+        )
+    except ValueError as error:
+        raise ConfigError(f"privacy: {error}") from None
+    if plan.private and plan.epsilon > privacy["target_epsilon"] * (1 + 1e-9):
+        raise ConfigError(f"privacy.noise_multiplier={privacy['noise_multiplier']} spends epsilon={plan.epsilon:.4g} "
+                          f"over the planned run, more than privacy.target_epsilon={privacy['target_epsilon']:g}; "
+                          "raise it, or leave it null to calibrate it from the target")
+    return plan
 
 
 def describe(plan: PrivacyPlan, method: Method, model: tf.keras.Model) -> str:
@@ -145,12 +204,12 @@ def _count(model: tf.keras.Model) -> int:
 
 
 def dry_run(config: dict) -> PrivacyPlan:
-    """Loads the data, builds the model (not pre-trained) and prints the plan; writes nothing."""
-    from sparta_tf.models.zoo import build_model
-
+    """Runs every check of the run, loads the data, builds the model (not pre-trained) and prints the
+    plan; writes nothing. It fails exactly when the run would fail before its first step."""
+    preflight(config)
     dataset = load_private_data(config)
-    model = build_model(config["model"], dataset.num_classes, dataset.input_shape)
-    method = build_method(config, None)
+    model = build_private_model(config, dataset, None)
+    method = build_method(config, None, model)
     plan = make_plan(config, dataset, method)
     print(describe(plan, method, model))
     return plan
@@ -171,10 +230,11 @@ def _train(config: dict, run_dir: RunDirectory) -> dict:
     tf.keras.utils.set_random_seed(_seed(config))
     timings = {}
     start = time.perf_counter()
+    preflight(config)
     dataset = load_private_data(config)
     model = build_private_model(config, dataset, output_dir)
     timings["prepare_s"] = time.perf_counter() - start
-    method = build_method(config, output_dir)
+    method = build_method(config, output_dir, model)
     plan = make_plan(config, dataset, method)
     print(describe(plan, method, model))
     checkpointing.write_atomic(os.path.join(output_dir, "plan.json"), json.dumps(plan.to_json(), indent=1))
@@ -203,7 +263,7 @@ def _train(config: dict, run_dir: RunDirectory) -> dict:
                                        step_counter=dp.dp_step, budget_mode="until_exhausted",
                                        on_budget_exhausted=lambda: dp.ledger.save(ledger_path))
     saver = _EpochCheckpoint(output_dir, dp)
-    callbacks = [privacy_callback, callback, checkpointing.StepJournal(output_dir), saver,
+    callbacks = [privacy_callback, callback, checkpointing.StepJournal(output_dir), sparta_tf.NonFiniteGuard(), saver,
                  tf.keras.callbacks.TensorBoard(os.path.join(output_dir, "tensorboard"))]
     start = time.perf_counter()
     history = dp.fit(dataset.x_train, dataset.y_train, epochs=plan.epochs, initial_epoch=initial_epoch,
@@ -245,6 +305,7 @@ def _restore(previous, dp, callback, plan: PrivacyPlan, output_dir: str) -> None
     checkpointing.restore(path, dp)
     lost = checkpointing.charge_interrupted_steps(output_dir, int(dp.dp_step.numpy()), dp.ledger,
                                                   plan.noise_multiplier, plan.sample_rate)
+    checkpointing.update_ledger(path, dp.ledger)  # a second kill cannot lose the charge
     print(f"== resuming after epoch {epoch} from {path}; {lost} step(s) of the interrupted epoch charged "
           f"to the ledger (epsilon so far {dp.ledger.epsilon():.4g})")
 
@@ -286,6 +347,7 @@ def _results(config, dp, plan: PrivacyPlan, dataset, phase_seconds, timings, his
         "steps": dp.ledger.steps,
         "optimizer_steps": int(dp.optimizer.iterations.numpy()),  # = plan.update_steps: the schedule's span
         "epochs": plan.epochs,
+        **_what_ran(dp, plan),
         "n": plan.n,
         "plan": plan.to_json(),
         "test_accuracy": float(test_accuracy),
@@ -297,10 +359,23 @@ def _results(config, dp, plan: PrivacyPlan, dataset, phase_seconds, timings, his
     }
 
 
+def _what_ran(dp, plan: PrivacyPlan) -> dict:
+    """Training steps and epochs that really ran (a resumed run whose charged interrupted steps no
+    longer fit the budget stops early) against the plan."""
+    phases = {phase.name for phase in plan.phases}
+    ran = sum(entry.count for entry in dp.ledger.entries if entry.phase in phases)
+    stopped = dp.privacy_callback is not None and dp.privacy_callback.budget_exhausted
+    return {"planned_steps": plan.steps, "training_steps_run": ran,
+            "epochs_completed": round(ran / plan.steps_per_epoch, 4),
+            "stopped_early": ("the privacy budget ran out (steps of an interrupted run were charged)"
+                              if stopped else None)}
+
+
 def _user_errors() -> tuple:
+    from sparta_tf.callbacks import NonFiniteTrainingError
     from sparta_tf.privacy.accounting import PrivacyBudgetExceededError
 
-    errors = [PrivacyBudgetExceededError, FileNotFoundError]
+    errors = [PrivacyBudgetExceededError, FileNotFoundError, NonFiniteTrainingError, checkpointing.CheckpointError]
     try:
         from sparta_tf.data import DataError
 

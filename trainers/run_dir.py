@@ -14,8 +14,10 @@ killed run, and only with the config it was started with.
 from __future__ import annotations
 
 import fcntl
+import glob
 import json
 import os
+import shutil
 
 from trainers import checkpointing
 from trainers.config import ConfigError
@@ -23,6 +25,23 @@ from trainers.config import ConfigError
 LOCK_FILE = ".lock"
 RESULTS = "results.json"
 CONFIG = "config.json"
+STALE_TEMPORARIES = (".tmp-*", "*.tmp.keras", ".ledger-*.tmp", "checkpoints/.partial-*", "checkpoints/.tmp-*",
+                     "export/.tmp-export-*", "mask/*.tmp-*")
+"""What a killed writer leaves behind (atomic writes go through these names first)."""
+
+
+def check_output_dir(path: str) -> None:
+    """A ConfigError unless ``path`` is, or can be created as, a writable directory (creates nothing)."""
+    target = os.path.abspath(path)
+    existing = target
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        where = "is a file" if existing == target else f"cannot be created: {existing} is a file"
+        raise ConfigError(f"output_dir {path} {where}; choose a directory path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "is not writable" if existing == target else f"cannot be created in {existing} (not writable)"
+        raise ConfigError(f"output_dir {path} {where}; choose a writable path")
 
 
 class RunDirectory:
@@ -33,6 +52,7 @@ class RunDirectory:
         self._lock = None
 
     def __enter__(self) -> "RunDirectory":
+        check_output_dir(self.path)
         try:
             os.makedirs(self.path, exist_ok=True)
         except OSError as error:
@@ -41,10 +61,23 @@ class RunDirectory:
         self._acquire()
         try:
             self._check_state()
+            self.remove_stale_temporaries()
         except BaseException:
             self._release()
             raise
         return self
+
+    def remove_stale_temporaries(self) -> list[str]:
+        """Deletes what killed writers left (this process owns the directory); returns the paths."""
+        removed = []
+        for pattern in STALE_TEMPORARIES:
+            for path in glob.glob(os.path.join(glob.escape(self.path), pattern)):
+                if os.path.isdir(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    os.remove(path)
+                removed.append(path)
+        return removed
 
     def __exit__(self, *exc) -> None:
         self._release()

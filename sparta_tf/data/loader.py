@@ -74,6 +74,7 @@ def build_dataset(raw: RawData, spec: DataSpec, seed: int) -> Dataset:
     if len(train.index) == 0:
         raise key_error("classes", f"no training examples in the selected classes of {raw.name!r}",
                         "check data.classes and the data files")
+    _check_class_counts(train.y, kept, raw.class_names)
     train, test = _test_split(raw, train, kept, spec, seed)
     train = _limit(train, spec.limit_train, seed, "limit_train")
     test = _limit(test, spec.limit_test, seed, "limit_test")
@@ -127,6 +128,20 @@ def _resolve_classes(classes: Optional[Sequence[ClassRef]], names: list[str]) ->
     if len(set(kept)) != len(kept):
         raise key_error("classes", f"names the same class twice ({list(classes)})", "list each class once")
     return kept
+
+
+def _check_class_counts(labels: np.ndarray, kept: list[int], names: list[str]) -> None:
+    """At least two classes, and every class has training examples (a stray label would otherwise
+    add empty classes to the head: one label 255 makes 256 outputs)."""
+    if len(kept) < 2:
+        raise key_error("classes", f"the data has {len(kept)} class ({names[kept[0]] if kept else 'none'})",
+                        "a classifier needs at least 2 classes")
+    empty = [kept[k] for k in np.flatnonzero(np.bincount(labels, minlength=len(kept)) == 0)]
+    if empty:
+        shown = ", ".join(names[k] for k in empty[:5]) + (", ..." if len(empty) > 5 else "")
+        raise key_error("classes", f"{len(empty)} of {len(kept)} classes have no training examples ({shown}; "
+                        f"labels go up to {len(names) - 1})",
+                        "relabel the data to contiguous ids 0..K-1, or list the classes to use in data.classes")
 
 
 def _select(split: Split, kept: list[int]) -> _Part:

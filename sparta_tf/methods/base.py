@@ -94,6 +94,9 @@ class Method(abc.ABC):
     def trainable_set(self, phase: TrainingPhase, model: tf.keras.Model) -> TrainableSet | None:
         """What ``phase`` trains, or None while it depends on a choice not made yet."""
 
+    def check(self, model: tf.keras.Model) -> None:
+        """Raises ValueError when the method cannot run on ``model`` (before any data is touched)."""
+
     # ------------------------------------------------------------------ run
 
     def make_dp_model(self, model: tf.keras.Model, **dp_kwargs: Any):

@@ -108,6 +108,10 @@ class SelectionEpochMethod(MaskedMethod):
 
     # ------------------------------------------------------------------ run
 
+    def check(self, model: tf.keras.Model) -> None:
+        if self.mask_path is not None:
+            masks.load_mask(self.mask_path, model)  # refuses a damaged mask or one of another model
+
     def start(self, dp, epochs: int, first_epoch: int = 0) -> None:
         if self.mask_path is not None:
             self.mask_selections, _ = masks.load_mask(self.mask_path, dp.model)

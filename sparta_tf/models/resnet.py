@@ -94,6 +94,34 @@ def _resolve_groups(groups: GroupsSpec, channels: int) -> int:
     return g
 
 
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an integer >= 1")
+    return value
+
+
+def check_resnet_args(depth: int | None = 20, width: int = 16, groups: GroupsSpec = None, shortcut: str = "A",
+                      stages: int = 3, conv_bias: bool = False) -> None:
+    """Raises ValueError (one line) for arguments a GroupNorm ResNet cannot be built with."""
+    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 8
+                              or (depth - 2) % 6 != 0):
+        raise ValueError(f"CIFAR ResNet depth must be 6n+2 (n >= 1: 8, 14, 20, 32, ...), got {depth!r}")
+    _positive_int("width", width)
+    if shortcut not in ("A", "B"):
+        raise ValueError(f"shortcut must be 'A' or 'B', got {shortcut!r}")
+    if not isinstance(conv_bias, bool):
+        raise ValueError(f"conv_bias={conv_bias!r} must be true or false")
+    check_groups(groups, [width * 2**k for k in range(stages)])
+
+
+def check_groups(groups: GroupsSpec, widths) -> None:
+    """Raises ValueError unless ``groups`` divides every channel width in ``widths``."""
+    if groups is not None and not callable(groups):
+        _positive_int("groups", groups)
+    for channels in widths:
+        _resolve_groups(groups, channels)
+
+
 @tf.keras.utils.register_keras_serializable(package="sparta_tf")
 class ChannelPadShortcut(tf.keras.layers.Layer):
     """Parameter-free "option A" shortcut of He et al. (2016).
@@ -240,8 +268,7 @@ def cifar_resnet_gn(
     Returns:
       An uncompiled functional ``tf.keras.Model`` mapping images to logits.
     """
-    if depth < 8 or (depth - 2) % 6 != 0:
-        raise ValueError(f"CIFAR ResNet depth must be 6n+2 (n >= 1), got {depth}")
+    check_resnet_args(depth, width, groups, shortcut, 3, conv_bias)
     n = (depth - 2) // 6
     return _build(
         input_shape=input_shape,
@@ -314,6 +341,7 @@ def resnet18_gn(
     Returns:
       An uncompiled functional ``tf.keras.Model`` mapping images to logits.
     """
+    check_resnet_args(None, width, groups, shortcut, 4, conv_bias)
     return _build(
         input_shape=input_shape,
         num_classes=num_classes,

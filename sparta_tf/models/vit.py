@@ -152,6 +152,21 @@ def _dense(units: int, name: str):
     )
 
 
+def check_vit_args(patch_size: int = 4, dim: int = 192, depth: int = 12, heads: int = 3, mlp_dim: int = 768,
+                   dropout: float = 0.0, input_shape=None) -> None:
+    """Raises ValueError (one line) for arguments the ViT cannot be built with."""
+    for name, value in (("patch_size", patch_size), ("dim", dim), ("depth", depth), ("heads", heads),
+                        ("mlp_dim", mlp_dim)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an integer >= 1")
+    if dim % heads:
+        raise ValueError(f"dim={dim} is not divisible by heads={heads}")
+    if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+    if input_shape is not None and (input_shape[0] % patch_size or input_shape[1] % patch_size):
+        raise ValueError(f"input size {input_shape[0]}x{input_shape[1]} is not a multiple of patch_size={patch_size}")
+
+
 def vit_tiny(
     num_classes: int = 10,
     input_shape: Tuple[int, int, int] = (32, 32, 3),
@@ -182,15 +197,8 @@ def vit_tiny(
       An uncompiled functional ``tf.keras.Model`` mapping images to logits;
       ``model.get_layer("head")`` is the classifier.
     """
+    check_vit_args(patch_size, dim, depth, heads, mlp_dim, dropout, input_shape)
     height, width, _ = input_shape
-    if height % patch_size or width % patch_size:
-        raise ValueError(
-            f"input size {height}x{width} is not a multiple of patch_size={patch_size}"
-        )
-    if dim % heads:
-        raise ValueError(f"dim={dim} is not divisible by heads={heads}")
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
     tokens = (height // patch_size) * (width // patch_size)
 
     inputs = tf.keras.Input(shape=tuple(input_shape), name="image")

@@ -51,7 +51,7 @@ from typing import Optional, Tuple
 
 import tensorflow as tf
 
-from sparta_tf.models.resnet import HEAD_LAYER_NAME, GroupsSpec, _conv, _gn
+from sparta_tf.models.resnet import HEAD_LAYER_NAME, GroupsSpec, _conv, _gn, check_groups
 
 __all__ = ["wrn_gn"]
 
@@ -71,6 +71,20 @@ def _preact_block(x, filters, stride, prefix, groups, dropout_rate, conv_bias):
     else:
         shortcut = x
     return tf.keras.layers.Add(name=f"{prefix}_add")([shortcut, y])
+
+
+def check_wrn_args(depth: int = 16, width: int = 4, groups: GroupsSpec = None, dropout_rate: float = 0.0,
+                   conv_bias: bool = False) -> None:
+    """Raises ValueError (one line) for arguments a GroupNorm WRN cannot be built with."""
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 10 or (depth - 4) % 6 != 0:
+        raise ValueError(f"WRN depth must be 6n+4 (n >= 1: 10, 16, 22, 28, ...), got {depth!r}")
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise ValueError(f"WRN width must be an integer >= 1, got {width!r}")
+    if not isinstance(dropout_rate, (int, float)) or not 0.0 <= dropout_rate < 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate!r}")
+    if not isinstance(conv_bias, bool):
+        raise ValueError(f"conv_bias={conv_bias!r} must be true or false")
+    check_groups(groups, [16, 16 * width, 32 * width, 64 * width])
 
 
 def wrn_gn(
@@ -102,12 +116,7 @@ def wrn_gn(
       An uncompiled functional ``tf.keras.Model`` mapping images to logits;
       ``model.get_layer("head")`` is the classifier.
     """
-    if depth < 10 or (depth - 4) % 6 != 0:
-        raise ValueError(f"WRN depth must be 6n+4 (n >= 1), got {depth}")
-    if width < 1:
-        raise ValueError(f"WRN width must be >= 1, got {width}")
-    if not 0.0 <= dropout_rate < 1.0:
-        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
+    check_wrn_args(depth, width, groups, dropout_rate, conv_bias)
     n = (depth - 4) // 6
     inputs = tf.keras.Input(shape=tuple(input_shape), name="image")
     x = _conv(16, 3, 1, "stem_conv", conv_bias)(inputs)

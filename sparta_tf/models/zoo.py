@@ -58,9 +58,9 @@ from typing import Any, Callable, Mapping, Sequence
 import tensorflow as tf
 
 from sparta_tf.models.convert import BATCHNORM_MODES, load_keras_model, replace_batchnorm, with_fresh_head
-from sparta_tf.models.resnet import HEAD_LAYER_NAME, cifar_resnet_gn, resnet18_gn, resnet20_gn
-from sparta_tf.models.vit import vit_tiny
-from sparta_tf.models.wrn import wrn_gn
+from sparta_tf.models.resnet import HEAD_LAYER_NAME, check_resnet_args, cifar_resnet_gn, resnet18_gn, resnet20_gn
+from sparta_tf.models.vit import check_vit_args, vit_tiny
+from sparta_tf.models.wrn import check_wrn_args, wrn_gn
 
 __all__ = ["MODEL_REGISTRY", "ModelEntry", "build_model", "validate_model_spec", "keras_cv_backbone_names"]
 
@@ -78,6 +78,8 @@ class ModelEntry:
     keys: tuple[str, ...]
     required: tuple[str, ...] = ()
     description: str = ""
+    check: Callable[[dict], None] = lambda kwargs: None
+    """Raises a one-line ValueError for argument values the builder cannot use (no building)."""
 
 
 _DATA_KEYS = ("num_classes", "input_shape")
@@ -186,26 +188,48 @@ def _build_saved(kwargs: dict, num_classes: int, input_shape: tuple) -> tf.keras
     return model
 
 
-def _function_entry(function: Callable, description: str, **fixed) -> ModelEntry:
-    """A registry entry for a builder function, with some of its arguments fixed."""
+def _function_entry(function: Callable, description: str, check: Callable[..., None], check_fixed=None,
+                    **fixed) -> ModelEntry:
+    """A registry entry for a builder function, with some of its arguments fixed; ``check(**fixed_for_check,
+    **kwargs)`` is the builder's own argument check."""
+    check_fixed = fixed if check_fixed is None else check_fixed
     return ModelEntry(_from_function(function, **fixed), _builder_keys(function, exclude=tuple(fixed)),
-                      description=description)
+                      description=description, check=lambda kwargs: check(**check_fixed, **kwargs))
+
+
+def _check_keras_cv(kwargs: dict) -> None:
+    valid = keras_cv_backbone_names()
+    if kwargs["backbone"] not in valid:
+        raise ValueError(f"model.backbone={kwargs['backbone']!r} is not a keras-cv backbone class; "
+                         f"valid choices: {valid}")
+
+
+def _check_saved(kwargs: dict) -> None:
+    import os
+
+    path = kwargs["path"]
+    if not isinstance(path, str) or not os.path.exists(path):
+        raise ValueError(f"model.path={path!r} does not exist; point it at a .keras/.h5 file or a SavedModel dir")
 
 
 MODEL_REGISTRY: dict[str, ModelEntry] = {
-    "resnet20_gn": _function_entry(resnet20_gn, "CIFAR ResNet-20, GroupNorm (0.27M)"),
-    "resnet18_gn": _function_entry(resnet18_gn, "CIFAR ResNet-18, GroupNorm (11.2M)"),
-    "cifar_resnet_gn": _function_entry(cifar_resnet_gn, "CIFAR ResNet-(6n+2), GroupNorm, any depth (e.g. 8 for CPU runs)"),
-    "wrn16_4_gn": _function_entry(wrn_gn, "Wide-ResNet-16-4, GroupNorm, pre-activation (2.75M)", depth=16, width=4),
-    "wrn_gn": _function_entry(wrn_gn, "Wide-ResNet-depth-width, GroupNorm, pre-activation"),
-    "vit_tiny": _function_entry(vit_tiny, "DeiT-tiny-like ViT, LayerNorm (5.36M at the defaults)"),
+    "resnet20_gn": _function_entry(resnet20_gn, "CIFAR ResNet-20, GroupNorm (0.27M)", check_resnet_args,
+                                   {"depth": None, "stages": 3}),
+    "resnet18_gn": _function_entry(resnet18_gn, "CIFAR ResNet-18, GroupNorm (11.2M)", check_resnet_args,
+                                   {"depth": None, "stages": 4}),
+    "cifar_resnet_gn": _function_entry(cifar_resnet_gn, "CIFAR ResNet-(6n+2), GroupNorm, any depth (e.g. 8 for CPU runs)",
+                                       check_resnet_args, {"stages": 3}),
+    "wrn16_4_gn": _function_entry(wrn_gn, "Wide-ResNet-16-4, GroupNorm, pre-activation (2.75M)", check_wrn_args,
+                                  depth=16, width=4),
+    "wrn_gn": _function_entry(wrn_gn, "Wide-ResNet-depth-width, GroupNorm, pre-activation", check_wrn_args),
+    "vit_tiny": _function_entry(vit_tiny, "DeiT-tiny-like ViT, LayerNorm (5.36M at the defaults)", check_vit_args),
     "keras_cv": ModelEntry(
         _build_keras_cv, ("backbone", "backbone_args", "batchnorm"), required=("backbone",),
-        description="keras-cv backbone class from explicit args + pool + head",
+        description="keras-cv backbone class from explicit args + pool + head", check=_check_keras_cv,
     ),
     "saved": ModelEntry(
         _build_saved, ("path", "fresh_head", "batchnorm"), required=("path",),
-        description="a saved Keras model, with a fresh head by default",
+        description="a saved Keras model, with a fresh head by default", check=_check_saved,
     ),
 }
 
@@ -246,6 +270,11 @@ def validate_model_spec(spec: Mapping[str, Any]) -> tuple[str, dict]:
         raise ValueError(f"model.batchnorm={kwargs['batchnorm']!r} is not one of {list(BATCHNORM_MODES)}")
     if "backbone_args" in kwargs and not isinstance(kwargs["backbone_args"] or {}, Mapping):
         raise ValueError("model.backbone_args must be a mapping of constructor arguments")
+    try:
+        entry.check(kwargs)
+    except (ValueError, TypeError) as error:
+        message = str(error)
+        raise ValueError(message if message.startswith("model.") else f"model ({name}): {message}") from None
     return name, kwargs
 
 

@@ -35,8 +35,9 @@ __all__ = ["PrivacyCallback", "BUDGET_MODES"]
 
 BUDGET_MODES: tuple[str, ...] = ("strict", "until_exhausted")
 """``"strict"``: refuse to start a fit whose planned epochs would exceed the
-target. ``"until_exhausted"``: start if the first epoch fits, then train
-whole epochs while the next one still fits and stop gracefully."""
+target. ``"until_exhausted"``: train while the budget lasts; an epoch that no
+longer fits whole runs the steps that still fit, then training stops
+gracefully (e.g. a resumed run whose interrupted steps were charged)."""
 
 
 class PrivacyCallback(tf.keras.callbacks.Callback):
@@ -150,6 +151,7 @@ class PrivacyCallback(tf.keras.callbacks.Callback):
         self._recorded = 0  # runs recorded by this callback since on_train_begin
         self._epoch_start = 0  # self._progress() at on_epoch_begin
         self._allowance: int | None = None  # runs approved for the current epoch
+        self._partial = False  # the approved runs are fewer than the epoch's: stop after them
         self._plan_checked = False
 
     def _read_counter(self) -> int:
@@ -206,14 +208,29 @@ class PrivacyCallback(tf.keras.callbacks.Callback):
             "raise noise_multiplier, train fewer epochs, or lower the sample rate."
         )
 
-    def _check_plan(self, epoch: int, steps_per_epoch: int) -> None:
-        """Before the first step of this fit: refuse a plan that exceeds the target."""
+    def _check_plan(self, epoch: int, steps_per_epoch: int) -> int:
+        """Before the first step of this fit: refuse a plan that exceeds the target; returns the
+        steps of this epoch that may run."""
         epochs = 1
         if self.budget_mode == "strict":
             epochs = max(self.params.get("epochs", epoch + 1) - epoch, 1)
-        if not self._fits(epochs * steps_per_epoch):
-            what = f"the planned run ({epochs} epoch(s) x {steps_per_epoch} steps)"
-            raise PrivacyBudgetExceededError(self._over_budget_message(what, epochs * steps_per_epoch))
+        if self._fits(epochs * steps_per_epoch):
+            return steps_per_epoch
+        partial = self._steps_that_fit(steps_per_epoch) if self.budget_mode == "until_exhausted" else 0
+        if partial:
+            return partial
+        what = f"the planned run ({epochs} epoch(s) x {steps_per_epoch} steps)"
+        raise PrivacyBudgetExceededError(self._over_budget_message(what, epochs * steps_per_epoch))
+
+    def _steps_that_fit(self, steps: int) -> int:
+        """The largest ``k <= steps`` such that ``k`` more steps stay within the budget (bisection)."""
+        low, high = 0, steps  # fits(low) holds (nothing new), fits(high) may not
+        if self._fits(high):
+            return high
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if self._fits(middle) else (low, middle)
+        return low
 
     def _exhaust(self, message: str) -> None:
         """Records pending runs, calls the save hook and prints why training stops."""
@@ -250,10 +267,19 @@ class PrivacyCallback(tf.keras.callbacks.Callback):
         steps = self._planned_steps_per_epoch()
         if not self._plan_checked:
             self._plan_checked = True
-            self._check_plan(epoch, steps)
-        elif not self._fits(steps):
-            self._exhaust_and_raise(f"epoch {epoch + 1} ({steps} steps)", steps)
-        self._allowance = steps
+            allowed = self._check_plan(epoch, steps)
+        else:
+            allowed = steps if self._fits(steps) else self._partial_steps(steps)
+            if not allowed:
+                self._exhaust_and_raise(f"epoch {epoch + 1} ({steps} steps)", steps)
+        self._allowance = allowed
+        self._partial = allowed < steps
+        if self._partial and self.verbose:
+            print(f"PrivacyCallback: only {allowed} of the {steps} steps of epoch {epoch + 1} fit the privacy "
+                  "budget; the epoch runs them and training stops", flush=True)
+
+    def _partial_steps(self, steps: int) -> int:
+        return self._steps_that_fit(steps) if self.budget_mode == "until_exhausted" else 0
 
     def on_train_batch_begin(self, batch, logs=None) -> None:
         self._batch_begin = batch
@@ -274,6 +300,10 @@ class PrivacyCallback(tf.keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None) -> None:
         if self.step_counter is None:
             self._batches += batch - self._batch_begin + 1
+        if self._partial and self._progress() - self._epoch_start >= self._allowance:
+            self.model.stop_training = True
+            self._exhaust(f"privacy budget reached after {self._allowance} steps of the epoch: stopping "
+                          f"(epsilon={self.ledger.epsilon_if(self._planned(0)):.4g}).")
 
     def on_epoch_end(self, epoch, logs=None) -> None:
         self.flush()
@@ -285,7 +315,7 @@ class PrivacyCallback(tf.keras.callbacks.Callback):
         if epoch + 1 >= self.params.get("epochs", 0):
             return
         steps = self._planned_steps_per_epoch()
-        if not self._fits(steps):
+        if not self._fits(steps) and not self._partial_steps(steps):
             planned = self.ledger.epsilon_if(self._planned(steps))
             self.model.stop_training = True
             self._exhaust(

@@ -92,10 +92,19 @@ def extract_cached(archive: Path, cache_dir: Path) -> Path:
     return final
 
 
+def _relative_members_only(member: tarfile.TarInfo, path: str) -> tarfile.TarInfo:
+    """tarfile's ``data`` filter, refusing (instead of rewriting) absolute and ``..`` member paths."""
+    parts = Path(member.name).parts
+    if member.name.startswith(("/", "\\")) or ".." in parts:
+        raise key_error("path", f"archive member {member.name!r} has an absolute path or '..'",
+                        "re-create the archive with relative paths (tar -C <folder> -czf data.tar.gz .)")
+    return tarfile.data_filter(member, path)
+
+
 def _extract(archive: Path, target: Path) -> None:
     try:
         with tarfile.open(archive) as tar:
-            tar.extractall(target, filter="data")
+            tar.extractall(target, filter=_relative_members_only)
     except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as error:
         raise key_error("path", f"cannot extract {str(archive)!r} ({error})",
                         "the archive is corrupt or truncated; re-create or re-download it") from None

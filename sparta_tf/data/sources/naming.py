@@ -8,7 +8,9 @@ from sparta_tf.data.errors import key_error
 from sparta_tf.data.raw import Split
 from sparta_tf.data.spec import DataSpec
 
-__all__ = ["class_names_for"]
+__all__ = ["MAX_CLASSES", "class_names_for"]
+
+MAX_CLASSES = 100_000
 
 
 def class_names_for(
@@ -20,6 +22,9 @@ def class_names_for(
     """
     labels = [split.labels for split in splits if split is not None and split.labels.size]
     needed = max((int(y.max()) + 1 for y in labels), default=0)
+    if needed > MAX_CLASSES:
+        raise key_error("path", f"labels go up to {needed - 1}, more than {MAX_CLASSES:,} classes",
+                        "store class ids 0..K-1")
     if spec.class_names:
         names, key = list(spec.class_names), "class_names"
     elif stored:

@@ -31,6 +31,9 @@ def load_npz(spec: DataSpec, seed: int) -> RawData:
             "path", f"{spec.path} has no x_train/y_train (keys: {sorted(arrays)})",
             "save the file with np.savez(path, x_train=..., y_train=..., x_test=..., y_test=...)",
         )
+    if len(train.labels) == 0:
+        raise key_error("path", f"{spec.path} has 0 training examples (x_train is empty)",
+                        "store the training images in x_train and their labels in y_train")
     test = _split(arrays, "test", spec.path)
     stored = [str(n) for n in arrays["class_names"]] if "class_names" in arrays else None
     names = class_names_for(spec, [train, test], stored)

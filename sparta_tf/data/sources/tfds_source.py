@@ -65,7 +65,26 @@ def _builder(spec: DataSpec):
                         "check the data set name, e.g. mnist, cifar10 or fashion_mnist") from None
 
 
+NETWORK_PROBE = ("storage.googleapis.com", 443)
+NETWORK_TIMEOUT_S = 3.0
+
+
+def _reachable(host_port: tuple[str, int] = NETWORK_PROBE, timeout: float = NETWORK_TIMEOUT_S) -> bool:
+    """Whether TFDS's download host answers within ``timeout`` (TFDS itself retries for minutes)."""
+    import socket
+
+    try:
+        with socket.create_connection(host_port, timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
 def _download_and_prepare(builder, spec: DataSpec) -> None:
+    if not _reachable():
+        raise key_error("download", f"TFDS data set {spec.name!r} is not prepared in {builder.data_dir} and "
+                        f"{NETWORK_PROBE[0]} is unreachable (offline)",
+                        "prepare it on a machine with network access and copy its data_dir here")
     try:
         builder.download_and_prepare()
     except Exception as error:  # noqa: BLE001 - network, disk and TFDS errors alike
