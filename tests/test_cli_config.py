@@ -127,6 +127,11 @@ def test_config_method_options_are_the_methods_own():
         assert set(METHOD_OPTIONS[name]) <= set(SCHEMA["method"]), name
 
 
+def test_a_validated_config_validates_to_itself():
+    once = validate(BASE)
+    assert validate(once) == once
+
+
 def test_defaults_fill_in():
     config = validate(BASE)
     assert config["method"]["warmup_epochs"] == 2  # T/5

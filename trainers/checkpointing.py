@@ -168,10 +168,11 @@ def restore(path: str, dp_model) -> None:
     try:
         tf.train.Checkpoint(**required).read(prefix).expect_partial().assert_existing_objects_matched()
         tf.train.Checkpoint(masked_optimizer=optimizer).read(prefix).expect_partial()
-    except (AssertionError, ValueError, tf.errors.OpError) as error:
+    except (AssertionError, ValueError, IndexError, KeyError, OSError, tf.errors.OpError) as error:
         first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-        raise CheckpointError(f"checkpoint {path} does not fit this run's model ({first}); resume with the "
-                              "config the run was started with, or start a new output_dir") from None
+        raise CheckpointError(f"checkpoint {path} cannot be restored ({first}): it is damaged or belongs to "
+                              "another model; resume with the config the run was started with, or start a new "
+                              "output_dir") from None
 
 
 class StepJournal(tf.keras.callbacks.Callback):

@@ -104,7 +104,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
     "model": {},  # free-form, validated by sparta_tf.models.zoo (name required)
     "pretrain": {
         "enabled": Field((bool,), False),
-        "data": Field((dict,), None, free_form=True),
+        "data": Field((dict, type(None)), None, free_form=True),
         "epochs": Field((int,), 15, _at_least_one),
         "batch_size": Field((int,), 128, _at_least_one),
         "learning_rate": Field(NUMBER, 3e-3, _positive),

@@ -301,7 +301,9 @@ def _restore(previous, dp, callback, plan: PrivacyPlan, output_dir: str) -> None
     epoch = state["epoch"]
     dp.ledger = PrivacyLedger.from_json(state["ledger"])
     dp.ledger.target_epsilon = plan.target_epsilon if dp.ledger.is_private else None
-    callback.on_epoch_begin(epoch)  # recreates the trainable set (and optimizer slots) of that phase
+    # Recreates the trainable set (and optimizer slots) of that epoch's phase; a run killed after its last
+    # epoch (during export) restores into the last phase and trains no more.
+    callback.on_epoch_begin(min(epoch, plan.epochs - 1))
     checkpointing.restore(path, dp)
     lost = checkpointing.charge_interrupted_steps(output_dir, int(dp.dp_step.numpy()), dp.ledger,
                                                   plan.noise_multiplier, plan.sample_rate)

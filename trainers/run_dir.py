@@ -133,4 +133,7 @@ class RunDirectory:
                                   f"{section} section; resume it with the config it was started with")
 
     def write_config(self) -> None:
-        checkpointing.write_atomic(os.path.join(self.path, CONFIG), json.dumps(self.config, indent=1))
+        """Records the run's config (a resumed run keeps the one it was started with)."""
+        path = os.path.join(self.path, CONFIG)
+        if not (self.resume and os.path.exists(path)):
+            checkpointing.write_atomic(path, json.dumps(self.config, indent=1))

@@ -290,10 +290,14 @@ class PrivacyCallback(tf.keras.callbacks.Callback):
         if self._allowance is not None and done + upcoming <= self._allowance:
             return
         remaining = max(self._planned_steps_per_epoch() - done, upcoming)
-        for extra in dict.fromkeys((remaining, upcoming)):
-            if self._fits(extra):
-                self._allowance = done + extra
-                return
+        if self._fits(remaining):
+            self._allowance = done + remaining
+            return
+        fitting = self._partial_steps(remaining) if self.budget_mode == "until_exhausted" else (
+            upcoming if self._fits(upcoming) else 0)
+        if fitting >= upcoming:  # the rest of the epoch does not fit: run what does, then stop
+            self._allowance, self._partial = done + fitting, self.budget_mode == "until_exhausted"
+            return
         what = "one more step" if upcoming == 1 else f"{upcoming} more steps (steps_per_execution)"
         self._exhaust_and_raise(what, upcoming)
 

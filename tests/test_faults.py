@@ -1,0 +1,185 @@
+"""Every fault survivable: kill -9 in every phase and in the last epoch, damaged checkpoints, a diverging
+run, a full disk, stale temporaries. Epsilon is never under-counted, whatever happens."""
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from unittest import mock
+
+import pytest
+import yaml
+
+from trainers import checkpointing, cli, run
+from trainers.config import validate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+EPOCHS, PER_EPOCH = 5, 10  # synthetic n = 120 train examples, batch 12 -> q = 0.1, 10 steps per epoch
+
+
+def tiny(output_dir, method="sparta", epochs=EPOCHS, **training):
+    return {
+        "data": {"source": "synthetic", "num_examples": 160, "num_classes": 3, "val_fraction": 0.0,
+                 "test_fraction": 0.25},
+        "model": {"name": "cifar_resnet_gn", "depth": 8, "width": 4},
+        "method": {"name": method, "density": 0.25, **({"warmup_epochs": 1} if method == "sparta" else {})},
+        "privacy": {"target_epsilon": 8.0, "delta": 1e-3},
+        "training": {"epochs": epochs, "batch_size": 12, "learning_rate": 0.05, "seed": 0, **training},
+        "output_dir": str(output_dir),
+    }
+
+
+def _kill_during(config_path, out, step, timeout=300):
+    """Starts sparta-train and SIGKILLs it once the journal says ``step`` started."""
+    process = subprocess.Popen([sys.executable, "-m", "trainers", "--config", str(config_path)], cwd=ROOT,
+                               env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    journal = out / "checkpoints" / "journal.json"
+    deadline = time.time() + timeout
+    try:
+        while time.time() < deadline and process.poll() is None:
+            try:
+                if json.loads(journal.read_text())["started_through"] >= step:
+                    break
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.01)
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    assert not (out / "results.json").exists(), "the run finished before it could be killed"
+    return json.loads(journal.read_text())["started_through"]
+
+
+# warm-up (epoch 1), selection (epoch 2), sparse (epoch 3), the last epoch (epoch 5)
+@pytest.mark.parametrize("phase, kill_at_step", [("warmup", 4), ("selection", 14), ("sparse", 25),
+                                                  ("last-epoch", 46)])
+def test_kill_in_any_phase_then_resume_completes_without_undercounting(tmp_path, phase, kill_at_step):
+    out = tmp_path / "run"
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(tiny(out)))
+    started = _kill_during(path, out, kill_at_step)
+    on_disk = json.loads((out / "ledger.json").read_text())
+    assert sum(e["count"] for e in on_disk["entries"]) >= started  # ledger.json charged every started step
+    checkpoint = checkpointing.latest(str(out))
+    checkpoint_step = 0 if checkpoint is None else checkpoint[1]["epoch"] * PER_EPOCH
+
+    result = subprocess.run([sys.executable, "-m", "trainers", "--config", str(path), "--resume"], cwd=ROOT,
+                            env=ENV, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    results = json.loads((out / "results.json").read_text())
+    ledger = json.loads((out / "ledger.json").read_text())
+    assert results["steps"] == sum(e["count"] for e in ledger["entries"]) >= started
+    assert results["epsilon"] <= 8.0 + 1e-6
+    charged = sum(e["count"] for e in ledger["entries"] if e["phase"] == "interrupted")
+    assert charged == started - checkpoint_step > 0
+    # The results say what ran: all planned steps, or fewer when the charged steps used the budget up.
+    assert results["training_steps_run"] <= results["planned_steps"] == EPOCHS * PER_EPOCH
+    assert (results["stopped_early"] is None) == (results["training_steps_run"] == results["planned_steps"])
+    assert os.path.exists(os.path.join(results["export_dir"], "saved_model.pb"))
+
+
+def test_a_kill_in_the_last_epoch_finishes_it_partially_when_the_budget_is_spent(tmp_path):
+    """The plan spends the whole budget; the interrupted steps charged on resume leave less than the
+    last epoch: the resumed run trains what still fits, stops, and says so."""
+    out = tmp_path / "run"
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(tiny(out, "bitfit")))
+    started = _kill_during(path, out, 46)
+    assert started >= 46
+    result = subprocess.run([sys.executable, "-m", "trainers", "--config", str(path), "--resume"], cwd=ROOT,
+                            env=ENV, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["epsilon"] <= 8.0 + 1e-6
+    assert results["training_steps_run"] < EPOCHS * PER_EPOCH
+    assert results["stopped_early"] and results["epochs_completed"] < EPOCHS
+
+
+def _finished_two_checkpoints(tmp_path):
+    out = tmp_path / "run"
+    config = validate(tiny(out, "bitfit", epochs=3))
+    run.train(config)
+    os.remove(out / "results.json")  # pretend the run was killed after its last checkpoint
+    os.remove(out / "checkpoints" / "journal.json")
+    return out, config
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path, capsys):
+    out, config = _finished_two_checkpoints(tmp_path)
+    newest, older = checkpointing.candidates(str(out))
+    (tmp_path / "run" / "checkpoints" / os.path.basename(newest) / "state.json").write_text("{not json")
+    path, state = checkpointing.latest(str(out))
+    assert path == older and "is damaged" in capsys.readouterr().out
+    shard = [f for f in os.listdir(older) if f.startswith("ckpt.data")][0]
+    with open(os.path.join(older, shard), "r+b") as f:
+        f.truncate(10)  # truncated weights: unreadable
+    (out / "checkpoints" / "journal.json").write_text(json.dumps({"started_through": 30}))
+    with pytest.raises(checkpointing.CheckpointError, match="cannot be restored"):
+        run.train(config, resume=True)
+
+
+def test_a_checkpoint_of_another_model_and_a_damaged_journal_are_clear_errors(tmp_path, capsys):
+    out, config = _finished_two_checkpoints(tmp_path)
+    other = dict(config, model={"name": "cifar_resnet_gn", "depth": 14, "width": 4})
+    (out / "config.json").unlink()  # no config to compare: the checkpoint itself must be refused
+    status = cli.main(["--config", _write(tmp_path, other), "--resume"])
+    err = capsys.readouterr().err
+    assert status == 1 and "cannot be restored" in err, err
+    (out / "checkpoints" / "journal.json").write_text("{broken")
+    (out / "config.json").unlink()  # the failed resume above recorded its config
+    status = cli.main(["--config", _write(tmp_path, config), "--resume"])
+    err = capsys.readouterr().err
+    assert status == 1 and "journal" in err and "is damaged" in err, err
+
+
+def _write(tmp_path, config):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def test_a_diverging_run_stops_with_an_error_and_exports_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    config = tiny(out, "all", epochs=2, learning_rate=1e30)
+    status = cli.main(["--config", _write(tmp_path, config)])
+    err = capsys.readouterr().err
+    assert status == 1 and "training diverged" in err, err
+    assert not (out / "results.json").exists() and not (out / "export").exists()
+
+
+def test_a_full_disk_is_a_one_line_error_and_leaves_no_temporaries(tmp_path, capsys):
+    out = tmp_path / "run"
+    config = tiny(out, "bitfit", epochs=2)
+    real = checkpointing.write_atomic
+    calls = {"n": 0}
+
+    def full_after_some_writes(path, text):
+        calls["n"] += 1
+        if calls["n"] > 12:
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return real(path, text)
+
+    with mock.patch.object(checkpointing, "write_atomic", full_after_some_writes):
+        status = cli.main(["--config", _write(tmp_path, config)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert status == 1 and "No space left on device" in lines[-1] and "free disk space" in lines[-1], lines
+    leftovers = [p for p in out.rglob("*") if p.name.startswith((".tmp-", ".partial-"))]
+    assert not leftovers
+    status = cli.main(["--config", _write(tmp_path, config), "--resume"])  # space is back: it completes
+    assert status == 0 and (out / "results.json").exists()
+
+
+def test_the_owner_removes_what_killed_writers_left(tmp_path):
+    out = tmp_path / "run"
+    stale = [out / "export" / ".tmp-export-abc", out / "checkpoints" / ".partial-xyz", out / ".tmp-123"]
+    for path in stale[:2]:
+        path.mkdir(parents=True)
+    stale[2].write_text("half")
+    (out / "checkpoints" / "journal.json").write_text(json.dumps({"started_through": 2}))
+    results = run.train(validate(tiny(out, "bitfit", epochs=1)), resume=True)
+    assert results["steps"] >= 2 + PER_EPOCH - 2  # the 2 started steps stay charged
+    assert not any(path.exists() for path in stale)
