@@ -186,14 +186,13 @@ class StepJournal(tf.keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         dp = self.model
-        step = int(dp.dp_step.numpy())
-        write_atomic(self.path, json.dumps({"started_through": step + 1}))
         privacy = dp.privacy_callback
-        if privacy is not None:
+        if privacy is not None:  # first the ledger, then the journal: a kill in between over-counts only
             charged = PrivacyLedger.from_json(privacy.ledger.to_json())
             charged.record(privacy.noise_multiplier, privacy.sample_rate, privacy.pending_steps() + 1,
                            privacy.kind, privacy.phase)
             write_atomic(self.ledger_path, json.dumps(charged.to_json(), indent=1))
+        write_atomic(self.path, json.dumps({"started_through": int(dp.dp_step.numpy()) + 1}))
 
 
 def charge_interrupted_steps(output_dir: str, checkpoint_step: int, ledger, noise_multiplier: float,
