@@ -182,7 +182,13 @@ def _count(model: tf.keras.Model) -> int:
     return int(sum(np.prod(v.shape.as_list()) for v in model.trainable_variables))
 
 
-def train(config: dict, resume: bool = False) -> dict:
+def train(config: dict, resume: bool = False, hooks=None) -> dict:
+    """Runs one training; ``hooks`` is the seam for ``sparta-audit`` (``trainers.audit``).
+
+    ``hooks``, when given, has ``private_data(dataset) -> dataset`` (applied to
+    the loaded private data before the plan and the sample rate are made) and
+    ``callbacks() -> list`` (extra Keras callbacks for the DP ``fit``).
+    """
     output_dir = config["output_dir"]
     previous = checkpointing.latest(output_dir) if resume else None
     if not resume and os.path.exists(os.path.join(output_dir, RESULTS)):
@@ -197,6 +203,8 @@ def train(config: dict, resume: bool = False) -> dict:
     timings = {}
     start = time.perf_counter()
     dataset = load_private_data(config)
+    if hooks is not None:
+        dataset = hooks.private_data(dataset)
     model = build_private_model(config, dataset, output_dir)
     timings["prepare_s"] = time.perf_counter() - start
     plan = _plan(config, len(dataset.x_train), model)
@@ -231,6 +239,7 @@ def train(config: dict, resume: bool = False) -> dict:
     saver = _EpochCheckpoint(output_dir, dp, plan, seed=dp._sampling_seed)
     callbacks = [privacy_callback, callback, checkpointing.StepJournal(output_dir), saver,
                  tf.keras.callbacks.TensorBoard(os.path.join(output_dir, "tensorboard"))]
+    callbacks += hooks.callbacks() if hooks is not None else []
     start = time.perf_counter()
     history = dp.fit(dataset.x_train, dataset.y_train, epochs=training["epochs"], initial_epoch=initial_epoch,
                      validation_data=(dataset.x_val, dataset.y_val) if len(dataset.x_val) else None,
