@@ -1,4 +1,4 @@
-"""``sparta-audit --config CONFIG [--canaries M] [--canary-kind K] [--canary-seed S] [--set ...]``.
+"""``sparta-audit --config CONFIG [--canaries M] [--canary-kind K] [--score S] [--set ...]``.
 
 An empirical privacy audit of one ``sparta-train`` run (Steinke, Nasr and
 Jagielski, NeurIPS 2023; see :mod:`sparta_tf.audit`): ``M`` canaries, each
@@ -6,8 +6,9 @@ put into the private training set with probability 1/2, one training run
 through the normal pipeline (the configured method with its selection
 epoch, Poisson sampling, the ledger), then
 
-* the epsilon lower bound from the canaries' loss drops at the run's delta
-  with 95% confidence, next to the epsilon the ledger claims;
+* the epsilon lower bound from the canaries' scores (``-loss`` of the
+  trained model, or the loss drop from the start) at the run's delta with
+  95% confidence, next to the epsilon the ledger claims;
 * a loss-threshold membership attack on the trained model: AUC and TPR at
   FPR = 1e-3 on the canaries, and the AUC on training vs test examples.
 
@@ -31,7 +32,9 @@ from trainers.config import ConfigError, load_config
 
 AUDIT_JSON = "audit.json"
 CANARY_LOSSES = "canary_losses.npz"
-CANARY_KINDS = ("mislabelled", "clean", "noise")  # sparta_tf.audit.CANARY_KINDS, without importing TensorFlow
+# sparta_tf.audit.CANARY_KINDS and SCORES, named here so that arguments are checked before TensorFlow loads
+CANARY_KINDS = ("mislabelled", "clean", "noise")
+SCORES = ("loss", "loss_drop")
 CONTRADICTED = 3
 
 
@@ -45,6 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--canary-kind", default="mislabelled", choices=CANARY_KINDS,
                         help="mislabelled (default), clean or noise")
     parser.add_argument("--canary-seed", type=int, default=0, help="seed of the canary stream (default 0)")
+    parser.add_argument("--score", default="loss", choices=SCORES,
+                        help="canary score: loss (-loss of the trained model, default) or loss_drop (start - end)")
     parser.add_argument("--confidence", type=float, default=0.95, help="confidence of the bound (default 0.95)")
     return parser.parse_args(argv)
 
@@ -109,7 +114,7 @@ def _train_test_auc(model, dataset, canaries) -> float:
 
 
 def run_audit(config: dict, canaries: int | None = None, kind: str = "mislabelled", seed: int = 0,
-              confidence: float = 0.95) -> dict:
+              confidence: float = 0.95, score: str = "loss") -> dict:
     """Trains ``audit_config(config)`` with canaries and returns (and writes) the ``audit.json`` report."""
     import numpy as np
 
@@ -125,7 +130,7 @@ def run_audit(config: dict, canaries: int | None = None, kind: str = "mislabelle
     results = run.train(config, hooks=hooks)
     recorder = hooks.recorder
     report = audit_report(hooks.canaries, recorder.start, recorder.end, delta=results["delta"],
-                          epsilon_claimed=results["epsilon"], confidence=confidence)
+                          epsilon_claimed=results["epsilon"], confidence=confidence, score=score)
     report["mia_train_test_auc"] = _train_test_auc(recorder.model.model, hooks.dataset, hooks.canaries)
     report |= {key: results[key] for key in ("method", "private", "target_epsilon", "noise_multiplier",
                                              "sample_rate", "steps", "n", "test_accuracy", "train_s")}
@@ -158,7 +163,8 @@ def main(argv=None) -> int:
     from trainers import run  # heavy: imports TensorFlow
 
     try:
-        report = run_audit(config, args.canaries, args.canary_kind, args.canary_seed, args.confidence)
+        report = run_audit(config, args.canaries, args.canary_kind, args.canary_seed, args.confidence,
+                           args.score)
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2

@@ -71,9 +71,9 @@ def _check(dataset: Dataset, count: int, kind: str) -> None:
     if kind == "mislabelled" and dataset.num_classes < 2:
         raise ValueError("mislabelled canaries need at least 2 classes")
     if kind != "noise" and count > len(dataset.y_train) // 2:
-        raise ValueError(f"canaries={count} {kind} canaries would take more than half of the "
-                         f"{len(dataset.y_train)} training examples; use at most {len(dataset.y_train) // 2} "
-                         "or --canary-kind noise")
+        raise ValueError(f"{count} {kind} canaries would take more than half of the {len(dataset.y_train)} "
+                         f"training examples; use at most {len(dataset.y_train) // 2} canaries "
+                         "(or noise canaries, which take none)")
 
 
 def _wrong_labels(labels: np.ndarray, num_classes: int, rng: np.random.Generator) -> np.ndarray:

@@ -3,13 +3,14 @@
 ``audit_report`` turns a run's canaries and their losses at the start and
 the end of training into the fields of ``audit.json``:
 
-* ``epsilon_lower_bound`` (:mod:`sparta_tf.audit.one_run`) from the loss
-  drop, at the run's ``delta`` with ``confidence``; ``epsilon_ceiling`` is
-  the largest bound these many canaries could show (every guess right);
+* ``epsilon_lower_bound`` (:mod:`sparta_tf.audit.one_run`) from the canary
+  scores (:mod:`sparta_tf.audit.scores`, ``-loss`` by default), at the run's
+  ``delta`` with ``confidence``; ``epsilon_ceiling`` is the largest bound
+  these many canaries could show (every guess right);
 * ``mia_auc`` and ``mia_tpr_at_fpr_1e-3`` (:mod:`sparta_tf.audit.membership`)
   of the loss-threshold attack (score ``-loss`` at the end) on the canaries,
   included ones as members and left-out ones as non-members;
-  ``canary_score_auc`` is the AUC of the loss drop, the audit's own score;
+  ``canary_score_auc`` is the AUC of the audit's score;
 * ``passed``: ``epsilon_lower_bound <= epsilon_claimed`` (``None`` for a run
   that claims no epsilon).
 """
@@ -21,6 +22,7 @@ import numpy as np
 from sparta_tf.audit.canaries import Canaries
 from sparta_tf.audit.membership import roc_auc, threshold_attack
 from sparta_tf.audit.one_run import audit_scores, ceiling
+from sparta_tf.audit.scores import canary_scores
 
 __all__ = ["audit_report", "summary_line"]
 
@@ -35,6 +37,7 @@ def audit_report(
     delta: float,
     epsilon_claimed: float | None,
     confidence: float = 0.95,
+    score: str = "loss",
 ) -> dict:
     """The ``audit.json`` fields (module docstring) for one run's canaries."""
     if not len(loss_start) == len(loss_end) == len(canaries):
@@ -43,8 +46,9 @@ def audit_report(
     included = canaries.included
     if included.all() or not included.any():
         raise ValueError("every canary fell on the same side of the coin; use more canaries")
-    drop = np.asarray(loss_start) - np.asarray(loss_end)
-    bound = audit_scores(drop, included, delta, confidence)
+    scores = canary_scores(loss_start, loss_end, score)
+    bound = audit_scores(scores, included, delta, confidence)
+    loss_end = np.asarray(loss_end, np.float64)
     attack = threshold_attack(-loss_end[included], -loss_end[~included], FPR)
     lower = bound.epsilon_lower_bound
     return {
@@ -58,13 +62,13 @@ def audit_report(
         "canaries_included": bound.included,
         "canary_kind": canaries.kind,
         "canary_seed": canaries.seed,
-        "score": "loss_drop",
+        "score": score,
         "guesses": bound.guesses,
         "correct_guesses": bound.correct,
         "k_plus": bound.k_plus,
         "k_minus": bound.k_minus,
         "guess_counts_tried": bound.guess_counts_tried,
-        "canary_score_auc": roc_auc(drop[included], drop[~included]),
+        "canary_score_auc": roc_auc(scores[included], scores[~included]),
         "mia_attack": "loss_threshold",
         "mia_auc": attack.auc,
         "mia_tpr_at_fpr_1e-3": attack.tpr_at_fpr,
@@ -77,6 +81,8 @@ def summary_line(report: dict) -> str:
     claimed = report["epsilon_claimed"]
     claim = "no epsilon claimed (not DP)" if claimed is None else f"epsilon claimed {claimed:.4g}"
     verdict = {True: "consistent with the claim", False: "CONTRADICTS THE CLAIM", None: ""}[report["passed"]]
+    if report["passed"] and report["epsilon_ceiling"] <= claimed:
+        verdict += " (these canaries cannot show more than the ceiling, so no run could contradict it)"
     return (f"== audit: {claim}, lower bound {report['epsilon_lower_bound']:.4g} "
             f"({report['confidence']:.0%} confidence, delta {report['delta']:g}, {report['canaries']} "
             f"{report['canary_kind']} canaries, ceiling {report['epsilon_ceiling']:.3g}) {verdict}; "

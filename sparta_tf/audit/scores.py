@@ -1,15 +1,19 @@
-"""Canary scores: per-example losses of the model before and after training.
+"""Canary scores from per-example losses of the model before and after training.
 
 For canary ``(x_i, y_i)`` with logits ``f(x_i)``::
 
     loss_i(model) = -log softmax(f(x_i))[y_i]
-    score_i       = loss_i(start) - loss_i(end)       (the loss drop)
+    "loss":      score_i = -loss_i(end)                     (default)
+    "loss_drop": score_i = loss_i(start) - loss_i(end)
 
-The start model is the one the first DP step sees (pre-trained backbone and
-fresh head); a canary that training saw tends to lose more loss than one it
-did not. Subtracting the start loss removes what the model "knew" about the
-canary before training (how hard it was to begin with). The loss drop is a
-black-box score: it needs two sets of predictions, no gradients.
+Higher scores mean "more likely trained on". The start model is the one the
+first DP step sees. Subtracting its loss removes what the model knew about a
+canary before training, but in fine-tuning the head is fresh (random), so
+the start loss is mostly the random head's noise: on digits with ResNet-8-GN
+the plain loss separated included from left-out canaries better (AUC 0.89
+vs 0.82 with the mechanism broken on purpose; 0.58 vs 0.55 for the
+quickstart at epsilon 4), hence the default. Both are black-box scores: two
+sets of predictions, no gradients.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["LossRecorder", "per_example_loss"]
+__all__ = ["SCORES", "LossRecorder", "canary_scores", "per_example_loss"]
+
+SCORES = ("loss", "loss_drop")
 
 _LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
 
@@ -29,6 +35,15 @@ def per_example_loss(model: tf.keras.Model, x: np.ndarray, y: np.ndarray, batch_
         logits = model(x[start:start + batch_size], training=False)
         losses.append(_LOSS(y[start:start + batch_size], logits).numpy())
     return np.concatenate(losses).astype(np.float64) if losses else np.zeros(0)
+
+
+def canary_scores(loss_start: np.ndarray, loss_end: np.ndarray, score: str = "loss") -> np.ndarray:
+    """The canary scores ``score`` (one of :data:`SCORES`, see the module docstring)."""
+    if score == "loss":
+        return -np.asarray(loss_end, np.float64)
+    if score == "loss_drop":
+        return np.asarray(loss_start, np.float64) - np.asarray(loss_end, np.float64)
+    raise ValueError(f"score {score!r} is unknown; use one of {', '.join(SCORES)}")
 
 
 class LossRecorder(tf.keras.callbacks.Callback):
@@ -54,9 +69,3 @@ class LossRecorder(tf.keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self.end = self._losses()
-
-    def loss_drop(self) -> np.ndarray:
-        """``start - end`` per example (higher = more likely trained on)."""
-        if self.start is None or self.end is None:
-            raise RuntimeError("LossRecorder.loss_drop() needs a finished fit (no start or end losses recorded)")
-        return self.start - self.end
