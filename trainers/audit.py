@@ -153,22 +153,20 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        config = load_config(args.config, args.overrides)
-        _check_args(args)
-    except ConfigError as error:
-        print(f"config error: {error}", file=sys.stderr)
-        return 2
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    from trainers import run  # heavy: imports TensorFlow
-
     try:
+        config = load_config(args.config, args.overrides)  # checked before TensorFlow is imported
+        _check_args(args)
         report = run_audit(config, args.canaries, args.canary_kind, args.canary_seed, args.confidence,
                            args.score)
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
-    except run.USER_ERRORS as error:
+    except Exception as error:  # noqa: BLE001 - data and budget errors are one line, anything else a traceback
+        from trainers.run import USER_ERRORS
+
+        if not isinstance(error, USER_ERRORS):
+            raise
         print(f"error: {error}", file=sys.stderr)
         return 1
     return CONTRADICTED if report["passed"] is False else 0

@@ -1,0 +1,144 @@
+#!/usr/bin/env python
+"""Privacy-audit table: claimed epsilon vs one-run lower bound vs MIA AUC, per method and budget.
+
+Every cell is one ``sparta-audit`` run (:func:`trainers.audit.run_audit`) on
+the quickstart's task, with the regime changed so that the audit has a
+chance: public pre-training of ResNet-20-GN on digits 0-4, DP fine-tuning on
+digits 5-9 (fresh head), **expected batch 16, 20 epochs, delta = 1e-5**, and
+half of the private training set turned into mislabelled canaries. Cells:
+``--methods`` x (epsilon in ``--epsilons``, and ``nonprivate``). A
+``nonprivate`` cell is the same pipeline with the DP step's noise and
+clipping removed by the tests' sabotage helper (``tests/broken_mechanism.py``),
+so its ledger's epsilon is not a claim: the table prints it as "none".
+
+Resumable: each cell's report is stored in ``--out`` (JSON) as soon as it is
+done and is not recomputed; ``--report-only`` rewrites the Markdown table.
+The pre-trained model is cached in ``--work-dir``.
+
+    python benchmarks/audit.py                     # the README table, ~25 min on 2 CPU cores
+    python benchmarks/audit.py --methods all --epsilons 1 --canary-seeds 0   # one cell
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+from trainers.config import load_config  # noqa: E402
+
+CONFIG = os.path.join(ROOT, "configs", "quickstart.yaml")
+REGIME = ["training.batch_size=16", "training.epochs=20", "privacy.delta=1e-5", "export.enabled=false"]
+OUT = os.path.join(ROOT, "benchmarks", "results", "audit-digits")
+COLUMNS = ("method", "setting", "canary_seed", "epsilon_claimed", "epsilon_lower_bound", "epsilon_ceiling",
+           "correct_guesses", "guesses", "mia_auc", "mia_tpr_at_fpr_1e-3", "mia_train_test_auc",
+           "test_accuracy", "seconds")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--methods", nargs="+", default=["sparta", "all", "bitfit"])
+    parser.add_argument("--epsilons", nargs="+", type=float, default=[1.0, 8.0])
+    parser.add_argument("--no-nonprivate", action="store_true", help="skip the nonprivate cells")
+    parser.add_argument("--canary-seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--canaries", type=int, default=None, help="default: half the private training set")
+    parser.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "audit-bench"))
+    parser.add_argument("--out", default=OUT, help="stem of the .json / .md outputs")
+    parser.add_argument("--report-only", action="store_true")
+    return parser.parse_args(argv)
+
+
+def cells(args) -> list[tuple[str, str, int]]:
+    settings = [f"{eps:g}" for eps in args.epsilons] + ([] if args.no_nonprivate else ["nonprivate"])
+    return [(m, s, seed) for seed in args.canary_seeds for s in settings for m in args.methods]
+
+
+def cell_key(method: str, setting: str, seed: int) -> str:
+    return f"{method}-eps{setting}-canaryseed{seed}"
+
+
+def run_cell(args, method: str, setting: str, seed: int) -> dict:
+    import tensorflow as tf
+
+    from broken_mechanism import broken_mechanism
+    from trainers.audit import run_audit
+
+    epsilon = max(args.epsilons) if setting == "nonprivate" else float(setting)
+    overrides = REGIME + [f"method.name={method}", f"privacy.target_epsilon={epsilon}",
+                          f"pretrain.checkpoint={os.path.join(args.work_dir, 'pretrained.keras')}",
+                          f"output_dir={os.path.join(args.work_dir, cell_key(method, setting, seed))}"]
+    if method != "sparta":
+        overrides.append("method.warmup_epochs=0")
+    config = load_config(CONFIG, overrides)
+    shutil.rmtree(config["output_dir"], ignore_errors=True)  # an interrupted cell starts over
+    tf.keras.backend.clear_session()
+    start = time.perf_counter()
+    if setting == "nonprivate":
+        with broken_mechanism(noise=False, clipping=False):
+            report = run_audit(config, args.canaries, seed=seed)
+        report |= {"epsilon_claimed": None, "passed": None}  # the ledger's number describes another mechanism
+    else:
+        report = run_audit(config, args.canaries, seed=seed)
+    return report | {"setting": setting, "canary_seed": seed, "seconds": time.perf_counter() - start}
+
+
+def load(path: str) -> dict:
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def save(path: str, results: dict) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def _number(value, digits=2) -> str:
+    return "none" if value is None else f"{value:.{digits}f}"
+
+
+def markdown(results: dict) -> str:
+    lines = ["| method | setting | ε claimed | ε lower bound (95%) | ceiling | correct / guesses | MIA AUC "
+             "| TPR @ FPR 1e-3 | train-vs-test AUC | test acc. | s |", "|" + "---|" * 11]
+    for report in results.values():
+        lines.append(
+            f"| {report['method']} | {report['setting']} | {_number(report['epsilon_claimed'])} "
+            f"| {_number(report['epsilon_lower_bound'])} | {_number(report['epsilon_ceiling'])} "
+            f"| {report['correct_guesses']} / {report['guesses']} | {_number(report['mia_auc'], 3)} "
+            f"| {_number(report['mia_tpr_at_fpr_1e-3'], 3)} | {_number(report['mia_train_test_auc'], 3)} "
+            f"| {_number(report['test_accuracy'], 3)} | {report['seconds']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    json_path, md_path = args.out + ".json", args.out + ".md"
+    results = load(json_path)
+    if not args.report_only:
+        os.makedirs(args.work_dir, exist_ok=True)
+        for method, setting, seed in cells(args):
+            key = cell_key(method, setting, seed)
+            if key in results:
+                continue
+            print(f"== cell {key}", flush=True)
+            results[key] = {k: v for k, v in run_cell(args, method, setting, seed).items()
+                            if k in COLUMNS or k in ("canaries", "delta", "confidence", "passed")}
+            save(json_path, results)
+    with open(md_path, "w") as f:
+        f.write(markdown(results))
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
