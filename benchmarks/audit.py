@@ -6,10 +6,12 @@ the quickstart's task, with the regime changed so that the audit has a
 chance: public pre-training of ResNet-20-GN on digits 0-4, DP fine-tuning on
 digits 5-9 (fresh head), **expected batch 16, 20 epochs, delta = 1e-5**, and
 half of the private training set turned into mislabelled canaries. Cells:
-``--methods`` x (epsilon in ``--epsilons``, and ``nonprivate``). A
-``nonprivate`` cell is the same pipeline with the DP step's noise and
-clipping removed by the tests' sabotage helper (``tests/broken_mechanism.py``),
-so its ledger's epsilon is not a claim: the table prints it as "none".
+``--methods`` x (epsilon in ``--epsilons``, ``no-noise``,
+``no-noise-no-clipping``) x ``--canary-seeds``. The two non-private settings
+are the same pipeline with the DP step's noise (and clipping) removed by the
+tests' sabotage helper (``tests/broken_mechanism.py``) at the largest
+epsilon's hyper-parameters; their ledger's epsilon describes another
+mechanism, so the table prints "none" as the claim.
 
 Resumable: each cell's report is stored in ``--out`` (JSON) as soon as it is
 done and is not recomputed; ``--report-only`` rewrites the Markdown table.
@@ -27,6 +29,8 @@ import os
 import shutil
 import sys
 import time
+
+import numpy as np
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", nargs="+", default=["sparta", "all", "bitfit"])
     parser.add_argument("--epsilons", nargs="+", type=float, default=[1.0, 8.0])
-    parser.add_argument("--no-nonprivate", action="store_true", help="skip the nonprivate cells")
+    parser.add_argument("--no-nonprivate", action="store_true", help="skip the non-private cells")
     parser.add_argument("--canary-seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--canaries", type=int, default=None, help="default: half the private training set")
     parser.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "audit-bench"))
@@ -56,13 +60,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+BROKEN = {"no-noise": {"noise": False}, "no-noise-no-clipping": {"noise": False, "clipping": False}}
+
+
 def cells(args) -> list[tuple[str, str, int]]:
-    settings = [f"{eps:g}" for eps in args.epsilons] + ([] if args.no_nonprivate else ["nonprivate"])
+    settings = [f"{eps:g}" for eps in args.epsilons] + ([] if args.no_nonprivate else list(BROKEN))
     return [(m, s, seed) for seed in args.canary_seeds for s in settings for m in args.methods]
 
 
 def cell_key(method: str, setting: str, seed: int) -> str:
-    return f"{method}-eps{setting}-canaryseed{seed}"
+    return f"{method}-{setting if setting in BROKEN else 'eps' + setting}-canaryseed{seed}"
 
 
 def run_cell(args, method: str, setting: str, seed: int) -> dict:
@@ -71,7 +78,7 @@ def run_cell(args, method: str, setting: str, seed: int) -> dict:
     from broken_mechanism import broken_mechanism
     from trainers.audit import run_audit
 
-    epsilon = max(args.epsilons) if setting == "nonprivate" else float(setting)
+    epsilon = max(args.epsilons) if setting in BROKEN else float(setting)
     overrides = REGIME + [f"method.name={method}", f"privacy.target_epsilon={epsilon}",
                           f"pretrain.checkpoint={os.path.join(args.work_dir, 'pretrained.keras')}",
                           f"output_dir={os.path.join(args.work_dir, cell_key(method, setting, seed))}"]
@@ -81,8 +88,8 @@ def run_cell(args, method: str, setting: str, seed: int) -> dict:
     shutil.rmtree(config["output_dir"], ignore_errors=True)  # an interrupted cell starts over
     tf.keras.backend.clear_session()
     start = time.perf_counter()
-    if setting == "nonprivate":
-        with broken_mechanism(noise=False, clipping=False):
+    if setting in BROKEN:
+        with broken_mechanism(**BROKEN[setting]):
             report = run_audit(config, args.canaries, seed=seed)
         report |= {"epsilon_claimed": None, "passed": None}  # the ledger's number describes another mechanism
     else:
@@ -107,17 +114,45 @@ def _number(value, digits=2) -> str:
     return "none" if value is None else f"{value:.{digits}f}"
 
 
-def markdown(results: dict) -> str:
-    lines = ["| method | setting | ε claimed | ε lower bound (95%) | ceiling | correct / guesses | MIA AUC "
-             "| TPR @ FPR 1e-3 | train-vs-test AUC | test acc. | s |", "|" + "---|" * 11]
+def _mean_std(values, digits=3) -> str:
+    values = np.asarray(values, float)
+    return f"{values.mean():.{digits}f}" + (f" ± {values.std(ddof=1):.{digits}f}" if len(values) > 1 else "")
+
+
+def summary_rows(results: dict) -> list[str]:
+    """One row per method x setting: the bound of every canary seed, means ± std of the rest."""
+    groups: dict[tuple[str, str], list[dict]] = {}
     for report in results.values():
-        lines.append(
-            f"| {report['method']} | {report['setting']} | {_number(report['epsilon_claimed'])} "
-            f"| {_number(report['epsilon_lower_bound'])} | {_number(report['epsilon_ceiling'])} "
+        groups.setdefault((report["method"], report["setting"]), []).append(report)
+    order = {setting: k for k, setting in enumerate(["1", "2", "4", "8", *BROKEN])}
+    rows = []
+    for (method, setting), reports in sorted(groups.items(), key=lambda g: (g[0][0], order.get(g[0][1], 99))):
+        reports.sort(key=lambda r: r["canary_seed"])
+        claimed = reports[0]["epsilon_claimed"]
+        rows.append(
+            f"| {method} | {setting if setting in BROKEN else 'DP'} | {_number(claimed)} "
+            f"| {' / '.join(_number(r['epsilon_lower_bound']) for r in reports)} "
+            f"| {_number(reports[0]['epsilon_ceiling'])} | {_mean_std([r['mia_auc'] for r in reports])} "
+            f"| {_mean_std([r['mia_tpr_at_fpr_1e-3'] for r in reports])} "
+            f"| {_mean_std([r['mia_train_test_auc'] for r in reports])} "
+            f"| {_mean_std([r['test_accuracy'] for r in reports])} | {len(reports)} |")
+    return rows
+
+
+def markdown(results: dict) -> str:
+    header = ["| method | mechanism | ε claimed | ε lower bound (95%), per canary seed | ceiling | canary MIA AUC "
+              "| TPR @ FPR 1e-3 | train-vs-test MIA AUC | test accuracy | seeds |", "|" + "---|" * 10]
+    cells = ["| method | setting | canary seed | ε claimed | ε lower bound | correct / guesses | MIA AUC "
+             "| TPR @ FPR 1e-3 | s |", "|" + "---|" * 9]
+    for report in sorted(results.values(), key=lambda r: (r["method"], r["setting"], r["canary_seed"])):
+        cells.append(
+            f"| {report['method']} | {report['setting']} | {report['canary_seed']} "
+            f"| {_number(report['epsilon_claimed'])} | {_number(report['epsilon_lower_bound'])} "
             f"| {report['correct_guesses']} / {report['guesses']} | {_number(report['mia_auc'], 3)} "
-            f"| {_number(report['mia_tpr_at_fpr_1e-3'], 3)} | {_number(report['mia_train_test_auc'], 3)} "
-            f"| {_number(report['test_accuracy'], 3)} | {report['seconds']:.0f} |")
-    return "\n".join(lines) + "\n"
+            f"| {_number(report['mia_tpr_at_fpr_1e-3'], 3)} | {report['seconds']:.0f} |")
+    total = sum(r["seconds"] for r in results.values()) / 60
+    return ("\n".join(header + summary_rows(results)) + "\n\nEvery cell (" + f"{total:.0f} min of audit runs):\n\n"
+            + "\n".join(cells) + "\n")
 
 
 def main(argv=None) -> int:
