@@ -74,14 +74,14 @@ def default_canaries(n: int, kind: str) -> int:
 class _Hooks:
     """The ``trainers.run.train`` seam: plants the canaries, records their losses."""
 
-    def __init__(self, config: dict, count: int | None, kind: str, seed: int):
-        self.config, self.count, self.kind, self.seed = config, count, kind, seed
+    def __init__(self, config: dict, count: int | None, kind: str, seed: int, confidence: float):
+        self.config, self.count, self.kind, self.seed, self.confidence = config, count, kind, seed, confidence
         self.canaries = None
         self.recorder = None
         self.dataset = None
 
     def private_data(self, dataset):
-        from sparta_tf.audit import LossRecorder, plant_canaries
+        from sparta_tf.audit import LossRecorder, ceiling, plant_canaries
         from trainers.config import check_against_data
 
         count = self.count or default_canaries(len(dataset.y_train), self.kind)
@@ -90,8 +90,10 @@ class _Hooks:
         except ValueError as error:
             raise ConfigError(str(error)) from None
         check_against_data(self.config, len(planted.y_train))
-        print(f"== audit: {len(self.canaries)} {self.kind} canaries, {int(self.canaries.included.sum())} "
-              f"included (canary seed {self.seed}); {len(planted.y_train)} private training examples")
+        top = ceiling(count, self.config["privacy"]["delta"], self.confidence)
+        print(f"== audit: {count} {self.kind} canaries, {int(self.canaries.included.sum())} included (canary seed "
+              f"{self.seed}); {len(planted.y_train)} private training examples; the largest bound {count} "
+              f"canaries can show at delta {self.config['privacy']['delta']:g} is {top:.3g}")
         self.recorder = LossRecorder(self.canaries.x, self.canaries.y)
         self.dataset = planted
         return planted
@@ -126,7 +128,7 @@ def run_audit(config: dict, canaries: int | None = None, kind: str = "mislabelle
     if os.path.exists(os.path.join(output_dir, AUDIT_JSON)) or os.path.exists(os.path.join(output_dir, run.RESULTS)):
         raise ConfigError(f"{output_dir} already holds an audit; pass --set output_dir=NEW_DIR "
                           "(the audit trains in NEW_DIR/audit)")
-    hooks = _Hooks(config, canaries, kind, seed)
+    hooks = _Hooks(config, canaries, kind, seed, confidence)
     results = run.train(config, hooks=hooks)
     recorder = hooks.recorder
     report = audit_report(hooks.canaries, recorder.start, recorder.end, delta=results["delta"],
