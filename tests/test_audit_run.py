@@ -97,3 +97,12 @@ def test_cli_errors_are_one_line_naming_the_problem(tmp_path, capsys, args, mess
     assert audit.main(["--config", _tiny_cli_config(tmp_path), *args]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"score": "gradient"}, "--score gradient is unknown"), ({"kind": "poison"}, "--canary-kind poison is unknown"),
+])
+def test_python_api_checks_its_arguments_before_training(tmp_path, kwargs, message):
+    with pytest.raises(audit.ConfigError, match=message):
+        audit.run_audit(audit_config(tmp_path), **kwargs)
+    assert not os.path.exists(tmp_path / "audit")

@@ -120,6 +120,7 @@ def run_audit(config: dict, canaries: int | None = None, kind: str = "mislabelle
     """Trains ``audit_config(config)`` with canaries and returns (and writes) the ``audit.json`` report."""
     import numpy as np
 
+    check_arguments(canaries, kind, score, confidence)
     from sparta_tf.audit import audit_report, summary_line
     from trainers import run
 
@@ -146,11 +147,16 @@ def run_audit(config: dict, canaries: int | None = None, kind: str = "mislabelle
     return report
 
 
-def _check_args(args: argparse.Namespace) -> None:
-    if args.canaries is not None and args.canaries < 2:
-        raise ConfigError(f"--canaries {args.canaries} must be >= 2 (e.g. --canaries 500)")
-    if not 0 < args.confidence < 1:
-        raise ConfigError(f"--confidence {args.confidence} must be in (0, 1), e.g. 0.95")
+def check_arguments(canaries: int | None, kind: str, score: str, confidence: float) -> None:
+    """Raises :class:`ConfigError` (one line, with the fix) for audit arguments that cannot work."""
+    if canaries is not None and canaries < 2:
+        raise ConfigError(f"--canaries {canaries} must be >= 2 (e.g. --canaries 500)")
+    if kind not in CANARY_KINDS:
+        raise ConfigError(f"--canary-kind {kind} is unknown; use one of {', '.join(CANARY_KINDS)}")
+    if score not in SCORES:
+        raise ConfigError(f"--score {score} is unknown; use one of {', '.join(SCORES)}")
+    if not 0 < confidence < 1:
+        raise ConfigError(f"--confidence {confidence} must be in (0, 1), e.g. 0.95")
 
 
 def main(argv=None) -> int:
@@ -158,7 +164,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     try:
         config = load_config(args.config, args.overrides)  # checked before TensorFlow is imported
-        _check_args(args)
+        check_arguments(args.canaries, args.canary_kind, args.score, args.confidence)
         report = run_audit(config, args.canaries, args.canary_kind, args.canary_seed, args.confidence,
                            args.score)
     except ConfigError as error:
