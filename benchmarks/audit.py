@@ -158,6 +158,10 @@ def markdown(results: dict) -> str:
             + "\n".join(cells) + "\n")
 
 
+def _same_regime(record: dict, args) -> bool:
+    return record["epochs"] == args.epochs and args.canaries in (None, record["canaries"])
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     json_path, md_path = args.out + ".json", args.out + ".md"
@@ -167,10 +171,14 @@ def main(argv=None) -> int:
         for method, setting, seed in cells(args):
             key = cell_key(method, setting, seed)
             if key in results:
+                if not _same_regime(results[key], args):
+                    sys.exit(f"error: cell {key} in {json_path} was run with epochs={results[key]['epochs']} and "
+                             f"{results[key]['canaries']} canaries; pass another --out for this regime")
                 continue
             print(f"== cell {key}", flush=True)
             results[key] = {k: v for k, v in run_cell(args, method, setting, seed).items()
                             if k in COLUMNS or k in ("canaries", "delta", "confidence", "passed")}
+            results[key]["epochs"] = args.epochs
             save(json_path, results)
     with open(md_path, "w") as f:
         f.write(markdown(results))
