@@ -31,8 +31,8 @@ Searching over guess counts. The best ``(k+, k-)`` is not known in advance.
 alone (:func:`guess_grid`: one-sided top-``k`` and two-sided top/bottom-``k``
 for ``k`` in 1, 2, 5, 10, 20, 50, ...) and tests each at ``alpha / |grid|``
 (Bonferroni), so the maximum over the grid is still a lower bound with
-confidence ``1 - alpha``. (The paper reports the best ``k`` without this
-correction; ours is slightly more conservative.)
+confidence ``1 - alpha``. (Taking the best ``k`` after seeing the scores
+without such a correction would overstate the confidence.)
 """
 
 from __future__ import annotations
