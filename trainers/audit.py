@@ -17,7 +17,8 @@ it), reusing ``<output_dir>/pretrained.keras`` when it exists, without the
 serving export, and writes ``audit.json`` there next to the run's
 ``results.json``. An audit always starts from scratch (no ``--resume``: the
 start-of-training losses would be lost). Exit status: 0 when the bound is
-consistent with the claim, 3 when it contradicts it, 2 for a config error.
+consistent with the claim, 3 when it contradicts it, 2 for a config error,
+1 for a data or budget error.
 """
 
 from __future__ import annotations
