@@ -215,13 +215,19 @@ def dry_run(config: dict) -> PrivacyPlan:
     return plan
 
 
-def train(config: dict, resume: bool = False) -> dict:
-    """Runs (or with ``resume`` continues) the configured run; returns ``results.json``'s content."""
+def train(config: dict, resume: bool = False, hooks=None) -> dict:
+    """Runs (or with ``resume`` continues) the configured run; returns ``results.json``'s content.
+
+    ``hooks`` is the seam for ``sparta-audit`` (:mod:`trainers.audit`): when
+    given, it has ``private_data(dataset) -> dataset`` (applied to the loaded
+    private data before the plan and the sample rate are made) and
+    ``callbacks() -> list`` (extra Keras callbacks for the DP ``fit``).
+    """
     with RunDirectory(config["output_dir"], config, resume) as run_dir:
-        return _train(config, run_dir)
+        return _train(config, run_dir, hooks)
 
 
-def _train(config: dict, run_dir: RunDirectory) -> dict:
+def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
     output_dir = run_dir.path
     previous = checkpointing.latest(output_dir) if run_dir.resume else None
     if run_dir.resume and previous is None:
@@ -232,6 +238,8 @@ def _train(config: dict, run_dir: RunDirectory) -> dict:
     start = time.perf_counter()
     preflight(config)
     dataset = load_private_data(config)
+    if hooks is not None:
+        dataset = hooks.private_data(dataset)
     model = build_private_model(config, dataset, output_dir)
     timings["prepare_s"] = time.perf_counter() - start
     method = build_method(config, output_dir, model)
@@ -265,6 +273,7 @@ def _train(config: dict, run_dir: RunDirectory) -> dict:
     saver = _EpochCheckpoint(output_dir, dp)
     callbacks = [privacy_callback, callback, checkpointing.StepJournal(output_dir), sparta_tf.NonFiniteGuard(), saver,
                  tf.keras.callbacks.TensorBoard(os.path.join(output_dir, "tensorboard"))]
+    callbacks += hooks.callbacks() if hooks is not None else []
     start = time.perf_counter()
     history = dp.fit(dataset.x_train, dataset.y_train, epochs=plan.epochs, initial_epoch=initial_epoch,
                      validation_data=(dataset.x_val, dataset.y_val) if len(dataset.x_val) else None,

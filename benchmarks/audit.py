@@ -1,0 +1,190 @@
+#!/usr/bin/env python
+"""Privacy-audit table: claimed epsilon vs one-run lower bound vs MIA AUC, per method and budget.
+
+Every cell is one ``sparta-audit`` run (:func:`trainers.audit.run_audit`) on
+the quickstart's task, with the regime changed so that the audit has a
+chance: public pre-training of ResNet-20-GN on digits 0-4, DP fine-tuning on
+digits 5-9 (fresh head), **expected batch 16, 20 epochs, delta = 1e-5**, and
+half of the private training set turned into mislabelled canaries. Cells:
+``--methods`` x (epsilon in ``--epsilons``, ``no-noise``,
+``no-noise-no-clipping``) x ``--canary-seeds``. The two non-private settings
+are the same pipeline with the DP step's noise (and clipping) removed by the
+tests' sabotage helper (``tests/broken_mechanism.py``) at the largest
+epsilon's hyper-parameters; their ledger's epsilon describes another
+mechanism, so the table prints "none" as the claim.
+
+Resumable: each cell's report is stored in ``--out`` (JSON) as soon as it is
+done and is not recomputed; ``--report-only`` rewrites the Markdown table.
+The pre-trained model is cached in ``--work-dir``.
+
+    python benchmarks/audit.py --canary-seeds 0 1 2   # the README table, ~43 min on 2 shared CPU cores
+    python benchmarks/audit.py --methods all --epsilons 1 --no-nonprivate   # one cell
+    python benchmarks/audit.py --methods bitfit --epsilons 8 --no-nonprivate --canaries 40 --epochs 1 \
+        --work-dir /tmp/w --out /tmp/audit-smoke                              # CI smoke, ~30 s
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+
+import numpy as np
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+from trainers.config import load_config  # noqa: E402
+
+CONFIG = os.path.join(ROOT, "configs", "quickstart.yaml")
+REGIME = ["training.batch_size=16", "privacy.delta=1e-5", "export.enabled=false"]
+OUT = os.path.join(ROOT, "benchmarks", "results", "audit-digits")
+COLUMNS = ("method", "setting", "canary_seed", "epsilon_claimed", "epsilon_lower_bound", "epsilon_ceiling",
+           "correct_guesses", "guesses", "mia_auc", "mia_tpr_at_fpr_1e-3", "mia_train_test_auc",
+           "test_accuracy", "seconds")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--methods", nargs="+", default=["sparta", "all", "bitfit"])
+    parser.add_argument("--epsilons", nargs="+", type=float, default=[1.0, 8.0])
+    parser.add_argument("--no-nonprivate", action="store_true", help="skip the non-private cells")
+    parser.add_argument("--canary-seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--canaries", type=int, default=None, help="default: half the private training set")
+    parser.add_argument("--epochs", type=int, default=20, help="training epochs (20; fewer for a smoke run)")
+    parser.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "audit-bench"))
+    parser.add_argument("--out", default=OUT, help="stem of the .json / .md outputs")
+    parser.add_argument("--report-only", action="store_true")
+    return parser.parse_args(argv)
+
+
+BROKEN = {"no-noise": {"noise": False}, "no-noise-no-clipping": {"noise": False, "clipping": False}}
+
+
+def cells(args) -> list[tuple[str, str, int]]:
+    settings = [f"{eps:g}" for eps in args.epsilons] + ([] if args.no_nonprivate else list(BROKEN))
+    return [(m, s, seed) for seed in args.canary_seeds for s in settings for m in args.methods]
+
+
+def cell_key(method: str, setting: str, seed: int) -> str:
+    return f"{method}-{setting if setting in BROKEN else 'eps' + setting}-canaryseed{seed}"
+
+
+def run_cell(args, method: str, setting: str, seed: int) -> dict:
+    import tensorflow as tf
+
+    from broken_mechanism import broken_mechanism
+    from trainers.audit import run_audit
+
+    epsilon = max(args.epsilons) if setting in BROKEN else float(setting)
+    overrides = REGIME + [f"training.epochs={args.epochs}", f"method.name={method}", f"privacy.target_epsilon={epsilon}",
+                          f"pretrain.checkpoint={os.path.join(args.work_dir, 'pretrained.keras')}",
+                          f"output_dir={os.path.join(args.work_dir, cell_key(method, setting, seed))}"]
+    if method != "sparta":
+        overrides.append("method.warmup_epochs=0")
+    config = load_config(CONFIG, overrides)
+    shutil.rmtree(config["output_dir"], ignore_errors=True)  # an interrupted cell starts over
+    tf.keras.backend.clear_session()
+    start = time.perf_counter()
+    if setting in BROKEN:
+        with broken_mechanism(**BROKEN[setting]):
+            report = run_audit(config, args.canaries, seed=seed)
+        report |= {"epsilon_claimed": None, "passed": None}  # the ledger's number describes another mechanism
+    else:
+        report = run_audit(config, args.canaries, seed=seed)
+    return report | {"setting": setting, "canary_seed": seed, "seconds": time.perf_counter() - start}
+
+
+def load(path: str) -> dict:
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def save(path: str, results: dict) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def _number(value, digits=2) -> str:
+    return "none" if value is None else f"{value:.{digits}f}"
+
+
+def _mean_std(values, digits=3) -> str:
+    values = np.asarray(values, float)
+    return f"{values.mean():.{digits}f}" + (f" ± {values.std(ddof=1):.{digits}f}" if len(values) > 1 else "")
+
+
+def summary_rows(results: dict) -> list[str]:
+    """One row per method x setting: the bound of every canary seed, means ± std of the rest."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for report in results.values():
+        groups.setdefault((report["method"], report["setting"]), []).append(report)
+    order = {setting: k for k, setting in enumerate(["1", "2", "4", "8", *BROKEN])}
+    rows = []
+    for (method, setting), reports in sorted(groups.items(), key=lambda g: (g[0][0], order.get(g[0][1], 99))):
+        reports.sort(key=lambda r: r["canary_seed"])
+        claimed = reports[0]["epsilon_claimed"]
+        rows.append(
+            f"| {method} | {setting if setting in BROKEN else 'DP'} | {_number(claimed)} "
+            f"| {' / '.join(_number(r['epsilon_lower_bound']) for r in reports)} "
+            f"| {_number(reports[0]['epsilon_ceiling'])} | {_mean_std([r['mia_auc'] for r in reports])} "
+            f"| {_mean_std([r['mia_tpr_at_fpr_1e-3'] for r in reports])} "
+            f"| {_mean_std([r['mia_train_test_auc'] for r in reports])} "
+            f"| {_mean_std([r['test_accuracy'] for r in reports])} | {len(reports)} |")
+    return rows
+
+
+def markdown(results: dict) -> str:
+    header = ["| method | mechanism | ε claimed | ε lower bound (95%), per canary seed | ceiling | canary MIA AUC "
+              "| TPR @ FPR 1e-3 | train-vs-test MIA AUC | test accuracy | seeds |", "|" + "---|" * 10]
+    cells = ["| method | setting | canary seed | ε claimed | ε lower bound | correct / guesses | MIA AUC "
+             "| TPR @ FPR 1e-3 | s |", "|" + "---|" * 9]
+    for report in sorted(results.values(), key=lambda r: (r["method"], r["setting"], r["canary_seed"])):
+        cells.append(
+            f"| {report['method']} | {report['setting']} | {report['canary_seed']} "
+            f"| {_number(report['epsilon_claimed'])} | {_number(report['epsilon_lower_bound'])} "
+            f"| {report['correct_guesses']} / {report['guesses']} | {_number(report['mia_auc'], 3)} "
+            f"| {_number(report['mia_tpr_at_fpr_1e-3'], 3)} | {report['seconds']:.0f} |")
+    total = sum(r["seconds"] for r in results.values()) / 60
+    return ("\n".join(header + summary_rows(results)) + "\n\nEvery cell (" + f"{total:.0f} min of audit runs):\n\n"
+            + "\n".join(cells) + "\n")
+
+
+def _same_regime(record: dict, args) -> bool:
+    return record["epochs"] == args.epochs and args.canaries in (None, record["canaries"])
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    json_path, md_path = args.out + ".json", args.out + ".md"
+    results = load(json_path)
+    if not args.report_only:
+        os.makedirs(args.work_dir, exist_ok=True)
+        for method, setting, seed in cells(args):
+            key = cell_key(method, setting, seed)
+            if key in results:
+                if not _same_regime(results[key], args):
+                    sys.exit(f"error: cell {key} in {json_path} was run with epochs={results[key]['epochs']} and "
+                             f"{results[key]['canaries']} canaries; pass another --out for this regime")
+                continue
+            print(f"== cell {key}", flush=True)
+            results[key] = {k: v for k, v in run_cell(args, method, setting, seed).items()
+                            if k in COLUMNS or k in ("canaries", "delta", "confidence", "passed")}
+            results[key]["epochs"] = args.epochs
+            save(json_path, results)
+    with open(md_path, "w") as f:
+        f.write(markdown(results))
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

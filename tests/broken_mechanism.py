@@ -1,0 +1,50 @@
+"""TEST-ONLY sabotage of the DP mechanism, so that the audit's must-fail tests have something to catch.
+
+``broken_mechanism(noise=False)`` makes every Gaussian noise draw of the
+DP step (training and SPARTA's selection) exactly zero;
+``broken_mechanism(clipping=False)`` makes every clip factor 1 (padding
+still weighs 0). The ledger does not know: it keeps claiming the epsilon of
+the intact mechanism, which is the bug an audit must expose. Nothing in the
+library or the CLIs can reach this; it patches module attributes for the
+duration of a ``with`` block and checks that every patched attribute exists
+(a refactor that moves them makes the must-fail tests fail loudly instead
+of testing an intact mechanism).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+import tensorflow as tf
+
+NOISE_USERS = ("sparta_tf.dp_model", "sparta_tf.selection.scoring", "sparta_tf.ssgd")
+CLIP_USERS = ("sparta_tf.clipping", "sparta_tf.selection.scoring")  # ssgd clips through sparta_tf.clipping
+
+
+def _zero_noise(shapes, stddev, seed, step, dtype=tf.float32, stream=None):
+    return [tf.zeros(shape, dtype) for shape in shapes]
+
+
+def _no_clipping(squared_norms, clip_norm, valid):
+    keep = tf.logical_and(valid, tf.math.is_finite(squared_norms))
+    return tf.where(keep, tf.ones_like(squared_norms), tf.zeros_like(squared_norms)), keep
+
+
+@contextlib.contextmanager
+def broken_mechanism(noise: bool = True, clipping: bool = True):
+    """Within the block, DP steps built from now on run without noise and/or without clipping."""
+    patches = [(name, "gaussian_noise", _zero_noise) for name in NOISE_USERS if not noise]
+    patches += [(name, "clip_factors", _no_clipping) for name in CLIP_USERS if not clipping]
+    saved = []
+    try:
+        for name, attribute, replacement in patches:
+            module = importlib.import_module(name)
+            if not hasattr(module, attribute):
+                raise AssertionError(f"{name}.{attribute} is gone: update tests/broken_mechanism.py")
+            saved.append((module, attribute, getattr(module, attribute)))
+            setattr(module, attribute, replacement)
+        yield
+    finally:
+        for module, attribute, original in reversed(saved):
+            setattr(module, attribute, original)

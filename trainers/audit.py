@@ -1,0 +1,185 @@
+"""``sparta-audit --config CONFIG [--canaries M] [--canary-kind K] [--score S] [--set ...]``.
+
+An empirical privacy audit of one ``sparta-train`` run (Steinke, Nasr and
+Jagielski, NeurIPS 2023; see :mod:`sparta_tf.audit`): ``M`` canaries, each
+put into the private training set with probability 1/2, one training run
+through the normal pipeline (the configured method with its selection
+epoch, Poisson sampling, the ledger), then
+
+* the epsilon lower bound from the canaries' scores (``-loss`` of the
+  trained model, or the loss drop from the start) at the run's delta with
+  95% confidence, next to the epsilon the ledger claims;
+* a loss-threshold membership attack on the trained model: AUC and TPR at
+  FPR = 1e-3 on the canaries, and the AUC on training vs test examples.
+
+The audit trains in ``<output_dir>/audit`` (``--set output_dir=...`` moves
+it), reusing ``<output_dir>/pretrained.keras`` when it exists, without the
+serving export, and writes ``audit.json`` there next to the run's
+``results.json``. An audit always starts from scratch (no ``--resume``: the
+start-of-training losses would be lost). Exit status: 0 when the bound is
+consistent with the claim, 3 when it contradicts it, 2 for a config error,
+1 for a data or budget error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+
+from trainers.config import ConfigError, load_config
+
+AUDIT_JSON = "audit.json"
+CANARY_LOSSES = "canary_losses.npz"
+# sparta_tf.audit.CANARY_KINDS and SCORES, named here so that arguments are checked before TensorFlow loads
+CANARY_KINDS = ("mislabelled", "clean", "noise")
+SCORES = ("loss", "loss_drop")
+CONTRADICTED = 3
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="sparta-audit", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="YAML config, e.g. configs/quickstart.yaml")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one config value (repeatable), e.g. --set privacy.target_epsilon=2")
+    parser.add_argument("--canaries", type=int, default=None,
+                        help="number of canaries M (default: 1000, at most half the training set)")
+    parser.add_argument("--canary-kind", default="mislabelled", choices=CANARY_KINDS,
+                        help="mislabelled (default), clean or noise")
+    parser.add_argument("--canary-seed", type=int, default=0, help="seed of the canary stream (default 0)")
+    parser.add_argument("--score", default="loss", choices=SCORES,
+                        help="canary score: loss (-loss of the trained model, default) or loss_drop (start - end)")
+    parser.add_argument("--confidence", type=float, default=0.95, help="confidence of the bound (default 0.95)")
+    return parser.parse_args(argv)
+
+
+def audit_config(config: dict) -> dict:
+    """The config of the audit's training run: ``<output_dir>/audit``, no export, the cached pre-training."""
+    config = copy.deepcopy(config)
+    parent = config["output_dir"]
+    config["output_dir"] = os.path.join(parent, "audit")
+    config["export"]["enabled"] = False
+    cached = os.path.join(parent, "pretrained.keras")
+    if config["pretrain"]["enabled"] and config["pretrain"]["checkpoint"] is None and os.path.exists(cached):
+        config["pretrain"]["checkpoint"] = cached
+    return config
+
+
+def default_canaries(n: int, kind: str) -> int:
+    """1000 canaries, or half the training set for kinds taken from it."""
+    return 1000 if kind == "noise" else min(1000, n // 2)
+
+
+class _Hooks:
+    """The ``trainers.run.train`` seam: plants the canaries, records their losses."""
+
+    def __init__(self, config: dict, count: int | None, kind: str, seed: int, confidence: float):
+        self.config, self.count, self.kind, self.seed, self.confidence = config, count, kind, seed, confidence
+        self.canaries = None
+        self.recorder = None
+        self.dataset = None
+
+    def private_data(self, dataset):
+        from sparta_tf.audit import LossRecorder, ceiling, plant_canaries
+        from trainers.config import check_against_data
+
+        count = self.count or default_canaries(len(dataset.y_train), self.kind)
+        try:
+            planted, self.canaries = plant_canaries(dataset, count, self.kind, self.seed)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        check_against_data(self.config, len(planted.y_train))
+        top = ceiling(count, self.config["privacy"]["delta"], self.confidence)
+        print(f"== audit: {count} {self.kind} canaries, {int(self.canaries.included.sum())} included (canary seed "
+              f"{self.seed}); {len(planted.y_train)} private training examples; the largest bound {count} "
+              f"canaries can show at delta {self.config['privacy']['delta']:g} is {top:.3g}")
+        self.recorder = LossRecorder(self.canaries.x, self.canaries.y)
+        self.dataset = planted
+        return planted
+
+    def callbacks(self) -> list:
+        return [self.recorder]
+
+
+def _train_test_auc(model, dataset, canaries) -> float:
+    """Loss-threshold MIA AUC: real training examples (canaries left out) vs the test split."""
+    import numpy as np
+
+    from sparta_tf.audit import per_example_loss, roc_auc
+
+    real = np.ones(len(dataset.y_train), bool)
+    real[canaries.train_rows] = False
+    members = per_example_loss(model, dataset.x_train[real], dataset.y_train[real])
+    non_members = per_example_loss(model, dataset.x_test, dataset.y_test)
+    return roc_auc(-members, -non_members)
+
+
+def run_audit(config: dict, canaries: int | None = None, kind: str = "mislabelled", seed: int = 0,
+              confidence: float = 0.95, score: str = "loss") -> dict:
+    """Trains ``audit_config(config)`` with canaries and returns (and writes) the ``audit.json`` report."""
+    import numpy as np
+
+    check_arguments(canaries, kind, score, confidence)
+    from sparta_tf.audit import audit_report, summary_line
+    from trainers import run
+
+    config = audit_config(config)
+    output_dir = config["output_dir"]
+    if os.path.exists(os.path.join(output_dir, AUDIT_JSON)) or os.path.exists(os.path.join(output_dir, run.RESULTS)):
+        raise ConfigError(f"{output_dir} already holds an audit; pass --set output_dir=NEW_DIR "
+                          "(the audit trains in NEW_DIR/audit)")
+    hooks = _Hooks(config, canaries, kind, seed, confidence)
+    results = run.train(config, hooks=hooks)
+    recorder = hooks.recorder
+    report = audit_report(hooks.canaries, recorder.start, recorder.end, delta=results["delta"],
+                          epsilon_claimed=results["epsilon"], confidence=confidence, score=score)
+    report["mia_train_test_auc"] = _train_test_auc(recorder.model.model, hooks.dataset, hooks.canaries)
+    report |= {key: results[key] for key in ("method", "private", "target_epsilon", "noise_multiplier",
+                                             "sample_rate", "steps", "n", "test_accuracy", "train_s")}
+    np.savez(os.path.join(output_dir, CANARY_LOSSES), included=hooks.canaries.included, labels=hooks.canaries.y,
+             loss_start=recorder.start, loss_end=recorder.end)
+    path = os.path.join(output_dir, AUDIT_JSON)
+    with open(path + ".tmp", "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(path + ".tmp", path)
+    print(summary_line(report) + f"; report in {path}")
+    return report
+
+
+def check_arguments(canaries: int | None, kind: str, score: str, confidence: float) -> None:
+    """Raises :class:`ConfigError` (one line, with the fix) for audit arguments that cannot work."""
+    if canaries is not None and canaries < 2:
+        raise ConfigError(f"--canaries {canaries} must be >= 2 (e.g. --canaries 500)")
+    if kind not in CANARY_KINDS:
+        raise ConfigError(f"--canary-kind {kind} is unknown; use one of {', '.join(CANARY_KINDS)}")
+    if score not in SCORES:
+        raise ConfigError(f"--score {score} is unknown; use one of {', '.join(SCORES)}")
+    if not 0 < confidence < 1:
+        raise ConfigError(f"--confidence {confidence} must be in (0, 1), e.g. 0.95")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    try:
+        config = load_config(args.config, args.overrides)  # checked before TensorFlow is imported
+        check_arguments(args.canaries, args.canary_kind, args.score, args.confidence)
+        report = run_audit(config, args.canaries, args.canary_kind, args.canary_seed, args.confidence,
+                           args.score)
+    except ConfigError as error:
+        print(f"config error: {error}", file=sys.stderr)
+        return 2
+    except Exception as error:  # noqa: BLE001 - data and budget errors are one line, anything else a traceback
+        from trainers.run import USER_ERRORS
+
+        if not isinstance(error, USER_ERRORS):
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return CONTRADICTED if report["passed"] is False else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
