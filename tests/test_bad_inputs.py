@@ -119,6 +119,7 @@ CASES = [
     ("delta-one", {"privacy.delta": 1}, 2, "privacy.delta=1 must be in (0, 1)"),
     ("delta-too-large-for-n", {"privacy.delta": 0.01}, 2, "privacy.delta=0.01 must be < 1/n"),
     ("delta-nan", {"privacy.delta": float("nan")}, 2, "must be a finite number"),
+    ("delta-below-pld", {"privacy.delta": 1e-30}, 2, "is below 1e-15, the smallest delta the PLD accountant"),
     ("clip-zero", {"privacy.clip_norm": 0}, 2, "privacy.clip_norm=0 must be > 0"),
     ("clip-inf", {"privacy.clip_norm": float("inf")}, 2, "privacy.clip_norm=inf must be a finite number"),
     ("clip-nan", {"privacy.clip_norm": float("nan")}, 2, "must be a finite number"),

@@ -67,6 +67,9 @@ PLD_INTERVALS: tuple[float, ...] = (1e-2, 10**-2.5, 1e-3, 10**-3.5, 1e-4, 10**-4
 PLD_RTOL: float = 1e-3
 """Stop refining when two successive PLD estimates differ by at most this (relative)."""
 
+PLD_MIN_DELTA: float = 1e-15
+"""The PLD accountant truncates tail mass near this size: below it, it can only answer epsilon = inf."""
+
 CALIBRATION_RTOL: float = 1e-4
 """Default relative tolerance on sigma in :func:`calibrate_noise_multiplier`."""
 
@@ -92,6 +95,12 @@ def check_accountant(accountant: str) -> str:
     if accountant not in ACCOUNTANTS:
         raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}.")
     return accountant
+
+
+def _check_resolvable(delta: float, accountant: str) -> None:
+    if accountant == "pld" and delta < PLD_MIN_DELTA:
+        raise ValueError(f"delta={delta:g} is below {PLD_MIN_DELTA:g}, the smallest delta the PLD accountant "
+                         "resolves; use the rdp accountant (accountant: rdp) or a larger delta")
 
 
 def check_sample_rate(sample_rate: float) -> float:
@@ -237,7 +246,7 @@ def epsilon_of_event(
     (``NonPrivateDpEvent`` or a Gaussian with ``sigma = 0``).
     """
     delta = check_delta(delta)
-    check_accountant(accountant)
+    _check_resolvable(delta, check_accountant(accountant))
     # A pure function of its arguments, memoised on the event's pickle: every field with its
     # exact value and type (a float32 sigma and its float64 rounding get separate entries).
     key = (pickle.dumps(event), delta, accountant)
@@ -333,7 +342,7 @@ def calibrate_composition(
     """
     target = check_target_epsilon(target_epsilon)
     delta = check_delta(delta)
-    check_accountant(accountant)
+    _check_resolvable(delta, check_accountant(accountant))
     fixed = tuple((float(check_noise_multiplier(s)), float(check_sample_rate(q)), int(check_steps(c)))
                   for s, q, c in fixed)
     unknown = tuple((float(check_sample_rate(q)), int(check_steps(c))) for q, c in unknown)
