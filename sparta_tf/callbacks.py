@@ -47,6 +47,7 @@ class MethodCallback(tf.keras.callbacks.Callback):
             self.method = make_method(method, **options)
         self.phase: TrainingPhase | None = None
         self._epochs = 0
+        self._begun = False  # begin() was called for the coming fit (a resumed one)
 
     @property
     def mask_selections(self):
@@ -61,8 +62,6 @@ class MethodCallback(tf.keras.callbacks.Callback):
         if not self._begun:
             self.begin(self.model, self.params.get("epochs", 0))
         self._begun = False  # a later fit with this callback starts afresh
-
-    _begun = False
 
     def begin(self, dp, epochs: int, first_epoch: int = 0) -> None:
         """Prepares the method for a fit of ``epochs`` epochs that starts at epoch ``first_epoch``.

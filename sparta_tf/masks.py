@@ -91,11 +91,14 @@ class MaskProvenance:
             reasons = (f"mask {path} was chosen without differential privacy (method {meta.get('method')})",)
         return cls(bool(privacy["private"]) and not reasons, entries, reasons)
 
+    def charged_entries(self) -> list[LedgerEntry]:
+        """What choosing the mask spent, as a run that loads it records it: phase ``mask:<its phase>``."""
+        return [dataclasses.replace(entry, phase=f"mask:{entry.phase}") for entry in self.entries]
+
     def charge(self, ledger, source: str) -> None:
-        """Records in ``ledger`` what choosing the mask spent, phase ``mask:<its phase>``."""
-        for entry in self.entries:
-            ledger.record(entry.noise_multiplier, entry.sample_rate, entry.count, entry.kind,
-                          f"mask:{entry.phase}")
+        """Records :meth:`charged_entries` in ``ledger``; marks it non-private if the mask is not."""
+        for entry in self.charged_entries():
+            ledger.record(entry.noise_multiplier, entry.sample_rate, entry.count, entry.kind, entry.phase)
         for reason in self.reasons:
             ledger.record_nonprivate(f"{reason} (loaded from {source})")
 

@@ -131,14 +131,7 @@ class Method(abc.ABC):
             first += phase.epochs
         raise ValueError(f"epoch {epoch} is past the {epochs} epochs of the plan")
 
-    def describe_options(self) -> dict[str, Any]:
-        return {name: getattr(self, name, None) for name in self.options}
 
 
 def single_phase(name: str, epochs: int) -> list[TrainingPhase]:
     return [TrainingPhase(name, epochs)]
-
-
-def check_epochs(phases: Sequence[TrainingPhase], epochs: int) -> None:
-    if sum(p.epochs for p in phases) != epochs or any(p.epochs < 0 for p in phases):
-        raise AssertionError(f"phases {phases} do not cover {epochs} epochs")

@@ -82,8 +82,8 @@ class SelectionEpochMethod(MaskedMethod):
     def mechanisms_before_training(self, n: int, sample_rate: float) -> list[Mechanism]:
         if self._provenance is None:
             return []
-        return [Mechanism(f"mask:{e.phase}", e.sample_rate, e.count, e.noise_multiplier, e.kind)
-                for e in self._provenance.entries]
+        return [Mechanism(e.phase, e.sample_rate, e.count, e.noise_multiplier, e.kind)
+                for e in self._provenance.charged_entries()]
 
     def nonprivate_reasons(self) -> list[str]:
         reasons = [] if self.private else [self._oracle_reason()]
