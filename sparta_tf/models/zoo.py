@@ -38,6 +38,9 @@ Names (:data:`MODEL_REGISTRY`):
   ``batchnorm`` (``groupnorm``, the default, or ``freeze``; see
   :func:`~sparta_tf.models.convert.replace_batchnorm`), then global average
   pooling (layer ``"pool"``) and ``Dense(num_classes, name="head")``;
+* ``pretrained`` -- a public model shipped with sparta-tf, by name
+  (``weights``; :mod:`sparta_tf.models.pretrained`), with a fresh head by
+  default (``fresh_head: false`` keeps its public head);
 * ``saved`` -- a saved Keras model at ``path`` (``.keras``, ``.h5`` or Keras
   SavedModel dir); ``fresh_head`` (default true) replaces its classifier by a
   new ``num_classes`` head (:func:`~sparta_tf.models.convert.with_fresh_head`),
@@ -188,6 +191,32 @@ def _build_saved(kwargs: dict, num_classes: int, input_shape: tuple) -> tf.keras
     return model
 
 
+# --------------------------------------------------------------- pretrained
+
+
+def _build_pretrained(kwargs: dict, num_classes: int, input_shape: tuple) -> tf.keras.Model:
+    from sparta_tf.models.pretrained import card, load_pretrained
+
+    name = kwargs["weights"]
+    trained_on = tuple(card(name)["input_shape"])
+    if input_shape is not None and tuple(input_shape) != trained_on:
+        raise ValueError(f"model.weights={name!r} takes inputs {list(trained_on)}, the data has {list(input_shape)}; "
+                         "set data.image_size / data.channels to match")
+    model = load_pretrained(name)
+    if kwargs.get("fresh_head", True):
+        return with_fresh_head(model, num_classes)
+    if model.output_shape[-1] != num_classes:
+        raise ValueError(f"model.fresh_head=false but {name!r} has {model.output_shape[-1]} outputs for "
+                         f"{num_classes} classes")
+    return model
+
+
+def _check_pretrained(kwargs: dict) -> None:
+    from sparta_tf.models.pretrained import card
+
+    card(kwargs["weights"])
+
+
 def _function_entry(function: Callable, description: str, check: Callable[..., None], check_fixed=None,
                     **fixed) -> ModelEntry:
     """A registry entry for a builder function, with some of its arguments fixed; ``check(**fixed_for_check,
@@ -226,6 +255,11 @@ MODEL_REGISTRY: dict[str, ModelEntry] = {
     "keras_cv": ModelEntry(
         _build_keras_cv, ("backbone", "backbone_args", "batchnorm"), required=("backbone",),
         description="keras-cv backbone class from explicit args + pool + head", check=_check_keras_cv,
+    ),
+    "pretrained": ModelEntry(
+        _build_pretrained, ("weights", "fresh_head"), required=("weights",),
+        description="a public pre-trained model shipped with sparta-tf (sparta_tf.models.pretrained)",
+        check=_check_pretrained,
     ),
     "saved": ModelEntry(
         _build_saved, ("path", "fresh_head", "batchnorm"), required=("path",),
