@@ -51,6 +51,8 @@ from trainers.config import METHOD_OPTIONS  # noqa: E402
 METHODS = ("sparta", "all", "last", "bitfit", "mp", "random", "dpsgd_grad", "oracle", "x_bitfit",
            "dp_frost", "dp_ssgd", "nonprivate")
 SPARSE_FOR_PROFILE = ("sparta", "mp", "random")
+MORE_SEEDS = ("sparta", "all", "bitfit", "mp", "dpsgd_grad")  # profiles with ``more_seeds`` run these more often
+LR_LADDER = (0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0)  # where a bracketing search may extend
 DELTA = 1e-5
 DEFAULT_DENSITY = 0.2  # the paper's default density for sparta / mp / random
 
@@ -65,6 +67,18 @@ PROFILES = {
              "pretrain_epochs": 30, "epsilons": (1.0, 2.0, 8.0), "seeds": (0, 1, 2),
              "lr_grid": (0.005, 0.01, 0.05), "tune_epsilon": 2.0, "densities": (0.01, 0.05, 0.2, 0.5),
              "model": {"name": "resnet18_gn"}},
+    # Standard: the regime where sparse fine-tuning can win (issue 16). The shipped public model
+    # (sparta_tf/models/weights, pre-trained to convergence on the track's public half), 5,556 private
+    # examples (5,000 train + 556 validation), T = 20 epochs at expected batch 250 (q = 0.05, 20 steps
+    # an epoch, 400 steps): the paper's T = 50 at q = 0.01 on 50k examples scaled to a tenth of the data,
+    # keeping the number of epochs each example is seen within the paper's range. T0 = T/5 = 4 warm-up
+    # epochs; the selection epoch is 1 of 20 (5% of the steps). Learning rate tuned per method on
+    # (0.003, 0.01, 0.03), extended along LR_LADDER until the chosen rate is not at an edge.
+    "standard": {"epsilons": (1.0, 2.0, 8.0), "seeds": (0, 1, 2), "more_seeds": (0, 1, 2, 3, 4),
+                 "epochs": 20, "batch_size": 250, "limit_train": 5556, "limit_test": 2000,
+                 "public_model": {"cifar10-transfer": "cifar5-resnet20-gn", "mnist-to-fashion": "mnist-resnet20-gn"},
+                 "lr_grid": (0.003, 0.01, 0.03), "bracket_lr": True, "tune_epsilon": 2.0,
+                 "densities": (0.05, 0.1, 0.2, 0.5), "model": {"name": "pretrained"}},
     # Smoke: seconds-scale, for CI only (the scripts must not rot).
     "smoke": {"epsilons": (8.0,), "seeds": (0,), "epochs": 3, "batch_size": 64, "limit_train": 256,
               "limit_test": 128, "pretrain_limit": 256, "pretrain_epochs": 1, "lr_grid": (0.1,),
@@ -93,16 +107,22 @@ def track_data(track: str, data_dir: str, fashion_dir: str) -> tuple[dict, dict]
 def base_config(track: str, profile: dict, data_dir: str, fashion_dir: str, work_dir: str) -> dict:
     public, private = track_data(track, data_dir, fashion_dir)
     private = dict(private, val_fraction=0.1, limit_train=profile["limit_train"], limit_test=profile["limit_test"])
-    public = dict(public, limit_train=profile["pretrain_limit"])
+    public = dict(public, limit_train=profile.get("pretrain_limit"))
     for spec in (private, public):
         for key in [k for k, v in spec.items() if v is None]:
             del spec[key]
+    if "public_model" in profile:  # a shipped public model: no pre-training in the benchmark
+        pretrain = {"enabled": False}
+        model = dict(profile["model"], weights=profile["public_model"][track])
+    else:
+        pretrain = {"enabled": True, "data": public, "epochs": profile["pretrain_epochs"], "batch_size": 128,
+                    "learning_rate": 0.003, "augment": track == "cifar10-transfer",
+                    "checkpoint": os.path.join(work_dir, "pretrained.keras")}
+        model = dict(profile["model"])
     return {
         "data": private,
-        "pretrain": {"enabled": True, "data": public, "epochs": profile["pretrain_epochs"], "batch_size": 128,
-                     "learning_rate": 0.003, "augment": track == "cifar10-transfer",
-                     "checkpoint": os.path.join(work_dir, "pretrained.keras")},
-        "model": dict(profile["model"]),
+        "pretrain": pretrain,
+        "model": model,
         "privacy": {"delta": DELTA, "clip_norm": 1.0},
         "training": {"epochs": profile["epochs"], "batch_size": profile["batch_size"], "momentum": 0.9,
                      "schedule": "cosine", "warmup_fraction": 0.02},
@@ -239,18 +259,19 @@ def main(argv=None) -> int:
     with CellRunner(args.jobs) as runner:
         if args.jobs > 1:
             runner.run([("pretrain", base)])  # once, before workers would race to build the cache
-        tune_cells = tuning_cells(base, profile, args.methods, work_dir)
-        tuned = runner.run([("cell", cell) for cell in tune_cells])
+        def tuning_progress(cells: list, done: dict) -> None:
+            _write(args.out_dir, name, profile, _tune_records(cells, done), start, None)
+
+        tune_cells, tuned = tune(runner, base, profile, args.methods, work_dir, tuning_progress)
         rates = chosen_rates(tune_cells, tuned)
-        records = [_record(r, c.method, c.epsilon, c.seed, c.lr, c.density, "tune", _val_accuracy(r))
-                   for c, r in zip(tune_cells, tuned)]
+        records = _tune_records(tune_cells, dict(enumerate(tuned)))
         cells = benchmark_cells(base, profile, args.methods, rates, work_dir)
 
         def progress(done: dict) -> None:
-            _write(args.out_dir, name, profile, records + _records(cells, done), start)
+            _write(args.out_dir, name, profile, records + _records(cells, done), start, _missing(cells, done))
 
         results = runner.run([("cell", cell) for cell in cells], on_result=progress)
-    _write(args.out_dir, name, profile, records + _records(cells, dict(enumerate(results))), start)
+    _write(args.out_dir, name, profile, records + _records(cells, dict(enumerate(results))), start, [])
     print(f"wrote {os.path.join(args.out_dir, name)}.json/.md/.png in {time.perf_counter() - start:.0f} s")
     return 0
 
@@ -267,11 +288,15 @@ class Cell(NamedTuple):
     config: dict
 
 
-def tuning_cells(base: dict, profile: dict, methods: list, work_dir: str) -> list[Cell]:
-    """Every rate of the grid at the tuning epsilon, seed 0, default density, for every method."""
+def tuning_cells(base: dict, profile: dict, methods, work_dir: str) -> list[Cell]:
+    """Every rate of the grid at the tuning epsilon, seed 0, default density, for every method.
+
+    ``methods``: a list (each tried on the profile's ``lr_grid``) or ``{method: its rates}``
+    (the grids a bracketing search has extended)."""
+    grids = methods if isinstance(methods, dict) else {m: profile["lr_grid"] for m in methods}
     cells = []
-    for method in methods:
-        for lr in profile["lr_grid"]:
+    for method, grid in grids.items():
+        for lr in grid:
             out = os.path.join(work_dir, "tune", method, f"lr{lr:g}")
             config = cell_config(base, method, profile["tune_epsilon"], 0, lr, DEFAULT_DENSITY, out)
             cells.append(Cell("tune", method, profile["tune_epsilon"], 0, lr, DEFAULT_DENSITY, config))
@@ -288,13 +313,57 @@ def chosen_rates(cells: list[Cell], results: list[dict]) -> dict[str, float]:
     return {method: lr for method, (lr, _) in best.items()}
 
 
+def bracket_extensions(cells: list[Cell], results: list[dict]) -> dict[str, float]:
+    """``{method: next rate to try}`` for every method whose chosen rate is at an edge of its grid.
+
+    The chosen rate (best private-validation accuracy, see :func:`chosen_rates`) is bracketed when
+    a smaller and a larger tried rate exist; otherwise the grid grows by the neighbouring rate of
+    ``LR_LADDER`` beyond that edge (none once the ladder ends), so the tuned optimum cannot be an
+    artefact of where the grid stops."""
+    chosen = chosen_rates(cells, results)
+    extensions = {}
+    for method, lr in chosen.items():
+        tried = sorted(c.lr for c in cells if c.method == method)
+        rung = LR_LADDER.index(lr) if lr in LR_LADDER else None
+        if rung is None:
+            continue
+        if lr == tried[0] and rung > 0:
+            extensions[method] = LR_LADDER[rung - 1]
+        elif lr == tried[-1] and rung < len(LR_LADDER) - 1:
+            extensions[method] = LR_LADDER[rung + 1]
+    return extensions
+
+
+def tune(runner: "CellRunner", base: dict, profile: dict, methods: list, work_dir: str,
+         progress=None) -> tuple[list, list]:
+    """The tuning runs: the profile's grid for every method, then (``bracket_lr``) one more rate at
+    a time for each method whose best rate is at an edge, until every chosen rate is bracketed.
+    ``progress(cells, done)`` is called as runs finish."""
+    grids = {method: sorted(profile["lr_grid"]) for method in methods}
+    while True:
+        cells = tuning_cells(base, profile, grids, work_dir)
+        on_result = (lambda done, cells=cells: progress(cells, done)) if progress else None
+        results = runner.run([("cell", cell) for cell in cells], on_result=on_result)  # finished runs: cached
+        extensions = bracket_extensions(cells, results) if profile.get("bracket_lr") else {}
+        if not extensions:
+            return cells, results
+        for method, lr in extensions.items():
+            print(f"tuning: {method}'s best rate is at the edge of {grids[method]}; trying {lr:g}", flush=True)
+            grids[method] = sorted(grids[method] + [lr])
+
+
+def seeds_of(profile: dict, method: str) -> tuple[int, ...]:
+    """The seeds a method runs: ``more_seeds`` for :data:`MORE_SEEDS` where the profile has them."""
+    return profile["more_seeds"] if method in MORE_SEEDS and "more_seeds" in profile else profile["seeds"]
+
+
 def benchmark_cells(base: dict, profile: dict, methods: list, rates: dict, work_dir: str) -> list[Cell]:
     """Every method x epsilon x seed at its chosen rate, then the density sweep of the sparse methods."""
     cells = []
     for method in methods:
         lr = rates[method]
         for epsilon in profile["epsilons"]:
-            for seed in profile["seeds"]:
+            for seed in seeds_of(profile, method):
                 out = cell_dir(work_dir, profile, method, epsilon, seed, lr, DEFAULT_DENSITY)
                 # the non-private ceiling ignores epsilon: one run per seed, shown in every column
                 cell_epsilon = profile["tune_epsilon"] if method == "nonprivate" else epsilon
@@ -307,6 +376,18 @@ def benchmark_cells(base: dict, profile: dict, methods: list, rates: dict, work_
                 config = cell_config(base, method, epsilon, 0, lr, density, out)
                 cells.append(Cell("density", method, epsilon, 0, lr, density, config))
     return cells
+
+
+def _tune_records(cells: list[Cell], results: dict[int, dict]) -> list[dict]:
+    """Report records of the finished tuning runs (validation accuracy is what tuning ranks by)."""
+    return [_record(results[i], c.method, c.epsilon, c.seed, c.lr, c.density, "tune", _val_accuracy(results[i]))
+            for i, c in enumerate(cells) if i in results]
+
+
+def _missing(cells: list[Cell], results: dict[int, dict]) -> list[str]:
+    """The planned cells without a result, named as the report names them."""
+    return [f"{c.kind} {c.method} eps={c.epsilon:g} seed={c.seed}" + (f" density={c.density:g}" if c.kind == "density" else "")
+            for i, c in enumerate(cells) if i not in results]
 
 
 def _records(cells: list[Cell], results: dict[int, dict]) -> list[dict]:
@@ -326,7 +407,7 @@ def _execute(task: tuple) -> dict:
 
 def ensure_pretrained(base: dict) -> None:
     """Builds the cached public pre-training (``pretrain.checkpoint``) if it is missing."""
-    if os.path.exists(base["pretrain"]["checkpoint"]):
+    if not base["pretrain"]["enabled"] or os.path.exists(base["pretrain"]["checkpoint"]):
         return
     import tensorflow as tf
 
@@ -397,7 +478,7 @@ def rewrite_report(out_dir: str, name: str, profile: dict) -> int:
     if stored["profile"] != _comparable(profile):
         raise SystemExit(f"{path} was made with another {name.rsplit('-', 1)[1]!r} profile than this script's "
                          "(fix: run the benchmark again to refresh it)")
-    _write(out_dir, name, profile, stored["runs"], time.perf_counter() - stored["elapsed_s"])
+    _write(out_dir, name, profile, stored["runs"], time.perf_counter() - stored["elapsed_s"], stored.get("missing", []))
     print(f"rewrote {os.path.join(out_dir, name)}.md/.png from {len(stored['runs'])} recorded runs")
     return 0
 
@@ -412,13 +493,28 @@ TRACK_NOTES = {
 }
 
 
-def _profile_line(profile: dict) -> str:
+def _public_line(profile: dict, track: str) -> str:
+    if "public_model" in profile:
+        return f"the shipped public model {profile['public_model'][track]!r} (sparta_tf/models/weights)"
+    return (f"public pre-training on {profile['pretrain_limit'] or 'all'} examples for "
+            f"{profile['pretrain_epochs']} epochs")
+
+
+def _seeds_line(profile: dict) -> str:
+    if "more_seeds" not in profile:
+        return f"seeds {profile['seeds']}"
+    return f"seeds {profile['more_seeds']} for {', '.join(MORE_SEEDS)}; {profile['seeds']} for the others"
+
+
+def _profile_line(profile: dict, track: str) -> str:
     model = ", ".join(f"{k}={v}" for k, v in profile["model"].items())
+    grid = ", ".join(f"{lr:g}" for lr in profile["lr_grid"])
+    if profile.get("bracket_lr"):
+        grid += " (extended along the ladder until each method's best rate is interior)"
     return (f"profile: model {model}; private training examples {profile['limit_train'] or 'all'} (10% of them "
             f"held out for validation), test {profile['limit_test'] or 'all'}; {profile['epochs']} epochs at "
-            f"expected batch {profile['batch_size']} (Poisson); public pre-training on "
-            f"{profile['pretrain_limit'] or 'all'} examples for {profile['pretrain_epochs']} epochs; lr grid "
-            f"{', '.join(f'{lr:g}' for lr in profile['lr_grid'])} (head 10x); density {DEFAULT_DENSITY:g} "
+            f"expected batch {profile['batch_size']} (Poisson); {_public_line(profile, track)}; "
+            f"{_seeds_line(profile)}; lr grid {grid} (head 10x); density {DEFAULT_DENSITY:g} "
             f"(sparta / mp / random; {', '.join(f'{d:g}' for d in profile['densities'])} in the trainable plot); "
             "C = 1, SGD momentum 0.9, cosine schedule with warm-up, T0 = max(1, epochs // 5).")
 
@@ -438,21 +534,36 @@ def _compute_line(records: list, elapsed: float) -> str:
             f"(each run's own time; several runs may have shared the machine); this invocation: {elapsed:.0f} s")
 
 
-def _write(out_dir: str, name: str, profile: dict, records: list, start: float) -> None:
+def _missing_line(missing: list[str] | None) -> str:
+    if missing is None:
+        return "missing: the cells are planned once tuning has finished (tuning runs so far are listed in the JSON)"
+    if not missing:
+        return "missing: none (every planned cell has run)"
+    return f"missing: {len(missing)} planned cells have not run yet: " + "; ".join(missing)
+
+
+def _write(out_dir: str, name: str, profile: dict, records: list, start: float,
+           missing: list[str] | None = ()) -> None:
+    """The report: JSON of every run, markdown tables (accuracy; SPARTA minus each method, paired),
+    plots, and which planned cells are still missing (``None``: not planned yet)."""
     main_runs = [r for r in records if r["kind"] == "main"]
     # The ceiling is non-private by design: shown, marked, never bolded.
     table = utility_report.markdown_table(main_runs, [m for m in METHODS if any(r["method"] == m for r in main_runs)])
     chosen = {r["method"]: r["learning_rate"] for r in main_runs}
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump({"profile": {k: v for k, v in profile.items()}, "delta": DELTA, "learning_rates": chosen,
-                   "elapsed_s": time.perf_counter() - start, "runs": records}, f, indent=1)
+                   "elapsed_s": time.perf_counter() - start, "missing": missing, "runs": records}, f, indent=1)
     track = name.rsplit("-", 1)[0]
-    lines = [f"# Utility benchmark: {name}", "", TRACK_NOTES[track], "", _profile_line(profile), "",
+    order = [m for m in METHODS if any(r["method"] == m for r in main_runs)]
+    paired = utility_report.paired_table(main_runs, order) if "sparta" in order else ""
+    lines = [f"# Utility benchmark: {name}", "", TRACK_NOTES[track], "", _profile_line(profile, track), "",
              f"test accuracy (%), mean ± std over seeds {profile['seeds']}, "
              f"delta = {DELTA:g}; learning rate per method chosen on the private validation split at "
              f"epsilon = {profile['tune_epsilon']:g} (not covered by the DP guarantee)", "", table,
              "", "learning rates: " + ", ".join(f"{m} {lr:g}" for m, lr in chosen.items()),
-             "", _compute_line(records, time.perf_counter() - start)]
+             "", _compute_line(records, time.perf_counter() - start), "", _missing_line(missing)]
+    if paired:
+        lines += ["", "## SPARTA minus each method, paired over shared seeds", "", paired]
     with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     if main_runs:

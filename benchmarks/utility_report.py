@@ -7,6 +7,10 @@ and ``density``. Output:
 * :func:`markdown_table`: methods x epsilon, ``mean ± std`` over seeds (sample
   std, ``n-1``), the best mean of every column in bold, non-private methods
   marked with a dagger and never bolded (they are not comparable at a budget);
+* :func:`paired_differences` / :func:`paired_table`: the reference method (SPARTA)
+  minus every other method over the seeds both ran, with a 95% Student-t
+  confidence interval; a method is beaten (or beats SPARTA) only when the
+  interval excludes zero;
 * :func:`plot_accuracy_vs_epsilon`: one line per method with std error bars;
 * :func:`plot_accuracy_vs_trainable`: accuracy against % trainable parameters
   for the sparse methods (the SPARTA paper's Figure 3).
@@ -15,8 +19,9 @@ and ``density``. Output:
 from __future__ import annotations
 
 import collections
+import math
 import statistics
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 
 def _group(runs: Iterable[dict], key) -> dict:
@@ -34,6 +39,81 @@ def summarize(runs: Iterable[dict]) -> dict[tuple[str, float], tuple[float, floa
         std = statistics.stdev(accuracies) if len(accuracies) > 1 else 0.0
         summary[(method, epsilon)] = (statistics.fmean(accuracies), std, len(accuracies))
     return summary
+
+
+class PairedDifference(NamedTuple):
+    """``reference - other`` over shared seeds: mean, 95% CI ``[low, high]`` (None for one pair), pairs."""
+
+    mean: float
+    low: float | None
+    high: float | None
+    pairs: int
+
+    @property
+    def verdict(self) -> str:
+        """``win`` / ``loss`` when the interval excludes zero (for the reference), else ``tie``."""
+        if self.low is not None and self.low > 0:
+            return "win"
+        if self.high is not None and self.high < 0:
+            return "loss"
+        return "tie"
+
+
+def paired_differences(runs: Iterable[dict], reference: str = "sparta",
+                       confidence: float = 0.95) -> dict[tuple[str, float], PairedDifference]:
+    """``{(other method, epsilon): PairedDifference}`` of test accuracy, ``reference - other``.
+
+    Pairs are runs with the same seed (same data split, initialisation and
+    Poisson samples where the methods share them), so the seed-to-seed spread
+    common to both methods cancels. With ``d_s`` the difference on seed ``s``
+    and ``n`` pairs: ``mean = d̄``, interval ``d̄ ± t_{(1+confidence)/2, n-1} · sd(d) / sqrt(n)``
+    (Student t, sample std). Non-private methods are compared too (the table
+    marks them); a method never run on a shared seed is left out.
+    """
+    from scipy import stats
+
+    by_cell = {(r["method"], float(r["target_epsilon"]), r["seed"]): float(r["test_accuracy"]) for r in runs}
+    differences = {}
+    for method, epsilon in sorted({(m, e) for m, e, _ in by_cell if m != reference}):
+        pairs = [by_cell[(reference, epsilon, s)] - by_cell[(method, epsilon, s)]
+                 for m, e, s in by_cell if (m, e) == (method, epsilon) and (reference, epsilon, s) in by_cell]
+        if not pairs:
+            continue
+        mean = statistics.fmean(pairs)
+        if len(pairs) < 2:
+            differences[(method, epsilon)] = PairedDifference(mean, None, None, 1)
+            continue
+        half = stats.t.ppf((1 + confidence) / 2, len(pairs) - 1) * statistics.stdev(pairs) / math.sqrt(len(pairs))
+        differences[(method, epsilon)] = PairedDifference(mean, mean - half, mean + half, len(pairs))
+    return differences
+
+
+def paired_table(runs: Sequence[dict], method_order: Sequence[str] | None = None, reference: str = "sparta") -> str:
+    """Markdown: ``reference - method`` in points, ``mean [95% CI] (pairs)``, with the verdict marked."""
+    differences = paired_differences(runs, reference)
+    nonprivate = {r["method"] for r in runs if not r.get("private", True)}
+    epsilons = sorted({eps for _, eps in differences})
+    methods = [m for m in (method_order or sorted({m for m, _ in differences})) if m != reference]
+    marks = {"win": f" ▲ {reference} better", "loss": f" ▼ {reference} worse", "tie": ""}
+    lines = [f"| {reference} − method | " + " | ".join(f"ε = {eps:g}" for eps in epsilons) + " |",
+             "|---|" + "---:|" * len(epsilons)]
+    for method in methods:
+        if not any((method, eps) in differences for eps in epsilons):
+            continue
+        cells = []
+        for eps in epsilons:
+            d = differences.get((method, eps))
+            if d is None:
+                cells.append("-")
+            elif d.low is None:
+                cells.append(f"{100 * d.mean:+.2f} (1 pair, no interval)")
+            else:
+                cells.append(f"{100 * d.mean:+.2f} [{100 * d.low:+.2f}, {100 * d.high:+.2f}] (n={d.pairs})"
+                             + marks[d.verdict])
+        lines.append(f"| {method}{' †' if method in nonprivate else ''} | " + " | ".join(cells) + " |")
+    lines += ["", f"Points of test accuracy, {reference} minus the method on the same seeds, with a 95% "
+              "Student-t interval; ▲/▼ only where the interval excludes zero (otherwise no winner is claimed)."]
+    return "\n".join(lines) + "\n"
 
 
 def markdown_table(runs: Sequence[dict], method_order: Sequence[str] | None = None) -> str:

@@ -51,3 +51,49 @@ def test_missing_cells_are_dashes():
     assert all_row.rstrip().endswith("| - |")
     with pytest.raises(KeyError):
         utility_report.summarize([{"method": "x"}])
+
+
+def _paired_runs(sparta, other, eps=2.0):
+    return ([{"method": "sparta", "target_epsilon": eps, "seed": s, "private": True, "test_accuracy": a}
+             for s, a in enumerate(sparta)]
+            + [{"method": "all", "target_epsilon": eps, "seed": s, "private": True, "test_accuracy": a}
+               for s, a in enumerate(other)])
+
+
+def test_paired_difference_interval_is_the_student_t_interval_of_per_seed_differences():
+    from scipy import stats
+
+    sparta, other = (0.80, 0.83, 0.79, 0.85, 0.81), (0.78, 0.80, 0.78, 0.81, 0.80)
+    d = utility_report.paired_differences(_paired_runs(sparta, other))[("all", 2.0)]
+    diffs = [a - b for a, b in zip(sparta, other)]
+    reference = stats.ttest_1samp(diffs, 0.0).confidence_interval(0.95)
+    assert d.pairs == 5
+    assert d.mean == pytest.approx(sum(diffs) / 5)
+    assert (d.low, d.high) == (pytest.approx(reference.low), pytest.approx(reference.high))
+    assert d.verdict == "win"  # every seed favours sparta: the interval excludes zero
+
+
+def test_pairing_cancels_a_shared_seed_effect_that_unpaired_spread_would_hide():
+    # Seeds differ by 10 points, sparta is 1 point better on every seed: a clear paired win.
+    sparta = (0.60, 0.70, 0.80, 0.90)
+    other = (0.59, 0.69, 0.79, 0.892)
+    d = utility_report.paired_differences(_paired_runs(sparta, other))[("all", 2.0)]
+    assert d.verdict == "win" and d.low > 0
+
+
+def test_no_winner_is_claimed_when_the_interval_contains_zero_or_there_is_one_pair():
+    mixed = utility_report.paired_differences(_paired_runs((0.80, 0.70, 0.81), (0.75, 0.76, 0.80)))
+    assert mixed[("all", 2.0)].verdict == "tie"
+    worse = utility_report.paired_differences(_paired_runs((0.70, 0.71, 0.69), (0.80, 0.81, 0.80)))
+    assert worse[("all", 2.0)].verdict == "loss"
+    single = utility_report.paired_differences(_paired_runs((0.9,), (0.1,)))[("all", 2.0)]
+    assert (single.pairs, single.low, single.verdict) == (1, None, "tie")
+
+
+def test_only_shared_seeds_are_paired_and_the_table_marks_verdicts():
+    runs = _paired_runs((0.80, 0.82, 0.84, 0.99), (0.70, 0.71, 0.72))  # sparta's seed 3 has no partner
+    d = utility_report.paired_differences(runs)[("all", 2.0)]
+    assert d.pairs == 3 and d.mean == pytest.approx(0.11)
+    table = utility_report.paired_table(runs)
+    row = [line for line in table.splitlines() if line.startswith("| all ")][0]
+    assert "+11.00" in row and "▲" in row and "(n=3)" in row

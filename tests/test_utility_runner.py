@@ -1,6 +1,7 @@
 """Utility-benchmark runner: which cells share a run, and when a cached run is reused."""
 
 import json
+import math
 import os
 import sys
 
@@ -133,3 +134,54 @@ def test_benchmark_cells_cover_every_method_epsilon_seed_and_the_density_sweep(t
     # the ceiling's cells all train at the tuning epsilon (it ignores epsilon), private ones at their own
     assert {c.config["privacy"]["target_epsilon"] for c in main if c.method == "nonprivate"} == {PROFILE["tune_epsilon"]}
     assert {c.config["privacy"]["target_epsilon"] for c in main if c.method == "all"} == set(PROFILE["epsilons"])
+
+
+def _tuning(grid_val: dict, methods=("sparta",)):
+    cells = [utility.Cell("tune", m, 2.0, 0, lr, 0.2, {}) for m in methods for lr in sorted(grid_val[m])]
+    results = [{"history": {"val_accuracy": [grid_val[c.method][c.lr]]}} for c in cells]
+    return cells, results
+
+
+def test_a_best_rate_at_an_edge_of_the_grid_extends_the_grid_along_the_ladder():
+    low = {"sparta": {0.003: 0.6, 0.01: 0.5, 0.03: 0.4}}
+    high = {"sparta": {0.003: 0.4, 0.01: 0.5, 0.03: 0.6}}
+    inside = {"sparta": {0.003: 0.4, 0.01: 0.6, 0.03: 0.5}}
+    assert utility.bracket_extensions(*_tuning(low)) == {"sparta": 0.001}
+    assert utility.bracket_extensions(*_tuning(high)) == {"sparta": 0.1}
+    assert utility.bracket_extensions(*_tuning(inside)) == {}
+    # the ladder's end stops the search
+    end = {"sparta": {utility.LR_LADDER[0]: 0.9, utility.LR_LADDER[1]: 0.1}}
+    assert utility.bracket_extensions(*_tuning(end)) == {}
+
+
+def test_tuning_extends_only_methods_at_an_edge_until_every_choice_is_bracketed(tmp_path, monkeypatch):
+    # validation accuracy peaks at 0.001 for sparta (below the grid) and at 0.01 for all (inside it)
+    peak = {"sparta": 0.001, "all": 0.01}
+    ran = []
+
+    class Runner:
+        def run(self, tasks, on_result=None):
+            ran.extend((t[1].method, t[1].lr) for t in tasks)
+            return [{"history": {"val_accuracy": [1.0 - abs(math.log10(t[1].lr / peak[t[1].method]))]}}
+                    for t in tasks]
+
+    profile = utility.PROFILES["standard"]
+    base = {"training": {"epochs": 20}, "privacy": {}}
+    cells, results = utility.tune(Runner(), base, profile, ["sparta", "all"], str(tmp_path))
+    assert utility.chosen_rates(cells, results) == {"sparta": 0.001, "all": 0.01}
+    assert sorted(c.lr for c in cells if c.method == "sparta") == [0.0003, 0.001, 0.003, 0.01, 0.03]
+    assert sorted(c.lr for c in cells if c.method == "all") == list(profile["lr_grid"])
+
+
+def test_standard_profile_is_the_regime_the_issue_asks_for():
+    profile = utility.PROFILES["standard"]
+    train = profile["limit_train"] - round(0.1 * profile["limit_train"])  # 10% held out for validation
+    assert train >= 5000 and profile["epochs"] >= 20
+    assert 1 / profile["epochs"] <= 0.10  # the selection epoch's share of the steps
+    assert len(profile["lr_grid"]) >= 3 and profile["bracket_lr"]
+    assert set(profile["epsilons"]) == {1.0, 2.0, 8.0}
+    assert utility.seeds_of(profile, "sparta") == (0, 1, 2, 3, 4) and utility.seeds_of(profile, "last") == (0, 1, 2)
+    for track, name in profile["public_model"].items():
+        from sparta_tf.models import pretrained
+
+        assert name in pretrained.available(), f"{name} for {track} is not shipped"
