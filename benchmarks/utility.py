@@ -45,6 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import utility_analysis  # noqa: E402
 import utility_report  # noqa: E402
 from trainers.config import METHOD_OPTIONS  # noqa: E402
 
@@ -542,6 +543,18 @@ def _missing_line(missing: list[str] | None) -> str:
     return f"missing: {len(missing)} planned cells have not run yet: " + "; ".join(missing)
 
 
+def _why_sections(records: list, profile: dict) -> list[str]:
+    """Density sweep and SPARTA-vs-oracle row overlap (with the selection epoch's cost), where run."""
+    lines = []
+    density = utility_analysis.density_table(records, SPARSE_FOR_PROFILE)
+    if density:
+        lines += ["", f"## Accuracy against density (ε = {profile['tune_epsilon']:g}, seed 0)", "", density]
+    overlap = utility_analysis.overlap_table(records, DEFAULT_DENSITY)
+    if overlap:
+        lines += ["", "## How much of the oracle's choice SPARTA's private selection recovers", "", overlap]
+    return lines
+
+
 def _write(out_dir: str, name: str, profile: dict, records: list, start: float,
            missing: list[str] | None = ()) -> None:
     """The report: JSON of every run, markdown tables (accuracy; SPARTA minus each method, paired),
@@ -564,6 +577,7 @@ def _write(out_dir: str, name: str, profile: dict, records: list, start: float,
              "", _compute_line(records, time.perf_counter() - start), "", _missing_line(missing)]
     if paired:
         lines += ["", "## SPARTA minus each method, paired over shared seeds", "", paired]
+    lines += _why_sections(records, profile)
     with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     if main_runs:

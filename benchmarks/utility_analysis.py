@@ -1,0 +1,113 @@
+"""Why, not only who: analyses of utility-benchmark runs beyond the accuracy tables.
+
+* :func:`row_overlap`: the share of SPARTA's privately selected rows that the
+  non-private oracle (the same warm-up, true gradient magnitudes) also selects,
+  ``sum_l |S_l ∩ O_l| / sum_l |S_l|`` over the layers with row selections;
+  ``density`` is what a uniformly random choice of rows would score, so overlap
+  above it is the signal that survived the noise.
+* :func:`selection_budget`: the share of the run's steps and of its epsilon that
+  SPARTA's selection epoch takes, from the run's ``plan.json`` (the epsilon the
+  selection epoch would cost on its own is computed with the project's accountant).
+* :func:`density_table` and :func:`overlap_table`: markdown for the report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from typing import Sequence
+
+import numpy as np
+
+ROWS_SUFFIX = "::rows"
+
+
+def mask_rows(run_dir: str) -> dict[str, set[int]]:
+    """``{variable: selected rows}`` of the mask a run saved in ``<run_dir>/mask/mask.npz``."""
+    path = os.path.join(run_dir, "mask", "mask.npz")
+    with np.load(path, allow_pickle=False) as data:
+        return {key[: -len(ROWS_SUFFIX)]: set(data[key].tolist()) for key in data.files if key.endswith(ROWS_SUFFIX)}
+
+
+def row_overlap(selected: dict[str, set[int]], reference: dict[str, set[int]]) -> float:
+    """``sum_l |S_l ∩ R_l| / sum_l |S_l|`` over the variables with rows in both masks."""
+    shared = [name for name in selected if name in reference]
+    chosen = sum(len(selected[name]) for name in shared)
+    if not chosen:
+        raise ValueError("the masks select no rows of a common variable: nothing to compare")
+    return sum(len(selected[name] & reference[name]) for name in shared) / chosen
+
+
+def selection_budget(plan: dict) -> dict[str, float]:
+    """The selection epoch's share of a SPARTA run's steps and epsilon (``plan.json`` of the run).
+
+    ``epsilon_increment``: how much the final epsilon grows because the selection epoch is in the
+    composition (epsilon after it minus before it, a share of the run's epsilon); ``epsilon_alone``:
+    the epsilon of the selection epoch's steps on their own.
+    """
+    from sparta_tf.privacy.accounting import compute_epsilon
+
+    phases = plan["phases"]
+    names = [phase["name"] for phase in phases]
+    if "selection" not in names:
+        raise ValueError("the plan has no selection phase")
+    index = names.index("selection")
+    selection = phases[index]
+    before = phases[index - 1]["epsilon_after"] if index else 0.0
+    final = phases[-1]["epsilon_after"]
+    return {
+        "steps_share": selection["steps"] / plan["steps"],
+        "epsilon_increment_share": (selection["epsilon_after"] - before) / final,
+        "epsilon_alone": compute_epsilon(plan["noise_multiplier"], plan["sample_rate"], selection["steps"],
+                                         plan["delta"], plan.get("accountant", "pld")),
+        "epsilon": final,
+    }
+
+
+def _by_cell(records: Sequence[dict], method: str) -> dict[tuple[float, int], dict]:
+    return {(float(r["target_epsilon"]), r["seed"]): r for r in records
+            if r["method"] == method and r["kind"] == "main" and r.get("run_dir")}
+
+
+def overlap_table(records: Sequence[dict], density: float) -> str:
+    """Markdown: SPARTA's row overlap with the oracle per epsilon (mean ± std over shared seeds) and
+    the share of steps and of epsilon its selection epoch took; empty when no pair has masks."""
+    sparta, oracle = _by_cell(records, "sparta"), _by_cell(records, "oracle")
+    overlaps: dict[float, list[float]] = {}
+    budgets: dict[float, dict] = {}
+    for key in sorted(set(sparta) & set(oracle)):
+        try:
+            overlaps.setdefault(key[0], []).append(
+                row_overlap(mask_rows(sparta[key]["run_dir"]), mask_rows(oracle[key]["run_dir"])))
+        except (OSError, ValueError):
+            continue
+        with open(os.path.join(sparta[key]["run_dir"], "plan.json")) as f:
+            budgets.setdefault(key[0], selection_budget(json.load(f)))
+    if not overlaps:
+        return ""
+    lines = ["| ε | rows shared with the oracle (chance = density) | seeds | selection epoch: share of steps | "
+             "share of ε | its ε alone |", "|---:|---:|---:|---:|---:|---:|"]
+    for epsilon, values in sorted(overlaps.items()):
+        spread = statistics.stdev(values) if len(values) > 1 else 0.0
+        budget = budgets[epsilon]
+        lines.append(f"| {epsilon:g} | {100 * statistics.fmean(values):.1f}% ± {100 * spread:.1f} (chance "
+                     f"{100 * density:g}%) | {len(values)} | {100 * budget['steps_share']:.1f}% | "
+                     f"{100 * budget['epsilon_increment_share']:.1f}% | {budget['epsilon_alone']:.3g} |")
+    return "\n".join(lines) + "\n"
+
+
+def density_table(records: Sequence[dict], methods: Sequence[str]) -> str:
+    """Markdown: test accuracy (%) against density for ``methods`` (the density sweep, one seed)."""
+    runs = [r for r in records if r["kind"] in ("density", "main") and r["method"] in methods and r["seed"] == 0]
+    sweep = {(r["method"], float(r["density"])): r for r in runs if r["kind"] == "density"}
+    if not sweep:
+        return ""
+    densities = sorted({d for _, d in sweep})
+    lines = ["| method | " + " | ".join(f"{100 * d:g}% rows" for d in densities) + " |",
+             "|---|" + "---:|" * len(densities)]
+    for method in methods:
+        cells = [f"{100 * sweep[(method, d)]['test_accuracy']:.2f}" if (method, d) in sweep else "-"
+                 for d in densities]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

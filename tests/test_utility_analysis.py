@@ -1,0 +1,67 @@
+"""Utility-benchmark analyses: SPARTA-vs-oracle row overlap and the selection epoch's cost."""
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import utility_analysis  # noqa: E402
+from sparta_tf.privacy.accounting import compute_epsilon  # noqa: E402
+
+
+def _run_dir(tmp_path, name, rows: dict, plan=None):
+    run_dir = tmp_path / name
+    (run_dir / "mask").mkdir(parents=True)
+    np.savez(run_dir / "mask" / "mask.npz", **{f"{k}::rows": np.array(v, np.int64) for k, v in rows.items()},
+             **{"head/bias:0::dense": np.zeros(0, np.int64)})
+    if plan is not None:
+        (run_dir / "plan.json").write_text(json.dumps(plan))
+    return str(run_dir)
+
+
+def test_row_overlap_counts_shared_rows_over_selected_rows(tmp_path):
+    a = utility_analysis.mask_rows(_run_dir(tmp_path, "a", {"d1/kernel:0": [0, 1, 2, 3], "d2/kernel:0": [5]}))
+    b = utility_analysis.mask_rows(_run_dir(tmp_path, "b", {"d1/kernel:0": [2, 3, 9, 8], "d2/kernel:0": [6]}))
+    assert utility_analysis.row_overlap(a, b) == pytest.approx(2 / 5)
+    assert utility_analysis.row_overlap(a, a) == 1.0
+    with pytest.raises(ValueError, match="no rows"):
+        utility_analysis.row_overlap({"x": {1}}, {"y": {1}})
+
+
+def _plan(sigma=1.5, q=0.05, steps=(80, 20, 300)):
+    phases, total = [], 0
+    for name, count in zip(("warmup", "selection", "sparse"), steps):
+        total += count
+        phases.append({"name": name, "steps": count, "epsilon_after": compute_epsilon(sigma, q, total, 1e-5)})
+    return {"phases": phases, "steps": total, "noise_multiplier": sigma, "sample_rate": q, "delta": 1e-5,
+            "accountant": "pld"}
+
+
+def test_selection_budget_is_its_share_of_steps_and_of_the_composed_epsilon():
+    plan = _plan()
+    budget = utility_analysis.selection_budget(plan)
+    assert budget["steps_share"] == pytest.approx(20 / 400)
+    eps = [p["epsilon_after"] for p in plan["phases"]]
+    assert budget["epsilon_increment_share"] == pytest.approx((eps[1] - eps[0]) / eps[2])
+    assert budget["epsilon_alone"] == pytest.approx(compute_epsilon(1.5, 0.05, 20, 1e-5))
+    # composition is sublinear: 20 steps alone cost more than the increment they add after 80
+    assert budget["epsilon_alone"] > eps[1] - eps[0]
+    with pytest.raises(ValueError, match="no selection"):
+        utility_analysis.selection_budget(dict(plan, phases=[plan["phases"][0]]))
+
+
+def test_overlap_table_pairs_sparta_and_oracle_runs_on_the_same_epsilon_and_seed(tmp_path):
+    records = []
+    for seed, oracle_rows in enumerate(([0, 1, 2, 3], [0, 1, 8, 9])):
+        for method, rows in (("sparta", [0, 1, 2, 3]), ("oracle", oracle_rows)):
+            run_dir = _run_dir(tmp_path, f"{method}{seed}", {"d/kernel:0": rows}, _plan())
+            records.append({"kind": "main", "method": method, "target_epsilon": 2.0, "seed": seed,
+                            "run_dir": run_dir})
+    table = utility_analysis.overlap_table(records, 0.2)
+    row = [line for line in table.splitlines() if line.startswith("| 2 |")][0]
+    assert "75.0% ± 35.4" in row and "| 2 |" in row and "5.0%" in row  # mean of 1.0 and 0.5; 20/400 steps
+    assert utility_analysis.overlap_table([r for r in records if r["method"] == "sparta"], 0.2) == ""
