@@ -9,7 +9,9 @@ accuracy on the public test split, SHA-256 of the weights), which
 
 * ``cifar5-resnet20-gn``: ResNet-20-GN on CIFAR-10 classes 0-4 (25,000 training
   images, flip + translate augmentation), SGD momentum 0.9, cosine learning rate;
-* ``mnist-resnet20-gn``: ResNet-20-GN on MNIST (60,000 images, no augmentation).
+* ``mnist-resnet20-gn``: ResNet-20-GN on MNIST (60,000 images, no augmentation);
+* ``<name>-weak``: the same recipe on a tenth of the public training images (a
+  weaker public model, to show how transfer quality moves the benchmark's ranking).
 
 Runs resume: a finished model is skipped; each epoch is checkpointed and a killed
 run continues from its last epoch. Example::
@@ -41,6 +43,11 @@ RECIPES = {
         "weight_decay": 5e-4, "augment": False,
     },
 }
+# Weaker public models for the benchmark's "how transfer quality moves the ranking" comparison:
+# the same recipe on a tenth of the public training data.
+for _strong in list(RECIPES):
+    RECIPES[f"{_strong}-weak"] = dict(RECIPES[_strong], data=dict(RECIPES[_strong]["data"], limit_train={
+        "cifar5-resnet20-gn": 2500, "mnist-resnet20-gn": 6000}[_strong]))
 
 
 def train_public(name: str, data_dir: str, work_dir: str, out_dir: str, epochs: int | None,

@@ -80,6 +80,15 @@ PROFILES = {
                  "public_model": {"cifar10-transfer": "cifar5-resnet20-gn", "mnist-to-fashion": "mnist-resnet20-gn"},
                  "lr_grid": (0.003, 0.01, 0.03), "bracket_lr": True, "tune_epsilon": 2.0,
                  "densities": (0.05, 0.1, 0.2, 0.5), "model": {"name": "pretrained"}},
+    # Standard from a weaker public model (the same recipe on a tenth of the public data): how transfer
+    # quality moves the ranking of the main methods.
+    "standard-weak": {"epsilons": (1.0, 2.0, 8.0), "seeds": (0, 1, 2), "epochs": 20, "batch_size": 250,
+                      "limit_train": 5556, "limit_test": 2000,
+                      "public_model": {"cifar10-transfer": "cifar5-resnet20-gn-weak",
+                                       "mnist-to-fashion": "mnist-resnet20-gn-weak"},
+                      "methods": ("sparta", "all", "bitfit", "mp", "nonprivate"),
+                      "lr_grid": (0.003, 0.01, 0.03), "bracket_lr": True, "tune_epsilon": 2.0,
+                      "densities": (), "model": {"name": "pretrained"}},
     # Smoke: seconds-scale, for CI only (the scripts must not rot).
     "smoke": {"epsilons": (8.0,), "seeds": (0,), "epochs": 3, "batch_size": 64, "limit_train": 256,
               "limit_test": 128, "pretrain_limit": 256, "pretrain_epochs": 1, "lr_grid": (0.1,),
@@ -237,7 +246,8 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", default="quick", choices=sorted(PROFILES))
     parser.add_argument("--data-dir", required=True, help="folder with mnist.npz and cifar10-jpg.tar.gz")
     parser.add_argument("--fashion-dir", default="/usr/share/datasets/fashion-mnist")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--methods", nargs="+", choices=METHODS,
+                        help="default: the profile's methods (every method for most profiles)")
     parser.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "utility"))
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
     parser.add_argument("--jobs", type=int, default=1,
@@ -249,6 +259,7 @@ def main(argv=None) -> int:
         parser.error("--jobs must be >= 1")
 
     profile = PROFILES[args.profile]
+    methods = list(args.methods or profile.get("methods", METHODS))
     name = f"{args.track}-{args.profile}"
     if args.report_only:
         return rewrite_report(args.out_dir, name, profile)
@@ -263,10 +274,10 @@ def main(argv=None) -> int:
         def tuning_progress(cells: list, done: dict) -> None:
             _write(args.out_dir, name, profile, _tune_records(cells, done), start, None)
 
-        tune_cells, tuned = tune(runner, base, profile, args.methods, work_dir, tuning_progress)
+        tune_cells, tuned = tune(runner, base, profile, methods, work_dir, tuning_progress)
         rates = chosen_rates(tune_cells, tuned)
         records = _tune_records(tune_cells, dict(enumerate(tuned)))
-        cells = benchmark_cells(base, profile, args.methods, rates, work_dir)
+        cells = benchmark_cells(base, profile, methods, rates, work_dir)
 
         def progress(done: dict) -> None:
             _write(args.out_dir, name, profile, records + _records(cells, done), start, _missing(cells, done))

@@ -181,7 +181,11 @@ def test_standard_profile_is_the_regime_the_issue_asks_for():
     assert len(profile["lr_grid"]) >= 3 and profile["bracket_lr"]
     assert set(profile["epsilons"]) == {1.0, 2.0, 8.0}
     assert utility.seeds_of(profile, "sparta") == (0, 1, 2, 3, 4) and utility.seeds_of(profile, "last") == (0, 1, 2)
-    for track, name in profile["public_model"].items():
-        from sparta_tf.models import pretrained
+    from sparta_tf.models import pretrained
 
-        assert name in pretrained.available(), f"{name} for {track} is not shipped"
+    for variant in ("standard", "standard-weak"):
+        for track, name in utility.PROFILES[variant]["public_model"].items():
+            assert name in pretrained.available(), f"{name} for {track} ({variant}) is not shipped"
+    weak = utility.PROFILES["standard-weak"]
+    assert {k: v for k, v in weak.items() if k not in ("public_model", "methods", "densities", "more_seeds")} == {
+        k: v for k, v in profile.items() if k not in ("public_model", "methods", "densities", "more_seeds")}
