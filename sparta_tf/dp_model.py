@@ -40,13 +40,13 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from sparta_tf.clipping import clipped_sum
 from sparta_tf.losses import per_example_loss_fn
 from sparta_tf import random_streams
 from sparta_tf.model_checks import probe_batch_mixing, reject_batch_mixing_layers
 from sparta_tf.noise import gaussian_noise
 from sparta_tf.optim.masked_optimizer import MaskedOptimizer
 from sparta_tf.per_example import make_engine
+from sparta_tf.per_example.bookkeeping import clipped_batch, make_clipping_engine
 from sparta_tf.privacy.accounting import check_noise_multiplier, check_sample_rate
 from sparta_tf.privacy.callbacks import PrivacyCallback
 from sparta_tf.privacy.ledger import PrivacyLedger
@@ -91,8 +91,11 @@ class DPModel(tf.keras.Model):
       seed: the run seed from which the sampling and noise streams are derived
         (:mod:`sparta_tf.random_streams`; tests, reproducibility, resume).
         ``None``: a secret seed from the OS.
-      engine: per-example gradient engine, ``"auto"``, ``"layerwise"`` or
-        ``"vectorized"`` (see :mod:`sparta_tf.per_example`).
+      engine: how the clipped sum is computed: ``"auto"`` (book-keeping, without
+        per-example gradients, wherever every trainable variable is owned by a
+        leaf layer; see :mod:`sparta_tf.per_example.bookkeeping`), ``"bookkeeping"``,
+        or the materialising references ``"layerwise"`` / ``"vectorized"``
+        (selection epochs always use a materialising engine).
       jit_compile: ``"auto"`` (XLA on GPU/TPU, off on CPU), True or False.
     """
 
@@ -262,9 +265,19 @@ class DPModel(tf.keras.Model):
         """What per-example gradients are needed for: the scorer's kernels or the trainable set."""
         return self._scorer.selections if self._scorer is not None else self.trainable_set.selections
 
+    def _needs_per_example_gradients(self) -> bool:
+        """True when the step uses per-example gradients themselves, not only their clipped sum."""
+        return self._scorer is not None
+
     def _get_engine(self):
+        """Scoring needs per-example gradients (materialising engine); a DP step only their
+        clipped sum (book-keeping by default, see :mod:`sparta_tf.per_example.bookkeeping`)."""
         if self._engine is None:
-            self._engine = make_engine(self.model, self._step_selections(), self.engine_name)
+            if self._needs_per_example_gradients():
+                name = "auto" if self.engine_name == "bookkeeping" else self.engine_name
+                self._engine = make_engine(self.model, self._step_selections(), name)
+            else:
+                self._engine = make_clipping_engine(self.model, self._step_selections(), self.engine_name)
         return self._engine
 
     def _micro_batch_size(self) -> int | None:
@@ -280,11 +293,12 @@ class DPModel(tf.keras.Model):
 
     def _micro_batch_sum(self, x, y, weights):
         valid = weights > 0
-        result = self._get_engine()(x, y, self._per_example_loss, valid)
         if self._scorer is not None:
+            result = self._get_engine()(x, y, self._per_example_loss, valid)
             sums = self._scorer.batch_statistic(result.grads, valid)
         else:
-            sums, _ = clipped_sum(result.grads, self.clip_norm, valid)
+            result = clipped_batch(self._get_engine(), x, y, self._per_example_loss, valid, self.clip_norm)
+            sums = result.sums
         self._update_metrics(y, result.predictions, result.losses, weights)
         return sums
 

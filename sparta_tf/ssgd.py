@@ -485,6 +485,10 @@ class SSGDModel(DPModel):
             self._step_keep = None
             self._masked_optimizer.keep_masks = None
 
+    def _needs_per_example_gradients(self) -> bool:
+        """Gradient dropping restricts each example's gradient to ``I_s`` before clipping."""
+        return self.drop_rate > 0 or super()._needs_per_example_gradients()
+
     def _micro_batch_sum(self, x, y, weights):
         """Eq. (3): per-example gradients restricted to ``I_s`` before clipping."""
         if self._step_keep is None:

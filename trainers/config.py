@@ -160,7 +160,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "weight_decay": Field(NUMBER, 0.0, _non_negative),
         "seed": Field(OPTIONAL_INT, None),
         "jit_compile": Field((bool, str), "auto", lambda v: None if v in (True, False, "auto") else "must be true, false or auto"),
-        "engine": Field((str,), "auto", _one_of("auto", "layerwise", "vectorized")),
+        "engine": Field((str,), "auto", _one_of("auto", "bookkeeping", "layerwise", "vectorized")),
     },
     "export": {
         "enabled": Field((bool,), True),

@@ -74,8 +74,10 @@ class LayerwiseEngine:
         self._layers = [layer for layer, _, _ in plan]
 
     @classmethod
-    def plan_for(cls, model: tf.keras.Model, selections: Sequence[VariableSelection]):
-        """(plan, None) when every selected variable is covered, else (None, reason)."""
+    def plan_for(cls, model: tf.keras.Model, selections: Sequence[VariableSelection], rule_of=rule_for):
+        """(plan, None) when every selected variable is covered, else (None, reason).
+
+        ``plan``: ``[(layer, rule_of(layer), [indices of the layer's selections])]``."""
         variables = [s.variable for s in selections]
         index_of = {id(v): k for k, v in enumerate(variables)}
         covered: set[int] = set()
@@ -90,7 +92,7 @@ class LayerwiseEngine:
             ]
             if sublayers_with_weights:
                 return None, f"layer {layer.name!r} owns weights and has sublayers with weights"
-            plan.append((layer, rule_for(layer), wanted))
+            plan.append((layer, rule_of(layer), wanted))
             covered.update(wanted)
         missing = [variables[k].name for k in range(len(variables)) if k not in covered]
         if missing:
@@ -98,15 +100,7 @@ class LayerwiseEngine:
         return plan, None
 
     def __call__(self, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor) -> PerExampleGradients:
-        with tf.GradientTape(watch_accessed_variables=False, persistent=False) as tape:
-            with recording(tape, self._layers) as rec:
-                predictions = self.model(x, training=True)
-            losses = loss_fn(y, predictions)
-            total = tf.reduce_sum(tf.where(valid, losses, tf.zeros_like(losses)))
-        deltas = tape.gradient(total, [call.probe for call in rec.calls])
-        per_layer_calls: dict[int, list] = {}
-        for call, delta in zip(rec.calls, deltas):
-            per_layer_calls.setdefault(id(call.layer), []).append((call, delta))
+        per_layer_calls, losses, predictions = record_output_gradients(self.model, self._layers, x, y, loss_fn, valid)
         grads: list = [None] * len(self.selections)
         for layer, rule, indices in self._plan:
             selections = [self.selections[k] for k in indices]
@@ -121,6 +115,26 @@ class LayerwiseEngine:
             for g, s in zip(grads, self.selections)
         ]
         return PerExampleGradients(grads, losses, predictions)
+
+
+def record_output_gradients(model, layers, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor):
+    """One batched forward and one batched backward pass of ``sum_i valid_i L_i``.
+
+    Returns ``({id(layer): [(RecordedCall, delta)]}, losses [B], predictions)``, where
+    ``delta = [dL_1/dz_1, ..., dL_B/dz_B]`` at each call's probe point (no layer mixes
+    examples, so the gradient of the sum separates by example); ``delta`` is None for a
+    call the loss does not depend on.
+    """
+    with tf.GradientTape(watch_accessed_variables=False, persistent=False) as tape:
+        with recording(tape, layers) as rec:
+            predictions = model(x, training=True)
+        losses = loss_fn(y, predictions)
+        total = tf.reduce_sum(tf.where(valid, losses, tf.zeros_like(losses)))
+    deltas = tape.gradient(total, [call.probe for call in rec.calls])
+    per_layer_calls: dict[int, list] = {}
+    for call, delta in zip(rec.calls, deltas):
+        per_layer_calls.setdefault(id(call.layer), []).append((call, delta))
+    return per_layer_calls, losses, predictions
 
 
 class VectorizedEngine:

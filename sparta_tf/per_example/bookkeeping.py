@@ -1,0 +1,180 @@
+"""The book-keeping DP engine: clipped sums of per-example gradients without materialising them.
+
+One batched forward and one batched backward pass record every hooked
+layer's input ``a`` and output gradient ``delta``
+(:func:`~sparta_tf.per_example.engines.record_output_gradients`); then
+
+1. per layer, the per-example squared norms of its selected coordinates
+   (rank one, ghost norm, or that layer's own per-example gradients, as the
+   cost model of :mod:`~sparta_tf.per_example.ghost_rules` decides), summed
+   over layers: ``||g_i||^2 = sum_l ||g_i^l||^2``;
+2. the clip factors ``c_i = min(1, C/||g_i||)`` (0 for padding and non-finite
+   norms; :func:`sparta_tf.clipping.clip_factors`);
+3. per layer, ``S^l = sum_i c_i g_i^l``: the layer's ordinary weight gradient
+   with ``delta`` replaced by ``c * delta``, one batched op.
+
+A layer called more than once in the forward pass has ``g_i = sum_calls g_i^call``,
+whose norm is not the sum of the calls' norms: for such a layer the engine
+materialises that layer's per-example gradients (summed over its calls) and
+clips them directly, so the result stays exact.
+
+:meth:`BookkeepingEngine.cost_table` lists, per selected variable, the norm
+method and the cost model's numbers of the last traced step (also logged once).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple, Sequence
+
+import tensorflow as tf
+
+from sparta_tf import clipping
+from sparta_tf.per_example.engines import PerExampleLoss, record_output_gradients
+from sparta_tf.per_example.ghost_rules import NormMethod, _squared, ghost_rule_for, keep_examples
+from sparta_tf.per_example.recording import install_hook
+from sparta_tf.trainable import VariableSelection
+
+logger = logging.getLogger(__name__)
+
+
+class ClippedBatch(NamedTuple):
+    """One (micro-)batch's clipped sum and what the step reports."""
+
+    sums: list  # sum_i c_i g_i per selection, compact shapes
+    squared_norms: tf.Tensor  # [B] unclipped ||g_i||^2 over the selected coordinates
+    losses: tf.Tensor  # [B]
+    predictions: object
+
+
+class BookkeepingEngine:
+    """Per-example clipping by book-keeping (see module doc). ``plan``: ``[(layer, GhostRule, indices)]``."""
+
+    name = "bookkeeping"
+
+    def __init__(self, model: tf.keras.Model, selections: Sequence[VariableSelection], plan):
+        self.model = model
+        self.selections = list(selections)
+        self._plan = plan
+        for layer, rule, _ in plan:
+            install_hook(layer, rule)
+        self._layers = [layer for layer, _, _ in plan]
+        self._cost_table: list[NormMethod] = []
+        self._logged = False
+
+    def cost_table(self) -> list[NormMethod]:
+        """Per selected variable: how its per-example norms are computed (after a step was traced)."""
+        return list(self._cost_table)
+
+    def clipped_sum(self, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor, clip_norm: float) -> ClippedBatch:
+        calls, losses, predictions = record_output_gradients(self.model, self._layers, x, y, loss_fn, valid)
+        squared, direct_grads, table = self._squared_norms(calls)
+        self._remember(table)
+        batch = tf.shape(losses)[0]
+        if squared is None:
+            squared = tf.zeros([batch], losses.dtype)
+        factors, keep = clipping.clip_factors(squared, clip_norm, valid)
+        sums = self._weighted_sums(calls, factors, keep, direct_grads)
+        return ClippedBatch(sums, squared, losses, predictions)
+
+    # ------------------------------------------------------------------ norms
+
+    def _squared_norms(self, calls):
+        """``([B] or None, {selection index: per-example grads of multi-call layers}, cost table)``."""
+        parts, direct_grads, table = [], {}, []
+        for layer, rule, indices in self._plan:
+            recorded = [(call, delta) for call, delta in calls.get(id(layer), []) if delta is not None]
+            if not recorded:
+                continue
+            selections = [self.selections[k] for k in indices]
+            if len(recorded) == 1:
+                call, delta = recorded[0]
+                norms, methods = rule.squared_norms(layer, call, delta, selections)
+                parts.append(norms)
+                table.extend(methods)
+                continue
+            for call, delta in recorded:  # shared layer: the per-example gradient sums over calls
+                for k, g in zip(indices, rule.reference.per_example_grads(layer, call, delta, selections)):
+                    direct_grads[k] = g if k not in direct_grads else direct_grads[k] + g
+            parts.extend(_squared(direct_grads[k]) for k in indices)
+            table.extend(NormMethod(layer.name, s.variable.name, "direct_shared_layer", None, None)
+                         for s in selections)
+        return (tf.add_n(parts) if parts else None), direct_grads, table
+
+    # ------------------------------------------------------------------- sums
+
+    def _weighted_sums(self, calls, factors: tf.Tensor, keep: tf.Tensor, direct_grads: dict) -> list:
+        sums: list = [None] * len(self.selections)
+        for layer, rule, indices in self._plan:
+            if indices[0] in direct_grads:
+                for k in indices:
+                    g = keep_examples(direct_grads[k], keep)
+                    sums[k] = tf.tensordot(factors, g, axes=1)
+                continue
+            for call, delta in calls.get(id(layer), []):
+                if delta is None:
+                    continue
+                scale = tf.reshape(tf.cast(factors, delta.dtype), [-1] + [1] * (delta.shape.rank - 1))
+                delta_c = keep_examples(delta * scale, keep)
+                layer_sums = rule.weighted_sums(layer, call, delta_c, keep, [self.selections[k] for k in indices])
+                for k, s in zip(indices, layer_sums):
+                    sums[k] = s if sums[k] is None else sums[k] + s
+        return [tf.zeros(s.compact_shape, s.variable.dtype) if total is None else tf.cast(total, s.variable.dtype)
+                for total, s in zip(sums, self.selections)]
+
+    def _remember(self, table: list[NormMethod]) -> None:
+        self._cost_table = table
+        if table and not self._logged:
+            self._logged = True
+            counts: dict[str, int] = {}
+            for row in table:
+                counts[row.method] = counts.get(row.method, 0) + 1
+            logger.info("book-keeping engine: per-example norms by %s",
+                        ", ".join(f"{method} x{count}" for method, count in sorted(counts.items())))
+
+
+def make_bookkeeping_engine(model: tf.keras.Model, selections: Sequence[VariableSelection]):
+    """``(BookkeepingEngine, None)``, or ``(None, reason)`` when a selected variable is not owned
+    by a leaf layer (then no per-layer rule can see its inputs and output gradients)."""
+    from sparta_tf.per_example.engines import LayerwiseEngine
+
+    plan, reason = LayerwiseEngine.plan_for(model, selections, ghost_rule_for)
+    if plan is None:
+        return None, reason
+    return BookkeepingEngine(model, selections, plan), None
+
+
+ENGINES = ("auto", "bookkeeping", "layerwise", "vectorized")
+
+
+def make_clipping_engine(model: tf.keras.Model, trainable, engine: str = "auto"):
+    """The engine of a DP step's clipped sum for ``trainable`` (see :func:`clipped_batch`).
+
+    ``"auto"``: book-keeping wherever every selected variable is owned by a leaf layer, else the
+    materialising ``tf.vectorized_map`` engine (with a warning); ``"bookkeeping"``: book-keeping
+    or a ValueError; ``"layerwise"`` / ``"vectorized"``: the materialising engines
+    (:func:`~sparta_tf.per_example.engines.make_engine`), kept as references.
+    """
+    from sparta_tf.per_example.engines import as_selections, make_engine
+
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r} is not one of {ENGINES}")
+    selections = as_selections(trainable)
+    if engine in ("auto", "bookkeeping"):
+        bookkeeping, reason = make_bookkeeping_engine(model, selections)
+        if bookkeeping is not None:
+            return bookkeeping
+        if engine == "bookkeeping":
+            raise ValueError(f"engine='bookkeeping' cannot handle this model: {reason}; use engine='auto'")
+        return make_engine(model, selections, "auto")  # the same leaf-layer check fails: vectorized, warned
+    return make_engine(model, selections, engine)
+
+
+def clipped_batch(engine, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor, clip_norm: float) -> ClippedBatch:
+    """``sum_i c_i g_i`` of a (micro-)batch with any engine: book-keeping, or materialised
+    per-example gradients clipped by :func:`sparta_tf.clipping.clipped_sum`."""
+    if isinstance(engine, BookkeepingEngine):
+        return engine.clipped_sum(x, y, loss_fn, valid, clip_norm)
+    result = engine(x, y, loss_fn, valid)
+    sums, norms = clipping.clipped_sum(result.grads, clip_norm, valid)
+    return ClippedBatch(sums, tf.square(norms), result.losses, result.predictions)

@@ -1,0 +1,369 @@
+"""Book-keeping rules: per-example gradient norms and clipped sums without per-example gradients.
+
+For a layer ``z = f(a; W)`` and the output gradients ``delta_i = dL_i/dz_i``
+recorded by one batched backward pass, DP-SGD needs two things per step:
+
+1. the per-example squared norms ``||g_i||^2`` of the trainable coordinates,
+   ``g_i = dL_i/dW`` (for the clip factors ``c_i = min(1, C/||g_i||)``);
+2. the clipped sum ``S = sum_i c_i g_i``.
+
+Neither needs the ``[B, *W.shape]`` tensor of per-example gradients:
+
+* **Linear maps** (Dense, and EinsumDense whose equation is a Dense on
+  reshaped tensors), with ``a_i: [T, d]`` and ``delta_i: [T, p]`` (``T = 1`` on
+  2-D input) and ``g_i = a_i^T delta_i``::
+
+      T = 1:  ||g_i||^2 = ||a_i||^2 ||delta_i||^2                      (rank one)
+      T > 1:  ||g_i||^2 = <a_i a_i^T, delta_i delta_i^T>_F            (ghost norm, cost T^2 (d + p))
+              or ||a_i^T delta_i||^2 computed for this layer alone     (direct, cost T d p)
+
+  whichever the cost model finds cheaper.
+* **Conv2D**: the same with ``a_i`` the ``[H'W', kh kw c_in]`` im2col patches
+  (ghost) or the per-example kernel gradient of this layer alone (direct,
+  :class:`~sparta_tf.per_example.layer_rules.Conv2DRule`).
+* **Norm layers** (GroupNormalization): per-example ``[B, C]`` gradients are
+  cheap, computed directly.
+* **Any other layer** (fallback): the per-example gradients of that layer
+  alone (``tf.vectorized_map`` of its own VJP), reduced to norms at once.
+
+and the clipped sum is the layer's ordinary weight gradient with ``delta``
+replaced by ``c * delta`` (book-keeping): ``S = sum_i a_i^T (c_i delta_i)``, one
+matmul over ``B*T`` rows; ``tf.nn.conv2d_backprop_filter`` for Conv2D; the
+batched VJP of the layer's own call for the fallback.
+
+Row selections slice ``delta`` to the selected output channels before both,
+so the work follows the trainable rows. Examples that are not kept (padding,
+non-finite norm) have ``c_i = 0`` *and* their ``a_i`` and ``delta_i`` zeroed
+with ``tf.where`` first, so ``0 * inf`` cannot leak into ``S``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple, Sequence
+
+import tensorflow as tf
+
+from sparta_tf.per_example.layer_rules import (
+    CONV2D_RULE,
+    DENSE_RULE,
+    GROUP_NORM_RULE,
+    VJP_RULE,
+    GroupNormRule,
+    LayerRule,
+    _selected_rows,
+    _sum_over_middle_axes,
+    rule_for,
+)
+from sparta_tf.per_example.patches import extract_patches
+
+Tensor = tf.Tensor
+
+
+class NormMethod(NamedTuple):
+    """How one selection's per-example norms are computed, with the cost model's numbers
+    (multiply-adds per example; ``None`` where a method does not apply)."""
+
+    layer: str
+    variable: str
+    method: str  # rank_one / ghost / direct / elementwise / per_layer_vjp
+    ghost_cost: int | None
+    direct_cost: int | None
+
+
+def choose_linear_norm(positions: int, fan_in: int, rows: int) -> tuple[str, int | None, int]:
+    """``(method, ghost cost, direct cost)`` for ``g_i = a_i^T delta_i``, ``a_i: [T, d]``, ``delta_i: [T, p]``.
+
+    ``T = 1``: rank one. Otherwise the ghost norm costs ``T^2 (d + p)`` and the
+    direct per-example gradient ``T d p``; the cheaper one is used (ties: direct).
+    """
+    direct = positions * fan_in * rows
+    if positions == 1:
+        return "rank_one", None, direct
+    ghost = positions * positions * (fan_in + rows)
+    return ("ghost" if ghost < direct else "direct"), ghost, direct
+
+
+def linear_squared_norms(a: Tensor, d: Tensor, method: str) -> Tensor:
+    """``[B]``: ``||a_i^T d_i||_F^2`` for ``a: [B, T, in]``, ``d: [B, T, k]`` by ``method``."""
+    if method == "rank_one":
+        return tf.reduce_sum(tf.square(a), axis=[1, 2]) * tf.reduce_sum(tf.square(d), axis=[1, 2])
+    if method == "ghost":
+        gram_a = tf.matmul(a, a, transpose_b=True)  # [B, T, T]
+        gram_d = tf.matmul(d, d, transpose_b=True)
+        return tf.reduce_sum(gram_a * gram_d, axis=[1, 2])
+    return tf.reduce_sum(tf.square(tf.matmul(a, d, transpose_a=True)), axis=[1, 2])
+
+
+def linear_sum(a: Tensor, d: Tensor) -> Tensor:
+    """``sum_i a_i^T d_i``: ``[in, k]`` from ``a: [B, T, in]``, ``d: [B, T, k]`` (one matmul over ``B*T``)."""
+    return tf.matmul(tf.reshape(a, [-1, a.shape[-1]]), tf.reshape(d, [-1, d.shape[-1]]), transpose_a=True)
+
+
+def _squared(t: Tensor) -> Tensor:
+    """``[B]``: sum of squares of ``[B, ...]``."""
+    return tf.reduce_sum(tf.reshape(tf.square(t), [tf.shape(t)[0], -1]), axis=1)
+
+
+def keep_examples(t: Tensor, keep: Tensor) -> Tensor:
+    """``t`` with the examples that are not kept set to exactly zero."""
+    mask = tf.reshape(keep, [-1] + [1] * (t.shape.rank - 1))
+    return tf.where(mask, t, tf.zeros_like(t))
+
+
+class GhostRule:
+    """Per-example squared norms and clipped sums of one layer's selected variables.
+
+    ``squared_norms(layer, call, delta, selections) -> ([B], [NormMethod])`` and
+    ``weighted_sums(layer, call, delta_c, keep, selections) -> [compact sums]``
+    where ``delta_c = c * delta`` (already zero for examples that are not kept).
+    ``reference`` is the materialising rule of the same layer (the same probe point).
+    """
+
+    reference: LayerRule = VJP_RULE
+
+    @property
+    def probe_point(self) -> str:
+        return self.reference.probe_point
+
+    def squared_norms(self, layer, call, delta, selections):
+        grads = self.reference.per_example_grads(layer, call, delta, selections)
+        methods = [NormMethod(layer.name, s.variable.name, "per_layer_vjp", None, None) for s in selections]
+        return tf.add_n([_squared(g) for g in grads]), methods
+
+    def weighted_sums(self, layer, call, delta_c, keep, selections) -> list[Tensor]:
+        """Batched VJP of the layer's own call with ``output_gradients = c * delta``."""
+        variables = [s.variable for s in selections]
+        args = [keep_examples(call.args[0], keep) if _is_float(call.args[0]) else call.args[0], *call.args[1:]]
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(variables)
+            out = call.original_call(*args, **call.kwargs)
+        grads = tape.gradient(out, variables, output_gradients=delta_c,
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return [s.compact(tf.convert_to_tensor(g)) for s, g in zip(selections, grads)]
+
+
+def _is_float(t) -> bool:
+    return isinstance(t, tf.Tensor) and t.dtype.is_floating
+
+
+class LinearGhostRule(GhostRule):
+    """Dense (linear activation) and Dense-like EinsumDense: ``z_i = a_i W + b`` on ``[T, in]``."""
+
+    reference = DENSE_RULE
+
+    def __init__(self, einsum: "EinsumLayout | None" = None):
+        self.einsum = einsum
+        if einsum is not None:  # DenseRule's per-example gradients assume a Dense layer's shapes
+            self.reference = VJP_RULE
+
+    def _operands(self, layer, call, delta) -> tuple[Tensor, Tensor]:
+        """``(a: [B, T, in], delta: [B, T, out])`` of the layer as a Dense map."""
+        a = tf.cast(call.inputs, delta.dtype)
+        batch = tf.shape(a)[0]
+        fan_in = a.shape[-1] if self.einsum is None else self.einsum.fan_in
+        fan_out = delta.shape[-1] if self.einsum is None else self.einsum.fan_out
+        return tf.reshape(a, [batch, -1, fan_in]), tf.reshape(delta, [batch, -1, fan_out])
+
+    def squared_norms(self, layer, call, delta, selections):
+        a, d = self._operands(layer, call, delta)
+        norms, methods = [], []
+        for selection in selections:
+            if selection.variable is layer.kernel:
+                if selection.kind == "entries":  # no factorisation: this layer's per-example gradients
+                    full = tf.matmul(a, d, transpose_a=True)
+                    norms.append(_squared(selection.compact(tf.reshape(full, [-1, *selection.shape]), batch_dims=1)))
+                    methods.append(NormMethod(layer.name, selection.variable.name, "direct", None, None))
+                    continue
+                d_rows = _selected_rows(d, selection)
+                method, ghost, direct = choose_linear_norm(a.shape[1], a.shape[2], d_rows.shape[2])
+                norms.append(linear_squared_norms(a, d_rows, method))
+                methods.append(NormMethod(layer.name, selection.variable.name, method, ghost, direct))
+            else:
+                norms.append(_squared(selection.compact(self._bias_per_example(layer, d, selection), batch_dims=1)))
+                methods.append(NormMethod(layer.name, selection.variable.name, "elementwise", None, None))
+        return tf.add_n(norms), methods
+
+    def weighted_sums(self, layer, call, delta_c, keep, selections):
+        a, d = self._operands(layer, call, delta_c)
+        a = keep_examples(a, keep)
+        sums = []
+        for selection in selections:
+            if selection.variable is layer.kernel:
+                if selection.kind == "rows":
+                    sums.append(linear_sum(a, _selected_rows(d, selection)))
+                else:
+                    sums.append(selection.compact(tf.reshape(linear_sum(a, d), selection.shape)))
+            else:
+                bias = tf.reduce_sum(self._bias_per_example(layer, d, selection), axis=0)
+                sums.append(selection.compact(bias))
+        return sums
+
+    def _bias_per_example(self, layer, d: Tensor, selection) -> Tensor:
+        """``[B, *bias.shape]``: ``sum_t delta_it`` (the bias spans every output unit)."""
+        if selection.variable is not getattr(layer, "bias", None):
+            raise ValueError(f"{type(layer).__name__} rule cannot handle variable {selection.variable.name}")
+        return tf.reshape(tf.reduce_sum(d, axis=1), [-1, *selection.shape])
+
+
+class EinsumLayout(NamedTuple):
+    """An EinsumDense equation that is a Dense on reshaped tensors: the input's trailing axes are
+    contracted with the kernel's leading axes, and the output is the input's other axes followed
+    by the kernel's other axes (e.g. ``abc,cde->abde``, ``abcd,cde->abe``)."""
+
+    fan_in: int
+    fan_out: int
+
+
+def einsum_layout(layer: tf.keras.layers.EinsumDense) -> EinsumLayout | None:
+    """The :class:`EinsumLayout` of ``layer``, or None when its equation is not Dense-like
+    (or its bias does not span every output unit, or it has a non-linear activation)."""
+    match = re.fullmatch(r"([a-z]+),([a-z]+)->([a-z]+)", layer.equation.replace(" ", ""))
+    if match is None or getattr(layer, "activation", None) not in (None, tf.keras.activations.linear):
+        return None
+    inputs, kernel, output = match.groups()
+    contracted = "".join(c for c in kernel if c in inputs and c not in output)
+    free = kernel[len(contracted):]
+    batch = inputs[: len(inputs) - len(contracted)]
+    if not contracted or kernel != contracted + free or inputs != batch + contracted or output != batch + free:
+        return None
+    shape = layer.kernel.shape.as_list()
+    bias = getattr(layer, "bias", None)
+    if bias is not None and bias.shape.as_list() != shape[len(contracted):]:
+        return None
+    fan_in = int(tf.reduce_prod(shape[: len(contracted)]))
+    return EinsumLayout(fan_in, int(tf.reduce_prod(shape[len(contracted):])))
+
+
+class Conv2DGhostRule(GhostRule):
+    """Conv2D (channels last, ``groups = 1``), probed after the convolution (before bias)."""
+
+    reference = CONV2D_RULE
+
+    def squared_norms(self, layer, call, delta, selections):
+        norms, methods = [], []
+        for selection in selections:
+            if selection.variable is not layer.kernel:
+                norms.append(_squared(selection.compact(_sum_over_middle_axes(delta), batch_dims=1)))
+                methods.append(NormMethod(layer.name, selection.variable.name, "elementwise", None, None))
+                continue
+            d = _selected_rows(delta, selection)
+            positions = d.shape[1] * d.shape[2]
+            fan_in = layer.kernel.shape[0] * layer.kernel.shape[1] * layer.kernel.shape[2]
+            method, ghost, direct = choose_linear_norm(positions, fan_in, d.shape[-1])
+            if selection.kind == "entries":
+                method = "direct"
+            methods.append(NormMethod(layer.name, selection.variable.name, method, ghost, direct))
+            if method == "ghost":
+                patches = extract_patches(tf.cast(call.inputs, d.dtype), tuple(layer.kernel_size),
+                                          tuple(layer.strides), tuple(layer.dilation_rate), layer.padding.upper())
+                batch = tf.shape(d)[0]
+                norms.append(linear_squared_norms(tf.reshape(patches, [batch, positions, fan_in]),
+                                                  tf.reshape(d, [batch, positions, d.shape[-1]]), "ghost"))
+            else:
+                grads = self.reference.per_example_grads(layer, call, delta, [selection])[0]
+                norms.append(_squared(grads))
+        return tf.add_n(norms), methods
+
+    def weighted_sums(self, layer, call, delta_c, keep, selections):
+        inputs = keep_examples(tf.cast(call.inputs, delta_c.dtype), keep)
+        sums = []
+        for selection in selections:
+            if selection.variable is not layer.kernel:
+                sums.append(selection.compact(tf.reduce_sum(delta_c, axis=[0, 1, 2])))
+                continue
+            d = delta_c if selection.kind != "rows" else _selected_rows(delta_c, selection)
+            kernel = self._backprop_filter(layer, inputs, d)  # [kh, kw, c_in, k]
+            if selection.kind == "rows":
+                sums.append(tf.reshape(kernel, [-1, d.shape[-1]]))
+            else:
+                sums.append(selection.compact(kernel))
+        return sums
+
+    @staticmethod
+    def _backprop_filter(layer, inputs: Tensor, d: Tensor) -> Tensor:
+        """``sum_i dL_i/dK`` for the output channels in ``d``: the convolution's filter gradient."""
+        kh, kw = layer.kernel_size
+        shape = [kh, kw, inputs.shape[-1], d.shape[-1]]
+        if tuple(layer.dilation_rate) == (1, 1):
+            return tf.compat.v1.nn.conv2d_backprop_filter(
+                inputs, shape, d, strides=[1, *layer.strides, 1], padding=layer.padding.upper())
+        kernel = tf.zeros(shape, d.dtype)
+        with tf.GradientTape() as tape:
+            tape.watch(kernel)
+            out = tf.nn.convolution(inputs, kernel, strides=layer.strides, padding=layer.padding.upper(),
+                                    dilations=layer.dilation_rate)
+        return tape.gradient(out, kernel, output_gradients=d)
+
+
+class GroupNormGhostRule(GhostRule):
+    """GroupNormalization: per-example ``[B, C]`` gradients are cheap; computed directly."""
+
+    reference = GROUP_NORM_RULE
+
+    def squared_norms(self, layer, call, delta, selections):
+        grads = self.reference.per_example_grads(layer, call, delta, selections)
+        methods = [NormMethod(layer.name, s.variable.name, "elementwise", None, None) for s in selections]
+        return tf.add_n([_squared(g) for g in grads]), methods
+
+    def weighted_sums(self, layer, call, delta_c, keep, selections):
+        inputs = keep_examples(tf.cast(call.inputs, delta_c.dtype), keep)
+        normalized = GroupNormRule._normalized(layer, inputs, delta_c.dtype)
+        sums = []
+        for selection in selections:
+            full = delta_c * normalized if selection.variable is layer.gamma else delta_c
+            sums.append(selection.compact(tf.reduce_sum(full, axis=list(range(full.shape.rank - 1)))))
+        return sums
+
+
+class EmbeddingGhostRule(GhostRule):
+    """Embedding ``z_it = E[idx_it]``: ``g_i = sum_t e_{idx_it} delta_it^T`` (one-hot rows).
+
+    ``||g_i||^2 = sum_{t,s} [idx_it = idx_is] <delta_it, delta_is>`` (index equality, cost ``T^2 d``)
+    and ``S = sum_{i,t} e_{idx_it} (c_i delta_it)^T``: a segment sum over the indices.
+    """
+
+    def squared_norms(self, layer, call, delta, selections):
+        indices, d = self._operands(layer, call, delta)
+        same = tf.cast(tf.equal(indices[:, :, None], indices[:, None, :]), d.dtype)  # [B, T, T]
+        norms = tf.reduce_sum(same * tf.matmul(d, d, transpose_b=True), axis=[1, 2])
+        rows = d.shape[1]
+        methods = [NormMethod(layer.name, s.variable.name, "index_equality", rows * rows * d.shape[2], None)
+                   for s in selections]
+        if any(s.kind != "dense" for s in selections):  # entries: this layer's per-example gradients
+            return super().squared_norms(layer, call, delta, selections)
+        return norms, methods
+
+    def weighted_sums(self, layer, call, delta_c, keep, selections):
+        indices, d = self._operands(layer, call, delta_c)
+        table = tf.math.unsorted_segment_sum(tf.reshape(d, [-1, d.shape[-1]]), tf.reshape(indices, [-1]),
+                                             layer.input_dim)
+        return [s.compact(table) for s in selections]
+
+    @staticmethod
+    def _operands(layer, call, delta):
+        batch = tf.shape(delta)[0]
+        indices = tf.reshape(tf.cast(call.inputs, tf.int64), [batch, -1])
+        return indices, tf.reshape(delta, [batch, -1, delta.shape[-1]])
+
+
+FALLBACK_GHOST_RULE = GhostRule()
+
+
+def ghost_rule_for(layer: tf.keras.layers.Layer) -> GhostRule:
+    """The book-keeping rule of ``layer`` (same probe point as :func:`layer_rules.rule_for`'s)."""
+    reference = rule_for(layer)
+    if reference is DENSE_RULE:
+        return LinearGhostRule()
+    if reference is CONV2D_RULE:
+        return Conv2DGhostRule()
+    if reference is GROUP_NORM_RULE:
+        return GroupNormGhostRule()
+    if type(layer) is tf.keras.layers.Embedding and not layer.mask_zero:
+        return EmbeddingGhostRule()
+    if type(layer) is tf.keras.layers.EinsumDense:
+        layout = einsum_layout(layer)
+        if layout is not None:
+            return LinearGhostRule(layout)
+    return FALLBACK_GHOST_RULE
+

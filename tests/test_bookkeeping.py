@@ -1,0 +1,238 @@
+"""The book-keeping engine: per-example norms and clipped sums equal the materialising engine's,
+without a [B, *kernel.shape] tensor, with padding and clipping exact."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from sparta_tf import trainable as trainable_lib
+from sparta_tf.groups import row_groups
+from sparta_tf.per_example import ghost_rules
+from sparta_tf.per_example.bookkeeping import BookkeepingEngine, clipped_batch, make_clipping_engine
+from sparta_tf.per_example.layer_rules import RecordedCall
+
+L = tf.keras.layers
+
+
+def loss_fn(y, p):
+    return tf.keras.losses.sparse_categorical_crossentropy(y, p, from_logits=True)
+
+
+class Scale(L.Layer):
+    """A custom layer (no rule): y = x * w, w per channel."""
+
+    def build(self, shape):
+        self.w = self.add_weight("w", shape[-1:], initializer="random_normal")
+
+    def call(self, x):
+        return x * self.w
+
+
+def _conv_model(layer, shape=(9, 9, 4)):
+    inputs = tf.keras.Input(shape)
+    return tf.keras.Model(inputs, L.Dense(3)(L.Flatten()(layer(inputs))))
+
+
+def _sequence_model(layer, shape=(5, 6)):
+    inputs = tf.keras.Input(shape)
+    return tf.keras.Model(inputs, L.Dense(3)(L.Flatten()(layer(inputs))))
+
+
+def _mha_model():
+    inputs = tf.keras.Input((5, 8))
+    attended = L.MultiHeadAttention(num_heads=2, key_dim=3)(inputs, inputs)
+    return tf.keras.Model(inputs, L.Dense(3)(L.Flatten()(attended)))
+
+
+def _embedding_model():
+    inputs = tf.keras.Input((6,), dtype=tf.int32)
+    return tf.keras.Model(inputs, L.Dense(3)(L.Flatten()(L.Embedding(7, 4)(inputs))))
+
+
+MODELS = {
+    "dense_2d": lambda: tf.keras.Sequential([tf.keras.Input((6,)), L.Dense(5), L.Dense(3)]),
+    "dense_3d": lambda: _sequence_model(L.Dense(4)),
+    "einsum_dense": lambda: _sequence_model(L.EinsumDense("abc,cde->abde", output_shape=(5, 2, 3), bias_axes="de")),
+    "multi_head_attention": _mha_model,
+    "conv1d": lambda: _sequence_model(L.Conv1D(4, 3, padding="same")),
+    "conv2d_same": lambda: _conv_model(L.Conv2D(5, 3, padding="same")),
+    "conv2d_valid_stride": lambda: _conv_model(L.Conv2D(5, 3, strides=2, padding="valid")),
+    "conv2d_dilation": lambda: _conv_model(L.Conv2D(5, 3, dilation_rate=2, padding="same")),
+    "conv2d_groups": lambda: _conv_model(L.Conv2D(6, 3, groups=2, padding="same")),
+    "depthwise": lambda: _conv_model(L.DepthwiseConv2D(3, padding="same")),
+    "separable": lambda: _conv_model(L.SeparableConv2D(5, 3, padding="same")),
+    "embedding": _embedding_model,
+    "group_norm": lambda: _conv_model(L.GroupNormalization(2)),
+    "layer_norm": lambda: _sequence_model(L.LayerNormalization()),
+    "custom": lambda: _sequence_model(Scale()),
+}
+
+
+def _inputs(model, batch=5):
+    shape = model.inputs[0].shape[1:]
+    if model.inputs[0].dtype == tf.int32:
+        return tf.random.uniform([batch, *shape], 0, 7, tf.int32)
+    return tf.random.normal([batch, *shape])
+
+
+def _selections(model, rows: bool):
+    groups = {g.variable.name: g for g in row_groups(model)}
+    selections = []
+    for variable in model.trainable_variables:
+        group = groups.get(variable.name)
+        if rows and group is not None and group.n_rows > 2:
+            selections.append(trainable_lib.rows(group, [0, group.n_rows - 1]))
+        else:
+            selections.append(trainable_lib.dense(variable))
+    return selections
+
+
+def _compare(model, selections, x, y, valid, clip_norm):
+    bookkeeping = make_clipping_engine(model, selections, "auto")
+    assert isinstance(bookkeeping, BookkeepingEngine)
+    reference = make_clipping_engine(model, selections, "layerwise")
+    ours = tf.function(lambda: clipped_batch(bookkeeping, x, y, loss_fn, valid, clip_norm))()
+    theirs = tf.function(lambda: clipped_batch(reference, x, y, loss_fn, valid, clip_norm))()
+    np.testing.assert_allclose(ours.squared_norms.numpy()[valid.numpy()],
+                               theirs.squared_norms.numpy()[valid.numpy()], rtol=1e-5)
+    # relative to the largest coordinate of the step (some gradients are exactly zero in theory,
+    # e.g. attention's key bias, and only rounding noise in practice)
+    scale = max(float(np.max(np.abs(b.numpy()))) for b in theirs.sums) + 1e-12
+    for selection, a, b in zip(selections, ours.sums, theirs.sums):
+        assert a.shape == b.shape, selection.variable.name
+        np.testing.assert_allclose(a.numpy() / scale, b.numpy() / scale, atol=1e-5, err_msg=selection.variable.name)
+    return bookkeeping
+
+
+@pytest.mark.parametrize("rows", [False, True], ids=["whole", "rows"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_norms_and_clipped_sums_equal_the_materialising_engine(name, rows):
+    tf.random.set_seed(1)
+    model = MODELS[name]()
+    x, y = _inputs(model), tf.constant([0, 1, 2, 0, 1])
+    valid = tf.constant([True, True, True, True, False])
+    for clip_norm in (1e-3, 1e3):  # every example clipped / none clipped
+        _compare(model, _selections(model, rows), x, y, valid, clip_norm)
+
+
+@pytest.mark.parametrize("method", ["ghost", "direct"])
+@pytest.mark.parametrize("name", ["dense_3d", "einsum_dense", "conv2d_same", "conv2d_valid_stride"])
+def test_ghost_norm_and_direct_norm_both_exact(name, method, monkeypatch):
+    monkeypatch.setattr(ghost_rules, "choose_linear_norm",
+                        lambda t, d, p: ("rank_one", None, 0) if t == 1 else (method, 1, 1))
+    tf.random.set_seed(2)
+    model = MODELS[name]()
+    engine = _compare(model, _selections(model, rows=True), _inputs(model), tf.constant([0, 1, 2, 0, 1]),
+                      tf.ones([5], bool), 0.5)
+    assert method in {row.method for row in engine.cost_table()}
+
+
+def test_cost_model_picks_the_cheaper_norm_and_the_table_says_which():
+    assert ghost_rules.choose_linear_norm(1, 100, 10)[0] == "rank_one"
+    assert ghost_rules.choose_linear_norm(4, 512, 512) == ("ghost", 16 * 1024, 4 * 512 * 512)
+    assert ghost_rules.choose_linear_norm(1024, 27, 16)[0] == "direct"
+    model = tf.keras.Sequential([tf.keras.Input((4, 4, 64)), L.Conv2D(64, 3, padding="same"), L.Flatten(), L.Dense(3)])
+    engine = make_clipping_engine(model, model.trainable_variables)
+    tf.function(lambda: engine.clipped_sum(tf.random.normal([2, 4, 4, 64]), tf.constant([0, 1]), loss_fn,
+                                           tf.ones([2], bool), 1.0))()
+    methods = {row.variable: row.method for row in engine.cost_table()}
+    assert methods[model.layers[0].kernel.name] == "ghost"  # 16^2 (576 + 64) < 16 * 576 * 64
+    assert methods[model.layers[-1].kernel.name] == "rank_one"
+
+
+def _kernel_sized_tensors(graph, batch, kernels):
+    sizes = {batch * int(np.prod(k)) for k in kernels}
+    found = []
+    for op in graph.get_operations():
+        for out in op.outputs:
+            shape = out.shape
+            if shape.rank and shape.is_fully_defined() and shape[0] == batch and shape.num_elements() in sizes:
+                found.append((op.type, op.name, shape))
+    return found
+
+
+def test_a_step_of_rule_covered_layers_never_materialises_per_example_kernel_gradients():
+    batch = 7
+    model = tf.keras.Sequential([tf.keras.Input((4, 4, 24)), L.Conv2D(40, 3, padding="same", use_bias=False),
+                                 L.GroupNormalization(4), L.Flatten(), L.Dense(33), L.Dense(5)])
+    engine = make_clipping_engine(model, model.trainable_variables)
+    x, y = tf.random.normal([batch, 4, 4, 24]), tf.zeros([batch], tf.int32)
+    graph = tf.function(lambda: engine.clipped_sum(x, y, loss_fn, tf.ones([batch], bool), 1.0).sums) \
+        .get_concrete_function().graph
+    kernels = [v.shape for v in model.trainable_variables if "kernel" in v.name]
+    assert _kernel_sized_tensors(graph, batch, kernels) == []
+    # the check can fail: the materialising engine's graph has them
+    reference = make_clipping_engine(model, model.trainable_variables, "layerwise")
+    reference_graph = tf.function(lambda: clipped_batch(reference, x, y, loss_fn, tf.ones([batch], bool), 1.0).sums) \
+        .get_concrete_function().graph
+    assert _kernel_sized_tensors(reference_graph, batch, kernels)
+
+
+def test_padded_and_non_finite_examples_contribute_exactly_zero():
+    tf.random.set_seed(3)
+    model = MODELS["conv2d_same"]()
+    engine = make_clipping_engine(model, _selections(model, rows=True))
+    x = _inputs(model)
+    y = tf.constant([0, 1, 2, 0, 1])
+    valid = tf.constant([True, True, False, True, False])
+    step = tf.function(lambda x: engine.clipped_sum(x, y, loss_fn, valid, 1.0).sums)
+    base = step(x)
+    poisoned = tf.tensor_scatter_nd_update(x, [[2], [4]], tf.stack([tf.fill(x.shape[1:], np.inf),
+                                                                     tf.fill(x.shape[1:], np.nan)]))
+    for a, b in zip(base, step(poisoned)):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())  # bit-identical: padding cannot leak
+
+
+def test_every_example_contributes_at_most_the_clip_norm():
+    tf.random.set_seed(4)
+    model = MODELS["dense_3d"]()
+    engine = make_clipping_engine(model, model.trainable_variables)
+    x = 100.0 * _inputs(model)
+    for i in range(3):
+        only = tf.one_hot(i, 5) > 0
+        sums = engine.clipped_sum(x, tf.constant([0, 1, 2, 0, 1]), loss_fn, only, 0.25).sums
+        norm = np.sqrt(sum(float(tf.reduce_sum(tf.square(s))) for s in sums))
+        assert norm <= 0.25 * (1 + 1e-6) and norm > 0.2
+
+
+def test_a_layer_called_twice_is_clipped_on_the_sum_of_its_calls():
+    shared = L.Dense(4)
+    inputs = tf.keras.Input((6,))
+    model = tf.keras.Model(inputs, L.Dense(3)(shared(L.Activation("tanh")(shared(L.Dense(4)(inputs))))))
+    x, y = tf.random.normal([5, 6]), tf.constant([0, 1, 2, 0, 1])
+    engine = _compare(model, _selections(model, rows=False), x, y, tf.ones([5], bool), 0.1)
+    assert "direct_shared_layer" in {row.method for row in engine.cost_table()}
+
+
+def _tf_privacy_norms(computation, layer, args, delta_seed):
+    with tf.GradientTape() as tape:
+        base_vars, outputs, sqr_norm_fn = computation(layer, args, {}, tape)[:3]
+        weights = tf.random.stateless_normal(tf.shape(outputs), [delta_seed, 0])
+        total = tf.reduce_sum(outputs * weights)
+    return sqr_norm_fn(tape.gradient(total, base_vars)), weights
+
+
+@pytest.mark.parametrize("kind", ["dense", "dense_3d", "einsum_dense", "layer_norm", "embedding"])
+def test_our_norms_equal_tf_privacy_registry_functions(kind):
+    registry = pytest.importorskip("tensorflow_privacy.privacy.fast_gradient_clipping.registry_functions.dense")
+    from tensorflow_privacy.privacy.fast_gradient_clipping.registry_functions import (
+        einsum_dense, embedding, layer_normalization)
+
+    tf.random.set_seed(5)
+    layer, inputs, computation = {
+        "dense": (L.Dense(4), tf.random.normal([6, 5]), registry.dense_layer_computation),
+        "dense_3d": (L.Dense(4), tf.random.normal([6, 3, 5]), registry.dense_layer_computation),
+        "einsum_dense": (L.EinsumDense("abc,cd->abd", output_shape=(3, 4), bias_axes="d"),
+                         tf.random.normal([6, 3, 5]), einsum_dense.einsum_layer_computation),
+        "layer_norm": (L.LayerNormalization(), tf.random.normal([6, 5]),
+                       layer_normalization.layer_normalization_computation),
+        "embedding": (L.Embedding(7, 4), tf.random.uniform([6, 3], 0, 7, tf.int32),
+                      embedding.embedding_layer_computation),
+    }[kind]
+    layer(inputs)  # build
+    theirs, delta = _tf_privacy_norms(computation, layer, (inputs,), 11)
+    rule = ghost_rules.ghost_rule_for(layer)
+    call = RecordedCall(layer, (inputs,), {}, None, type(layer).call.__get__(layer))
+    selections = [trainable_lib.dense(v) for v in layer.trainable_variables]
+    ours, _ = rule.squared_norms(layer, call, delta, selections)
+    np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-5)
