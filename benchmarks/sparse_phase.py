@@ -100,9 +100,18 @@ from sparta_tf import SpartaSelector, methods, row_groups  # noqa: E402
 from sparta_tf.models import resnet18_gn, resnet20_gn, vit_tiny  # noqa: E402
 from sparta_tf.selection import random_selections  # noqa: E402
 
-MODELS = {"resnet20_gn": resnet20_gn, "resnet18_gn": resnet18_gn, "vit_tiny": vit_tiny}
+def dense_mlp(input_shape, num_classes: int, width: int = 1024, depth: int = 3) -> tf.keras.Model:
+    """The Dense-only MLP of the engine issue: flatten(3072) -> width x depth (ReLU) -> classes
+    (3072-1024-1024-1024-10: 5.3M parameters); ReLU is a separate layer so Dense stays linear."""
+    layers = [tf.keras.Input(input_shape), tf.keras.layers.Flatten()]
+    for _ in range(depth):
+        layers += [tf.keras.layers.Dense(width), tf.keras.layers.ReLU()]
+    return tf.keras.Sequential(layers + [tf.keras.layers.Dense(num_classes)], name="dense_mlp")
+
+
+MODELS = {"resnet20_gn": resnet20_gn, "resnet18_gn": resnet18_gn, "vit_tiny": vit_tiny, "mlp": dense_mlp}
 DEFAULT_CONFIGS = ["resnet20_gn:256", "vit_tiny:256"]
-DEFAULT_STEPS = {"resnet20_gn": 20, "resnet18_gn": 10, "vit_tiny": 6}  # timed steps per variant
+DEFAULT_STEPS = {"resnet20_gn": 20, "resnet18_gn": 10, "vit_tiny": 6, "mlp": 10}  # timed steps per variant
 REFERENCE = "dp-full"
 XLA_SUFFIX = "+xla"
 # variant -> the largest acceptable ratio of its median to dp-full's (from the issue)
@@ -151,9 +160,32 @@ def make_input_grad_floor_step(model: tf.keras.Model, batch_size: int, ctx: st.C
     return st._fit_path_step(floor, st._tf_dataset(batch_size, ctx.seed))
 
 
+def make_layerwise_dp_step(model: tf.keras.Model, batch_size: int, ctx: st.Ctx) -> st.Step:
+    """The previous default: per-example gradients materialised layer by layer, then clipped."""
+    return st._sparta_step(model, batch_size, ctx, engine="layerwise")
+
+
+def make_tfp_ghost_step(model: tf.keras.Model, batch_size: int, ctx: st.Ctx) -> st.Step:
+    """TF Privacy's DPModel with its default layer registry (ghost clipping of Dense and Embedding;
+    every other layer is outside the registry, which TF Privacy refuses)."""
+    from tensorflow_privacy.privacy.fast_gradient_clipping import layer_registry
+    from tensorflow_privacy.privacy.keras_models.dp_keras_model import make_dp_model_class
+
+    unsupported = sorted({type(l).__name__ for l in model.layers if l.trainable_weights}
+                         - {"Dense", "Embedding"})
+    if unsupported:
+        raise st.VariantUnavailable(f"TF Privacy's registry has no rule for {', '.join(unsupported)}")
+    dp_model = make_dp_model_class(tf.keras.Model)(
+        l2_norm_clip=st.CLIP_NORM, noise_multiplier=st.NOISE_MULTIPLIER, num_microbatches=None,
+        layer_registry=layer_registry.make_default_layer_registry(), inputs=model.inputs, outputs=model.outputs)
+    dp_model.compile(optimizer=st._sgd(), loss=st._xent())
+    return st._fit_path_step(dp_model, st._tf_dataset(batch_size, ctx.seed))
+
+
 VARIANTS: List[st.Variant] = [
     st.Variant("keras", st.make_keras_step, "Keras non-private step (reference only)"),
-    st.Variant(REFERENCE, st.make_sparta_dp_step, "full DP-SGD step, all parameters (DPModel, layer-wise)"),
+    st.Variant(REFERENCE, st.make_sparta_dp_step, "full DP-SGD step, all parameters (DPModel, default engine: book-keeping)"),
+    st.Variant("dp-layerwise", make_layerwise_dp_step, "full DP-SGD step with the previous default, engine='layerwise' (materialised)"),
     st.Variant("selection", st.make_sparta_selection_step, "SPARTA selection-epoch step: row scores of all kernels, no update"),
     st.Variant("sparse-20", st._make_sparta_sparse_step(0.20), "SPARTA sparse phase, 20% of rows per kernel + biases/norms/head"),
     st.Variant("sparse-1", st._make_sparta_sparse_step(0.01), "SPARTA sparse phase, 1% of rows per kernel + biases/norms/head"),
@@ -161,6 +193,7 @@ VARIANTS: List[st.Variant] = [
     st.Variant("input-grad-floor", make_input_grad_floor_step, "forward + backward to the input only (no weight grads)"),
     st.Variant("tfp-dpmodel", st._make_tfp_dpmodel_step(False),
                "TF Privacy make_dp_model_class (vectorized_map per-example grads), use_xla=False"),
+    st.Variant("tfp-ghost", make_tfp_ghost_step, "TF Privacy DPModel + default layer_registry (ghost clipping)"),
     st.Variant("tfp-vectorized", st.make_tfp_vectorized_step,
                "TF Privacy VectorizedDPKerasSGDOptimizer, B microbatches (tape.jacobian: O(B^2))", slow=True),
 ]
@@ -194,19 +227,11 @@ def reference_for(variant: str) -> str:
 
 
 def per_example_coordinates(model: tf.keras.Model, variant: str, seed: int) -> Optional[int]:
-    """How many coordinates the step needs a per-example gradient of (None: no per-example grads)."""
-    variant = base_name(variant)
-    if variant in (REFERENCE, "tfp-dpmodel", "tfp-vectorized"):
+    """How many coordinates the step materialises per-example gradients of, all at once (None:
+    none; the book-keeping variants compute norms and clipped sums without them, at most one
+    layer's per-example gradients at a time where the cost model picks the direct norm)."""
+    if base_name(variant) in ("dp-layerwise", "tfp-dpmodel", "tfp-vectorized"):
         return int(sum(np.prod(v.shape.as_list()) for v in model.trainable_variables))
-    if variant == "selection":
-        scorer = SpartaSelector(model).make_scorer(st.NOISE_MULTIPLIER, st.CLIP_NORM)
-        return int(sum(s.size for s in scorer.selections))
-    if variant.startswith("sparse-"):
-        density = int(variant.split("-")[1]) / 100
-        mask = random_selections(row_groups(model), density, "row", seed=seed)
-        return int(methods.trainable_set(model, "random", mask).size)
-    if variant == "dp-bitfit":
-        return int(methods.warmup_set(model).size)
     return None
 
 

@@ -46,7 +46,7 @@ from sparta_tf.model_checks import probe_batch_mixing, reject_batch_mixing_layer
 from sparta_tf.noise import gaussian_noise
 from sparta_tf.optim.masked_optimizer import MaskedOptimizer
 from sparta_tf.per_example import make_engine
-from sparta_tf.per_example.bookkeeping import clipped_batch, make_clipping_engine
+from sparta_tf.per_example.bookkeeping import BookkeepingEngine, clipped_batch, make_clipping_engine
 from sparta_tf.privacy.accounting import check_noise_multiplier, check_sample_rate
 from sparta_tf.privacy.callbacks import PrivacyCallback
 from sparta_tf.privacy.ledger import PrivacyLedger
@@ -266,12 +266,13 @@ class DPModel(tf.keras.Model):
         return self._scorer.selections if self._scorer is not None else self.trainable_set.selections
 
     def _needs_per_example_gradients(self) -> bool:
-        """True when the step uses per-example gradients themselves, not only their clipped sum."""
-        return self._scorer is not None
+        """True when the step uses per-example gradients themselves, not only clipped sums."""
+        return self._scorer is not None and not self._scorer.bookkeeping_statistic
 
     def _get_engine(self):
-        """Scoring needs per-example gradients (materialising engine); a DP step only their
-        clipped sum (book-keeping by default, see :mod:`sparta_tf.per_example.bookkeeping`)."""
+        """Book-keeping by default for DP steps and selection statistics (see
+        :mod:`sparta_tf.per_example.bookkeeping`); a materialising engine where the step needs
+        per-example gradients themselves (entry-wise ``sum_abs`` scores, DP-SSGD's dropping)."""
         if self._engine is None:
             if self._needs_per_example_gradients():
                 name = "auto" if self.engine_name == "bookkeeping" else self.engine_name
@@ -293,11 +294,17 @@ class DPModel(tf.keras.Model):
 
     def _micro_batch_sum(self, x, y, weights):
         valid = weights > 0
+        engine = self._get_engine()
+        if self._scorer is not None and isinstance(engine, BookkeepingEngine):
+            sums, losses, predictions = self._scorer.batch_statistic_bookkeeping(
+                engine, x, y, self._per_example_loss, valid)
+            self._update_metrics(y, predictions, losses, weights)
+            return sums
         if self._scorer is not None:
-            result = self._get_engine()(x, y, self._per_example_loss, valid)
+            result = engine(x, y, self._per_example_loss, valid)
             sums = self._scorer.batch_statistic(result.grads, valid)
         else:
-            result = clipped_batch(self._get_engine(), x, y, self._per_example_loss, valid, self.clip_norm)
+            result = clipped_batch(engine, x, y, self._per_example_loss, valid, self.clip_norm)
             sums = result.sums
         self._update_metrics(y, result.predictions, result.losses, weights)
         return sums

@@ -236,3 +236,35 @@ def test_our_norms_equal_tf_privacy_registry_functions(kind):
     selections = [trainable_lib.dense(v) for v in layer.trainable_variables]
     ours, _ = rule.squared_norms(layer, call, delta, selections)
     np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("score, granularity", [("sum_abs", "row"), ("oracle", "row"), ("abs_sum", "row"),
+                                                ("signed", "entry")])
+@pytest.mark.parametrize("name", ["dense_2d", "dense_3d", "conv2d_same", "einsum_dense", "conv2d_groups"])
+def test_selection_statistics_equal_the_materialising_engine(name, score, granularity):
+    from sparta_tf.selection.scoring import SelectionScorer
+
+    tf.random.set_seed(6)
+    model = MODELS[name]()
+    scorer = SelectionScorer(row_groups(model), noise_multiplier=1.0, clip_norm=0.05, score=score,
+                             granularity=granularity)
+    assert scorer.bookkeeping_statistic
+    x, y = _inputs(model), tf.constant([0, 1, 2, 0, 1])
+    valid = tf.constant([True, True, False, True, True])
+    engine = make_clipping_engine(model, scorer.selections)
+    assert isinstance(engine, BookkeepingEngine)
+    ours = tf.function(lambda: scorer.batch_statistic_bookkeeping(engine, x, y, loss_fn, valid)[0])()
+    reference = make_clipping_engine(model, scorer.selections, "layerwise")
+    theirs = tf.function(lambda: scorer.batch_statistic(reference(x, y, loss_fn, valid).grads, valid))()
+    for a, b in zip(ours, theirs):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6 * float(np.max(np.abs(b))))
+
+
+def test_entrywise_sum_abs_still_uses_per_example_gradients():
+    from sparta_tf.selection.scoring import SelectionScorer
+
+    model = MODELS["dense_2d"]()
+    scorer = SelectionScorer(row_groups(model), noise_multiplier=1.0, clip_norm=1.0, score="sum_abs",
+                             granularity="entry")
+    assert not scorer.bookkeeping_statistic

@@ -77,6 +77,48 @@ class BookkeepingEngine:
         sums = self._weighted_sums(calls, factors, keep, direct_grads)
         return ClippedBatch(sums, squared, losses, predictions)
 
+    def selection_statistic(self, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor, clip_norm: float | None,
+                            groups=None) -> ClippedBatch:
+        """A selection step's noise-free statistic without a model's worth of per-example gradients.
+
+        ``clip_norm=None``: no clipping (``c_i = 1`` for kept examples; the non-private oracle).
+        ``groups=None``: the linear statistic ``sum_i c_i g_i`` (``abs_sum``, ``signed``);
+        otherwise ``[n_rows]`` per group: ``sum_i sum_{k in row j} |c_i g_i[k]|`` (``sum_abs``), by
+        the exact factorisation for Dense on 2-D input, else from one layer's per-example
+        gradients at a time.
+        """
+        calls, losses, predictions = record_output_gradients(self.model, self._layers, x, y, loss_fn, valid)
+        squared, direct_grads, table = self._squared_norms(calls)
+        self._remember(table)
+        if squared is None:
+            squared = tf.zeros([tf.shape(losses)[0]], losses.dtype)
+        if clip_norm is None:
+            keep = tf.logical_and(valid, tf.math.is_finite(squared))
+            factors = tf.cast(keep, squared.dtype)
+        else:
+            factors, keep = clipping.clip_factors(squared, clip_norm, valid)
+        if groups is None:
+            sums = self._weighted_sums(calls, factors, keep, direct_grads)
+        else:
+            sums = self._abs_row_sums(calls, factors, keep, direct_grads, groups)
+        return ClippedBatch(sums, squared, losses, predictions)
+
+    def _abs_row_sums(self, calls, factors, keep, direct_grads: dict, groups) -> list:
+        sums: list = [None] * len(self.selections)
+        for layer, rule, indices in self._plan:
+            for k in indices:
+                group = groups[k]
+                if k in direct_grads:  # shared layer: |sum over calls| needs the per-example sum
+                    g = keep_examples(direct_grads[k], keep) * tf.reshape(factors, [-1] + [1] * (direct_grads[k].shape.rank - 1))
+                    sums[k] = tf.reduce_sum(group.to_row_view(tf.abs(g), batch_dims=1), axis=[0, 1])
+                    continue
+                for call, delta in calls.get(id(layer), []):
+                    if delta is not None:
+                        scale = tf.reshape(tf.cast(factors, delta.dtype), [-1] + [1] * (delta.shape.rank - 1))
+                        sums[k] = rule.abs_row_sums(layer, call, keep_examples(delta * scale, keep), keep,
+                                                    self.selections[k], group)
+        return [tf.zeros([g.n_rows]) if s is None else s for s, g in zip(sums, groups)]
+
     # ------------------------------------------------------------------ norms
 
     def _squared_norms(self, calls):

@@ -131,6 +131,13 @@ class GhostRule:
         methods = [NormMethod(layer.name, s.variable.name, "per_layer_vjp", None, None) for s in selections]
         return tf.add_n([_squared(g) for g in grads]), methods
 
+    def abs_row_sums(self, layer, call, delta_c, keep, selection, group) -> Tensor:
+        """``[n_rows]``: ``sum_i sum_{k in row j} |c_i g_i[k]|`` (``c_i >= 0`` is in ``delta_c``), from
+        this layer's own per-example gradients (one layer at a time)."""
+        grads = self.reference.per_example_grads(layer, call, delta_c, [selection])[0]
+        grads = keep_examples(grads, keep)
+        return tf.reduce_sum(group.to_row_view(tf.abs(grads), batch_dims=1), axis=[0, 1])
+
     def weighted_sums(self, layer, call, delta_c, keep, selections) -> list[Tensor]:
         """Batched VJP of the layer's own call with ``output_gradients = c * delta``."""
         variables = [s.variable for s in selections]
@@ -198,6 +205,16 @@ class LinearGhostRule(GhostRule):
                 bias = tf.reduce_sum(self._bias_per_example(layer, d, selection), axis=0)
                 sums.append(selection.compact(bias))
         return sums
+
+    def abs_row_sums(self, layer, call, delta_c, keep, selection, group) -> Tensor:
+        """On ``[B, in]`` input the rows factorise exactly:
+        ``sum_in |a_i,in c_i delta_i,j| = ||a_i||_1 |c_i delta_i,j|``, so the statistic is
+        ``sum_i ||a_i||_1 |c_i delta_i|`` without per-example gradients."""
+        a, d = self._operands(layer, call, delta_c)
+        if a.shape[1] != 1 or selection.variable is not layer.kernel:
+            return super().abs_row_sums(layer, call, delta_c, keep, selection, group)
+        l1 = tf.reduce_sum(tf.abs(keep_examples(a, keep)), axis=[1, 2])  # [B]
+        return tf.tensordot(l1, tf.abs(d[:, 0, :]), axes=1)
 
     def _bias_per_example(self, layer, d: Tensor, selection) -> Tensor:
         """``[B, *bias.shape]``: ``sum_t delta_it`` (the bias spans every output unit)."""

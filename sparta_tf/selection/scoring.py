@@ -117,6 +117,20 @@ class SelectionScorer(tf.Module):
                 stats.append(tf.tensordot(factors, g, axes=1))
         return stats
 
+    @property
+    def bookkeeping_statistic(self) -> bool:
+        """Whether :meth:`batch_statistic_bookkeeping` computes this score (all but entry-wise
+        ``sum_abs`` / ``oracle``, which need every example's ``|g|`` per entry)."""
+        return not (self.score in ("sum_abs", "oracle") and self.granularity == "entry")
+
+    def batch_statistic_bookkeeping(self, engine, x, y, loss_fn, valid: tf.Tensor):
+        """:meth:`batch_statistic` from a book-keeping engine built for :attr:`selections`:
+        ``(stats, losses, predictions)``, without a model's worth of per-example gradients."""
+        absolute = self.score in ("sum_abs", "oracle")
+        result = engine.selection_statistic(x, y, loss_fn, valid, None if self.score == "oracle" else self.clip_norm,
+                                            self.groups if absolute else None)
+        return result.sums, result.losses, result.predictions
+
     def release(self, stats: Sequence[tf.Tensor], seed: tf.Tensor, step: tf.Tensor) -> None:
         """Adds the step's noise to the batch statistics and accumulates them."""
         if self.score == "abs_sum":
