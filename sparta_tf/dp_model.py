@@ -265,6 +265,12 @@ class DPModel(tf.keras.Model):
         """What per-example gradients are needed for: the scorer's kernels or the trainable set."""
         return self._scorer.selections if self._scorer is not None else self.trainable_set.selections
 
+    def engine_cost_table(self) -> list:
+        """Per selected variable, how the book-keeping engine computes its per-example norms
+        (``NormMethod``: method and the cost model's numbers) in the last traced step; empty
+        before the first step or with a materialising engine."""
+        return self._engine.cost_table() if isinstance(self._engine, BookkeepingEngine) else []
+
     def _needs_per_example_gradients(self) -> bool:
         """True when the step uses per-example gradients themselves, not only clipped sums."""
         return self._scorer is not None and not self._scorer.bookkeeping_statistic

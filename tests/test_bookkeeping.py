@@ -268,3 +268,15 @@ def test_entrywise_sum_abs_still_uses_per_example_gradients():
     scorer = SelectionScorer(row_groups(model), noise_multiplier=1.0, clip_norm=1.0, score="sum_abs",
                              granularity="entry")
     assert not scorer.bookkeeping_statistic
+
+
+def test_dp_model_uses_the_bookkeeping_engine_by_default_and_shows_its_choices():
+    from sparta_tf import DPModel
+
+    model = MODELS["dense_2d"]()
+    dp_model = DPModel(model, clip_norm=1.0, noise_multiplier=1.0, sample_rate=0.5, dataset_size=8, seed=1)
+    dp_model.compile(tf.keras.optimizers.SGD(0.1), loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    assert dp_model.engine_cost_table() == []
+    dp_model.train_on_batch(tf.random.normal([4, 6]), tf.constant([0, 1, 2, 0]), sample_weight=tf.ones([4]))
+    methods = {row.variable: row.method for row in dp_model.engine_cost_table()}
+    assert methods[model.layers[0].kernel.name] == "rank_one"
