@@ -280,3 +280,16 @@ def test_dp_model_uses_the_bookkeeping_engine_by_default_and_shows_its_choices()
     dp_model.train_on_batch(tf.random.normal([4, 6]), tf.constant([0, 1, 2, 0]), sample_weight=tf.ones([4]))
     methods = {row.variable: row.method for row in dp_model.engine_cost_table()}
     assert methods[model.layers[0].kernel.name] == "rank_one"
+
+
+def test_the_engine_can_be_built_while_a_step_is_traced():
+    """DPModel builds its engine lazily inside the traced train step (EinsumDense layouts included)."""
+    from sparta_tf import DPModel
+
+    model = _mha_model()
+    dp_model = DPModel(model, clip_norm=1.0, noise_multiplier=0.0, sample_rate=0.5, dataset_size=8, seed=1)
+    dp_model.compile(tf.keras.optimizers.SGD(0.1), loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    before = [v.numpy() for v in model.trainable_variables]
+    dp_model.train_on_batch(tf.random.normal([4, 5, 8]), tf.constant([0, 1, 2, 0]), sample_weight=tf.ones([4]))
+    assert any(not np.array_equal(b, v.numpy()) for b, v in zip(before, model.trainable_variables))
+    assert {"ghost", "direct"} & {row.method for row in dp_model.engine_cost_table()}

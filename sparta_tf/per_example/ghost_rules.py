@@ -39,6 +39,7 @@ with ``tf.where`` first, so ``0 * inf`` cannot leak into ``S``.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import NamedTuple, Sequence
 
@@ -248,8 +249,7 @@ def einsum_layout(layer: tf.keras.layers.EinsumDense) -> EinsumLayout | None:
     bias = getattr(layer, "bias", None)
     if bias is not None and bias.shape.as_list() != shape[len(contracted):]:
         return None
-    fan_in = int(tf.reduce_prod(shape[: len(contracted)]))
-    return EinsumLayout(fan_in, int(tf.reduce_prod(shape[len(contracted):])))
+    return EinsumLayout(math.prod(shape[: len(contracted)]), math.prod(shape[len(contracted):]))
 
 
 class Conv2DGhostRule(GhostRule):
