@@ -1,5 +1,6 @@
 """sparta-tf: differentially private (sparse) fine-tuning for TensorFlow/Keras."""
 
+from sparta_tf import keras2  # noqa: F401  (first: Keras 2 behind tf.keras on every TensorFlow)
 from sparta_tf.callbacks import MethodCallback, NonFiniteGuard, NonFiniteTrainingError, SpartaCallback
 from sparta_tf.dp_model import DPModel
 from sparta_tf.groups import group_table, parameter_table, row_groups
