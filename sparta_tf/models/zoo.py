@@ -105,10 +105,16 @@ def _from_function(fn: Callable, **fixed) -> Callable[[dict, int, tuple], tf.ker
 
 
 def _keras_cv_models():
+    from sparta_tf.keras2 import keras_version
+
+    if not keras_version().startswith("2.15"):
+        raise ValueError(f"model.name=keras_cv needs keras-cv 0.9 on Keras 2.15 (the TF 2.15 line, Python 3.11); "
+                         f"this is Keras {keras_version()}, where keras-cv builds Keras 3 models: use a zoo model "
+                         "(resnet20_gn, vit_tiny, ...) or `model: saved`")
     try:
         import keras_cv  # noqa: F401  (slow import, only when asked for)
-    except ImportError as error:  # pragma: no cover - keras-cv is a dependency
-        raise ValueError("model.name=keras_cv needs the keras-cv package (pip install keras-cv)") from error
+    except ImportError as error:
+        raise ValueError("model.name=keras_cv needs the keras-cv package (pip install keras-cv==0.9.0)") from error
     return keras_cv.models
 
 
