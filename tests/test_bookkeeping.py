@@ -293,3 +293,16 @@ def test_the_engine_can_be_built_while_a_step_is_traced():
     dp_model.train_on_batch(tf.random.normal([4, 5, 8]), tf.constant([0, 1, 2, 0]), sample_weight=tf.ones([4]))
     assert any(not np.array_equal(b, v.numpy()) for b, v in zip(before, model.trainable_variables))
     assert {"ghost", "direct"} & {row.method for row in dp_model.engine_cost_table()}
+
+
+def test_a_sequence_length_unknown_when_traced_uses_the_exact_direct_norm():
+    inputs = tf.keras.Input((None, 6))
+    model = tf.keras.Model(inputs, L.Dense(3)(L.GlobalAveragePooling1D()(L.Dense(4)(inputs))))
+    x, y = tf.random.normal([5, 7, 6]), tf.constant([0, 1, 2, 0, 1])
+    engine = make_clipping_engine(model, model.trainable_variables)
+    step = tf.function(lambda x: engine.clipped_sum(x, y, loss_fn, tf.ones([5], bool), 0.5).sums,
+                       input_signature=[tf.TensorSpec([None, None, 6])])
+    reference = make_clipping_engine(model, model.trainable_variables, "layerwise")
+    for a, b in zip(step(x), clipped_batch(reference, x, y, loss_fn, tf.ones([5], bool), 0.5).sums):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-7)
+    assert "direct" in {row.method for row in engine.cost_table()}

@@ -72,12 +72,15 @@ class NormMethod(NamedTuple):
     direct_cost: int | None
 
 
-def choose_linear_norm(positions: int, fan_in: int, rows: int) -> tuple[str, int | None, int]:
+def choose_linear_norm(positions: int | None, fan_in: int, rows: int) -> tuple[str, int | None, int | None]:
     """``(method, ghost cost, direct cost)`` for ``g_i = a_i^T delta_i``, ``a_i: [T, d]``, ``delta_i: [T, p]``.
 
     ``T = 1``: rank one. Otherwise the ghost norm costs ``T^2 (d + p)`` and the
     direct per-example gradient ``T d p``; the cheaper one is used (ties: direct).
+    ``T`` unknown when the step is traced (a dynamic sequence length): direct, exact for any ``T``.
     """
+    if positions is None:
+        return "direct", None, None
     direct = positions * fan_in * rows
     if positions == 1:
         return "rank_one", None, direct
@@ -168,9 +171,11 @@ class LinearGhostRule(GhostRule):
     def _operands(self, layer, call, delta) -> tuple[Tensor, Tensor]:
         """``(a: [B, T, in], delta: [B, T, out])`` of the layer as a Dense map."""
         a = tf.cast(call.inputs, delta.dtype)
+        fan_in = layer.kernel.shape[0] if self.einsum is None else self.einsum.fan_in
+        fan_out = layer.kernel.shape[-1] if self.einsum is None else self.einsum.fan_out
+        if self.einsum is None and a.shape.rank == 2:  # [B, in]: one position, statically
+            return a[:, None, :], delta[:, None, :]
         batch = tf.shape(a)[0]
-        fan_in = a.shape[-1] if self.einsum is None else self.einsum.fan_in
-        fan_out = delta.shape[-1] if self.einsum is None else self.einsum.fan_out
         return tf.reshape(a, [batch, -1, fan_in]), tf.reshape(delta, [batch, -1, fan_out])
 
     def squared_norms(self, layer, call, delta, selections):
@@ -265,7 +270,7 @@ class Conv2DGhostRule(GhostRule):
                 methods.append(NormMethod(layer.name, selection.variable.name, "elementwise", None, None))
                 continue
             d = _selected_rows(delta, selection)
-            positions = d.shape[1] * d.shape[2]
+            positions = None if None in d.shape[1:3] else d.shape[1] * d.shape[2]
             fan_in = layer.kernel.shape[0] * layer.kernel.shape[1] * layer.kernel.shape[2]
             method, ghost, direct = choose_linear_norm(positions, fan_in, d.shape[-1])
             if selection.kind == "entries":
