@@ -182,6 +182,35 @@ def make_tfp_ghost_step(model: tf.keras.Model, batch_size: int, ctx: st.Ctx) -> 
     return st._fit_path_step(dp_model, st._tf_dataset(batch_size, ctx.seed))
 
 
+class _NoiseFloor(tf.keras.Model):
+    """Train step = only the DP-SGD noise: one N(0, sigma^2 C^2) draw per trainable coordinate
+    (``sparta_tf.noise.gaussian_noise``, stateless Philox as in the DP step), applied by the optimizer."""
+
+    def __init__(self, model: tf.keras.Model):
+        super().__init__(name="noise_floor")
+        self.model = model
+        self.step_counter = tf.Variable(0, dtype=tf.int64, trainable=False)
+
+    def call(self, inputs, training=None):
+        return self.model(inputs, training=training)
+
+    def train_step(self, data):
+        from sparta_tf.noise import gaussian_noise
+
+        variables = self.model.trainable_variables
+        noise = gaussian_noise([v.shape for v in variables], st.NOISE_MULTIPLIER * st.CLIP_NORM,
+                               tf.constant(0, tf.int64), self.step_counter)
+        self.optimizer.apply_gradients(zip(noise, variables))
+        self.step_counter.assign_add(1)
+        return {"loss": tf.constant(0.0)}
+
+
+def make_noise_floor_step(model: tf.keras.Model, batch_size: int, ctx: st.Ctx) -> st.Step:
+    floor = _NoiseFloor(model)
+    floor.compile(optimizer=st._sgd(), loss=st._xent(), jit_compile=ctx.jit_compile)
+    return st._fit_path_step(floor, st._tf_dataset(batch_size, ctx.seed))
+
+
 VARIANTS: List[st.Variant] = [
     st.Variant("keras", st.make_keras_step, "Keras non-private step (reference only)"),
     st.Variant(REFERENCE, st.make_sparta_dp_step, "full DP-SGD step, all parameters (DPModel, default engine: book-keeping)"),
@@ -191,6 +220,7 @@ VARIANTS: List[st.Variant] = [
     st.Variant("sparse-1", st._make_sparta_sparse_step(0.01), "SPARTA sparse phase, 1% of rows per kernel + biases/norms/head"),
     st.Variant("dp-bitfit", make_dp_bitfit_step, "DP-BitFit = SPARTA warm-up set (biases/norms/head)"),
     st.Variant("input-grad-floor", make_input_grad_floor_step, "forward + backward to the input only (no weight grads)"),
+    st.Variant("noise-floor", make_noise_floor_step, "only the DP noise of every trainable coordinate + the optimizer (no forward/backward)"),
     st.Variant("tfp-dpmodel", st._make_tfp_dpmodel_step(False),
                "TF Privacy make_dp_model_class (vectorized_map per-example grads), use_xla=False"),
     st.Variant("tfp-ghost", make_tfp_ghost_step, "TF Privacy DPModel + default layer_registry (ghost clipping)"),
