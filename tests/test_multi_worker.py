@@ -1,0 +1,118 @@
+"""Multi-worker DP-SGD (MultiWorkerMirroredStrategy): the cluster checks and two real worker processes."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from sparta_tf.distribute import Cluster, ClusterError, parse_tf_config, wait_for_peers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOB = os.path.join(ROOT, "tests", "multi_worker_job.py")
+TIMEOUT_S = 240
+
+
+def tf_config(ports, index, job="worker"):
+    return json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]}, "task": {"type": job, "index": index}})
+
+
+def free_ports(k):
+    sockets = [socket.socket() for _ in range(k)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+# ----------------------------------------------------------------- TF_CONFIG
+
+
+def test_a_valid_tf_config_names_the_task_and_the_chief():
+    cluster = parse_tf_config(tf_config([1111, 2222], 1))
+    assert cluster == Cluster({"worker": ["127.0.0.1:1111", "127.0.0.1:2222"]}, "worker", 1)
+    assert not cluster.is_chief and cluster.num_workers == 2
+    assert cluster.peers == [("worker", 0, "127.0.0.1:1111")]
+    assert parse_tf_config(tf_config([1111, 2222], 0)).is_chief
+    with_chief = parse_tf_config(json.dumps({"cluster": {"chief": ["a:1"], "worker": ["b:2"]},
+                                             "task": {"type": "worker", "index": 0}}))
+    assert not with_chief.is_chief
+
+
+@pytest.mark.parametrize("text, message", [
+    (None, "needs the TF_CONFIG environment variable"),
+    ("{not json", "TF_CONFIG is not JSON"),
+    ('{"task": {"type": "worker", "index": 0}}', "no 'cluster' object"),
+    ('{"cluster": {"ps": ["a:1"], "worker": ["b:2"]}, "task": {"type": "worker", "index": 0}}', "not supported"),
+    ('{"cluster": {"worker": ["a1"]}, "task": {"type": "worker", "index": 0}}', "is not 'host:port'"),
+    ('{"cluster": {"worker": ["a:99999"]}, "task": {"type": "worker", "index": 0}}', "port in 1..65535"),
+    ('{"cluster": {"worker": ["a:1", "a:1"]}, "task": {"type": "worker", "index": 0}}', "listed twice"),
+    ('{"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 3}}', "out of range"),
+    ('{"cluster": {"worker": ["a:1"]}, "task": {"type": "chief", "index": 0}}', "each host sets its own task"),
+    ('{"cluster": {"worker": "a:1"}, "task": {"type": "worker", "index": 0}}', "must be a list"),
+])
+def test_a_malformed_tf_config_is_one_line_naming_the_fix(text, message):
+    with pytest.raises(ClusterError, match=message) as error:
+        parse_tf_config(text)
+    assert "\n" not in str(error.value)
+
+
+def test_an_unreachable_peer_fails_fast_with_one_line():
+    port, = free_ports(1)  # nothing listens there
+    cluster = parse_tf_config(tf_config([free_ports(1)[0], port], 0))
+    start = time.monotonic()
+    with pytest.raises(ClusterError, match=rf"worker\[1\] at 127.0.0.1:{port} is unreachable after 1 s") as error:
+        wait_for_peers(cluster, deadline_s=1.0, connect_timeout_s=0.5)
+    assert time.monotonic() - start < 30
+    assert "\n" not in str(error.value)
+
+
+# ------------------------------------------------------------ two processes
+
+
+def run_job(out_dir, sigma, workers):
+    """Runs the tiny job alone (workers=1) or as `workers` processes on 127.0.0.1; returns the chief's files."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), TF_CPP_MIN_LOG_LEVEL="3")
+    ports = free_ports(workers)
+    procs = []
+    try:
+        for index in range(workers):
+            worker_env = dict(env, TF_CONFIG=tf_config(ports, index)) if workers > 1 else env
+            strategy = "multi_worker" if workers > 1 else "default"
+            procs.append(subprocess.Popen([sys.executable, JOB, str(out_dir), str(sigma), strategy], env=worker_env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True))
+        for proc in procs:
+            output, _ = proc.communicate(timeout=TIMEOUT_S)
+            assert proc.returncode == 0, output.decode()[-3000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    weights = np.load(os.path.join(out_dir, "weights.npz"))
+    with open(os.path.join(out_dir, "ledger.json")) as f:
+        return [weights[k] for k in sorted(weights.files, key=lambda k: int(k.split("_")[1]))], json.load(f)
+
+
+@pytest.mark.parametrize("sigma", [0.0, 1.3])
+def test_two_workers_train_the_single_process_model_and_spend_the_same_epsilon(tmp_path, sigma):
+    """Same seed: one global Poisson sample per step split among the workers, clipped sums all-reduced,
+    noise added once. Counting an example twice, a worker's own sample or its own noise would all
+    change the weights; the ledger must hold exactly the single run's steps."""
+    single_weights, single = run_job(tmp_path / "single", sigma, 1)
+    multi_weights, multi = run_job(tmp_path / "multi", sigma, 2)
+    for a, b in zip(single_weights, multi_weights):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert multi["ledger"] == single["ledger"] and multi["dp_step"] == single["dp_step"] == 8
+    assert multi["epsilon"] == single["epsilon"]
+    worker1 = tmp_path / "multi" / ".worker-worker-1"
+    other_weights = np.load(worker1 / "weights.npz")  # the other worker wrote to its own scratch
+    for a, k in zip(multi_weights, sorted(other_weights.files, key=lambda k: int(k.split("_")[1]))):
+        np.testing.assert_array_equal(a, other_weights[k])
