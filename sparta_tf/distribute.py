@@ -190,11 +190,16 @@ def is_chief(strategy: tf.distribute.Strategy) -> bool:
 
 
 def worker_dir(output_dir: str, strategy: tf.distribute.Strategy) -> str:
-    """``output_dir`` on the chief; ``output_dir/.worker-<type>-<index>`` (its scratch) on other workers."""
+    """``output_dir`` on the chief; its sibling ``<output_dir>.worker-<type>-<index>`` on other workers.
+
+    A non-chief worker keeps a complete run directory of its own there (lock,
+    journal, checkpoints to resume from), outside the chief's, so that no
+    file of the two ever collides even on a shared file system.
+    """
     cluster = cluster_of(strategy)
     if cluster is None or cluster.is_chief:
         return output_dir
-    return os.path.join(output_dir, f".worker-{cluster.task_type}-{cluster.task_index}")
+    return f"{os.path.normpath(output_dir)}.worker-{cluster.task_type}-{cluster.task_index}"
 
 
 def shared_seed(strategy: tf.distribute.Strategy, seed: int) -> int:
@@ -285,3 +290,25 @@ def for_fit(dataset: tf.data.Dataset, strategy: tf.distribute.Strategy):
     if not is_multi_worker(strategy):
         return dataset
     return tf.keras.utils.experimental.DatasetCreator(per_worker_dataset_fn(lambda: dataset))
+
+
+def check_same_step(strategy: tf.distribute.Strategy, step: int) -> None:
+    """:class:`ClusterError` unless every worker is at global step ``step`` (e.g. after ``--resume``).
+
+    Workers restored at different steps would train on shares of different
+    Poisson samples in one all-reduce, which is not the mechanism the
+    accountant charges; this refuses to start instead.
+    """
+    if not is_multi_worker(strategy):
+        return
+    value = tf.constant([step, step * step], tf.int64)
+
+    def moments():
+        return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, value)
+
+    total, squares = strategy.experimental_local_results(strategy.run(tf.function(moments)))[0].numpy()
+    replicas = strategy.num_replicas_in_sync
+    if replicas * int(squares) != int(total) ** 2:  # Cauchy-Schwarz: equality iff all steps are equal
+        raise ClusterError(f"the workers restored different checkpoints (this one at step {step}, the mean "
+                           f"{int(total) / replicas:g}); restart every worker with --resume from copies of the "
+                           "same epoch's checkpoint, or start over in fresh output directories")

@@ -112,7 +112,7 @@ def test_two_workers_train_the_single_process_model_and_spend_the_same_epsilon(t
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert multi["ledger"] == single["ledger"] and multi["dp_step"] == single["dp_step"] == 8
     assert multi["epsilon"] == single["epsilon"]
-    worker1 = tmp_path / "multi" / ".worker-worker-1"
+    worker1 = tmp_path / "multi.worker-worker-1"
     other_weights = np.load(worker1 / "weights.npz")  # the other worker wrote to its own scratch
     for a, k in zip(multi_weights, sorted(other_weights.files, key=lambda k: int(k.split("_")[1]))):
         np.testing.assert_array_equal(a, other_weights[k])
