@@ -116,3 +116,88 @@ def test_two_workers_train_the_single_process_model_and_spend_the_same_epsilon(t
     other_weights = np.load(worker1 / "weights.npz")  # the other worker wrote to its own scratch
     for a, k in zip(multi_weights, sorted(other_weights.files, key=lambda k: int(k.split("_")[1]))):
         np.testing.assert_array_equal(a, other_weights[k])
+
+
+# ------------------------------------------------- sparta-train, kill -9, --resume
+
+
+def cli_config(out):
+    return {
+        "data": {"source": "synthetic", "num_examples": 160, "num_classes": 3, "val_fraction": 0.1,
+                 "test_fraction": 0.2},
+        "model": {"name": "cifar_resnet_gn", "depth": 8},
+        "method": {"name": "sparta", "density": 0.25, "warmup_epochs": 1},
+        "privacy": {"target_epsilon": 8.0, "delta": 1e-3},
+        "training": {"epochs": 5, "batch_size": 12, "learning_rate": 0.05, "seed": 0, "strategy": "multi_worker"},
+        "export": {"enabled": False},
+        "output_dir": str(out),
+    }
+
+
+def start_workers(config_path, ports, *extra):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), TF_CPP_MIN_LOG_LEVEL="3")
+    return [subprocess.Popen([sys.executable, "-m", "trainers", "--config", str(config_path), *extra], cwd=ROOT,
+                             env=dict(env, TF_CONFIG=tf_config(ports, i)), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, start_new_session=True) for i in range(len(ports))]
+
+
+def kill_all(procs):
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def wait_mid_epoch_after(out, epoch, deadline):
+    journal, latest = out / "checkpoints" / "journal.json", out / "checkpoints" / "latest"
+    while time.time() < deadline:
+        try:
+            if latest.exists() and latest.read_text() >= f"epoch-{epoch:04d}":
+                per_epoch = json.loads((out / "plan.json").read_text())["steps_per_epoch"]
+                if json.loads(journal.read_text())["started_through"] % per_epoch not in (0, 1):
+                    return True
+        except (OSError, ValueError):
+            pass  # a file being replaced
+        time.sleep(0.02)
+    return False
+
+
+def test_kill_9_one_worker_then_resume_all_never_undercounts(tmp_path):
+    out = tmp_path / "run"
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(cli_config(out)))  # JSON is YAML
+    ports = free_ports(2)
+    procs = start_workers(path, ports)
+    try:
+        assert wait_mid_epoch_after(out, 2, time.time() + TIMEOUT_S), "no mid-epoch point after the mask"
+        os.killpg(procs[1].pid, signal.SIGKILL)  # the non-chief worker dies mid-epoch
+        procs[1].wait()
+    finally:
+        kill_all(procs)  # the chief is stuck in a collective: restart all, as a user would
+    assert not (out / "results.json").exists(), "the run finished before it could be killed"
+    mask_before = dict(np.load(out / "mask" / "mask.npz"))
+    state = json.loads((out / "checkpoints" / (out / "checkpoints" / "latest").read_text() / "state.json").read_text())
+    started = json.loads((out / "checkpoints" / "journal.json").read_text())["started_through"]
+
+    procs = start_workers(path, free_ports(2), "--resume")
+    try:
+        outputs = [proc.communicate(timeout=TIMEOUT_S)[0].decode() for proc in procs]
+    finally:
+        kill_all(procs)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2500:] for o in outputs)
+    per_epoch = json.loads((out / "plan.json").read_text())["steps_per_epoch"]
+    results = json.loads((out / "results.json").read_text())
+    ledger = json.loads((out / "ledger.json").read_text())
+    phases = {}
+    for entry in ledger["entries"]:
+        phases[entry.get("phase")] = phases.get(entry.get("phase"), 0) + entry["count"]
+    assert phases.get("interrupted", 0) == started - state["epoch"] * per_epoch > 0  # the killed epoch stays charged
+    assert results["steps"] == sum(phases.values()) >= started
+    assert results["epsilon"] <= 8.0 + 1e-6
+    mask_after = np.load(out / "mask" / "mask.npz")
+    assert set(mask_after.files) == set(mask_before)
+    for key in mask_before:  # restored, not selected again
+        np.testing.assert_array_equal(mask_after[key], mask_before[key])
+    other = tmp_path / "run.worker-worker-1"
+    assert json.loads((other / "ledger.json").read_text())["entries"] != [] and (other / "results.json").exists()
+    assert not (out / ".worker-worker-1").exists()
