@@ -201,3 +201,27 @@ def test_kill_9_one_worker_then_resume_all_never_undercounts(tmp_path):
     other = tmp_path / "run.worker-worker-1"
     assert json.loads((other / "ledger.json").read_text())["entries"] != [] and (other / "results.json").exists()
     assert not (out / ".worker-worker-1").exists()
+
+
+def test_the_plan_shows_the_strategy_and_this_tasks_role(monkeypatch):
+    from trainers.run import strategy_line
+
+    assert strategy_line("mirrored") == "strategy mirrored: one process"
+    monkeypatch.setenv("TF_CONFIG", tf_config([1111, 2222], 1))
+    assert strategy_line("multi_worker") == ("strategy multi_worker: 2 workers from TF_CONFIG, this task worker[1] = "
+                                             "worker (writes to its scratch directory)")
+    monkeypatch.setenv("TF_CONFIG", "[]")
+    with pytest.raises(ClusterError, match="no 'cluster' object"):
+        strategy_line("multi_worker")
+
+
+def test_sparta_train_with_a_malformed_tf_config_is_one_line_and_writes_nothing(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(cli_config(tmp_path / "run")))
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3", TF_CONFIG='{"cluster": {"worker": ["a:1"]}}')
+    result = subprocess.run([sys.executable, "-m", "trainers", "--config", str(path)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "error: TF_CONFIG: task=None must be {'type': one of ['worker'], 'index': int}; each host sets its own task"]
+    assert not (tmp_path / "run").exists()
