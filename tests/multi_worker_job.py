@@ -1,6 +1,7 @@
 """A tiny DPModel run, as one process of a multi-worker cluster or alone (tests/test_multi_worker.py).
 
-    python tests/multi_worker_job.py OUT_DIR SIGMA STRATEGY     (STRATEGY: default | multi_worker)
+    python tests/multi_worker_job.py OUT_DIR SIGMA STRATEGY [SEED]   (STRATEGY: default | multi_worker;
+                                                                      SEED: an int or none, default 123)
 
 Writes ``OUT_DIR/weights.npz`` and ``OUT_DIR/ledger.json`` from the chief (or
 the single process); other workers write to their scratch directory
@@ -16,7 +17,7 @@ import numpy as np
 from sparta_tf import distribute
 
 
-def main(out_dir: str, sigma: float, strategy_name: str) -> None:
+def main(out_dir: str, sigma: float, strategy_name: str, seed: int | None = 123) -> None:
     strategy = distribute.make_strategy(strategy_name, peer_deadline_s=60)  # before any other TF op
     import tensorflow as tf
 
@@ -33,7 +34,7 @@ def main(out_dir: str, sigma: float, strategy_name: str) -> None:
         h = tf.keras.layers.GlobalAveragePooling2D()(h)
         model = tf.keras.Model(inputs, tf.keras.layers.Dense(3)(h))
         dp = DPModel(model, noise_multiplier=sigma, sample_rate=0.25, physical_batch_size=8,
-                     delta=1e-5, seed=123)
+                     delta=1e-5, seed=seed)
         dp.compile(tf.keras.optimizers.SGD(0.3, momentum=0.9),
                    loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     dp.fit(x, y, epochs=2, verbose=0)
@@ -42,8 +43,9 @@ def main(out_dir: str, sigma: float, strategy_name: str) -> None:
     np.savez(os.path.join(target, "weights.npz"), *[v.numpy() for v in model.weights])
     with open(os.path.join(target, "ledger.json"), "w") as f:
         json.dump({"ledger": dp.ledger.to_json(), "epsilon": dp.ledger.epsilon() if sigma > 0 else None,
-                   "dp_step": int(dp.dp_step.numpy())}, f)
+                   "dp_step": int(dp.dp_step.numpy()), "seed": dp.seed}, f)  # a test: the seed may show
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], float(sys.argv[2]), sys.argv[3])
+    seed_arg = sys.argv[4] if len(sys.argv) > 4 else "123"
+    main(sys.argv[1], float(sys.argv[2]), sys.argv[3], None if seed_arg == "none" else int(seed_arg))

@@ -77,7 +77,7 @@ def test_an_unreachable_peer_fails_fast_with_one_line():
 # ------------------------------------------------------------ two processes
 
 
-def run_job(out_dir, sigma, workers):
+def run_job(out_dir, sigma, workers, seed="123"):
     """Runs the tiny job alone (workers=1) or as `workers` processes on 127.0.0.1; returns the chief's files."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), TF_CPP_MIN_LOG_LEVEL="3")
     ports = free_ports(workers)
@@ -86,7 +86,7 @@ def run_job(out_dir, sigma, workers):
         for index in range(workers):
             worker_env = dict(env, TF_CONFIG=tf_config(ports, index)) if workers > 1 else env
             strategy = "multi_worker" if workers > 1 else "default"
-            procs.append(subprocess.Popen([sys.executable, JOB, str(out_dir), str(sigma), strategy], env=worker_env,
+            procs.append(subprocess.Popen([sys.executable, JOB, str(out_dir), str(sigma), strategy, seed], env=worker_env,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True))
         for proc in procs:
             output, _ = proc.communicate(timeout=TIMEOUT_S)
@@ -116,6 +116,18 @@ def test_two_workers_train_the_single_process_model_and_spend_the_same_epsilon(t
     other_weights = np.load(worker1 / "weights.npz")  # the other worker wrote to its own scratch
     for a, k in zip(multi_weights, sorted(other_weights.files, key=lambda k: int(k.split("_")[1]))):
         np.testing.assert_array_equal(a, other_weights[k])
+
+
+def test_without_a_seed_every_worker_uses_the_chiefs_secret_seed(tmp_path):
+    """seed=None: each process draws a secret seed; unless the chief's is shared, the workers draw their
+    shares from different Poisson samples. (The noise seed is a mirrored variable, which MWMS broadcasts
+    from the chief anyway, so equal weights alone would not show this: the seed itself is compared.)"""
+    chief_weights, chief = run_job(tmp_path / "multi", 1.3, 2, seed="none")
+    other_dir = tmp_path / "multi.worker-worker-1"
+    assert json.loads((other_dir / "ledger.json").read_text())["seed"] == chief["seed"]  # the sampling seed too
+    other = np.load(other_dir / "weights.npz")
+    for a, k in zip(chief_weights, sorted(other.files, key=lambda k: int(k.split("_")[1]))):
+        np.testing.assert_array_equal(a, other[k])
 
 
 # ------------------------------------------------- sparta-train, kill -9, --resume
