@@ -30,7 +30,10 @@ Poisson-subsampled Gaussian mechanism (Abadi et al. 2016)::
   at construction).
 * Under ``tf.distribute`` the clipped sums are all-reduced across replicas
   and the noise, drawn from a key shared by all replicas
-  (:mod:`sparta_tf.noise`), is added once to the global sum.
+  (:mod:`sparta_tf.noise`), is added once to the global sum. Under
+  ``MultiWorkerMirroredStrategy`` every worker draws the same global Poisson
+  sample from the chief's seed and trains on its share
+  (:mod:`sparta_tf.distribute`).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from typing import Sequence
 import tensorflow as tf
 
 from sparta_tf.losses import per_example_loss_fn
-from sparta_tf import random_streams
+from sparta_tf import distribute, random_streams
 from sparta_tf.model_checks import probe_batch_mixing, reject_batch_mixing_layers
 from sparta_tf.noise import gaussian_noise
 from sparta_tf.optim.masked_optimizer import MaskedOptimizer
@@ -130,7 +133,7 @@ class DPModel(tf.keras.Model):
         self.sampling = sampling
         self.engine_name = engine
         self._jit_compile_setting = jit_compile
-        seed = random_streams.resolve_seed(seed)
+        seed = distribute.agree_on_seed(tf.distribute.get_strategy(), seed)
         self._seed = seed
         self.dp_step = tf.Variable(
             0, dtype=tf.int64, trainable=False, name="dp_step",
@@ -388,7 +391,7 @@ class DPModel(tf.keras.Model):
             batch = max(1, round(self.sample_rate * n))
             dataset = shuffled_dataset(x, y, batch, seed=self._seed, start_step=initial_step)
             return dataset, shuffled_steps_per_epoch(n, batch)
-        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        replicas = self.distribute_strategy.num_replicas_in_sync
         if self.physical_batch_size is None:
             self.physical_batch_size = default_physical_batch_size(n, self.sample_rate, multiple_of=replicas)
         sampler = PoissonSampler(n, self.sample_rate, self.physical_batch_size, seed=self._seed)
@@ -459,6 +462,7 @@ class DPModel(tf.keras.Model):
             self._probe_mixing(next(iter(x.take(1)))[0])
         if isinstance(x, tf.data.Dataset):
             self._build_compiled_metrics(x.element_spec)
+            x = distribute.for_fit(x, self.distribute_strategy)
         callbacks = list(callbacks or [])
         privacy = self._privacy_callback(callbacks, steps_per_epoch, on_budget_exhausted)
         if privacy is not None and privacy not in callbacks:

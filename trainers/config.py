@@ -161,6 +161,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "seed": Field(OPTIONAL_INT, None),
         "jit_compile": Field((bool, str), "auto", lambda v: None if v in (True, False, "auto") else "must be true, false or auto"),
         "engine": Field((str,), "auto", _one_of("auto", "bookkeeping", "layerwise", "vectorized")),
+        "strategy": Field((str,), "default", _one_of("default", "mirrored", "multi_worker")),
     },
     "export": {
         "enabled": Field((bool,), True),

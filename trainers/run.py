@@ -25,6 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 import sparta_tf
+from sparta_tf import distribute
 from sparta_tf.methods import Method, make_method
 from sparta_tf.privacy import PrivacyCallback, PrivacyLedger
 from sparta_tf.privacy.plan import PrivacyPlan, make_privacy_plan
@@ -212,7 +213,18 @@ def dry_run(config: dict) -> PrivacyPlan:
     method = build_method(config, None, model)
     plan = make_plan(config, dataset, method)
     print(describe(plan, method, model))
+    print(strategy_line(config["training"]["strategy"]))
     return plan
+
+
+def strategy_line(name: str) -> str:
+    """The plan's line on where training runs; a malformed TF_CONFIG fails here (no connection made)."""
+    if name != "multi_worker":
+        return f"strategy {name}: one process"
+    cluster = distribute.parse_tf_config(os.environ.get("TF_CONFIG"))
+    role = "chief" if cluster.is_chief else "worker (writes to its scratch directory)"
+    return (f"strategy multi_worker: {cluster.num_workers} workers from TF_CONFIG, this task "
+            f"{cluster.task_type}[{cluster.task_index}] = {role}")
 
 
 def train(config: dict, resume: bool = False, hooks=None) -> dict:
@@ -223,7 +235,9 @@ def train(config: dict, resume: bool = False, hooks=None) -> dict:
     private data before the plan and the sample rate are made) and
     ``callbacks() -> list`` (extra Keras callbacks for the DP ``fit``).
     """
-    with RunDirectory(config["output_dir"], config, resume) as run_dir:
+    strategy = distribute.make_strategy(config["training"]["strategy"])  # before any other TensorFlow op
+    output_dir = distribute.worker_dir(config["output_dir"], strategy)
+    with RunDirectory(output_dir, config, resume) as run_dir, strategy.scope():
         return _train(config, run_dir, hooks)
 
 
@@ -245,6 +259,7 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
     method = build_method(config, output_dir, model)
     plan = make_plan(config, dataset, method)
     print(describe(plan, method, model))
+    print(strategy_line(config["training"]["strategy"]))
     checkpointing.write_atomic(os.path.join(output_dir, "plan.json"), json.dumps(plan.to_json(), indent=1))
 
     privacy, training = config["privacy"], config["training"]
@@ -266,6 +281,7 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
     callback.begin(dp, plan.epochs, initial_epoch)
     if previous is not None:
         _restore(previous, dp, callback, plan, output_dir)
+    distribute.check_same_step(dp.distribute_strategy, int(dp.dp_step.numpy()))
     ledger_path = os.path.join(output_dir, "ledger.json")
     privacy_callback = PrivacyCallback(dp.ledger, plan.noise_multiplier, plan.sample_rate, plan.steps_per_epoch,
                                        step_counter=dp.dp_step, budget_mode="until_exhausted",
@@ -386,7 +402,8 @@ def _user_errors() -> tuple:
     from sparta_tf.callbacks import NonFiniteTrainingError
     from sparta_tf.privacy.accounting import PrivacyBudgetExceededError
 
-    errors = [PrivacyBudgetExceededError, FileNotFoundError, NonFiniteTrainingError, checkpointing.CheckpointError]
+    errors = [PrivacyBudgetExceededError, distribute.ClusterError, FileNotFoundError, NonFiniteTrainingError,
+              checkpointing.CheckpointError]
     try:
         from sparta_tf.data import DataError
 

@@ -1,0 +1,314 @@
+"""Multi-worker DP-SGD on ``tf.distribute``: the cluster, the shared seed, each worker's share.
+
+DP-SGD on ``W`` workers with ``R`` replicas in all runs *one* Poisson-subsampled
+Gaussian mechanism per global step, exactly as on one device::
+
+    B_t    = PoissonSample(seed, t)                       same on every worker (shared seed)
+    B_t^r  = r-th of R contiguous slices of B_t (padded)  replica r's share, disjoint, covering B_t
+    S_t    = all_reduce_sum_r  sum_{i in B_t^r} clip(g_i)  (collective over all workers)
+    g~_t   = (S_t + N(0, sigma^2 C^2 I)) / (q n)          noise keyed by (seed, t): the same draw
+                                                          on every replica, so it is added once
+
+What this module holds (the rest is ``DPModel``'s ordinary step):
+
+* :func:`parse_tf_config`: ``TF_CONFIG`` (TensorFlow's cluster convention)
+  checked, with a one-line error naming the problem and the fix;
+* :func:`make_strategy`: ``default`` / ``mirrored`` / ``multi_worker``;
+* :func:`wait_for_peers`: every peer's port must accept a TCP connection
+  before ``deadline_s`` (a connect timeout, never a hang);
+* :func:`shared_seed`: the chief's seed broadcast to every worker (a secret
+  seed drawn per worker would give different Poisson samples and noise);
+* :func:`replica_share`: the slice of a global Poisson batch a replica trains on;
+* :func:`is_chief`, :func:`worker_dir`: only the chief writes the run's files;
+  other workers write to a scratch directory of their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import time
+from typing import Any
+
+import tensorflow as tf
+
+STRATEGIES = ("default", "mirrored", "multi_worker")
+TASK_TYPES = ("chief", "worker")
+
+
+class ClusterError(ValueError):
+    """A malformed or unreachable cluster; the message is one line naming the problem and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """The parsed ``TF_CONFIG``: ``{"cluster": {"worker": [...], "chief": [...]}, "task": {...}}``."""
+
+    jobs: dict[str, list[str]]
+    task_type: str
+    task_index: int
+
+    @property
+    def address(self) -> str:
+        return self.jobs[self.task_type][self.task_index]
+
+    @property
+    def peers(self) -> list[tuple[str, int, str]]:
+        """``(job, index, "host:port")`` of every other task."""
+        return [(job, i, a) for job, addresses in self.jobs.items() for i, a in enumerate(addresses)
+                if (job, i) != (self.task_type, self.task_index)]
+
+    @property
+    def num_workers(self) -> int:
+        return sum(len(a) for a in self.jobs.values())
+
+    @property
+    def is_chief(self) -> bool:
+        """TF's convention: the ``chief`` task, or worker 0 when the cluster has no chief."""
+        if "chief" in self.jobs:
+            return self.task_type == "chief"
+        return self.task_index == 0
+
+
+_FIX = "set TF_CONFIG to e.g. '{\"cluster\": {\"worker\": [\"host1:12345\", \"host2:12345\"]}, " \
+       "\"task\": {\"type\": \"worker\", \"index\": 0}}'"
+
+
+def _split_address(address: Any, where: str) -> tuple[str, int]:
+    if not isinstance(address, str) or ":" not in address:
+        raise ClusterError(f"TF_CONFIG: {where}={address!r} is not 'host:port'; {_FIX}")
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ClusterError(f"TF_CONFIG: {where}={address!r} is not 'host:port' with a port in 1..65535; {_FIX}")
+    return host, int(port)
+
+
+def parse_tf_config(text: str | None) -> Cluster:
+    """Checks ``TF_CONFIG`` and returns the cluster; :class:`ClusterError` (one line) when malformed."""
+    if not text:
+        raise ClusterError(f"training.strategy=multi_worker needs the TF_CONFIG environment variable; {_FIX}")
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ClusterError(f"TF_CONFIG is not JSON ({error.msg} at char {error.pos}); {_FIX}") from None
+    if not isinstance(config, dict) or not isinstance(config.get("cluster"), dict):
+        raise ClusterError(f"TF_CONFIG has no 'cluster' object; {_FIX}")
+    jobs = config["cluster"]
+    unknown = sorted(set(jobs) - set(TASK_TYPES))
+    if unknown:
+        raise ClusterError(f"TF_CONFIG: cluster job(s) {unknown} are not supported (only {list(TASK_TYPES)}); {_FIX}")
+    if not jobs.get("worker") and not jobs.get("chief"):
+        raise ClusterError(f"TF_CONFIG: cluster lists no 'worker' addresses; {_FIX}")
+    seen: dict[str, str] = {}
+    for job, addresses in jobs.items():
+        if not isinstance(addresses, list):
+            raise ClusterError(f"TF_CONFIG: cluster.{job} must be a list of 'host:port'; {_FIX}")
+        if job == "chief" and len(addresses) != 1:
+            raise ClusterError(f"TF_CONFIG: cluster.chief must list exactly one address, not {len(addresses)}")
+        for i, address in enumerate(addresses):
+            _split_address(address, f"cluster.{job}[{i}]")
+            if address in seen:
+                raise ClusterError(f"TF_CONFIG: {address} is listed twice ({seen[address]} and {job}[{i}]); "
+                                   "give every task its own port")
+            seen[address] = f"{job}[{i}]"
+    task = config.get("task")
+    if not isinstance(task, dict) or task.get("type") not in jobs or not isinstance(task.get("index"), int) \
+            or isinstance(task.get("index"), bool):
+        raise ClusterError(f"TF_CONFIG: task={task!r} must be {{'type': one of {sorted(jobs)}, 'index': int}}; "
+                           "each host sets its own task")
+    if not 0 <= task["index"] < len(jobs[task["type"]]):
+        raise ClusterError(f"TF_CONFIG: task.index={task['index']} is out of range for the "
+                           f"{len(jobs[task['type']])} {task['type']} address(es)")
+    return Cluster({k: list(v) for k, v in jobs.items() if v}, task["type"], task["index"])
+
+
+def wait_for_peers(cluster: Cluster, deadline_s: float = 120.0, connect_timeout_s: float = 2.0) -> None:
+    """Returns once every peer's port accepts a TCP connection; :class:`ClusterError` after ``deadline_s``.
+
+    Workers start at different times, so a refused connection is retried
+    until the deadline; each attempt has a connect timeout, so an address
+    that drops packets cannot hang the start.
+    """
+    end = time.monotonic() + deadline_s
+    for job, index, address in cluster.peers:
+        host, port = _split_address(address, f"cluster.{job}[{index}]")
+        while True:
+            try:
+                with socket.create_connection((host, port), timeout=connect_timeout_s):
+                    break
+            except OSError as error:
+                if time.monotonic() >= end:
+                    raise ClusterError(
+                        f"cluster peer {job}[{index}] at {address} is unreachable after {deadline_s:g} s "
+                        f"({error.strerror or error}); start every task listed in TF_CONFIG or fix its address"
+                    ) from None
+                time.sleep(0.2)
+
+
+def make_strategy(name: str, peer_deadline_s: float = 120.0) -> tf.distribute.Strategy:
+    """The ``tf.distribute`` strategy ``name`` (one of :data:`STRATEGIES`).
+
+    ``multi_worker`` reads ``TF_CONFIG``; call it before any other TensorFlow
+    op (TF's collectives are configured when the strategy is created).
+    """
+    if name == "default":
+        return tf.distribute.get_strategy()
+    if name == "mirrored":
+        return tf.distribute.MirroredStrategy()
+    if name != "multi_worker":
+        raise ValueError(f"strategy={name!r} is not one of {STRATEGIES}")
+    cluster = parse_tf_config(os.environ.get("TF_CONFIG"))
+    options = tf.distribute.experimental.CommunicationOptions(
+        implementation=tf.distribute.experimental.CommunicationImplementation.AUTO)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    wait_for_peers(cluster, peer_deadline_s)  # after our own server is up, so peers can find us
+    return strategy
+
+
+def cluster_of(strategy: tf.distribute.Strategy) -> Cluster | None:
+    """The cluster of a multi-worker strategy, ``None`` for a single-process one."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None or not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return None
+    jobs = resolver.cluster_spec().as_dict()
+    if not jobs:
+        return None
+    return Cluster({k: list(v) for k, v in jobs.items()}, resolver.task_type, int(resolver.task_id))
+
+
+def is_multi_worker(strategy: tf.distribute.Strategy) -> bool:
+    cluster = cluster_of(strategy)
+    return cluster is not None and cluster.num_workers > 1
+
+
+def is_chief(strategy: tf.distribute.Strategy) -> bool:
+    """Whether this process writes the run's files (always, without a cluster)."""
+    cluster = cluster_of(strategy)
+    return cluster is None or cluster.is_chief
+
+
+def worker_dir(output_dir: str, strategy: tf.distribute.Strategy) -> str:
+    """``output_dir`` on the chief; its sibling ``<output_dir>.worker-<type>-<index>`` on other workers.
+
+    A non-chief worker keeps a complete run directory of its own there (lock,
+    journal, checkpoints to resume from), outside the chief's, so that no
+    file of the two ever collides even on a shared file system.
+    """
+    cluster = cluster_of(strategy)
+    if cluster is None or cluster.is_chief:
+        return output_dir
+    return f"{os.path.normpath(output_dir)}.worker-{cluster.task_type}-{cluster.task_index}"
+
+
+def shared_seed(strategy: tf.distribute.Strategy, seed: int) -> int:
+    """The chief's 63-bit ``seed`` on every worker (a collective sum where only replica 0 contributes).
+
+    The seed travels as two int32 halves summed in int64, which the CPU and
+    GPU collectives both support; a single process gets ``seed`` back.
+    """
+    if not is_multi_worker(strategy):
+        return seed
+    halves = tf.constant([seed >> 32, seed & 0xFFFFFFFF], tf.int64)
+
+    def contribute():
+        ctx = tf.distribute.get_replica_context()
+        mine = halves if is_chief(strategy) and ctx.replica_id_in_sync_group == 0 \
+            else tf.zeros_like(halves)
+        # only one replica is the chief's first: wrong if the chief has >1 local replica and replica 0
+        # is not its own, which TF's replica numbering (chief first) rules out.
+        return ctx.all_reduce(tf.distribute.ReduceOp.SUM, mine)
+
+    result = strategy.experimental_local_results(strategy.run(tf.function(contribute)))[0].numpy()
+    return (int(result[0]) << 32) | int(result[1])
+
+
+def replica_share(element: Any, replica: int | tf.Tensor, replicas: int) -> Any:
+    """Replica ``replica``'s contiguous ``1/replicas`` slice of a global batch ``(x, y, w)``.
+
+    The slices of all replicas are disjoint and cover the batch, so the
+    all-reduced sum of their clipped gradients is the global batch's sum.
+    The batch length (``k * P``) must be a multiple of ``replicas``.
+    """
+    def piece(t):
+        length = tf.shape(t)[0]
+        tf.debugging.assert_equal(length % replicas, 0, message="batch length is not a multiple of the "
+                                  "number of replicas; use a physical_batch_size that is")
+        size = length // replicas
+        return t[replica * size:(replica + 1) * size]
+
+    return tf.nest.map_structure(piece, element)
+
+
+def per_worker_dataset_fn(global_dataset_fn):
+    """A ``tf.keras.utils.experimental.DatasetCreator`` function: each worker's replicas' shares.
+
+    ``global_dataset_fn()`` must build the *same* dataset of global batches on
+    every worker (same seed, same start step). Worker ``w`` with ``L`` local
+    replicas yields, per global step, the slices ``w L, ..., w L + L - 1``
+    (one element per local replica, in order).
+    """
+    def dataset_fn(input_context: tf.distribute.InputContext) -> tf.data.Dataset:
+        replicas = input_context.num_replicas_in_sync
+        local = replicas // input_context.num_input_pipelines
+        first = input_context.input_pipeline_id * local
+
+        def shares(*element):
+            pieces = [replica_share(element, first + r, replicas) for r in range(local)]
+            return tf.data.Dataset.from_tensor_slices(
+                tf.nest.map_structure(lambda *p: tf.stack(p), *pieces))
+
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+        return global_dataset_fn().flat_map(shares).with_options(options)
+
+    return dataset_fn
+
+
+def agree_on_seed(strategy: tf.distribute.Strategy, seed: int | None) -> int:
+    """The run seed every worker uses: the chief's (a fresh secret one when ``seed`` is None).
+
+    A seed given explicitly must be the same on every worker; different seeds
+    would give different Poisson samples and noise per worker, which the
+    accountant does not cover, so they are refused.
+    """
+    from sparta_tf import random_streams
+
+    resolved = random_streams.resolve_seed(seed)
+    if not is_multi_worker(strategy):
+        return resolved
+    chief = shared_seed(strategy, resolved)
+    if seed is not None and chief != resolved:
+        raise ValueError("DPModel(seed=...) differs between workers; pass the same seed to every worker "
+                         "(or None: the chief's secret seed is then shared)")
+    return chief
+
+
+def for_fit(dataset: tf.data.Dataset, strategy: tf.distribute.Strategy):
+    """What ``fit`` gets: ``dataset`` itself, or on several workers a ``DatasetCreator`` of each share."""
+    if not is_multi_worker(strategy):
+        return dataset
+    return tf.keras.utils.experimental.DatasetCreator(per_worker_dataset_fn(lambda: dataset))
+
+
+def check_same_step(strategy: tf.distribute.Strategy, step: int) -> None:
+    """:class:`ClusterError` unless every worker is at global step ``step`` (e.g. after ``--resume``).
+
+    Workers restored at different steps would train on shares of different
+    Poisson samples in one all-reduce, which is not the mechanism the
+    accountant charges; this refuses to start instead.
+    """
+    if not is_multi_worker(strategy):
+        return
+    value = tf.constant([step, step * step], tf.int64)
+
+    def moments():
+        return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, value)
+
+    total, squares = strategy.experimental_local_results(strategy.run(tf.function(moments)))[0].numpy()
+    replicas = strategy.num_replicas_in_sync
+    if replicas * int(squares) != int(total) ** 2:  # Cauchy-Schwarz: equality iff all steps are equal
+        raise ClusterError(f"the workers restored different checkpoints (this one at step {step}, the mean "
+                           f"{int(total) / replicas:g}); restart every worker with --resume from copies of the "
+                           "same epoch's checkpoint, or start over in fresh output directories")

@@ -1,0 +1,239 @@
+"""Multi-worker DP-SGD (MultiWorkerMirroredStrategy): the cluster checks and two real worker processes."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from sparta_tf.distribute import Cluster, ClusterError, parse_tf_config, wait_for_peers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOB = os.path.join(ROOT, "tests", "multi_worker_job.py")
+TIMEOUT_S = 240
+
+
+def tf_config(ports, index, job="worker"):
+    return json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]}, "task": {"type": job, "index": index}})
+
+
+def free_ports(k):
+    sockets = [socket.socket() for _ in range(k)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+# ----------------------------------------------------------------- TF_CONFIG
+
+
+def test_a_valid_tf_config_names_the_task_and_the_chief():
+    cluster = parse_tf_config(tf_config([1111, 2222], 1))
+    assert cluster == Cluster({"worker": ["127.0.0.1:1111", "127.0.0.1:2222"]}, "worker", 1)
+    assert not cluster.is_chief and cluster.num_workers == 2
+    assert cluster.peers == [("worker", 0, "127.0.0.1:1111")]
+    assert parse_tf_config(tf_config([1111, 2222], 0)).is_chief
+    with_chief = parse_tf_config(json.dumps({"cluster": {"chief": ["a:1"], "worker": ["b:2"]},
+                                             "task": {"type": "worker", "index": 0}}))
+    assert not with_chief.is_chief
+
+
+@pytest.mark.parametrize("text, message", [
+    (None, "needs the TF_CONFIG environment variable"),
+    ("{not json", "TF_CONFIG is not JSON"),
+    ('{"task": {"type": "worker", "index": 0}}', "no 'cluster' object"),
+    ('{"cluster": {"ps": ["a:1"], "worker": ["b:2"]}, "task": {"type": "worker", "index": 0}}', "not supported"),
+    ('{"cluster": {"worker": ["a1"]}, "task": {"type": "worker", "index": 0}}', "is not 'host:port'"),
+    ('{"cluster": {"worker": ["a:99999"]}, "task": {"type": "worker", "index": 0}}', "port in 1..65535"),
+    ('{"cluster": {"worker": ["a:1", "a:1"]}, "task": {"type": "worker", "index": 0}}', "listed twice"),
+    ('{"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 3}}', "out of range"),
+    ('{"cluster": {"worker": ["a:1"]}, "task": {"type": "chief", "index": 0}}', "each host sets its own task"),
+    ('{"cluster": {"worker": "a:1"}, "task": {"type": "worker", "index": 0}}', "must be a list"),
+])
+def test_a_malformed_tf_config_is_one_line_naming_the_fix(text, message):
+    with pytest.raises(ClusterError, match=message) as error:
+        parse_tf_config(text)
+    assert "\n" not in str(error.value)
+
+
+def test_an_unreachable_peer_fails_fast_with_one_line():
+    port, = free_ports(1)  # nothing listens there
+    cluster = parse_tf_config(tf_config([free_ports(1)[0], port], 0))
+    start = time.monotonic()
+    with pytest.raises(ClusterError, match=rf"worker\[1\] at 127.0.0.1:{port} is unreachable after 1 s") as error:
+        wait_for_peers(cluster, deadline_s=1.0, connect_timeout_s=0.5)
+    assert time.monotonic() - start < 30
+    assert "\n" not in str(error.value)
+
+
+# ------------------------------------------------------------ two processes
+
+
+def run_job(out_dir, sigma, workers, seed="123"):
+    """Runs the tiny job alone (workers=1) or as `workers` processes on 127.0.0.1; returns the chief's files."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), TF_CPP_MIN_LOG_LEVEL="3")
+    ports = free_ports(workers)
+    procs = []
+    try:
+        for index in range(workers):
+            worker_env = dict(env, TF_CONFIG=tf_config(ports, index)) if workers > 1 else env
+            strategy = "multi_worker" if workers > 1 else "default"
+            procs.append(subprocess.Popen([sys.executable, JOB, str(out_dir), str(sigma), strategy, seed], env=worker_env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True))
+        for proc in procs:
+            output, _ = proc.communicate(timeout=TIMEOUT_S)
+            assert proc.returncode == 0, output.decode()[-3000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    weights = np.load(os.path.join(out_dir, "weights.npz"))
+    with open(os.path.join(out_dir, "ledger.json")) as f:
+        return [weights[k] for k in sorted(weights.files, key=lambda k: int(k.split("_")[1]))], json.load(f)
+
+
+@pytest.mark.parametrize("sigma", [0.0, 1.3])
+def test_two_workers_train_the_single_process_model_and_spend_the_same_epsilon(tmp_path, sigma):
+    """Same seed: one global Poisson sample per step split among the workers, clipped sums all-reduced,
+    noise added once. Counting an example twice, a worker's own sample or its own noise would all
+    change the weights; the ledger must hold exactly the single run's steps."""
+    single_weights, single = run_job(tmp_path / "single", sigma, 1)
+    multi_weights, multi = run_job(tmp_path / "multi", sigma, 2)
+    for a, b in zip(single_weights, multi_weights):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert multi["ledger"] == single["ledger"] and multi["dp_step"] == single["dp_step"] == 8
+    assert multi["epsilon"] == single["epsilon"]
+    worker1 = tmp_path / "multi.worker-worker-1"
+    other_weights = np.load(worker1 / "weights.npz")  # the other worker wrote to its own scratch
+    for a, k in zip(multi_weights, sorted(other_weights.files, key=lambda k: int(k.split("_")[1]))):
+        np.testing.assert_array_equal(a, other_weights[k])
+
+
+def test_without_a_seed_every_worker_uses_the_chiefs_secret_seed(tmp_path):
+    """seed=None: each process draws a secret seed; unless the chief's is shared, the workers draw their
+    shares from different Poisson samples. (The noise seed is a mirrored variable, which MWMS broadcasts
+    from the chief anyway, so equal weights alone would not show this: the seed itself is compared.)"""
+    chief_weights, chief = run_job(tmp_path / "multi", 1.3, 2, seed="none")
+    other_dir = tmp_path / "multi.worker-worker-1"
+    assert json.loads((other_dir / "ledger.json").read_text())["seed"] == chief["seed"]  # the sampling seed too
+    other = np.load(other_dir / "weights.npz")
+    for a, k in zip(chief_weights, sorted(other.files, key=lambda k: int(k.split("_")[1]))):
+        np.testing.assert_array_equal(a, other[k])
+
+
+# ------------------------------------------------- sparta-train, kill -9, --resume
+
+
+def cli_config(out):
+    return {
+        "data": {"source": "synthetic", "num_examples": 160, "num_classes": 3, "val_fraction": 0.1,
+                 "test_fraction": 0.2},
+        "model": {"name": "cifar_resnet_gn", "depth": 8},
+        "method": {"name": "sparta", "density": 0.25, "warmup_epochs": 1},
+        "privacy": {"target_epsilon": 8.0, "delta": 1e-3},
+        "training": {"epochs": 5, "batch_size": 12, "learning_rate": 0.05, "seed": 0, "strategy": "multi_worker"},
+        "export": {"enabled": False},
+        "output_dir": str(out),
+    }
+
+
+def start_workers(config_path, ports, *extra):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), TF_CPP_MIN_LOG_LEVEL="3")
+    return [subprocess.Popen([sys.executable, "-m", "trainers", "--config", str(config_path), *extra], cwd=ROOT,
+                             env=dict(env, TF_CONFIG=tf_config(ports, i)), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, start_new_session=True) for i in range(len(ports))]
+
+
+def kill_all(procs):
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def wait_mid_epoch_after(out, epoch, deadline):
+    journal, latest = out / "checkpoints" / "journal.json", out / "checkpoints" / "latest"
+    while time.time() < deadline:
+        try:
+            if latest.exists() and latest.read_text() >= f"epoch-{epoch:04d}":
+                per_epoch = json.loads((out / "plan.json").read_text())["steps_per_epoch"]
+                if json.loads(journal.read_text())["started_through"] % per_epoch not in (0, 1):
+                    return True
+        except (OSError, ValueError):
+            pass  # a file being replaced
+        time.sleep(0.02)
+    return False
+
+
+def test_kill_9_one_worker_then_resume_all_never_undercounts(tmp_path):
+    out = tmp_path / "run"
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(cli_config(out)))  # JSON is YAML
+    ports = free_ports(2)
+    procs = start_workers(path, ports)
+    try:
+        assert wait_mid_epoch_after(out, 2, time.time() + TIMEOUT_S), "no mid-epoch point after the mask"
+        os.killpg(procs[1].pid, signal.SIGKILL)  # the non-chief worker dies mid-epoch
+        procs[1].wait()
+    finally:
+        kill_all(procs)  # the chief is stuck in a collective: restart all, as a user would
+    assert not (out / "results.json").exists(), "the run finished before it could be killed"
+    mask_before = dict(np.load(out / "mask" / "mask.npz"))
+    state = json.loads((out / "checkpoints" / (out / "checkpoints" / "latest").read_text() / "state.json").read_text())
+    started = json.loads((out / "checkpoints" / "journal.json").read_text())["started_through"]
+
+    procs = start_workers(path, free_ports(2), "--resume")
+    try:
+        outputs = [proc.communicate(timeout=TIMEOUT_S)[0].decode() for proc in procs]
+    finally:
+        kill_all(procs)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2500:] for o in outputs)
+    per_epoch = json.loads((out / "plan.json").read_text())["steps_per_epoch"]
+    results = json.loads((out / "results.json").read_text())
+    ledger = json.loads((out / "ledger.json").read_text())
+    phases = {}
+    for entry in ledger["entries"]:
+        phases[entry.get("phase")] = phases.get(entry.get("phase"), 0) + entry["count"]
+    assert phases.get("interrupted", 0) == started - state["epoch"] * per_epoch > 0  # the killed epoch stays charged
+    assert results["steps"] == sum(phases.values()) >= started
+    assert results["epsilon"] <= 8.0 + 1e-6
+    mask_after = np.load(out / "mask" / "mask.npz")
+    assert set(mask_after.files) == set(mask_before)
+    for key in mask_before:  # restored, not selected again
+        np.testing.assert_array_equal(mask_after[key], mask_before[key])
+    other = tmp_path / "run.worker-worker-1"
+    assert json.loads((other / "ledger.json").read_text())["entries"] != [] and (other / "results.json").exists()
+    assert not (out / ".worker-worker-1").exists()
+
+
+def test_the_plan_shows_the_strategy_and_this_tasks_role(monkeypatch):
+    from trainers.run import strategy_line
+
+    assert strategy_line("mirrored") == "strategy mirrored: one process"
+    monkeypatch.setenv("TF_CONFIG", tf_config([1111, 2222], 1))
+    assert strategy_line("multi_worker") == ("strategy multi_worker: 2 workers from TF_CONFIG, this task worker[1] = "
+                                             "worker (writes to its scratch directory)")
+    monkeypatch.setenv("TF_CONFIG", "[]")
+    with pytest.raises(ClusterError, match="no 'cluster' object"):
+        strategy_line("multi_worker")
+
+
+def test_sparta_train_with_a_malformed_tf_config_is_one_line_and_writes_nothing(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(cli_config(tmp_path / "run")))
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3", TF_CONFIG='{"cluster": {"worker": ["a:1"]}}')
+    result = subprocess.run([sys.executable, "-m", "trainers", "--config", str(path)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "error: TF_CONFIG: task=None must be {'type': one of ['worker'], 'index': int}; each host sets its own task"]
+    assert not (tmp_path / "run").exists()
