@@ -66,6 +66,7 @@ import datetime
 import fnmatch
 import gc
 import importlib
+import importlib.util
 import json
 import logging
 import math
@@ -91,6 +92,7 @@ for _p in (str(REPO), str(HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+import sparta_tf  # noqa: E402,F401  (first: Keras 2 as tf.keras on TF >= 2.16)
 import tensorflow as tf  # noqa: E402
 
 from sparta_tf.models import resnet20_gn  # noqa: E402
@@ -877,6 +879,11 @@ def main(argv=None) -> int:
         torch.set_num_threads(threads)
     except Exception:
         pass
+    peers_missing = [v.name for v in _selected(args) if v.name.startswith("tfp-")]
+    if peers_missing and importlib.util.find_spec("tensorflow_privacy") is None:
+        print(f"error: variants {peers_missing} need TF Privacy, which installs only on the TF 2.15 line "
+              "(Python 3.11: pip install -e '.[benchmark]'); leave them out with --skip 'tfp-*'", file=sys.stderr)
+        return 2
     logcap = _install_tf_log_capture(args.tf_log)
     ctx = Ctx(dataset_size=args.dataset_size, threads=threads, seed=args.seed)
     machine = machine_info(threads)
