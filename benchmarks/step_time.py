@@ -260,7 +260,15 @@ def _sparta_step(model: tf.keras.Model, batch_size: int, ctx: Ctx, engine: str, 
 # ---------------------------------------------------------------------------
 
 
+def require_tf_privacy() -> None:
+    """Skips a TF Privacy variant with a note where TF Privacy is not installed (the TF 2.21 line)."""
+    if importlib.util.find_spec("tensorflow_privacy") is None:
+        raise VariantUnavailable("TF Privacy is not installed: it runs on the TF 2.15 line only "
+                                 "(Python 3.11, pip install -e '.[benchmark]')")
+
+
 def make_tfp_vectorized_step(model: tf.keras.Model, batch_size: int, ctx: Ctx) -> Step:
+    require_tf_privacy()
     from tensorflow_privacy.privacy.optimizers.dp_optimizer_keras_vectorized import (
         VectorizedDPKerasSGDOptimizer,
     )
@@ -284,6 +292,7 @@ def make_tfp_vectorized_step(model: tf.keras.Model, batch_size: int, ctx: Ctx) -
 
 def _make_tfp_dpmodel_step(use_xla: bool) -> Factory:
     def factory(model: tf.keras.Model, batch_size: int, ctx: Ctx) -> Step:
+        require_tf_privacy()
         from tensorflow_privacy.privacy.keras_models.dp_keras_model import make_dp_model_class
 
         DPModel = make_dp_model_class(tf.keras.Model)
@@ -879,11 +888,6 @@ def main(argv=None) -> int:
         torch.set_num_threads(threads)
     except Exception:
         pass
-    peers_missing = [v.name for v in _selected(args) if v.name.startswith("tfp-")]
-    if peers_missing and importlib.util.find_spec("tensorflow_privacy") is None:
-        print(f"error: variants {peers_missing} need TF Privacy, which installs only on the TF 2.15 line "
-              "(Python 3.11: pip install -e '.[benchmark]'); leave them out with --skip 'tfp-*'", file=sys.stderr)
-        return 2
     logcap = _install_tf_log_capture(args.tf_log)
     ctx = Ctx(dataset_size=args.dataset_size, threads=threads, seed=args.seed)
     machine = machine_info(threads)
