@@ -168,6 +168,7 @@ def make_layerwise_dp_step(model: tf.keras.Model, batch_size: int, ctx: st.Ctx) 
 def make_tfp_ghost_step(model: tf.keras.Model, batch_size: int, ctx: st.Ctx) -> st.Step:
     """TF Privacy's DPModel with its default layer registry (ghost clipping of Dense and Embedding;
     every other layer is outside the registry, which TF Privacy refuses)."""
+    st.require_tf_privacy()
     from tensorflow_privacy.privacy.fast_gradient_clipping import layer_registry
     from tensorflow_privacy.privacy.keras_models.dp_keras_model import make_dp_model_class
 

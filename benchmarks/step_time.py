@@ -66,6 +66,7 @@ import datetime
 import fnmatch
 import gc
 import importlib
+import importlib.util
 import json
 import logging
 import math
@@ -91,6 +92,7 @@ for _p in (str(REPO), str(HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+import sparta_tf  # noqa: E402,F401  (first: Keras 2 as tf.keras on TF >= 2.16)
 import tensorflow as tf  # noqa: E402
 
 from sparta_tf.models import resnet20_gn  # noqa: E402
@@ -258,7 +260,15 @@ def _sparta_step(model: tf.keras.Model, batch_size: int, ctx: Ctx, engine: str, 
 # ---------------------------------------------------------------------------
 
 
+def require_tf_privacy() -> None:
+    """Skips a TF Privacy variant with a note where TF Privacy is not installed (the TF 2.21 line)."""
+    if importlib.util.find_spec("tensorflow_privacy") is None:
+        raise VariantUnavailable("TF Privacy is not installed: it runs on the TF 2.15 line only "
+                                 "(Python 3.11, pip install -e '.[benchmark]')")
+
+
 def make_tfp_vectorized_step(model: tf.keras.Model, batch_size: int, ctx: Ctx) -> Step:
+    require_tf_privacy()
     from tensorflow_privacy.privacy.optimizers.dp_optimizer_keras_vectorized import (
         VectorizedDPKerasSGDOptimizer,
     )
@@ -282,6 +292,7 @@ def make_tfp_vectorized_step(model: tf.keras.Model, batch_size: int, ctx: Ctx) -
 
 def _make_tfp_dpmodel_step(use_xla: bool) -> Factory:
     def factory(model: tf.keras.Model, batch_size: int, ctx: Ctx) -> Step:
+        require_tf_privacy()
         from tensorflow_privacy.privacy.keras_models.dp_keras_model import make_dp_model_class
 
         DPModel = make_dp_model_class(tf.keras.Model)
