@@ -11,7 +11,9 @@ layer's input ``a`` and output gradient ``delta``
 2. the clip factors ``c_i = min(1, C/||g_i||)`` (0 for padding and non-finite
    norms; :func:`sparta_tf.clipping.clip_factors`);
 3. per layer, ``S^l = sum_i c_i g_i^l``: the layer's ordinary weight gradient
-   with ``delta`` replaced by ``c * delta``, one batched op.
+   with ``delta`` replaced by ``c * delta``, one batched op; where step 1
+   already computed that layer's per-example gradients (the cost model chose
+   the direct norm, or the layer has no rule), ``sum_i c_i g_i^l`` of those.
 
 A layer called more than once in the forward pass has ``g_i = sum_calls g_i^call``,
 whose norm is not the sum of the calls' norms: for such a layer the engine
@@ -131,7 +133,9 @@ class BookkeepingEngine:
             selections = [self.selections[k] for k in indices]
             if len(recorded) == 1:
                 call, delta = recorded[0]
-                norms, methods = rule.squared_norms(layer, call, delta, selections)
+                materialised: dict = {}
+                norms, methods = rule.squared_norms(layer, call, delta, selections, materialised)
+                direct_grads.update({indices[position]: g for position, g in materialised.items()})
                 parts.append(norms)
                 table.extend(methods)
                 continue
@@ -148,18 +152,19 @@ class BookkeepingEngine:
     def _weighted_sums(self, calls, factors: tf.Tensor, keep: tf.Tensor, direct_grads: dict) -> list:
         sums: list = [None] * len(self.selections)
         for layer, rule, indices in self._plan:
-            if indices[0] in direct_grads:
-                for k in indices:
-                    g = keep_examples(direct_grads[k], keep)
-                    sums[k] = tf.tensordot(factors, g, axes=1)
+            for k in indices:  # per-example gradients a norm rule computed anyway: sum them
+                if k in direct_grads:
+                    sums[k] = tf.tensordot(factors, keep_examples(direct_grads[k], keep), axes=1)
+            rest = [k for k in indices if k not in direct_grads]
+            if not rest:
                 continue
             for call, delta in calls.get(id(layer), []):
                 if delta is None:
                     continue
                 scale = tf.reshape(tf.cast(factors, delta.dtype), [-1] + [1] * (delta.shape.rank - 1))
                 delta_c = keep_examples(delta * scale, keep)
-                layer_sums = rule.weighted_sums(layer, call, delta_c, keep, [self.selections[k] for k in indices])
-                for k, s in zip(indices, layer_sums):
+                layer_sums = rule.weighted_sums(layer, call, delta_c, keep, [self.selections[k] for k in rest])
+                for k, s in zip(rest, layer_sums):
                     sums[k] = s if sums[k] is None else sums[k] + s
         return [tf.zeros(s.compact_shape, s.variable.dtype) if total is None else tf.cast(total, s.variable.dtype)
                 for total, s in zip(sums, self.selections)]

@@ -109,6 +109,12 @@ def _squared(t: Tensor) -> Tensor:
     return tf.reduce_sum(tf.reshape(tf.square(t), [tf.shape(t)[0], -1]), axis=1)
 
 
+def _keep(materialised: dict | None, grads) -> None:
+    """Records ``(position, per-example gradients)`` pairs a rule computed anyway."""
+    if materialised is not None:
+        materialised.update(grads)
+
+
 def keep_examples(t: Tensor, keep: Tensor) -> Tensor:
     """``t`` with the examples that are not kept set to exactly zero."""
     mask = tf.reshape(keep, [-1] + [1] * (t.shape.rank - 1))
@@ -130,8 +136,11 @@ class GhostRule:
     def probe_point(self) -> str:
         return self.reference.probe_point
 
-    def squared_norms(self, layer, call, delta, selections):
+    def squared_norms(self, layer, call, delta, selections, materialised: dict | None = None):
+        """``([B], [NormMethod])``; per-example gradients a rule computed anyway go into
+        ``materialised[position]`` (compact form), so the engine sums them instead of recomputing."""
         grads = self.reference.per_example_grads(layer, call, delta, selections)
+        _keep(materialised, enumerate(grads))
         methods = [NormMethod(layer.name, s.variable.name, "per_layer_vjp", None, None) for s in selections]
         return tf.add_n([_squared(g) for g in grads]), methods
 
@@ -178,23 +187,31 @@ class LinearGhostRule(GhostRule):
         batch = tf.shape(a)[0]
         return tf.reshape(a, [batch, -1, fan_in]), tf.reshape(delta, [batch, -1, fan_out])
 
-    def squared_norms(self, layer, call, delta, selections):
+    def squared_norms(self, layer, call, delta, selections, materialised: dict | None = None):
         a, d = self._operands(layer, call, delta)
         norms, methods = [], []
-        for selection in selections:
+        for position, selection in enumerate(selections):
             if selection.variable is layer.kernel:
                 if selection.kind == "entries":  # no factorisation: this layer's per-example gradients
                     full = tf.matmul(a, d, transpose_a=True)
-                    norms.append(_squared(selection.compact(tf.reshape(full, [-1, *selection.shape]), batch_dims=1)))
-                    methods.append(NormMethod(layer.name, selection.variable.name, "direct", None, None))
-                    continue
-                d_rows = _selected_rows(d, selection)
-                method, ghost, direct = choose_linear_norm(a.shape[1], a.shape[2], d_rows.shape[2])
-                norms.append(linear_squared_norms(a, d_rows, method))
-                methods.append(NormMethod(layer.name, selection.variable.name, method, ghost, direct))
+                    grads = selection.compact(tf.reshape(full, [-1, *selection.shape]), batch_dims=1)
+                    method, ghost, direct = "direct", None, None
+                else:
+                    d_rows = _selected_rows(d, selection)
+                    method, ghost, direct = choose_linear_norm(a.shape[1], a.shape[2], d_rows.shape[2])
+                    if method != "direct":
+                        norms.append(linear_squared_norms(a, d_rows, method))
+                        methods.append(NormMethod(layer.name, selection.variable.name, method, ghost, direct))
+                        continue
+                    grads = tf.matmul(a, d_rows, transpose_a=True)  # [B, in, k]: this layer's only
+                    if selection.kind != "rows":
+                        grads = tf.reshape(grads, [-1, *selection.shape])
             else:
-                norms.append(_squared(selection.compact(self._bias_per_example(layer, d, selection), batch_dims=1)))
-                methods.append(NormMethod(layer.name, selection.variable.name, "elementwise", None, None))
+                grads = selection.compact(self._bias_per_example(layer, d, selection), batch_dims=1)
+                method, ghost, direct = "elementwise", None, None
+            _keep(materialised, [(position, grads)])
+            norms.append(_squared(grads))
+            methods.append(NormMethod(layer.name, selection.variable.name, method, ghost, direct))
         return tf.add_n(norms), methods
 
     def weighted_sums(self, layer, call, delta_c, keep, selections):
@@ -262,11 +279,13 @@ class Conv2DGhostRule(GhostRule):
 
     reference = CONV2D_RULE
 
-    def squared_norms(self, layer, call, delta, selections):
+    def squared_norms(self, layer, call, delta, selections, materialised: dict | None = None):
         norms, methods = [], []
-        for selection in selections:
+        for position, selection in enumerate(selections):
             if selection.variable is not layer.kernel:
-                norms.append(_squared(selection.compact(_sum_over_middle_axes(delta), batch_dims=1)))
+                grads = selection.compact(_sum_over_middle_axes(delta), batch_dims=1)
+                _keep(materialised, [(position, grads)])
+                norms.append(_squared(grads))
                 methods.append(NormMethod(layer.name, selection.variable.name, "elementwise", None, None))
                 continue
             d = _selected_rows(delta, selection)
@@ -284,6 +303,7 @@ class Conv2DGhostRule(GhostRule):
                                                   tf.reshape(d, [batch, positions, d.shape[-1]]), "ghost"))
             else:
                 grads = self.reference.per_example_grads(layer, call, delta, [selection])[0]
+                _keep(materialised, [(position, grads)])
                 norms.append(_squared(grads))
         return tf.add_n(norms), methods
 
@@ -323,8 +343,9 @@ class GroupNormGhostRule(GhostRule):
 
     reference = GROUP_NORM_RULE
 
-    def squared_norms(self, layer, call, delta, selections):
+    def squared_norms(self, layer, call, delta, selections, materialised: dict | None = None):
         grads = self.reference.per_example_grads(layer, call, delta, selections)
+        _keep(materialised, enumerate(grads))
         methods = [NormMethod(layer.name, s.variable.name, "elementwise", None, None) for s in selections]
         return tf.add_n([_squared(g) for g in grads]), methods
 
@@ -345,7 +366,7 @@ class EmbeddingGhostRule(GhostRule):
     and ``S = sum_{i,t} e_{idx_it} (c_i delta_it)^T``: a segment sum over the indices.
     """
 
-    def squared_norms(self, layer, call, delta, selections):
+    def squared_norms(self, layer, call, delta, selections, materialised: dict | None = None):
         indices, d = self._operands(layer, call, delta)
         same = tf.cast(tf.equal(indices[:, :, None], indices[:, None, :]), d.dtype)  # [B, T, T]
         norms = tf.reduce_sum(same * tf.matmul(d, d, transpose_b=True), axis=[1, 2])
@@ -353,7 +374,7 @@ class EmbeddingGhostRule(GhostRule):
         methods = [NormMethod(layer.name, s.variable.name, "index_equality", rows * rows * d.shape[2], None)
                    for s in selections]
         if any(s.kind != "dense" for s in selections):  # entries: this layer's per-example gradients
-            return super().squared_norms(layer, call, delta, selections)
+            return super().squared_norms(layer, call, delta, selections, materialised)
         return norms, methods
 
     def weighted_sums(self, layer, call, delta_c, keep, selections):
