@@ -554,6 +554,18 @@ def _missing_line(missing: list[str] | None) -> str:
     return f"missing: {len(missing)} planned cells have not run yet: " + "; ".join(missing)
 
 
+def _tuning_table(records: list) -> str:
+    """Markdown: every tuning run, method x learning rate, ``validation / test`` accuracy."""
+    tune = [r for r in records if r["kind"] == "tune"]
+    rates = sorted({r["learning_rate"] for r in tune})
+    lines = ["| method | " + " | ".join(f"lr {lr:g}" for lr in rates) + " |", "|---|" + "---:|" * len(rates)]
+    for method in [m for m in METHODS if any(r["method"] == m for r in tune)]:
+        cells = {r["learning_rate"]: f"{100 * r['val_accuracy']:.1f} / {100 * r['test_accuracy']:.1f}"
+                 for r in tune if r["method"] == method}
+        lines.append(f"| {method} | " + " | ".join(cells.get(lr, "-") for lr in rates) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _why_sections(records: list, profile: dict) -> list[str]:
     """Density sweep and SPARTA-vs-oracle row overlap (with the selection epoch's cost), where run."""
     lines = []
@@ -572,7 +584,8 @@ def _write(out_dir: str, name: str, profile: dict, records: list, start: float,
     plots, and which planned cells are still missing (``None``: not planned yet)."""
     main_runs = [r for r in records if r["kind"] == "main"]
     # The ceiling is non-private by design: shown, marked, never bolded.
-    table = utility_report.markdown_table(main_runs, [m for m in METHODS if any(r["method"] == m for r in main_runs)])
+    table = (utility_report.markdown_table(main_runs, [m for m in METHODS if any(r["method"] == m for r in main_runs)])
+             if main_runs else "(no benchmark cell has run yet: see the tuning runs below)\n")
     chosen = {r["method"]: r["learning_rate"] for r in main_runs}
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump({"profile": {k: v for k, v in profile.items()}, "delta": DELTA, "learning_rates": chosen,
@@ -589,6 +602,8 @@ def _write(out_dir: str, name: str, profile: dict, records: list, start: float,
     if paired:
         lines += ["", "## SPARTA minus each method, paired over shared seeds", "", paired]
     lines += _why_sections(records, profile)
+    lines += ["", f"## Tuning runs (ε = {profile['tune_epsilon']:g}, seed 0): validation / test accuracy (%)", "",
+              _tuning_table(records)]
     with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     if main_runs:
