@@ -32,9 +32,8 @@ from typing import NamedTuple, Sequence
 import tensorflow as tf
 
 from sparta_tf import clipping
-from sparta_tf.per_example.engines import PerExampleLoss, record_output_gradients
+from sparta_tf.per_example.engines import HookedEngine, PerExampleLoss, record_output_gradients
 from sparta_tf.per_example.ghost_rules import NormMethod, _squared, ghost_rule_for, keep_examples
-from sparta_tf.per_example.recording import install_hook
 from sparta_tf.trainable import VariableSelection
 
 logger = logging.getLogger(__name__)
@@ -49,18 +48,13 @@ class ClippedBatch(NamedTuple):
     predictions: object
 
 
-class BookkeepingEngine:
+class BookkeepingEngine(HookedEngine):
     """Per-example clipping by book-keeping (see module doc). ``plan``: ``[(layer, GhostRule, indices)]``."""
 
     name = "bookkeeping"
 
     def __init__(self, model: tf.keras.Model, selections: Sequence[VariableSelection], plan):
-        self.model = model
-        self.selections = list(selections)
-        self._plan = plan
-        for layer, rule, _ in plan:
-            install_hook(layer, rule)
-        self._layers = [layer for layer, _, _ in plan]
+        super().__init__(model, selections, plan)
         self._cost_table: list[NormMethod] = []
         self._logged = False
 

@@ -59,19 +59,26 @@ def _owned_weights(layer) -> list[tf.Variable]:
     return list(layer._trainable_weights) + list(layer._non_trainable_weights)
 
 
-class LayerwiseEngine:
-    """Per-example gradients from layer inputs and output gradients (see module doc)."""
+class HookedEngine:
+    """An engine that records layer inputs and output gradients through per-layer hooks.
 
-    name = "layerwise"
+    ``plan``: ``[(layer, rule, [indices into selections])]``; each rule's ``probe_point`` says
+    where its layer is probed (see :mod:`sparta_tf.per_example.recording`).
+    """
 
     def __init__(self, model: tf.keras.Model, selections: Sequence[VariableSelection], plan):
         self.model = model
         self.selections = list(selections)
-        # plan: list of (layer, rule, [indices into self.selections])
         self._plan = plan
         for layer, rule, _ in plan:
             install_hook(layer, rule)
         self._layers = [layer for layer, _, _ in plan]
+
+
+class LayerwiseEngine(HookedEngine):
+    """Per-example gradients from layer inputs and output gradients (see module doc)."""
+
+    name = "layerwise"
 
     @classmethod
     def plan_for(cls, model: tf.keras.Model, selections: Sequence[VariableSelection], rule_of=rule_for):
