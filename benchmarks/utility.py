@@ -237,7 +237,35 @@ def _record(results, method, epsilon, seed, lr, density, kind, val=None) -> dict
             "test_accuracy": results["test_accuracy"],
             "val_accuracy": val if val is not None else _val_accuracy(results),
             "trainable_fraction": results.get("trainable_fraction"), "seconds": results.get("wall_s"),
-            "run_dir": results.get("cell", {}).get("output_dir")}
+            "run_dir": results.get("cell", {}).get("output_dir"), "config": results.get("cell")}
+
+
+def restore_recorded_runs(out_dir: str, name: str, work_dir: str) -> int:
+    """Writes ``results.json`` for every run recorded in ``<out_dir>/<name>.json`` whose run directory
+    is gone (a fresh checkout: ``runs/`` is not committed), so the benchmark resumes from the committed
+    report instead of running them again. Only records that carry their configuration are restored;
+    :func:`run_cell` still re-runs any whose configuration differs from today's. Returns how many."""
+    path = os.path.join(out_dir, f"{name}.json")
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        records = json.load(f)["runs"]
+    restored = 0
+    for record in records:
+        config = record.get("config")
+        if not config or not config["output_dir"].startswith(os.path.join(work_dir, "")):
+            continue  # made in another checkout: its configuration cannot match, so it would re-run anyway
+        if os.path.exists(os.path.join(config["output_dir"], "results.json")):
+            continue
+        os.makedirs(config["output_dir"], exist_ok=True)
+        results = {"method": record["method"], "private": record["private"], "epsilon": record["epsilon"],
+                   "test_accuracy": record["test_accuracy"], "trainable_fraction": record["trainable_fraction"],
+                   "history": {"val_accuracy": [record["val_accuracy"]]}, "wall_s": record["seconds"],
+                   "cell": config, "restored_from": path}
+        with open(os.path.join(config["output_dir"], "results.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        restored += 1
+    return restored
 
 
 def main(argv=None) -> int:
@@ -261,18 +289,22 @@ def main(argv=None) -> int:
     profile = PROFILES[args.profile]
     methods = list(args.methods or profile.get("methods", METHODS))
     name = f"{args.track}-{args.profile}"
+    not_run = [m for m in profile.get("methods", METHODS) if m not in methods]
     if args.report_only:
         return rewrite_report(args.out_dir, name, profile)
     work_dir = os.path.join(args.work_dir, name)
     os.makedirs(work_dir, exist_ok=True)
     os.makedirs(args.out_dir, exist_ok=True)
     base = base_config(args.track, profile, args.data_dir, args.fashion_dir, work_dir)
+    restored = restore_recorded_runs(args.out_dir, name, work_dir)
+    if restored:
+        print(f"resuming: {restored} runs recorded in {name}.json restored into {work_dir}", flush=True)
     start = time.perf_counter()
     with CellRunner(args.jobs) as runner:
         if args.jobs > 1:
             runner.run([("pretrain", base)])  # once, before workers would race to build the cache
         def tuning_progress(cells: list, done: dict) -> None:
-            _write(args.out_dir, name, profile, _tune_records(cells, done), start, None)
+            _write(args.out_dir, name, profile, _tune_records(cells, done), start, None, not_run)
 
         tune_cells, tuned = tune(runner, base, profile, methods, work_dir, tuning_progress)
         rates = chosen_rates(tune_cells, tuned)
@@ -280,10 +312,10 @@ def main(argv=None) -> int:
         cells = benchmark_cells(base, profile, methods, rates, work_dir)
 
         def progress(done: dict) -> None:
-            _write(args.out_dir, name, profile, records + _records(cells, done), start, _missing(cells, done))
+            _write(args.out_dir, name, profile, records + _records(cells, done), start, _missing(cells, done), not_run)
 
         results = runner.run([("cell", cell) for cell in cells], on_result=progress)
-    _write(args.out_dir, name, profile, records + _records(cells, dict(enumerate(results))), start, [])
+    _write(args.out_dir, name, profile, records + _records(cells, dict(enumerate(results))), start, [], not_run)
     print(f"wrote {os.path.join(args.out_dir, name)}.json/.md/.png in {time.perf_counter() - start:.0f} s")
     return 0
 
@@ -370,23 +402,28 @@ def seeds_of(profile: dict, method: str) -> tuple[int, ...]:
 
 
 def benchmark_cells(base: dict, profile: dict, methods: list, rates: dict, work_dir: str) -> list[Cell]:
-    """Every method x epsilon x seed at its chosen rate, then the density sweep of the sparse methods."""
+    """Every method x epsilon x seed at its chosen rate, then the density sweep of the sparse methods.
+
+    Seed-major: every method and epsilon gets its first seed before any gets its second, so a
+    benchmark stopped part-way has comparable cells (paired over the same seeds) rather than one
+    method complete and the others missing."""
     cells = []
-    for method in methods:
-        lr = rates[method]
+    seeds = sorted({seed for method in methods for seed in seeds_of(profile, method)})
+    for seed in seeds:
         for epsilon in profile["epsilons"]:
-            for seed in seeds_of(profile, method):
+            for method in [m for m in methods if seed in seeds_of(profile, m)]:
+                lr = rates[method]
                 out = cell_dir(work_dir, profile, method, epsilon, seed, lr, DEFAULT_DENSITY)
                 # the non-private ceiling ignores epsilon: one run per seed, shown in every column
                 cell_epsilon = profile["tune_epsilon"] if method == "nonprivate" else epsilon
                 config = cell_config(base, method, cell_epsilon, seed, lr, DEFAULT_DENSITY, out)
                 cells.append(Cell("main", method, epsilon, seed, lr, DEFAULT_DENSITY, config))
-        if method in SPARSE_FOR_PROFILE:
-            epsilon = profile["tune_epsilon"]
-            for density in profile["densities"]:
-                out = cell_dir(work_dir, profile, method, epsilon, 0, lr, density)
-                config = cell_config(base, method, epsilon, 0, lr, density, out)
-                cells.append(Cell("density", method, epsilon, 0, lr, density, config))
+    for method in [m for m in methods if m in SPARSE_FOR_PROFILE]:
+        epsilon = profile["tune_epsilon"]
+        for density in profile["densities"]:
+            out = cell_dir(work_dir, profile, method, epsilon, 0, rates[method], density)
+            config = cell_config(base, method, epsilon, 0, rates[method], density, out)
+            cells.append(Cell("density", method, epsilon, 0, rates[method], density, config))
     return cells
 
 
@@ -490,7 +527,8 @@ def rewrite_report(out_dir: str, name: str, profile: dict) -> int:
     if stored["profile"] != _comparable(profile):
         raise SystemExit(f"{path} was made with another {name.rsplit('-', 1)[1]!r} profile than this script's "
                          "(fix: run the benchmark again to refresh it)")
-    _write(out_dir, name, profile, stored["runs"], time.perf_counter() - stored["elapsed_s"], stored.get("missing", []))
+    _write(out_dir, name, profile, stored["runs"], time.perf_counter() - stored["elapsed_s"], stored.get("missing", []),
+           stored.get("methods_not_run", []))
     print(f"rewrote {os.path.join(out_dir, name)}.md/.png from {len(stored['runs'])} recorded runs")
     return 0
 
@@ -579,9 +617,10 @@ def _why_sections(records: list, profile: dict) -> list[str]:
 
 
 def _write(out_dir: str, name: str, profile: dict, records: list, start: float,
-           missing: list[str] | None = ()) -> None:
+           missing: list[str] | None = (), not_run: list[str] = ()) -> None:
     """The report: JSON of every run, markdown tables (accuracy; SPARTA minus each method, paired),
-    plots, and which planned cells are still missing (``None``: not planned yet)."""
+    plots, which planned cells are still missing (``None``: not planned yet) and which of the
+    profile's methods this invocation left out (``--methods``)."""
     main_runs = [r for r in records if r["kind"] == "main"]
     # The ceiling is non-private by design: shown, marked, never bolded.
     table = (utility_report.markdown_table(main_runs, [m for m in METHODS if any(r["method"] == m for r in main_runs)])
@@ -589,7 +628,8 @@ def _write(out_dir: str, name: str, profile: dict, records: list, start: float,
     chosen = {r["method"]: r["learning_rate"] for r in main_runs}
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump({"profile": {k: v for k, v in profile.items()}, "delta": DELTA, "learning_rates": chosen,
-                   "elapsed_s": time.perf_counter() - start, "missing": missing, "runs": records}, f, indent=1)
+                   "elapsed_s": time.perf_counter() - start, "missing": missing,
+                   "methods_not_run": list(not_run), "runs": records}, f, indent=1)
     track = name.rsplit("-", 1)[0]
     order = [m for m in METHODS if any(r["method"] == m for r in main_runs)]
     paired = utility_report.paired_table(main_runs, order) if "sparta" in order else ""
@@ -599,6 +639,9 @@ def _write(out_dir: str, name: str, profile: dict, records: list, start: float,
              f"epsilon = {profile['tune_epsilon']:g} (not covered by the DP guarantee)", "", table,
              "", "learning rates: " + ", ".join(f"{m} {lr:g}" for m, lr in chosen.items()),
              "", _compute_line(records, time.perf_counter() - start), "", _missing_line(missing)]
+    if not_run:
+        lines += ["", f"not run yet (no tuning run and no cell; the missing list above covers only the methods "
+                      f"that ran): {', '.join(not_run)}"]
     if paired:
         lines += ["", "## SPARTA minus each method, paired over shared seeds", "", paired]
     lines += _why_sections(records, profile)

@@ -189,3 +189,54 @@ def test_standard_profile_is_the_regime_the_issue_asks_for():
     weak = utility.PROFILES["standard-weak"]
     assert {k: v for k, v in weak.items() if k not in ("public_model", "methods", "densities", "more_seeds")} == {
         k: v for k, v in profile.items() if k not in ("public_model", "methods", "densities", "more_seeds")}
+
+
+def test_benchmark_cells_are_seed_major_so_a_partial_run_has_comparable_cells(tmp_path):
+    profile = utility.PROFILES["standard"]
+    methods = ["sparta", "all", "last"]  # sparta and all run more seeds than last
+    cells = [c for c in utility.benchmark_cells({"training": {}, "privacy": {}}, profile, methods,
+                                                {m: 0.01 for m in methods}, str(tmp_path)) if c.kind == "main"]
+    seeds = [c.seed for c in cells]
+    assert seeds == sorted(seeds)  # every method and epsilon has seed k before any has seed k + 1
+    first = cells[: len(methods) * len(profile["epsilons"])]
+    assert {(c.method, c.epsilon) for c in first} == {(m, e) for m in methods for e in profile["epsilons"]}
+    assert {c.method for c in cells if c.seed == max(profile["more_seeds"])} == {"sparta", "all"}
+
+
+def test_recorded_runs_are_restored_into_a_fresh_work_dir_and_not_recomputed(tmp_path, fake_train, monkeypatch):
+    monkeypatch.setattr(utility, "validate_config", lambda config: config)
+    work_dir, out_dir = str(tmp_path / "runs"), str(tmp_path / "results")
+    config = utility.cell_config({"data": {}, "model": {}, "privacy": {}, "training": {}}, "sparta", 2.0, 0, 0.01,
+                                 0.2, os.path.join(work_dir, "tune", "sparta", "lr0.01"))
+    results = dict(utility.run_cell(config, "sparta"), history={"val_accuracy": [0.4, 0.6]})
+    record = utility._record(results, "sparta", 2.0, 0, 0.01, 0.2, "tune")
+    foreign = dict(record, config=dict(record["config"], output_dir=str(tmp_path / "elsewhere" / "x")))
+    os.makedirs(out_dir)
+    with open(os.path.join(out_dir, "t-p.json"), "w") as f:
+        json.dump({"runs": [record, foreign, dict(record, config=None)]}, f)
+    import shutil
+
+    shutil.rmtree(work_dir)  # a fresh checkout: runs/ is not committed
+    assert utility.restore_recorded_runs(out_dir, "t-p", work_dir) == 1  # only the one made under work_dir
+    assert not os.path.exists(tmp_path / "elsewhere")
+    again = utility.run_cell(config, "sparta")
+    assert len(fake_train) == 1  # restored, not trained again
+    assert again["test_accuracy"] == record["test_accuracy"]
+    assert utility._val_accuracy(again) == 0.6
+    assert utility.restore_recorded_runs(out_dir, "t-p", work_dir) == 0  # idempotent
+    changed = utility.cell_config(config, "sparta", 2.0, 0, 0.01, 0.5, config["output_dir"])  # another density
+    utility.run_cell(changed, "sparta")
+    assert len(fake_train) == 2  # a restored run with another configuration is run again
+
+
+def test_report_names_the_methods_an_invocation_left_out_and_keeps_them_on_rewrite(tmp_path):
+    profile = utility.PROFILES["standard"]
+    record = {"kind": "tune", "method": "sparta", "target_epsilon": 2.0, "seed": 0, "learning_rate": 0.01,
+              "density": 0.2, "private": True, "epsilon": 2.0, "test_accuracy": 0.5, "val_accuracy": 0.5,
+              "trainable_fraction": 0.2, "seconds": 1.0, "run_dir": None, "config": None}
+    utility._write(str(tmp_path), "cifar10-transfer-standard", profile, [record], 0.0, None, ["last", "oracle"])
+    report = (tmp_path / "cifar10-transfer-standard.md").read_text()
+    assert "not run yet" in report and "last, oracle" in report
+    (tmp_path / "cifar10-transfer-standard.md").unlink()
+    assert utility.rewrite_report(str(tmp_path), "cifar10-transfer-standard", profile) == 0
+    assert "last, oracle" in (tmp_path / "cifar10-transfer-standard.md").read_text()
