@@ -155,8 +155,8 @@ def test_a_best_rate_at_an_edge_of_the_grid_extends_the_grid_along_the_ladder():
 
 
 def test_tuning_extends_only_methods_at_an_edge_until_every_choice_is_bracketed(tmp_path, monkeypatch):
-    # validation accuracy peaks at 0.001 for sparta (below the grid) and at 0.01 for all (inside it)
-    peak = {"sparta": 0.001, "all": 0.01}
+    # validation accuracy peaks at 0.001 for sparta (below the grid) and at 0.03 for all (inside it)
+    peak = {"sparta": 0.001, "all": 0.03}
     ran = []
 
     class Runner:
@@ -168,8 +168,8 @@ def test_tuning_extends_only_methods_at_an_edge_until_every_choice_is_bracketed(
     profile = utility.PROFILES["standard"]
     base = {"training": {"epochs": 20}, "privacy": {}}
     cells, results = utility.tune(Runner(), base, profile, ["sparta", "all"], str(tmp_path))
-    assert utility.chosen_rates(cells, results) == {"sparta": 0.001, "all": 0.01}
-    assert sorted(c.lr for c in cells if c.method == "sparta") == [0.0003, 0.001, 0.003, 0.01, 0.03]
+    assert utility.chosen_rates(cells, results) == {"sparta": 0.001, "all": 0.03}
+    assert sorted(c.lr for c in cells if c.method == "sparta") == [0.0003, 0.001, 0.003, 0.01, 0.03, 0.1]
     assert sorted(c.lr for c in cells if c.method == "all") == list(profile["lr_grid"])
 
 
@@ -240,3 +240,10 @@ def test_report_names_the_methods_an_invocation_left_out_and_keeps_them_on_rewri
     (tmp_path / "cifar10-transfer-standard.md").unlink()
     assert utility.rewrite_report(str(tmp_path), "cifar10-transfer-standard", profile) == 0
     assert "last, oracle" in (tmp_path / "cifar10-transfer-standard.md").read_text()
+
+
+def test_tuning_runs_the_middle_rate_of_every_method_first():
+    cells = utility.tuning_cells({"training": {}, "privacy": {}}, utility.PROFILES["standard"], ["sparta", "all"], "/w")
+    ordered = utility.middle_rates_first(cells + [utility.Cell("tune", "all", 2.0, 0, 0.3, 0.2, {})], (0.01, 0.03, 0.1))
+    assert [(c.method, c.lr) for c in ordered] == [("sparta", 0.03), ("all", 0.03), ("sparta", 0.01), ("all", 0.01),
+                                                    ("sparta", 0.1), ("all", 0.1), ("all", 0.3)]
