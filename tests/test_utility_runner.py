@@ -247,3 +247,13 @@ def test_tuning_runs_the_middle_rate_of_every_method_first():
     ordered = utility.middle_rates_first(cells + [utility.Cell("tune", "all", 2.0, 0, 0.3, 0.2, {})], (0.01, 0.03, 0.1))
     assert [(c.method, c.lr) for c in ordered] == [("sparta", 0.03), ("all", 0.03), ("sparta", 0.01), ("all", 0.01),
                                                     ("sparta", 0.1), ("all", 0.1), ("all", 0.3)]
+
+
+def test_epsilons_option_restricts_the_cells_and_rejects_epsilons_outside_the_profile(tmp_path):
+    profile = utility.PROFILES["standard"]
+    cells = utility.benchmark_cells({"training": {}, "privacy": {}}, profile, ["sparta"], {"sparta": 0.03},
+                                    str(tmp_path), [2.0])
+    assert {c.epsilon for c in cells} == {2.0}
+    with pytest.raises(SystemExit):
+        utility.main(["--track", "cifar10-transfer", "--profile", "standard", "--data-dir", str(tmp_path),
+                      "--epsilons", "3"])
