@@ -662,8 +662,8 @@ def _write(out_dir: str, name: str, profile: dict, records: list, start: float,
              "", "learning rates: " + ", ".join(f"{m} {lr:g}" for m, lr in chosen.items()),
              "", _compute_line(records, time.perf_counter() - start), "", _missing_line(missing)]
     if not_run:
-        lines += ["", f"not run yet (methods without tuning runs or cells, epsilons without cells; the missing list above covers only "
-                      f"what this invocation ran): {', '.join(not_run)}"]
+        lines += ["", "not run yet (methods without tuning runs or cells, epsilons without cells; the missing "
+                      f"list above covers only what this invocation ran): {', '.join(not_run)}"]
     if paired:
         lines += ["", "## SPARTA minus each method, paired over shared seeds", "", paired]
     lines += _why_sections(records, profile)
