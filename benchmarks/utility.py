@@ -299,21 +299,24 @@ def main(argv=None) -> int:
         parser.error(f"--epsilons {unknown} not in the {args.profile!r} profile's {list(profile['epsilons'])}")
     not_run = ([m for m in profile.get("methods", METHODS) if m not in methods]
                + [f"ε = {e:g}" for e in profile["epsilons"] if e not in epsilons])
-    if args.report_only:
-        return rewrite_report(args.out_dir, name, profile)
     work_dir = os.path.join(args.work_dir, name)
+    if args.report_only:
+        return rewrite_report(args.out_dir, name, profile, lambda: planned_selection_budgets(
+            base_config(args.track, profile, args.data_dir, args.fashion_dir, work_dir), profile)
+            if "sparta" in methods else {})
     os.makedirs(work_dir, exist_ok=True)
     os.makedirs(args.out_dir, exist_ok=True)
     base = base_config(args.track, profile, args.data_dir, args.fashion_dir, work_dir)
     restored = restore_recorded_runs(args.out_dir, name, work_dir)
     if restored:
         print(f"resuming: {restored} runs recorded in {name}.json restored into {work_dir}", flush=True)
-    start = time.perf_counter()
+    budgets = planned_selection_budgets(base, profile) if "sparta" in methods else {}
+    report = Report(args.out_dir, name, profile, time.perf_counter(), not_run, budgets)
     with CellRunner(args.jobs) as runner:
         if args.jobs > 1:
             runner.run([("pretrain", base)])  # once, before workers would race to build the cache
         def tuning_progress(cells: list, done: dict) -> None:
-            _write(args.out_dir, name, profile, _tune_records(cells, done), start, None, not_run)
+            _write(report, _tune_records(cells, done), None)
 
         tune_cells, tuned = tune(runner, base, profile, methods, work_dir, tuning_progress)
         rates = chosen_rates(tune_cells, tuned)
@@ -321,11 +324,11 @@ def main(argv=None) -> int:
         cells = benchmark_cells(base, profile, methods, rates, work_dir, epsilons)
 
         def progress(done: dict) -> None:
-            _write(args.out_dir, name, profile, records + _records(cells, done), start, _missing(cells, done), not_run)
+            _write(report, records + _records(cells, done), _missing(cells, done))
 
         results = runner.run([("cell", cell) for cell in cells], on_result=progress)
-    _write(args.out_dir, name, profile, records + _records(cells, dict(enumerate(results))), start, [], not_run)
-    print(f"wrote {os.path.join(args.out_dir, name)}.json/.md/.png in {time.perf_counter() - start:.0f} s")
+    _write(report, records + _records(cells, dict(enumerate(results))), [])
+    print(f"wrote {os.path.join(args.out_dir, name)}.json/.md/.png in {time.perf_counter() - report.start:.0f} s")
     return 0
 
 
@@ -476,6 +479,24 @@ def _execute(task: tuple) -> dict:
     return run_cell(payload.config, payload.method)
 
 
+def planned_selection_budgets(base: dict, profile: dict) -> dict[str, dict]:
+    """``{epsilon: share of steps and of epsilon of SPARTA's selection epoch}`` from the plan each
+    epsilon's SPARTA run makes (``trainers.run.dry_run``: data, model and accounting, no training)."""
+    import contextlib
+    import io
+
+    from trainers import run
+
+    budgets = {}
+    for epsilon in profile["epsilons"]:
+        config = validate_config(cell_config(base, "sparta", epsilon, 0, profile["lr_grid"][0], DEFAULT_DENSITY,
+                                             os.path.join(ROOT, "runs", "unused")))
+        with contextlib.redirect_stdout(io.StringIO()):
+            plan = run.dry_run(config)
+        budgets[f"{epsilon:g}"] = utility_analysis.selection_budget(plan.to_json())
+    return budgets
+
+
 def ensure_pretrained(base: dict) -> None:
     """Builds the cached public pre-training (``pretrain.checkpoint``) if it is missing."""
     if not base["pretrain"]["enabled"] or os.path.exists(base["pretrain"]["checkpoint"]):
@@ -539,8 +560,9 @@ class CellRunner:
             on_result(dict(done))
 
 
-def rewrite_report(out_dir: str, name: str, profile: dict) -> int:
-    """Rebuild ``<name>.md`` and the plots from the runs recorded in ``<name>.json`` (nothing is run)."""
+def rewrite_report(out_dir: str, name: str, profile: dict, budgets=None) -> int:
+    """Rebuild ``<name>.md`` and the plots from the runs recorded in ``<name>.json`` (nothing is run);
+    ``budgets()`` makes the selection budgets where the JSON has none (an older report)."""
     path = os.path.join(out_dir, f"{name}.json")
     if not os.path.exists(path):
         raise SystemExit(f"no results to report: {path} does not exist (fix: run without --report-only first)")
@@ -549,8 +571,9 @@ def rewrite_report(out_dir: str, name: str, profile: dict) -> int:
     if stored["profile"] != _comparable(profile):
         raise SystemExit(f"{path} was made with another {name.rsplit('-', 1)[1]!r} profile than this script's "
                          "(fix: run the benchmark again to refresh it)")
-    _write(out_dir, name, profile, stored["runs"], time.perf_counter() - stored["elapsed_s"], stored.get("missing", []),
-           stored.get("methods_not_run", []))
+    report = Report(out_dir, name, profile, time.perf_counter() - stored["elapsed_s"],
+                    stored.get("methods_not_run", []), stored.get("selection_budgets") or _try(budgets))
+    _write(report, stored["runs"], stored.get("missing", []))
     print(f"rewrote {os.path.join(out_dir, name)}.md/.png from {len(stored['runs'])} recorded runs")
     return 0
 
@@ -626,6 +649,17 @@ def _tuning_table(records: list) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _try(budgets) -> dict:
+    """``budgets()``, or ``{}`` (with the reason printed) where it cannot be made, e.g. without the data."""
+    if budgets is None:
+        return {}
+    try:
+        return budgets()
+    except SystemExit as error:
+        print(f"selection budgets left out of the report: {error}", flush=True)
+        return {}
+
+
 def _why_sections(records: list, profile: dict) -> list[str]:
     """Density sweep and SPARTA-vs-oracle row overlap (with the selection epoch's cost), where run."""
     lines = []
@@ -638,11 +672,24 @@ def _why_sections(records: list, profile: dict) -> list[str]:
     return lines
 
 
-def _write(out_dir: str, name: str, profile: dict, records: list, start: float,
-           missing: list[str] | None = (), not_run: list[str] = ()) -> None:
+class Report(NamedTuple):
+    """What a report says besides its runs: where it goes, the profile, when the invocation started
+    (``time.perf_counter``), the profile's methods and epsilons it left out (``--methods``,
+    ``--epsilons``) and SPARTA's planned selection budget per epsilon (:func:`planned_selection_budgets`)."""
+
+    out_dir: str
+    name: str
+    profile: dict
+    start: float
+    not_run: list
+    budgets: dict
+
+
+def _write(report: Report, records: list, missing: list[str] | None = ()) -> None:
     """The report: JSON of every run, markdown tables (accuracy; SPARTA minus each method, paired),
-    plots, which planned cells are still missing (``None``: not planned yet) and which of the
-    profile's methods and epsilons this invocation left out (``--methods``, ``--epsilons``)."""
+    plots, which planned cells are still missing (``None``: not planned yet), what was left out and
+    the selection epoch's planned budget."""
+    out_dir, name, profile, start, not_run = report.out_dir, report.name, report.profile, report.start, report.not_run
     main_runs = [r for r in records if r["kind"] == "main"]
     # The ceiling is non-private by design: shown, marked, never bolded.
     table = (utility_report.markdown_table(main_runs, [m for m in METHODS if any(r["method"] == m for r in main_runs)])
@@ -651,7 +698,7 @@ def _write(out_dir: str, name: str, profile: dict, records: list, start: float,
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump({"profile": {k: v for k, v in profile.items()}, "delta": DELTA, "learning_rates": chosen,
                    "elapsed_s": time.perf_counter() - start, "missing": missing,
-                   "methods_not_run": list(not_run), "runs": records}, f, indent=1)
+                   "methods_not_run": list(not_run), "selection_budgets": report.budgets, "runs": records}, f, indent=1)
     track = name.rsplit("-", 1)[0]
     order = [m for m in METHODS if any(r["method"] == m for r in main_runs)]
     paired = utility_report.paired_table(main_runs, order) if "sparta" in order else ""
@@ -667,6 +714,9 @@ def _write(out_dir: str, name: str, profile: dict, records: list, start: float,
     if paired:
         lines += ["", "## SPARTA minus each method, paired over shared seeds", "", paired]
     lines += _why_sections(records, profile)
+    budgets = utility_analysis.budget_table(report.budgets)
+    if budgets:
+        lines += ["", "## SPARTA's selection epoch: its share of the steps and of ε (planned runs, seed 0)", "", budgets]
     lines += ["", f"## Tuning runs (ε = {profile['tune_epsilon']:g}, seed 0): validation / test accuracy (%)", "",
               _tuning_table(records)]
     with open(os.path.join(out_dir, f"{name}.md"), "w") as f:

@@ -8,7 +8,7 @@
 * :func:`selection_budget`: the share of the run's steps and of its epsilon that
   SPARTA's selection epoch takes, from the run's ``plan.json`` (the epsilon the
   selection epoch would cost on its own is computed with the project's accountant).
-* :func:`density_table` and :func:`overlap_table`: markdown for the report.
+* :func:`density_table`, :func:`overlap_table` and :func:`budget_table`: markdown for the report.
 """
 
 from __future__ import annotations
@@ -42,9 +42,12 @@ def row_overlap(selected: dict[str, set[int]], reference: dict[str, set[int]]) -
 def selection_budget(plan: dict) -> dict[str, float]:
     """The selection epoch's share of a SPARTA run's steps and epsilon (``plan.json`` of the run).
 
-    ``epsilon_increment``: how much the final epsilon grows because the selection epoch is in the
-    composition (epsilon after it minus before it, a share of the run's epsilon); ``epsilon_alone``:
-    the epsilon of the selection epoch's steps on their own.
+    ``epsilon_increment_share``: epsilon after the selection epoch minus before it, at its place in
+    the run, as a share of the run's epsilon; ``epsilon_marginal_share``: what the selection epoch
+    costs the whole run, ``(eps(T steps) - eps(T - S steps)) / eps(T steps)`` (every phase has the
+    plan's one noise multiplier and sample rate, so where the S selection steps sit does not change
+    the final epsilon; composition is sublinear, so this is smaller than the increment at an early
+    place); ``epsilon_alone``: the epsilon of the selection epoch's steps on their own.
     """
     from sparta_tf.privacy.accounting import compute_epsilon
 
@@ -55,12 +58,17 @@ def selection_budget(plan: dict) -> dict[str, float]:
     index = names.index("selection")
     selection = phases[index]
     before = phases[index - 1]["epsilon_after"] if index else 0.0
+
+    def epsilon_of(steps: int) -> float:
+        return compute_epsilon(plan["noise_multiplier"], plan["sample_rate"], steps, plan["delta"],
+                               plan.get("accountant", "pld"))
+
     final = phases[-1]["epsilon_after"]
     return {
         "steps_share": selection["steps"] / plan["steps"],
         "epsilon_increment_share": (selection["epsilon_after"] - before) / final,
-        "epsilon_alone": compute_epsilon(plan["noise_multiplier"], plan["sample_rate"], selection["steps"],
-                                         plan["delta"], plan.get("accountant", "pld")),
+        "epsilon_marginal_share": (final - epsilon_of(plan["steps"] - selection["steps"])) / final,
+        "epsilon_alone": epsilon_of(selection["steps"]),
         "epsilon": final,
     }
 
@@ -87,13 +95,13 @@ def overlap_table(records: Sequence[dict], density: float) -> str:
     if not overlaps:
         return ""
     lines = ["| ε | rows shared with the oracle (chance = density) | seeds | selection epoch: share of steps | "
-             "share of ε | its ε alone |", "|---:|---:|---:|---:|---:|---:|"]
+             "share of ε (run's ε minus ε without it) | its ε alone |", "|---:|---:|---:|---:|---:|---:|"]
     for epsilon, values in sorted(overlaps.items()):
         spread = statistics.stdev(values) if len(values) > 1 else 0.0
         budget = budgets[epsilon]
         lines.append(f"| {epsilon:g} | {100 * statistics.fmean(values):.1f}% ± {100 * spread:.1f} (chance "
                      f"{100 * density:g}%) | {len(values)} | {100 * budget['steps_share']:.1f}% | "
-                     f"{100 * budget['epsilon_increment_share']:.1f}% | {budget['epsilon_alone']:.3g} |")
+                     f"{100 * budget['epsilon_marginal_share']:.1f}% | {budget['epsilon_alone']:.3g} |")
     return "\n".join(lines) + "\n"
 
 
@@ -110,4 +118,18 @@ def density_table(records: Sequence[dict], methods: Sequence[str]) -> str:
         cells = [f"{100 * sweep[(method, d)]['test_accuracy']:.2f}" if (method, d) in sweep else "-"
                  for d in densities]
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def budget_table(budgets: dict[str, dict]) -> str:
+    """Markdown: per target epsilon, the selection epoch's share of SPARTA's steps and of its epsilon
+    (``{epsilon: selection_budget(plan)}``, from the planned runs: no training needed)."""
+    if not budgets:
+        return ""
+    lines = ["| ε | selection epoch: share of steps | share of ε: run's ε minus ε without it | "
+             "ε after it minus ε before it | its ε alone |", "|---:|---:|---:|---:|---:|"]
+    for epsilon, budget in sorted(budgets.items(), key=lambda item: float(item[0])):
+        lines.append(f"| {float(epsilon):g} | {100 * budget['steps_share']:.1f}% | "
+                     f"{100 * budget['epsilon_marginal_share']:.1f}% | {100 * budget['epsilon_increment_share']:.1f}% | "
+                     f"{budget['epsilon_alone']:.3g} |")
     return "\n".join(lines) + "\n"

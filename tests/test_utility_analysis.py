@@ -50,6 +50,10 @@ def test_selection_budget_is_its_share_of_steps_and_of_the_composed_epsilon():
     assert budget["epsilon_alone"] == pytest.approx(compute_epsilon(1.5, 0.05, 20, 1e-5))
     # composition is sublinear: 20 steps alone cost more than the increment they add after 80
     assert budget["epsilon_alone"] > eps[1] - eps[0]
+    # what the selection epoch costs the whole run: eps(400 steps) - eps(380 steps), smaller still
+    without = compute_epsilon(1.5, 0.05, 380, 1e-5)
+    assert budget["epsilon_marginal_share"] == pytest.approx((eps[2] - without) / eps[2])
+    assert 0 < budget["epsilon_marginal_share"] < budget["epsilon_increment_share"]
     with pytest.raises(ValueError, match="no selection"):
         utility_analysis.selection_budget(dict(plan, phases=[plan["phases"][0]]))
 

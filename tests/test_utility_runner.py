@@ -234,12 +234,17 @@ def test_report_names_the_methods_an_invocation_left_out_and_keeps_them_on_rewri
     record = {"kind": "tune", "method": "sparta", "target_epsilon": 2.0, "seed": 0, "learning_rate": 0.01,
               "density": 0.2, "private": True, "epsilon": 2.0, "test_accuracy": 0.5, "val_accuracy": 0.5,
               "trainable_fraction": 0.2, "seconds": 1.0, "run_dir": None, "config": None}
-    utility._write(str(tmp_path), "cifar10-transfer-standard", profile, [record], 0.0, None, ["last", "oracle"])
-    report = (tmp_path / "cifar10-transfer-standard.md").read_text()
-    assert "not run yet" in report and "last, oracle" in report
+    budgets = {"2": {"steps_share": 0.05, "epsilon_increment_share": 0.04, "epsilon_marginal_share": 0.03,
+                     "epsilon_alone": 0.6, "epsilon": 2.0}}
+    report = utility.Report(str(tmp_path), "cifar10-transfer-standard", profile, 0.0, ["last", "oracle"], budgets)
+    utility._write(report, [record], None)
+    text = (tmp_path / "cifar10-transfer-standard.md").read_text()
+    assert "not run yet" in text and "last, oracle" in text
+    assert "| 2 | 5.0% | 3.0% | 4.0% | 0.6 |" in text
     (tmp_path / "cifar10-transfer-standard.md").unlink()
     assert utility.rewrite_report(str(tmp_path), "cifar10-transfer-standard", profile) == 0
     assert "last, oracle" in (tmp_path / "cifar10-transfer-standard.md").read_text()
+    assert "| 2 | 5.0% |" in (tmp_path / "cifar10-transfer-standard.md").read_text()
 
 
 def test_tuning_runs_the_middle_rate_of_every_method_first():
