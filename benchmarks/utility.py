@@ -703,7 +703,7 @@ def _write(report: Report, records: list, missing: list[str] | None = ()) -> Non
     order = [m for m in METHODS if any(r["method"] == m for r in main_runs)]
     paired = utility_report.paired_table(main_runs, order) if "sparta" in order else ""
     lines = [f"# Utility benchmark: {name}", "", TRACK_NOTES[track], "", _profile_line(profile, track), "",
-             f"test accuracy (%), mean ± std over seeds {profile['seeds']}, "
+             f"test accuracy (%), mean ± std over the seeds each cell has run ({_seeds_line(profile)} planned), "
              f"delta = {DELTA:g}; learning rate per method chosen on the private validation split at "
              f"epsilon = {profile['tune_epsilon']:g} (not covered by the DP guarantee)", "", table,
              "", "learning rates: " + ", ".join(f"{m} {lr:g}" for m, lr in chosen.items()),
