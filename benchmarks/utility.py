@@ -176,11 +176,16 @@ def run_cell(config: dict, method: str) -> dict:
         results = run.train(validate_config(config))
     results["wall_s"] = time.perf_counter() - start
     results["cell"] = _comparable(config)
-    partial = results_path + ".partial"
+    _write_results(results_path, results)
+    return results
+
+
+def _write_results(path: str, results: dict) -> None:
+    """``results.json`` written whole or not at all (a killed writer leaves only a ``.partial``)."""
+    partial = path + ".partial"
     with open(partial, "w") as f:
         json.dump(results, f, indent=1)
-    os.replace(partial, results_path)
-    return results
+    os.replace(partial, path)
 
 
 def validate_config(config: dict) -> dict:
@@ -264,8 +269,7 @@ def restore_recorded_runs(out_dir: str, name: str, work_dir: str) -> int:
                    "test_accuracy": record["test_accuracy"], "trainable_fraction": record["trainable_fraction"],
                    "history": {"val_accuracy": [record["val_accuracy"]]}, "wall_s": record["seconds"],
                    "cell": config, "restored_from": path}
-        with open(os.path.join(config["output_dir"], "results.json"), "w") as f:
-            json.dump(results, f, indent=1)
+        _write_results(os.path.join(config["output_dir"], "results.json"), results)
         restored += 1
     return restored
 
@@ -302,15 +306,14 @@ def main(argv=None) -> int:
     work_dir = os.path.join(args.work_dir, name)
     if args.report_only:
         return rewrite_report(args.out_dir, name, profile, lambda: planned_selection_budgets(
-            base_config(args.track, profile, args.data_dir, args.fashion_dir, work_dir), profile)
-            if "sparta" in methods else {})
+            base_config(args.track, profile, args.data_dir, args.fashion_dir, work_dir), profile, methods))
     os.makedirs(work_dir, exist_ok=True)
     os.makedirs(args.out_dir, exist_ok=True)
     base = base_config(args.track, profile, args.data_dir, args.fashion_dir, work_dir)
     restored = restore_recorded_runs(args.out_dir, name, work_dir)
     if restored:
         print(f"resuming: {restored} runs recorded in {name}.json restored into {work_dir}", flush=True)
-    budgets = planned_selection_budgets(base, profile) if "sparta" in methods else {}
+    budgets = planned_selection_budgets(base, profile, methods)
     report = Report(args.out_dir, name, profile, time.perf_counter(), not_run, budgets)
     with CellRunner(args.jobs) as runner:
         if args.jobs > 1:
@@ -479,9 +482,12 @@ def _execute(task: tuple) -> dict:
     return run_cell(payload.config, payload.method)
 
 
-def planned_selection_budgets(base: dict, profile: dict) -> dict[str, dict]:
+def planned_selection_budgets(base: dict, profile: dict, methods) -> dict[str, dict]:
     """``{epsilon: share of steps and of epsilon of SPARTA's selection epoch}`` from the plan each
-    epsilon's SPARTA run makes (``trainers.run.dry_run``: data, model and accounting, no training)."""
+    epsilon's SPARTA run makes (``trainers.run.dry_run``: data, model and accounting, no training);
+    ``{}`` when ``methods`` has no SPARTA."""
+    if "sparta" not in methods:
+        return {}
     import contextlib
     import io
 
