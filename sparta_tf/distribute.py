@@ -18,6 +18,8 @@ What this module holds (the rest is ``DPModel``'s ordinary step):
   before ``deadline_s`` (a connect timeout, never a hang);
 * :func:`shared_seed`: the chief's seed broadcast to every worker (a secret
   seed drawn per worker would give different Poisson samples and noise);
+* :func:`largest_over_workers`: one number every worker agrees on (the steps a
+  killed run started, charged once the same on every worker's ledger);
 * :func:`replica_share`: the slice of a global Poisson batch a replica trains on;
 * :func:`is_chief`, :func:`worker_dir`: only the chief writes the run's files;
   other workers write to a scratch directory of their own.
@@ -290,6 +292,26 @@ def for_fit(dataset: tf.data.Dataset, strategy: tf.distribute.Strategy):
     if not is_multi_worker(strategy):
         return dataset
     return tf.keras.utils.experimental.DatasetCreator(per_worker_dataset_fn(lambda: dataset))
+
+
+def largest_over_workers(strategy: tf.distribute.Strategy, value: int) -> int:
+    """``max_w value_w`` over the workers (``value`` itself in a single process).
+
+    Every replica puts its process's ``value`` at its own index of a vector
+    of length ``R``; the all-reduced sum holds every worker's value (the sum
+    collective, which the CPU and GPU collectives both support for int64).
+    """
+    if not is_multi_worker(strategy):
+        return value
+    replicas = strategy.num_replicas_in_sync
+
+    def contribute():
+        ctx = tf.distribute.get_replica_context()
+        mine = tf.cast(tf.one_hot(ctx.replica_id_in_sync_group, replicas), tf.int64) * value
+        return ctx.all_reduce(tf.distribute.ReduceOp.SUM, mine)
+
+    values = strategy.experimental_local_results(strategy.run(tf.function(contribute)))[0].numpy()
+    return int(values.max())
 
 
 def check_same_step(strategy: tf.distribute.Strategy, step: int) -> None:

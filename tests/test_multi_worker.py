@@ -189,7 +189,8 @@ def test_kill_9_one_worker_then_resume_all_never_undercounts(tmp_path):
     assert not (out / "results.json").exists(), "the run finished before it could be killed"
     mask_before = dict(np.load(out / "mask" / "mask.npz"))
     state = json.loads((out / "checkpoints" / (out / "checkpoints" / "latest").read_text() / "state.json").read_text())
-    started = json.loads((out / "checkpoints" / "journal.json").read_text())["started_through"]
+    started = max(json.loads((directory / "checkpoints" / "journal.json").read_text())["started_through"]
+                  for directory in (out, tmp_path / "run.worker-worker-1"))  # each worker's journal: the largest
 
     procs = start_workers(path, free_ports(2), "--resume")
     try:
@@ -213,6 +214,32 @@ def test_kill_9_one_worker_then_resume_all_never_undercounts(tmp_path):
     other = tmp_path / "run.worker-worker-1"
     assert json.loads((other / "ledger.json").read_text())["entries"] != [] and (other / "results.json").exists()
     assert not (out / ".worker-worker-1").exists()
+
+
+def test_workers_whose_journals_disagree_all_charge_the_largest_count(tmp_path):
+    """A kill leaves each worker's journal at its own step. If each charged its own count, their ledgers
+    (and the step at which the budget stops training) would differ: one worker would leave the epoch
+    while the other waits in its next step's all-reduce. Here only worker 1 journaled 3 started steps
+    (killed before any checkpoint): both must charge 3, start at step 3 and finish."""
+    out = tmp_path / "run"
+    config = cli_config(out)
+    config["training"]["epochs"] = 3
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(config))
+    journal = tmp_path / "run.worker-worker-1" / "checkpoints" / "journal.json"
+    journal.parent.mkdir(parents=True)
+    journal.write_text(json.dumps({"started_through": 3}))
+
+    procs = start_workers(path, free_ports(2), "--resume")
+    try:
+        outputs = [proc.communicate(timeout=TIMEOUT_S)[0].decode() for proc in procs]
+    finally:
+        kill_all(procs)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2500:] for o in outputs)
+    for directory in (out, tmp_path / "run.worker-worker-1"):
+        entries = json.loads((directory / "ledger.json").read_text())["entries"]
+        assert sum(e["count"] for e in entries if e.get("phase") == "interrupted") == 3
+    assert all("3 step(s) of the interrupted run" in output for output in outputs)
 
 
 def test_the_plan_shows_the_strategy_and_this_tasks_role(monkeypatch):

@@ -28,6 +28,7 @@ import tempfile
 
 import tensorflow as tf
 
+from sparta_tf import distribute
 from sparta_tf.privacy import PrivacyLedger
 
 CHECKPOINTS = "checkpoints"
@@ -195,9 +196,8 @@ class StepJournal(tf.keras.callbacks.Callback):
         write_atomic(self.path, json.dumps({"started_through": int(dp.dp_step.numpy()) + 1}))
 
 
-def charge_interrupted_steps(output_dir: str, checkpoint_step: int, ledger, noise_multiplier: float,
-                             sample_rate: float) -> int:
-    """Records steps run after the last checkpoint by a killed run; returns how many."""
+def steps_started_after(output_dir: str, checkpoint_step: int) -> int:
+    """How many steps this process's journal says a killed run started after ``checkpoint_step``."""
     path = os.path.join(output_dir, CHECKPOINTS, JOURNAL)
     if not os.path.exists(path):
         return 0
@@ -207,7 +207,22 @@ def charge_interrupted_steps(output_dir: str, checkpoint_step: int, ledger, nois
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise CheckpointError(f"the step journal {path} is damaged ({error}): the steps the killed run started "
                               "cannot be counted, so it cannot be resumed safely; start a new output_dir") from None
-    lost = max(0, started - checkpoint_step)
+    return max(0, started - checkpoint_step)
+
+
+def charge_interrupted_steps(output_dir: str, checkpoint_step: int, ledger, noise_multiplier: float,
+                             sample_rate: float, strategy: tf.distribute.Strategy | None = None) -> int:
+    """Records steps run after the last checkpoint by a killed run; returns how many.
+
+    On several workers each keeps its own journal, and a kill leaves them a
+    step or two apart; every worker charges the *largest* count
+    (``max_w lost_w``), so the ledgers, and with them the step at which the
+    privacy budget stops training, are the same on every worker and never
+    under-count the steps any worker started.
+    """
+    lost = steps_started_after(output_dir, checkpoint_step)
+    if strategy is not None:
+        lost = distribute.largest_over_workers(strategy, lost)
     if lost:
         ledger.record(noise_multiplier, sample_rate, lost, phase="interrupted")
     return lost

@@ -314,7 +314,8 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
 
 def _charge_steps_before_first_checkpoint(dp, plan: PrivacyPlan, output_dir: str) -> None:
     """A resumed run killed before its first checkpoint starts over; the steps it ran stay charged."""
-    lost = checkpointing.charge_interrupted_steps(output_dir, 0, dp.ledger, plan.noise_multiplier, plan.sample_rate)
+    lost = checkpointing.charge_interrupted_steps(output_dir, 0, dp.ledger, plan.noise_multiplier, plan.sample_rate,
+                                                  dp.distribute_strategy)
     if lost:
         dp.dp_step.assign(lost)  # fresh noise and batch keys; the journal keeps counting every step run
         print(f"== {lost} step(s) of the interrupted run (before its first checkpoint) charged to the ledger")
@@ -331,7 +332,7 @@ def _restore(previous, dp, callback, plan: PrivacyPlan, output_dir: str) -> None
     callback.on_epoch_begin(min(epoch, plan.epochs - 1))
     checkpointing.restore(path, dp)
     lost = checkpointing.charge_interrupted_steps(output_dir, int(dp.dp_step.numpy()), dp.ledger,
-                                                  plan.noise_multiplier, plan.sample_rate)
+                                                  plan.noise_multiplier, plan.sample_rate, dp.distribute_strategy)
     checkpointing.update_ledger(path, dp.ledger)  # a second kill cannot lose the charge
     print(f"== resuming after epoch {epoch} from {path}; {lost} step(s) of the interrupted epoch charged "
           f"to the ledger (epsilon so far {dp.ledger.epsilon():.4g})")
