@@ -160,6 +160,17 @@ def kill_all(procs):
         proc.wait()
 
 
+def resume_all_to_the_end(config_path) -> list[str]:
+    """Both workers with --resume, run to their end: each one's output (both must exit 0)."""
+    procs = start_workers(config_path, free_ports(2), "--resume")
+    try:
+        outputs = [proc.communicate(timeout=TIMEOUT_S)[0].decode() for proc in procs]
+    finally:
+        kill_all(procs)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2500:] for o in outputs)
+    return outputs
+
+
 def wait_mid_epoch_after(out, epoch, deadline):
     journal, latest = out / "checkpoints" / "journal.json", out / "checkpoints" / "latest"
     while time.time() < deadline:
@@ -192,12 +203,7 @@ def test_kill_9_one_worker_then_resume_all_never_undercounts(tmp_path):
     started = max(json.loads((directory / "checkpoints" / "journal.json").read_text())["started_through"]
                   for directory in (out, tmp_path / "run.worker-worker-1"))  # each worker's journal: the largest
 
-    procs = start_workers(path, free_ports(2), "--resume")
-    try:
-        outputs = [proc.communicate(timeout=TIMEOUT_S)[0].decode() for proc in procs]
-    finally:
-        kill_all(procs)
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2500:] for o in outputs)
+    resume_all_to_the_end(path)
     per_epoch = json.loads((out / "plan.json").read_text())["steps_per_epoch"]
     results = json.loads((out / "results.json").read_text())
     ledger = json.loads((out / "ledger.json").read_text())
@@ -230,12 +236,7 @@ def test_workers_whose_journals_disagree_all_charge_the_largest_count(tmp_path):
     journal.parent.mkdir(parents=True)
     journal.write_text(json.dumps({"started_through": 3}))
 
-    procs = start_workers(path, free_ports(2), "--resume")
-    try:
-        outputs = [proc.communicate(timeout=TIMEOUT_S)[0].decode() for proc in procs]
-    finally:
-        kill_all(procs)
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2500:] for o in outputs)
+    outputs = resume_all_to_the_end(path)
     for directory in (out, tmp_path / "run.worker-worker-1"):
         entries = json.loads((directory / "ledger.json").read_text())["entries"]
         assert sum(e["count"] for e in entries if e.get("phase") == "interrupted") == 3
