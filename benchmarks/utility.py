@@ -37,6 +37,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import sys
 import time
 from typing import NamedTuple
@@ -635,12 +636,26 @@ def _compute_line(records: list, elapsed: float) -> str:
             f"(each run's own time; several runs may have shared the machine); this invocation: {elapsed:.0f} s")
 
 
-def _missing_line(missing: list[str] | None) -> str:
+def _missing_line(missing: list[str] | None, records: list) -> str:
     if missing is None:
         return "missing: the cells are planned once tuning has finished (tuning runs so far are listed in the JSON)"
     if not missing:
         return "missing: none (every planned cell has run)"
-    return f"missing: {len(missing)} planned cells have not run yet: " + "; ".join(missing)
+    return (f"missing: {len(missing)} planned cells have not run yet ({_remaining_estimate(missing, records)}): "
+            + "; ".join(missing))
+
+
+def _remaining_estimate(missing: list[str], records: list) -> str:
+    """The missing cells' run wall clock if each takes its method's median run time so far."""
+    seconds: dict[str, list[float]] = {}
+    for record in records:
+        if record["seconds"]:
+            seconds.setdefault(record["method"], []).append(record["seconds"])
+    methods = [entry.split()[1] for entry in missing]  # "<kind> <method> eps=..." (see _missing)
+    known = [statistics.median(seconds[m]) for m in methods if m in seconds]
+    unknown = len(methods) - len(known)
+    return (f"about {sum(known) / 3600:.1f} h of run wall clock at each method's median run time so far"
+            + (f", {unknown} cells of methods without a run yet not counted" if unknown else ""))
 
 
 def _tuning_table(records: list) -> str:
@@ -713,7 +728,7 @@ def _write(report: Report, records: list, missing: list[str] | None = ()) -> Non
              f"delta = {DELTA:g}; learning rate per method chosen on the private validation split at "
              f"epsilon = {profile['tune_epsilon']:g} (not covered by the DP guarantee)", "", table,
              "", "learning rates: " + ", ".join(f"{m} {lr:g}" for m, lr in chosen.items()),
-             "", _compute_line(records, time.perf_counter() - start), "", _missing_line(missing)]
+             "", _compute_line(records, time.perf_counter() - start), "", _missing_line(missing, records)]
     if not_run:
         lines += ["", "not run yet (methods without tuning runs or cells, epsilons without cells; the missing "
                       f"list above covers only what this invocation ran): {', '.join(not_run)}"]

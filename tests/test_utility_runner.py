@@ -112,6 +112,18 @@ def test_report_only_refuses_missing_or_stale_results(tmp_path):
         utility.main(args)
 
 
+def test_missing_line_estimates_the_remaining_time_from_each_methods_median_run():
+    records = [{"method": "sparta", "seconds": s} for s in (600.0, 900.0, 3600.0)] + [
+        {"method": "all", "seconds": 1800.0}, {"method": "bitfit", "seconds": None}]
+    missing = ["main sparta eps=2 seed=3", "main all eps=2 seed=3", "density mp eps=2 seed=0 density=0.1",
+               "main bitfit eps=2 seed=3"]
+    line = utility._missing_line(missing, records)
+    # sparta's median 900 s + all's 1800 s = 0.75 h; mp and bitfit (no timed run) are named as not counted
+    assert line.startswith("missing: 4 planned cells have not run yet (about 0.8 h of run wall clock")
+    assert "2 cells of methods without a run yet not counted" in line and line.endswith("density=0.1; main bitfit eps=2 seed=3")
+    assert utility._missing_line([], records) == "missing: none (every planned cell has run)"
+
+
 def test_rate_with_best_private_validation_accuracy_is_chosen_first_on_ties(tmp_path):
     base = {"training": {"epochs": 4}, "privacy": {}}
     cells = utility.tuning_cells(base, PROFILE, ["sparta", "all"], str(tmp_path))
