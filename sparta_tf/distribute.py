@@ -214,16 +214,27 @@ def shared_seed(strategy: tf.distribute.Strategy, seed: int) -> int:
         return seed
     halves = tf.constant([seed >> 32, seed & 0xFFFFFFFF], tf.int64)
 
-    def contribute():
-        ctx = tf.distribute.get_replica_context()
-        mine = halves if is_chief(strategy) and ctx.replica_id_in_sync_group == 0 \
-            else tf.zeros_like(halves)
+    def contribution(replica):
         # only one replica is the chief's first: wrong if the chief has >1 local replica and replica 0
         # is not its own, which TF's replica numbering (chief first) rules out.
-        return ctx.all_reduce(tf.distribute.ReduceOp.SUM, mine)
+        return halves if is_chief(strategy) and replica == 0 else tf.zeros_like(halves)
 
-    result = strategy.experimental_local_results(strategy.run(tf.function(contribute)))[0].numpy()
+    result = _sum_over_replicas(strategy, contribution)
     return (int(result[0]) << 32) | int(result[1])
+
+
+def _sum_over_replicas(strategy: tf.distribute.Strategy, contribution) -> Any:
+    """``sum_r contribution(r)`` over every replica of every worker (an int64 all-reduce), as numpy.
+
+    ``contribution(replica_id_in_sync_group)`` gives this process's tensor for
+    one of its replicas; the sum collective is the one the CPU and GPU
+    collectives both support for int64.
+    """
+    def contribute():
+        ctx = tf.distribute.get_replica_context()
+        return ctx.all_reduce(tf.distribute.ReduceOp.SUM, contribution(ctx.replica_id_in_sync_group))
+
+    return strategy.experimental_local_results(strategy.run(tf.function(contribute)))[0].numpy()
 
 
 def replica_share(element: Any, replica: int | tf.Tensor, replicas: int) -> Any:
@@ -298,19 +309,12 @@ def largest_over_workers(strategy: tf.distribute.Strategy, value: int) -> int:
     """``max_w value_w`` over the workers (``value`` itself in a single process).
 
     Every replica puts its process's ``value`` at its own index of a vector
-    of length ``R``; the all-reduced sum holds every worker's value (the sum
-    collective, which the CPU and GPU collectives both support for int64).
+    of length ``R``; the all-reduced sum holds every worker's value.
     """
     if not is_multi_worker(strategy):
         return value
     replicas = strategy.num_replicas_in_sync
-
-    def contribute():
-        ctx = tf.distribute.get_replica_context()
-        mine = tf.cast(tf.one_hot(ctx.replica_id_in_sync_group, replicas), tf.int64) * value
-        return ctx.all_reduce(tf.distribute.ReduceOp.SUM, mine)
-
-    values = strategy.experimental_local_results(strategy.run(tf.function(contribute)))[0].numpy()
+    values = _sum_over_replicas(strategy, lambda replica: tf.cast(tf.one_hot(replica, replicas), tf.int64) * value)
     return int(values.max())
 
 
@@ -323,12 +327,8 @@ def check_same_step(strategy: tf.distribute.Strategy, step: int) -> None:
     """
     if not is_multi_worker(strategy):
         return
-    value = tf.constant([step, step * step], tf.int64)
-
-    def moments():
-        return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, value)
-
-    total, squares = strategy.experimental_local_results(strategy.run(tf.function(moments)))[0].numpy()
+    moments = tf.constant([step, step * step], tf.int64)
+    total, squares = _sum_over_replicas(strategy, lambda replica: moments)
     replicas = strategy.num_replicas_in_sync
     if replicas * int(squares) != int(total) ** 2:  # Cauchy-Schwarz: equality iff all steps are equal
         raise ClusterError(f"the workers restored different checkpoints (this one at step {step}, the mean "

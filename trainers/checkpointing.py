@@ -211,7 +211,7 @@ def steps_started_after(output_dir: str, checkpoint_step: int) -> int:
 
 
 def charge_interrupted_steps(output_dir: str, checkpoint_step: int, ledger, noise_multiplier: float,
-                             sample_rate: float, strategy: tf.distribute.Strategy | None = None) -> int:
+                             sample_rate: float, strategy: tf.distribute.Strategy) -> int:
     """Records steps run after the last checkpoint by a killed run; returns how many.
 
     On several workers each keeps its own journal, and a kill leaves them a
@@ -220,9 +220,7 @@ def charge_interrupted_steps(output_dir: str, checkpoint_step: int, ledger, nois
     privacy budget stops training, are the same on every worker and never
     under-count the steps any worker started.
     """
-    lost = steps_started_after(output_dir, checkpoint_step)
-    if strategy is not None:
-        lost = distribute.largest_over_workers(strategy, lost)
+    lost = distribute.largest_over_workers(strategy, steps_started_after(output_dir, checkpoint_step))
     if lost:
         ledger.record(noise_multiplier, sample_rate, lost, phase="interrupted")
     return lost
