@@ -154,14 +154,23 @@ def cell_config(base: dict, method: str, epsilon: float, seed: int, lr: float, d
     return config
 
 
+def cached_result(config: dict) -> dict | None:
+    """The finished run's ``results.json`` when it was made with ``config``, else ``None``."""
+    results_path = os.path.join(config["output_dir"], "results.json")
+    if not os.path.exists(results_path):
+        return None
+    with open(results_path) as f:
+        cached = json.load(f)
+    return cached if cached.get("cell") == _comparable(config) else None
+
+
 def run_cell(config: dict, method: str) -> dict:
     """One run (or its cached results.json)."""
+    cached = cached_result(config)
+    if cached is not None:
+        return cached
     results_path = os.path.join(config["output_dir"], "results.json")
     if os.path.exists(results_path):
-        with open(results_path) as f:
-            cached = json.load(f)
-        if cached.get("cell") == _comparable(config):
-            return cached
         print(f"cached run {config['output_dir']} has another configuration: running it again", flush=True)
     if os.path.exists(config["output_dir"]):  # unfinished, or stale: start the cell from scratch
         shutil.rmtree(config["output_dir"])
@@ -248,18 +257,23 @@ def _record(results, method, epsilon, seed, lr, density, kind, val=None) -> dict
             "run_dir": results.get("cell", {}).get("output_dir"), "config": results.get("cell")}
 
 
+def recorded_runs(out_dir: str, name: str) -> list[dict]:
+    """The runs recorded in ``<out_dir>/<name>.json`` (none when it does not exist)."""
+    path = os.path.join(out_dir, f"{name}.json")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return json.load(f)["runs"]
+
+
 def restore_recorded_runs(out_dir: str, name: str, work_dir: str) -> int:
     """Writes ``results.json`` for every run recorded in ``<out_dir>/<name>.json`` whose run directory
     is gone (a fresh checkout: ``runs/`` is not committed), so the benchmark resumes from the committed
     report instead of running them again. Only records that carry their configuration are restored;
     :func:`run_cell` still re-runs any whose configuration differs from today's. Returns how many."""
     path = os.path.join(out_dir, f"{name}.json")
-    if not os.path.exists(path):
-        return 0
-    with open(path) as f:
-        records = json.load(f)["runs"]
     restored = 0
-    for record in records:
+    for record in recorded_runs(out_dir, name):
         config = record.get("config")
         if not config or not config["output_dir"].startswith(os.path.join(work_dir, "")):
             continue  # made in another checkout: its configuration cannot match, so it would re-run anyway
@@ -284,7 +298,8 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", nargs="+", choices=METHODS,
                         help="default: the profile's methods (every method for most profiles)")
     parser.add_argument("--epsilons", nargs="+", type=float,
-                        help="run only these of the profile's epsilons (default: all); the report names the others")
+                        help="run only these of the profile's epsilons (default: all); the report keeps the others' "
+                             "recorded runs and lists their missing cells")
     parser.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "utility"))
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
     parser.add_argument("--jobs", type=int, default=1,
@@ -302,8 +317,7 @@ def main(argv=None) -> int:
     unknown = [e for e in epsilons if e not in profile["epsilons"]]
     if unknown:
         parser.error(f"--epsilons {unknown} not in the {args.profile!r} profile's {list(profile['epsilons'])}")
-    not_run = ([m for m in profile.get("methods", METHODS) if m not in methods]
-               + [f"ε = {e:g}" for e in profile["epsilons"] if e not in epsilons])
+    not_run = [m for m in profile.get("methods", METHODS) if m not in methods]
     work_dir = os.path.join(args.work_dir, name)
     if args.report_only:
         return rewrite_report(args.out_dir, name, profile, lambda: planned_selection_budgets(
@@ -311,6 +325,7 @@ def main(argv=None) -> int:
     os.makedirs(work_dir, exist_ok=True)
     os.makedirs(args.out_dir, exist_ok=True)
     base = base_config(args.track, profile, args.data_dir, args.fashion_dir, work_dir)
+    previous = recorded_runs(args.out_dir, name)
     restored = restore_recorded_runs(args.out_dir, name, work_dir)
     if restored:
         print(f"resuming: {restored} runs recorded in {name}.json restored into {work_dir}", flush=True)
@@ -320,18 +335,23 @@ def main(argv=None) -> int:
         if args.jobs > 1:
             runner.run([("pretrain", base)])  # once, before workers would race to build the cache
         def tuning_progress(cells: list, done: dict) -> None:
-            _write(report, _tune_records(cells, done), None)
+            # the benchmark cells are planned once tuning ends; until then the report keeps the
+            # benchmark runs recorded before, so a run stopped while tuning loses none of them
+            _write(report, _tune_records(cells, done) + [r for r in previous if r["kind"] != "tune"], None)
 
         tune_cells, tuned = tune(runner, base, profile, methods, work_dir, tuning_progress)
         rates = chosen_rates(tune_cells, tuned)
         records = _tune_records(tune_cells, dict(enumerate(tuned)))
-        cells = benchmark_cells(base, profile, methods, rates, work_dir, epsilons)
+        cells, others = split_by_epsilon(benchmark_cells(base, profile, methods, rates, work_dir), epsilons)
+        # cells of the epsilons this invocation leaves out: reported from their cached runs, else missing
+        others_done = {i: result for i, c in enumerate(others) if (result := cached_result(c.config)) is not None}
+        records += _records(others, others_done)
 
         def progress(done: dict) -> None:
-            _write(report, records + _records(cells, done), _missing(cells, done))
+            _write(report, records + _records(cells, done), _missing(others, others_done) + _missing(cells, done))
 
         results = runner.run([("cell", cell) for cell in cells], on_result=progress)
-    _write(report, records + _records(cells, dict(enumerate(results))), [])
+    _write(report, records + _records(cells, dict(enumerate(results))), _missing(others, others_done))
     print(f"wrote {os.path.join(args.out_dir, name)}.json/.md/.png in {time.perf_counter() - report.start:.0f} s")
     return 0
 
@@ -429,8 +449,7 @@ def seeds_of(profile: dict, method: str) -> tuple[int, ...]:
     return profile["more_seeds"] if method in MORE_SEEDS and "more_seeds" in profile else profile["seeds"]
 
 
-def benchmark_cells(base: dict, profile: dict, methods: list, rates: dict, work_dir: str,
-                    epsilons=None) -> list[Cell]:
+def benchmark_cells(base: dict, profile: dict, methods: list, rates: dict, work_dir: str) -> list[Cell]:
     """Every method x epsilon x seed at its chosen rate, then the density sweep of the sparse methods.
 
     Seed-major: every method and epsilon gets its first seed before any gets its second, so a
@@ -439,7 +458,7 @@ def benchmark_cells(base: dict, profile: dict, methods: list, rates: dict, work_
     cells = []
     seeds = sorted({seed for method in methods for seed in seeds_of(profile, method)})
     for seed in seeds:
-        for epsilon in epsilons or profile["epsilons"]:
+        for epsilon in profile["epsilons"]:
             for method in [m for m in methods if seed in seeds_of(profile, m)]:
                 lr = rates[method]
                 out = cell_dir(work_dir, profile, method, epsilon, seed, lr, DEFAULT_DENSITY)
@@ -454,6 +473,13 @@ def benchmark_cells(base: dict, profile: dict, methods: list, rates: dict, work_
             config = cell_config(base, method, epsilon, 0, rates[method], density, out)
             cells.append(Cell("density", method, epsilon, 0, rates[method], density, config))
     return cells
+
+
+def split_by_epsilon(cells: list[Cell], epsilons: list[float]) -> tuple[list[Cell], list[Cell]]:
+    """(the cells to run: benchmark cells at ``epsilons`` and the density sweep, the other
+    epsilons' benchmark cells), each in the plan's order."""
+    runs = [c for c in cells if c.kind != "main" or c.epsilon in epsilons]
+    return runs, [c for c in cells if c.kind == "main" and c.epsilon not in epsilons]
 
 
 def _tune_records(cells: list[Cell], results: dict[int, dict]) -> list[dict]:
@@ -695,8 +721,8 @@ def _why_sections(records: list, profile: dict) -> list[str]:
 
 class Report(NamedTuple):
     """What a report says besides its runs: where it goes, the profile, when the invocation started
-    (``time.perf_counter``), the profile's methods and epsilons it left out (``--methods``,
-    ``--epsilons``) and SPARTA's planned selection budget per epsilon (:func:`planned_selection_budgets`)."""
+    (``time.perf_counter``), the profile's methods it left out (``--methods``) and SPARTA's planned
+    selection budget per epsilon (:func:`planned_selection_budgets`)."""
 
     out_dir: str
     name: str
@@ -730,8 +756,8 @@ def _write(report: Report, records: list, missing: list[str] | None = ()) -> Non
              "", "learning rates: " + ", ".join(f"{m} {lr:g}" for m, lr in chosen.items()),
              "", _compute_line(records, time.perf_counter() - start), "", _missing_line(missing, records)]
     if not_run:
-        lines += ["", "not run yet (methods without tuning runs or cells, epsilons without cells; the missing "
-                      f"list above covers only what this invocation ran): {', '.join(not_run)}"]
+        lines += ["", "not run yet (methods without tuning runs or cells; the missing list above covers only the "
+                      f"methods this invocation planned): {', '.join(not_run)}"]
     if paired:
         lines += ["", "## SPARTA minus each method, paired over shared seeds", "", paired]
     lines += _why_sections(records, profile)

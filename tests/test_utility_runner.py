@@ -42,7 +42,8 @@ def fake_train(monkeypatch):
     def train(config):
         calls.append(config["output_dir"])
         os.makedirs(config["output_dir"], exist_ok=True)
-        return {"method": config["method"]["name"], "test_accuracy": 0.5 + 0.01 * len(calls)}
+        return {"method": config["method"]["name"], "test_accuracy": 0.5 + 0.01 * len(calls),
+                "trainable_fraction": 0.2}
 
     from trainers import run
 
@@ -268,9 +269,66 @@ def test_tuning_runs_the_middle_rate_of_every_method_first():
 
 def test_epsilons_option_restricts_the_cells_and_rejects_epsilons_outside_the_profile(tmp_path):
     profile = utility.PROFILES["standard"]
-    cells = utility.benchmark_cells({"training": {}, "privacy": {}}, profile, ["sparta"], {"sparta": 0.03},
-                                    str(tmp_path), [2.0])
-    assert {c.epsilon for c in cells} == {2.0}
+    cells, others = utility.split_by_epsilon(utility.benchmark_cells(
+        {"training": {}, "privacy": {}}, profile, ["sparta"], {"sparta": 0.03}, str(tmp_path)), [2.0])
+    assert {c.epsilon for c in cells} == {2.0} and {c.kind for c in cells} == {"main", "density"}
+    assert {c.epsilon for c in others} == {1.0, 8.0} and {c.kind for c in others} == {"main"}
     with pytest.raises(SystemExit):
         utility.main(["--track", "cifar10-transfer", "--profile", "standard", "--data-dir", str(tmp_path),
                       "--epsilons", "3"])
+
+
+@pytest.fixture
+def offline_main(tmp_path, fake_train, monkeypatch):
+    """``utility.main`` on the quick profile with the trainer, data and planning faked: what is under
+    test is which cells run and which runs the report keeps."""
+    monkeypatch.setattr(utility, "validate_config", lambda config: config)
+    monkeypatch.setattr(utility, "base_config", lambda *args: {"data": {}, "model": {}, "privacy": {}, "training": {}})
+    monkeypatch.setattr(utility, "planned_selection_budgets", lambda *args: {})
+
+    def main(*args):
+        return utility.main(["--track", "cifar10-transfer", "--profile", "quick", "--data-dir", str(tmp_path),
+                             "--work-dir", str(tmp_path / "runs"), "--out-dir", str(tmp_path / "results"),
+                             "--methods", "sparta", "all", *args])
+    return main
+
+
+def _reported(tmp_path) -> dict:
+    return json.loads((tmp_path / "results" / "cifar10-transfer-quick.json").read_text())
+
+
+def test_an_epsilons_run_keeps_the_other_epsilons_recorded_runs_and_lists_their_missing_cells(
+        tmp_path, fake_train, offline_main):
+    assert offline_main("--epsilons", "2") == 0
+    trained = len(fake_train)
+    eps2 = sorted((r["method"], r["seed"]) for r in _reported(tmp_path)["runs"]
+                  if r["kind"] == "main" and r["target_epsilon"] == 2.0)
+    assert eps2 == [(m, s) for m in ("all", "sparta") for s in PROFILE["seeds"]]
+    assert offline_main("--epsilons", "8") == 0
+    assert len(fake_train) - trained == 2 * len(PROFILE["seeds"])  # only the epsilon-8 cells ran
+    stored = _reported(tmp_path)
+    main_runs = {(r["method"], r["target_epsilon"], r["seed"]) for r in stored["runs"] if r["kind"] == "main"}
+    assert main_runs == {(m, e, s) for m in ("sparta", "all") for e in (2.0, 8.0) for s in PROFILE["seeds"]}
+    assert sorted(stored["missing"]) == sorted(f"main {m} eps=1 seed={s}" for m in ("sparta", "all")
+                                               for s in PROFILE["seeds"])
+
+
+def test_a_run_stopped_while_tuning_keeps_the_recorded_benchmark_runs_in_the_report(
+        tmp_path, fake_train, offline_main, monkeypatch):
+    assert offline_main("--epsilons", "2") == 0
+    recorded = [r for r in _reported(tmp_path)["runs"] if r["kind"] != "tune"]
+    # a tuning run to redo: gone from the work directory and from the report it would be restored from
+    redo = tmp_path / "runs" / "cifar10-transfer-quick" / "tune" / "all" / "lr0.1"
+    os.remove(redo / "results.json")
+    stored = _reported(tmp_path)
+    stored["runs"] = [r for r in stored["runs"] if r["run_dir"] != str(redo)]
+    (tmp_path / "results" / "cifar10-transfer-quick.json").write_text(json.dumps(stored))
+    from trainers import run
+
+    def killed(config):
+        raise KeyboardInterrupt  # the run is stopped during the tuning run it has to redo
+    monkeypatch.setattr(run, "train", killed)
+    with pytest.raises(KeyboardInterrupt):
+        offline_main("--epsilons", "2")
+    kept = [r for r in _reported(tmp_path)["runs"] if r["kind"] != "tune"]
+    assert kept == [r for r in recorded if r["run_dir"] != str(redo)] and len(kept) >= 8
