@@ -164,6 +164,11 @@ def cached_result(config: dict) -> dict | None:
     return cached if cached.get("cell") == _comparable(config) else None
 
 
+def cached_results(cells: list[Cell]) -> dict[int, dict]:
+    """``{index: cached results}`` of the cells that have run with today's configuration."""
+    return {i: result for i, cell in enumerate(cells) if (result := cached_result(cell.config)) is not None}
+
+
 def run_cell(config: dict, method: str) -> dict:
     """One run (or its cached results.json)."""
     cached = cached_result(config)
@@ -344,12 +349,16 @@ def main(argv=None) -> int:
         records = _tune_records(tune_cells, dict(enumerate(tuned)))
         cells, others = split_by_epsilon(benchmark_cells(base, profile, methods, rates, work_dir), epsilons)
         # cells of the epsilons this invocation leaves out: reported from their cached runs, else missing
-        others_done = {i: result for i, c in enumerate(others) if (result := cached_result(c.config)) is not None}
+        others_done = cached_results(others)
         records += _records(others, others_done)
+        # cells already run are reported from the start, not only once the runner reaches them
+        cells_cached = cached_results(cells)
 
         def progress(done: dict) -> None:
-            _write(report, records + _records(cells, done), _missing(others, others_done) + _missing(cells, done))
+            finished = {**cells_cached, **done}
+            _write(report, records + _records(cells, finished), _missing(others, others_done) + _missing(cells, finished))
 
+        progress({})
         results = runner.run([("cell", cell) for cell in cells], on_result=progress)
     _write(report, records + _records(cells, dict(enumerate(results))), _missing(others, others_done))
     print(f"wrote {os.path.join(args.out_dir, name)}.json/.md/.png in {time.perf_counter() - report.start:.0f} s")

@@ -317,12 +317,8 @@ def test_a_run_stopped_while_tuning_keeps_the_recorded_benchmark_runs_in_the_rep
         tmp_path, fake_train, offline_main, monkeypatch):
     assert offline_main("--epsilons", "2") == 0
     recorded = [r for r in _reported(tmp_path)["runs"] if r["kind"] != "tune"]
-    # a tuning run to redo: gone from the work directory and from the report it would be restored from
     redo = tmp_path / "runs" / "cifar10-transfer-quick" / "tune" / "all" / "lr0.1"
-    os.remove(redo / "results.json")
-    stored = _reported(tmp_path)
-    stored["runs"] = [r for r in stored["runs"] if r["run_dir"] != str(redo)]
-    (tmp_path / "results" / "cifar10-transfer-quick.json").write_text(json.dumps(stored))
+    _forget(tmp_path, redo)
     from trainers import run
 
     def killed(config):
@@ -332,3 +328,30 @@ def test_a_run_stopped_while_tuning_keeps_the_recorded_benchmark_runs_in_the_rep
         offline_main("--epsilons", "2")
     kept = [r for r in _reported(tmp_path)["runs"] if r["kind"] != "tune"]
     assert kept == [r for r in recorded if r["run_dir"] != str(redo)] and len(kept) >= 8
+
+
+def _forget(tmp_path, run_dir) -> None:
+    """A recorded run to redo: gone from the work directory and from the report it would be restored from."""
+    os.remove(run_dir / "results.json")
+    stored = _reported(tmp_path)
+    stored["runs"] = [r for r in stored["runs"] if r["run_dir"] != str(run_dir)]
+    (tmp_path / "results" / "cifar10-transfer-quick.json").write_text(json.dumps(stored))
+
+
+def test_a_run_stopped_at_its_first_new_cell_still_reports_every_cached_cell_after_it(
+        tmp_path, fake_train, offline_main, monkeypatch):
+    assert offline_main("--epsilons", "2") == 0
+    redo = tmp_path / "runs" / "cifar10-transfer-quick" / "sparta" / "eps2" / "seed1"  # early in the plan
+    recorded = [r for r in _reported(tmp_path)["runs"] if r["run_dir"] != str(redo)]
+    _forget(tmp_path, redo)
+    from trainers import run
+
+    def killed(config):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(run, "train", killed)
+    with pytest.raises(KeyboardInterrupt):
+        offline_main("--epsilons", "2")
+    stored = _reported(tmp_path)
+    assert sorted(map(json.dumps, stored["runs"])) == sorted(map(json.dumps, recorded))
+    assert any(r["kind"] == "density" for r in stored["runs"])  # planned after the stopped cell
+    assert "main sparta eps=2 seed=1" in stored["missing"]
