@@ -554,6 +554,20 @@ def ensure_pretrained(base: dict) -> None:
     run.pretrain(config, config["output_dir"])
 
 
+def exit_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
+    """Worker initializer: a thread that ends this worker once the benchmark process is gone. A
+    ``kill`` of the benchmark alone used to leave its workers running their cells, into the run
+    directories a later invocation starts the same cells in."""
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 class CellRunner:
     """Runs tasks in this process (``jobs=1``) or in ``jobs`` spawned worker processes, each
     importing TensorFlow once and taking one task at a time; results come back in task order."""
@@ -568,7 +582,8 @@ class CellRunner:
             import multiprocessing
 
             self._pool = concurrent.futures.ProcessPoolExecutor(
-                self.jobs, mp_context=multiprocessing.get_context("spawn"))
+                self.jobs, mp_context=multiprocessing.get_context("spawn"),
+                initializer=exit_with_parent, initargs=(os.getpid(),))
         return self
 
     def __exit__(self, *exc) -> None:

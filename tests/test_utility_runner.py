@@ -355,3 +355,37 @@ def test_a_run_stopped_at_its_first_new_cell_still_reports_every_cached_cell_aft
     assert sorted(map(json.dumps, stored["runs"])) == sorted(map(json.dumps, recorded))
     assert any(r["kind"] == "density" for r in stored["runs"])  # planned after the stopped cell
     assert "main sparta eps=2 seed=1" in stored["missing"]
+
+
+def test_killing_the_benchmark_process_ends_its_workers(tmp_path):
+    import signal
+    import subprocess
+    import time
+
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import sys, time\n"
+        f"sys.path.insert(0, {os.path.dirname(utility.__file__)!r})\n"
+        "import utility\n"
+        "if __name__ == '__main__':\n"
+        "    with utility.CellRunner(2) as runner:\n"
+        "        futures = [runner._pool.submit(time.sleep, 120) for _ in range(2)]\n"
+        "        time.sleep(3)\n"
+        "        print(' '.join(map(str, runner._pool._processes)), flush=True)\n"
+        "        time.sleep(120)\n")
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    workers = [int(pid) for pid in parent.stdout.readline().split()]
+    assert len(workers) == 2
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return not open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    deadline = time.time() + 20
+    while any(alive(pid) for pid in workers) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not any(alive(pid) for pid in workers)
