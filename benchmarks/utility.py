@@ -248,6 +248,11 @@ def cell_dir(work_dir: str, profile: dict, method: str, epsilon: float, seed: in
     return os.path.join(work_dir, method, f"eps{epsilon:g}", f"seed{seed}")
 
 
+def _val_curve(results: dict) -> list[float]:
+    """Validation accuracy after each epoch (rounded to 4 decimals: the report prints 1)."""
+    return [round(float(v), 4) for v in results.get("history", {}).get("val_accuracy") or []]
+
+
 def _val_accuracy(results: dict) -> float:
     values = results.get("history", {}).get("val_accuracy") or [0.0]
     return float(values[-1])
@@ -259,7 +264,8 @@ def _record(results, method, epsilon, seed, lr, density, kind, val=None) -> dict
             "test_accuracy": results["test_accuracy"],
             "val_accuracy": val if val is not None else _val_accuracy(results),
             "trainable_fraction": results.get("trainable_fraction"), "seconds": results.get("wall_s"),
-            "run_dir": results.get("cell", {}).get("output_dir"), "config": results.get("cell")}
+            "val_curve": _val_curve(results), "run_dir": results.get("cell", {}).get("output_dir"),
+            "config": results.get("cell")}
 
 
 def recorded_runs(out_dir: str, name: str) -> list[dict]:
@@ -287,7 +293,8 @@ def restore_recorded_runs(out_dir: str, name: str, work_dir: str) -> int:
         os.makedirs(config["output_dir"], exist_ok=True)
         results = {"method": record["method"], "private": record["private"], "epsilon": record["epsilon"],
                    "test_accuracy": record["test_accuracy"], "trainable_fraction": record["trainable_fraction"],
-                   "history": {"val_accuracy": [record["val_accuracy"]]}, "wall_s": record["seconds"],
+                   "history": {"val_accuracy": record.get("val_curve") or [record["val_accuracy"]]},
+                   "wall_s": record["seconds"],
                    "cell": config, "restored_from": path}
         _write_results(os.path.join(config["output_dir"], "results.json"), results)
         restored += 1
@@ -731,8 +738,10 @@ def _try(budgets) -> dict:
         return {}
 
 
-def _why_sections(records: list, profile: dict) -> list[str]:
-    """Density sweep and SPARTA-vs-oracle row overlap (with the selection epoch's cost), where run."""
+def _why_sections(records: list, report: "Report") -> list[str]:
+    """Density sweep, SPARTA-vs-oracle row overlap (with the selection epoch's cost) and validation
+    accuracy at SPARTA's phase boundaries, where run."""
+    profile = report.profile
     lines = []
     density = utility_analysis.density_table(records, SPARSE_FOR_PROFILE)
     if density:
@@ -740,7 +749,36 @@ def _why_sections(records: list, profile: dict) -> list[str]:
     overlap = utility_analysis.overlap_table(records, DEFAULT_DENSITY)
     if overlap:
         lines += ["", "## How much of the oracle's choice SPARTA's private selection recovers", "", overlap]
+    phases = utility_analysis.phase_table(records, _curve_methods(records), _warmup_epochs(profile))
+    if phases:
+        lines += ["", "## Where the gaps open: validation accuracy at SPARTA's phase boundaries", "",
+                  "Validation accuracy (%) on the held-out part of the private training split, mean over the "
+                  "seeds that recorded a curve. SPARTA trains BiTFiT's parameters during its warm-up and "
+                  "updates nothing during its selection epoch; the plot "
+                  f"`{report.name}-validation-curves.png` has every epoch.", "", phases]
     return lines
+
+
+def _warmup_epochs(profile: dict) -> int:
+    """SPARTA's warm-up epochs in the profile's runs (the method's default ``T0``)."""
+    from sparta_tf.methods.selection_epoch import default_warmup_epochs  # imports TF: not at module import
+
+    return default_warmup_epochs(profile["epochs"])
+
+
+def _curve_methods(records: list) -> list[str]:
+    """The private methods whose benchmark runs recorded a validation curve, in the report's order."""
+    present = {r["method"] for r in records if r["kind"] == "main" and r.get("private", True) and r.get("val_curve")}
+    return [m for m in METHODS if m in present]
+
+
+def _plot_curves(report: "Report", records: list) -> None:
+    curves = utility_analysis.mean_curves(records, _curve_methods(records))
+    if curves:
+        warmup = _warmup_epochs(report.profile)
+        utility_report.plot_validation_curves(
+            curves, os.path.join(report.out_dir, f"{report.name}-validation-curves.png"),
+            [(warmup, "SPARTA warm-up ends"), (warmup + 1, "selection ends")], report.name)
 
 
 class Report(NamedTuple):
@@ -784,7 +822,7 @@ def _write(report: Report, records: list, missing: list[str] | None = ()) -> Non
                       f"methods this invocation planned): {', '.join(not_run)}"]
     if paired:
         lines += ["", "## SPARTA minus each method, paired over shared seeds", "", paired]
-    lines += _why_sections(records, profile)
+    lines += _why_sections(records, report)
     budgets = utility_analysis.budget_table(report.budgets)
     if budgets:
         lines += ["", "## SPARTA's selection epoch: its share of the steps and of ε (planned runs, seed 0)", "", budgets]
@@ -795,6 +833,7 @@ def _write(report: Report, records: list, missing: list[str] | None = ()) -> Non
     if main_runs:
         utility_report.plot_accuracy_vs_epsilon(main_runs, os.path.join(out_dir, f"{name}-accuracy-vs-epsilon.png"),
                                                 name)
+        _plot_curves(report, records)
         density_runs = [r for r in records if r["kind"] == "density"]
         if density_runs:
             utility_report.plot_accuracy_vs_trainable(

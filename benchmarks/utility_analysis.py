@@ -8,6 +8,11 @@
 * :func:`selection_budget`: the share of the run's steps and of its epsilon that
   SPARTA's selection epoch takes, from the run's ``plan.json`` (the epsilon the
   selection epoch would cost on its own is computed with the project's accountant).
+* :func:`mean_curves` / :func:`phase_table`: validation accuracy after every epoch, averaged over
+  seeds, read at SPARTA's phase boundaries. SPARTA trains exactly BiTFiT's parameters for its
+  ``T0`` warm-up epochs and updates nothing in its selection epoch, so whatever separates it from
+  another method at the end is the head start that method had at epoch ``T0 + 1`` plus what each
+  gained in the remaining ``T - T0 - 1`` epochs.
 * :func:`density_table`, :func:`overlap_table` and :func:`budget_table`: markdown for the report.
 """
 
@@ -132,4 +137,41 @@ def budget_table(budgets: dict[str, dict]) -> str:
         lines.append(f"| {float(epsilon):g} | {100 * budget['steps_share']:.1f}% | "
                      f"{100 * budget['epsilon_marginal_share']:.1f}% | {100 * budget['epsilon_increment_share']:.1f}% | "
                      f"{budget['epsilon_alone']:.3g} |")
+    return "\n".join(lines) + "\n"
+
+
+def mean_curves(records: Sequence[dict], methods: Sequence[str]) -> dict[tuple[str, float], tuple[list[float], int]]:
+    """``{(method, epsilon): (validation accuracy after each epoch averaged over seeds, seeds)}`` of the
+    benchmark (``main``) runs of ``methods`` that recorded a full curve (``val_curve``); runs stopped
+    early, with a shorter curve than their epsilon's longest, are left out of the mean."""
+    groups: dict[tuple[str, float], list[list[float]]] = {}
+    for record in records:
+        if record["kind"] == "main" and record["method"] in methods and record.get("val_curve"):
+            groups.setdefault((record["method"], float(record["target_epsilon"])), []).append(record["val_curve"])
+    curves = {}
+    for key, group in groups.items():
+        length = max(len(curve) for curve in group)
+        full = [curve for curve in group if len(curve) == length]
+        curves[key] = ([statistics.fmean(epoch) for epoch in zip(*full)], len(full))
+    return curves
+
+
+def phase_table(records: Sequence[dict], methods: Sequence[str], warmup_epochs: int) -> str:
+    """Markdown: per epsilon and method, mean validation accuracy (%) at the end of SPARTA's warm-up
+    (epoch ``T0``), after its selection epoch (``T0 + 1``) and at the end (``T``), and the gain from
+    ``T0 + 1`` to ``T``; empty when no run recorded its curve."""
+    curves = mean_curves(records, methods)
+    if not curves:
+        return ""
+    selection_end = warmup_epochs + 1
+    lines = [f"| ε | method | seeds | epoch {warmup_epochs} (warm-up ends) | epoch {selection_end} (selection ends) "
+             "| last epoch | gain after selection |", "|---:|---|---:|---:|---:|---:|---:|"]
+    for epsilon in sorted({eps for _, eps in curves}):
+        for method in [m for m in methods if (m, epsilon) in curves]:
+            curve, seeds = curves[(method, epsilon)]
+            if len(curve) <= selection_end:
+                continue
+            lines.append(f"| {epsilon:g} | {method} | {seeds} | {100 * curve[warmup_epochs - 1]:.1f} | "
+                         f"{100 * curve[selection_end - 1]:.1f} | {100 * curve[-1]:.1f} | "
+                         f"{100 * (curve[-1] - curve[selection_end - 1]):+.1f} |")
     return "\n".join(lines) + "\n"

@@ -13,7 +13,9 @@ and ``density``. Output:
   interval excludes zero;
 * :func:`plot_accuracy_vs_epsilon`: one line per method with std error bars;
 * :func:`plot_accuracy_vs_trainable`: accuracy against % trainable parameters
-  for the sparse methods (the SPARTA paper's Figure 3).
+  for the sparse methods (the SPARTA paper's Figure 3);
+* :func:`plot_validation_curves`: validation accuracy after every epoch (mean
+  over seeds), one panel per epsilon, with SPARTA's phase boundaries marked.
 """
 
 from __future__ import annotations
@@ -198,6 +200,41 @@ def plot_accuracy_vs_trainable(runs: Sequence[dict], path: str, methods: Sequenc
     axes.set_ylabel("test accuracy (%)")
     axes.set_title(title)
     axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def plot_validation_curves(curves: dict[tuple[str, float], tuple[Sequence[float], int]], path: str,
+                           boundaries: Sequence[tuple[int, str]] = (), title: str = "") -> None:
+    """One panel per epsilon, one line per method: ``curves[(method, epsilon)] = (mean validation
+    accuracy after each epoch, seeds)``; ``boundaries``: ``(epoch, label)`` drawn as vertical lines
+    (the end of SPARTA's warm-up and of its selection epoch)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    epsilons = sorted({eps for _, eps in curves})
+    methods = sorted({m for m, _ in curves})
+    figure, panels = plt.subplots(1, len(epsilons), figsize=(4.2 * len(epsilons), 3.8), sharey=True, squeeze=False)
+    for panel, epsilon in zip(panels[0], epsilons):
+        for index, method in enumerate(methods):
+            if (method, epsilon) in curves:
+                curve, seeds = curves[(method, epsilon)]
+                panel.plot(range(1, len(curve) + 1), [100 * v for v in curve], color=f"C{index}",
+                           label=f"{method} ({seeds} seeds)")
+        for epoch, label in boundaries:
+            panel.axvline(epoch, color="grey", linestyle=":", linewidth=1)
+            panel.annotate(label, (epoch, 0.02), xycoords=("data", "axes fraction"), rotation=90, fontsize=7,
+                           color="grey", ha="right", va="bottom")
+        panel.xaxis.set_major_locator(MaxNLocator(integer=True))
+        panel.set_title(f"ε = {epsilon:g}")
+        panel.set_xlabel("epoch")
+        panel.legend(fontsize=7, loc="lower right")
+    panels[0][0].set_ylabel("validation accuracy (%), mean over seeds")
+    figure.suptitle(title)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)

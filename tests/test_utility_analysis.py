@@ -69,3 +69,28 @@ def test_overlap_table_pairs_sparta_and_oracle_runs_on_the_same_epsilon_and_seed
     row = [line for line in table.splitlines() if line.startswith("| 2 |")][0]
     assert "75.0% ± 35.4" in row and "| 2 |" in row and "5.0%" in row  # mean of 1.0 and 0.5; 20/400 steps
     assert utility_analysis.overlap_table([r for r in records if r["method"] == "sparta"], 0.2) == ""
+
+
+def _curve_record(method, seed, curve, kind="main", eps=2.0):
+    return {"kind": kind, "method": method, "target_epsilon": eps, "seed": seed, "val_curve": curve}
+
+
+def test_mean_curves_average_full_curves_per_method_and_epsilon_and_skip_short_ones():
+    records = [_curve_record("sparta", 0, [0.2, 0.4, 0.6]), _curve_record("sparta", 1, [0.4, 0.6, 0.8]),
+               _curve_record("sparta", 2, [0.9]),  # stopped early: not averaged with full curves
+               _curve_record("sparta", 0, [0.1, 0.1, 0.1], kind="tune"),  # tuning runs are not benchmark cells
+               _curve_record("sparta", 0, [0.5, 0.5, 0.5], eps=8.0), _curve_record("mp", 0, [0.3, 0.3, 0.3]),
+               _curve_record("all", 0, [])]
+    curves = utility_analysis.mean_curves(records, ["sparta", "all"])
+    assert set(curves) == {("sparta", 2.0), ("sparta", 8.0)}
+    assert curves[("sparta", 2.0)][0] == pytest.approx([0.3, 0.5, 0.7]) and curves[("sparta", 2.0)][1] == 2
+    assert curves[("sparta", 8.0)] == ([0.5, 0.5, 0.5], 1)
+    assert utility_analysis.phase_table([], ["sparta"], 1) == ""
+
+
+def test_phase_table_reads_the_warmup_end_the_selection_end_and_the_last_epoch():
+    records = [_curve_record("sparta", 0, [0.1, 0.2, 0.3, 0.4, 0.9]), _curve_record("mp", 0, [0.5, 0.6, 0.7, 0.7, 0.8])]
+    table = utility_analysis.phase_table(records, ["sparta", "mp"], warmup_epochs=2)
+    assert "| epoch 2 (warm-up ends) | epoch 3 (selection ends) |" in table
+    assert "| 2 | sparta | 1 | 20.0 | 30.0 | 90.0 | +60.0 |" in table
+    assert "| 2 | mp | 1 | 60.0 | 70.0 | 80.0 | +10.0 |" in table

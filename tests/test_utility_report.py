@@ -44,6 +44,12 @@ def test_plots_are_written(tmp_path):
         assert (tmp_path / name).stat().st_size > 1000
 
 
+def test_validation_curves_plot_is_written(tmp_path):
+    curves = {("sparta", 1.0): ([0.5, 0.6, 0.7], 2), ("all", 1.0): ([0.4, 0.6, 0.8], 2), ("all", 8.0): ([0.6] * 3, 1)}
+    utility_report.plot_validation_curves(curves, str(tmp_path / "curves.png"), [(1, "warm-up ends")], "t")
+    assert (tmp_path / "curves.png").stat().st_size > 1000
+
+
 def test_missing_cells_are_dashes():
     records = [r for r in runs() if not (r["method"] == "all" and r["target_epsilon"] == 8.0)]
     table = utility_report.markdown_table(records, ["sparta", "all"])
