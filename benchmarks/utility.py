@@ -277,14 +277,14 @@ def recorded_runs(out_dir: str, name: str) -> list[dict]:
         return json.load(f)["runs"]
 
 
-def restore_recorded_runs(out_dir: str, name: str, work_dir: str) -> int:
-    """Writes ``results.json`` for every run recorded in ``<out_dir>/<name>.json`` whose run directory
-    is gone (a fresh checkout: ``runs/`` is not committed), so the benchmark resumes from the committed
-    report instead of running them again. Only records that carry their configuration are restored;
-    :func:`run_cell` still re-runs any whose configuration differs from today's. Returns how many."""
-    path = os.path.join(out_dir, f"{name}.json")
+def restore_recorded_runs(records: list[dict], work_dir: str, source: str) -> int:
+    """Writes ``results.json`` for every run of ``records`` (the runs recorded in the report ``source``,
+    see :func:`recorded_runs`) whose run directory is gone (a fresh checkout: ``runs/`` is not
+    committed), so the benchmark resumes from the committed report instead of running them again.
+    Only records that carry their configuration are restored; :func:`run_cell` still re-runs any
+    whose configuration differs from today's. Returns how many."""
     restored = 0
-    for record in recorded_runs(out_dir, name):
+    for record in records:
         config = record.get("config")
         if not config or not config["output_dir"].startswith(os.path.join(work_dir, "")):
             continue  # made in another checkout: its configuration cannot match, so it would re-run anyway
@@ -294,8 +294,7 @@ def restore_recorded_runs(out_dir: str, name: str, work_dir: str) -> int:
         results = {"method": record["method"], "private": record["private"], "epsilon": record["epsilon"],
                    "test_accuracy": record["test_accuracy"], "trainable_fraction": record["trainable_fraction"],
                    "history": {"val_accuracy": record.get("val_curve") or [record["val_accuracy"]]},
-                   "wall_s": record["seconds"],
-                   "cell": config, "restored_from": path}
+                   "wall_s": record["seconds"], "cell": config, "restored_from": source}
         _write_results(os.path.join(config["output_dir"], "results.json"), results)
         restored += 1
     return restored
@@ -338,7 +337,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     base = base_config(args.track, profile, args.data_dir, args.fashion_dir, work_dir)
     previous = recorded_runs(args.out_dir, name)
-    restored = restore_recorded_runs(args.out_dir, name, work_dir)
+    restored = restore_recorded_runs(previous, work_dir, os.path.join(args.out_dir, f"{name}.json"))
     if restored:
         print(f"resuming: {restored} runs recorded in {name}.json restored into {work_dir}", flush=True)
     budgets = planned_selection_budgets(base, profile, methods)

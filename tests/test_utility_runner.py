@@ -250,14 +250,15 @@ def test_recorded_runs_are_restored_into_a_fresh_work_dir_and_not_recomputed(tmp
     import shutil
 
     shutil.rmtree(work_dir)  # a fresh checkout: runs/ is not committed
-    assert utility.restore_recorded_runs(out_dir, "t-p", work_dir) == 1  # only the one made under work_dir
+    recorded = utility.recorded_runs(out_dir, "t-p")
+    assert utility.restore_recorded_runs(recorded, work_dir, "t-p.json") == 1  # only the one made under work_dir
     assert not os.path.exists(tmp_path / "elsewhere")
     again = utility.run_cell(config, "sparta")
     assert len(fake_train) == 1  # restored, not trained again
     assert again["test_accuracy"] == record["test_accuracy"]
     assert utility._val_accuracy(again) == 0.6
     assert again["history"]["val_accuracy"] == [0.4, 0.6]  # the whole curve, for the phase analysis
-    assert utility.restore_recorded_runs(out_dir, "t-p", work_dir) == 0  # idempotent
+    assert utility.restore_recorded_runs(recorded, work_dir, "t-p.json") == 0  # idempotent
     changed = utility.cell_config(config, "sparta", 2.0, 0, 0.01, 0.5, config["output_dir"])  # another density
     utility.run_cell(changed, "sparta")
     assert len(fake_train) == 2  # a restored run with another configuration is run again
