@@ -82,7 +82,10 @@ PROFILES = {
                  "epochs": 20, "batch_size": 250, "limit_train": 5556, "limit_test": 2000,
                  "public_model": {"cifar10-transfer": "cifar5-resnet20-gn", "mnist-to-fashion": "mnist-resnet20-gn"},
                  "lr_grid": (0.01, 0.03, 0.1), "bracket_lr": True, "tune_epsilon": 2.0,
-                 "densities": (0.05, 0.1, 0.2, 0.5), "model": {"name": "pretrained"}},
+                 "densities": (0.05, 0.1, 0.2, 0.5), "model": {"name": "pretrained"},
+                 # SPARTA with a shorter warm-up where it trails full fine-tuning (eps = 1): does the
+                 # T0 = 4 epochs of bias/norm/head-only training cost it the gap?
+                 "warmup_ablation": {"epsilon": 1.0, "warmup_epochs": (1,), "seeds": (0, 1, 2)}},
     # Standard from a weaker public model (the same recipe on a tenth of the public data): how transfer
     # quality moves the ranking of the main methods.
     "standard-weak": {"epsilons": (1.0, 2.0, 8.0), "seeds": (0, 1, 2), "epochs": 20, "batch_size": 250,
@@ -309,8 +312,9 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", nargs="+", choices=METHODS,
                         help="default: the profile's methods (every method for most profiles)")
     parser.add_argument("--epsilons", nargs="+", type=float,
-                        help="run only these of the profile's epsilons (default: all); the report keeps the others' "
-                             "recorded runs and lists their missing cells")
+                        help="run only these of the profile's epsilons (default: all; the density sweep and the "
+                             "warm-up ablation always run); the report keeps the others' recorded runs and lists "
+                             "their missing cells")
     parser.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "utility"))
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
     parser.add_argument("--jobs", type=int, default=1,
@@ -374,7 +378,7 @@ def main(argv=None) -> int:
 class Cell(NamedTuple):
     """One benchmark cell: a trainer configuration and where it sits in the report."""
 
-    kind: str  # tune / main / density
+    kind: str  # tune / main / density / warmup (SPARTA's warm-up ablation)
     method: str
     epsilon: float  # the report's column (the non-private ceiling runs once per seed)
     seed: int
@@ -487,12 +491,29 @@ def benchmark_cells(base: dict, profile: dict, methods: list, rates: dict, work_
             out = cell_dir(work_dir, profile, method, epsilon, 0, rates[method], density)
             config = cell_config(base, method, epsilon, 0, rates[method], density, out)
             cells.append(Cell("density", method, epsilon, 0, rates[method], density, config))
+    return cells + warmup_ablation_cells(base, profile, methods, rates, work_dir)
+
+
+def warmup_ablation_cells(base: dict, profile: dict, methods: list, rates: dict, work_dir: str) -> list[Cell]:
+    """SPARTA with each of the profile's shorter warm-ups (``warmup_ablation``: T0 values, one epsilon,
+    seeds), at its chosen rate and the default density; paired in the report with the benchmark's
+    SPARTA (T0 = T / 5) on the same seeds."""
+    ablation = profile.get("warmup_ablation")
+    if not ablation or "sparta" not in methods:
+        return []
+    epsilon, lr, cells = ablation["epsilon"], rates["sparta"], []
+    for warmup in ablation["warmup_epochs"]:
+        for seed in ablation["seeds"]:
+            out = os.path.join(work_dir, "sparta", f"eps{epsilon:g}", f"warmup{warmup}", f"seed{seed}")
+            config = cell_config(base, "sparta", epsilon, seed, lr, DEFAULT_DENSITY, out)
+            config["method"]["warmup_epochs"] = warmup
+            cells.append(Cell("warmup", "sparta", epsilon, seed, lr, DEFAULT_DENSITY, config))
     return cells
 
 
 def split_by_epsilon(cells: list[Cell], epsilons: list[float]) -> tuple[list[Cell], list[Cell]]:
-    """(the cells to run: benchmark cells at ``epsilons`` and the density sweep, the other
-    epsilons' benchmark cells), each in the plan's order."""
+    """(the cells to run: benchmark cells at ``epsilons``, the density sweep and the warm-up
+    ablation, the other epsilons' benchmark cells), each in the plan's order."""
     runs = [c for c in cells if c.kind != "main" or c.epsilon in epsilons]
     return runs, [c for c in cells if c.kind == "main" and c.epsilon not in epsilons]
 
@@ -505,8 +526,16 @@ def _tune_records(cells: list[Cell], results: dict[int, dict]) -> list[dict]:
 
 def _missing(cells: list[Cell], results: dict[int, dict]) -> list[str]:
     """The planned cells without a result, named as the report names them."""
-    return [f"{c.kind} {c.method} eps={c.epsilon:g} seed={c.seed}" + (f" density={c.density:g}" if c.kind == "density" else "")
+    return [f"{c.kind} {c.method} eps={c.epsilon:g} seed={c.seed}" + _cell_variant(c)
             for i, c in enumerate(cells) if i not in results]
+
+
+def _cell_variant(cell: Cell) -> str:
+    if cell.kind == "density":
+        return f" density={cell.density:g}"
+    if cell.kind == "warmup":
+        return f" warmup_epochs={cell.config['method']['warmup_epochs']}"
+    return ""
 
 
 def _records(cells: list[Cell], results: dict[int, dict]) -> list[dict]:
@@ -748,6 +777,9 @@ def _why_sections(records: list, report: "Report") -> list[str]:
     overlap = utility_analysis.overlap_table(records, DEFAULT_DENSITY)
     if overlap:
         lines += ["", "## How much of the oracle's choice SPARTA's private selection recovers", "", overlap]
+    warmup = utility_analysis.warmup_table(records, _warmup_epochs(profile))
+    if warmup:
+        lines += ["", "## SPARTA with a shorter warm-up", "", warmup]
     phases = utility_analysis.phase_table(records, _curve_methods(records), _warmup_epochs(profile))
     if phases:
         lines += ["", "## Where the gaps open: validation accuracy at SPARTA's phase boundaries", "",

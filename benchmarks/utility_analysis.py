@@ -13,6 +13,8 @@
   ``T0`` warm-up epochs and updates nothing in its selection epoch, so whatever separates it from
   another method at the end is the head start that method had at epoch ``T0 + 1`` plus what each
   gained in the remaining ``T - T0 - 1`` epochs.
+* :func:`warmup_table`: SPARTA with a shorter warm-up (``warmup`` records, ``T0`` in their
+  configuration) against the benchmark's SPARTA and full fine-tuning on the same seeds, paired.
 * :func:`density_table`, :func:`overlap_table` and :func:`budget_table`: markdown for the report.
 """
 
@@ -24,6 +26,8 @@ import statistics
 from typing import Sequence
 
 import numpy as np
+
+import utility_report
 
 ROWS_SUFFIX = "::rows"
 
@@ -175,3 +179,35 @@ def phase_table(records: Sequence[dict], methods: Sequence[str], warmup_epochs: 
                          f"{100 * curve[selection_end - 1]:.1f} | {100 * curve[-1]:.1f} | "
                          f"{100 * (curve[-1] - curve[selection_end - 1]):+.1f} |")
     return "\n".join(lines) + "\n"
+
+
+def _warmup_of(record: dict, default: int) -> int:
+    return (record.get("config") or {}).get("method", {}).get("warmup_epochs", default)
+
+
+def warmup_table(records: Sequence[dict], default_warmup: int) -> str:
+    """Markdown: test accuracy (%) of SPARTA with each ablated warm-up length ``T0`` (``warmup``
+    records), of the benchmark's SPARTA (``T0 = default_warmup``) and of ``all`` at the same epsilon,
+    over the ablation's seeds (mean ± std), and each ablated SPARTA minus the other two, paired over
+    the seeds both ran with a 95% Student-t interval (:func:`utility_report.paired_differences`)."""
+    ablated = [r for r in records if r["kind"] == "warmup"]
+    if not ablated:
+        return ""
+    lines = ["| ε | SPARTA T0 | seeds | test accuracy | minus SPARTA T0 = "
+             f"{default_warmup} (paired) | minus all (paired) |", "|---:|---:|---:|---:|---:|---:|"]
+    by_cell = utility_report.group_by(ablated, lambda r: (float(r["target_epsilon"]), _warmup_of(r, default_warmup)))
+    for (epsilon, warmup), group in sorted(by_cell.items()):
+        name = f"sparta T0={warmup}"
+        seeds = {r["seed"] for r in group}
+        others = [r for r in records if r["kind"] == "main" and float(r["target_epsilon"]) == epsilon
+                  and r["method"] in ("sparta", "all") and r["seed"] in seeds]
+        runs = [dict(r, method=name) for r in group] + others
+        differences = utility_report.paired_differences(runs, reference=name)
+        accuracies = [100 * r["test_accuracy"] for r in group]
+        spread = statistics.stdev(accuracies) if len(accuracies) > 1 else 0.0
+        cells = [utility_report.format_difference(differences[(other, epsilon)])
+                 if (other, epsilon) in differences else "-" for other in ("sparta", "all")]
+        lines.append(f"| {epsilon:g} | {warmup} | {len(group)} | {statistics.fmean(accuracies):.2f} ± {spread:.2f} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+

@@ -26,7 +26,7 @@ import statistics
 from typing import Iterable, NamedTuple, Sequence
 
 
-def _group(runs: Iterable[dict], key) -> dict:
+def group_by(runs: Iterable[dict], key) -> dict:
     groups = collections.defaultdict(list)
     for run in runs:
         groups[key(run)].append(run)
@@ -36,7 +36,7 @@ def _group(runs: Iterable[dict], key) -> dict:
 def summarize(runs: Iterable[dict]) -> dict[tuple[str, float], tuple[float, float, int]]:
     """``{(method, epsilon): (mean accuracy, std, number of seeds)}``."""
     summary = {}
-    for (method, epsilon), group in _group(runs, lambda r: (r["method"], float(r["target_epsilon"]))).items():
+    for (method, epsilon), group in group_by(runs, lambda r: (r["method"], float(r["target_epsilon"]))).items():
         accuracies = [float(r["test_accuracy"]) for r in group]
         std = statistics.stdev(accuracies) if len(accuracies) > 1 else 0.0
         summary[(method, epsilon)] = (statistics.fmean(accuracies), std, len(accuracies))
@@ -90,6 +90,14 @@ def paired_differences(runs: Iterable[dict], reference: str = "sparta",
     return differences
 
 
+def format_difference(difference: PairedDifference) -> str:
+    """``mean [low, high] (n=pairs)`` in points (``mean (1 pair, no interval)`` for a single pair)."""
+    if difference.low is None:
+        return f"{100 * difference.mean:+.2f} (1 pair, no interval)"
+    return (f"{100 * difference.mean:+.2f} [{100 * difference.low:+.2f}, {100 * difference.high:+.2f}] "
+            f"(n={difference.pairs})")
+
+
 def paired_table(runs: Sequence[dict], method_order: Sequence[str] | None = None, reference: str = "sparta") -> str:
     """Markdown: ``reference - method`` in points, ``mean [95% CI] (pairs)``, with the verdict marked."""
     differences = paired_differences(runs, reference)
@@ -107,11 +115,8 @@ def paired_table(runs: Sequence[dict], method_order: Sequence[str] | None = None
             d = differences.get((method, eps))
             if d is None:
                 cells.append("-")
-            elif d.low is None:
-                cells.append(f"{100 * d.mean:+.2f} (1 pair, no interval)")
             else:
-                cells.append(f"{100 * d.mean:+.2f} [{100 * d.low:+.2f}, {100 * d.high:+.2f}] (n={d.pairs})"
-                             + marks[d.verdict])
+                cells.append(format_difference(d) + marks[d.verdict])
         lines.append(f"| {method}{' †' if method in nonprivate else ''} | " + " | ".join(cells) + " |")
     lines += ["", f"Points of test accuracy, {reference} minus the method on the same seeds, with a 95% "
               "Student-t interval; ▲/▼ only where the interval excludes zero (otherwise no winner is claimed)."]
@@ -189,7 +194,7 @@ def plot_accuracy_vs_trainable(runs: Sequence[dict], path: str, methods: Sequenc
     figure, axes = plt.subplots(figsize=(6, 4))
     for method in methods:
         chosen = [r for r in runs if r["method"] == method and "trainable_fraction" in r]
-        groups = _group(chosen, lambda r: float(r.get("density", r["trainable_fraction"])))
+        groups = group_by(chosen, lambda r: float(r.get("density", r["trainable_fraction"])))
         points = sorted(
             (statistics.fmean(r["trainable_fraction"] for r in g), statistics.fmean(r["test_accuracy"] for r in g))
             for g in groups.values()

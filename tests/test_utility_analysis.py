@@ -94,3 +94,22 @@ def test_phase_table_reads_the_warmup_end_the_selection_end_and_the_last_epoch()
     assert "| epoch 2 (warm-up ends) | epoch 3 (selection ends) |" in table
     assert "| 2 | sparta | 1 | 20.0 | 30.0 | 90.0 | +60.0 |" in table
     assert "| 2 | mp | 1 | 60.0 | 70.0 | 80.0 | +10.0 |" in table
+
+
+def _accuracy_record(method, seed, accuracy, kind="main", warmup=None, eps=1.0):
+    config = {"method": {"name": method, **({"warmup_epochs": warmup} if warmup is not None else {})}}
+    return {"kind": kind, "method": method, "target_epsilon": eps, "seed": seed, "test_accuracy": accuracy,
+            "config": config}
+
+
+def test_warmup_table_pairs_the_shorter_warmup_with_sparta_and_all_on_its_seeds():
+    records = [_accuracy_record("sparta", s, a, kind="warmup", warmup=1) for s, a in enumerate((0.72, 0.74, 0.73))]
+    records += [_accuracy_record("sparta", s, a) for s, a in enumerate((0.70, 0.73, 0.71, 0.60))]  # seed 3: unpaired
+    records += [_accuracy_record("all", s, a) for s, a in enumerate((0.73, 0.74, 0.74))]
+    records += [_accuracy_record("sparta", 0, 0.99, eps=8.0)]  # another epsilon: not paired
+    table = utility_analysis.warmup_table(records, default_warmup=4)
+    row = [line for line in table.splitlines() if line.startswith("| 1 | 1 |")][0]
+    # T0 = 1 minus T0 = 4: +2, +1, +2 points; minus all: -1, 0, -1
+    assert row.startswith("| 1 | 1 | 3 | 73.00 ± 1.00 | +1.67 [")
+    assert "(n=3) | -0.67 [" in row
+    assert utility_analysis.warmup_table(records[3:], default_warmup=4) == ""

@@ -109,17 +109,21 @@ def test_report_reads_validation_curves_at_spartas_phase_boundaries(tmp_path, mo
     records = [dict(_record(method, 8.0, 0, curve[-1], private=method != "nonprivate"), val_curve=curve)
                for method, curve in curves.items()]
     stored = {"profile": utility._comparable(profile), "delta": utility.DELTA, "elapsed_s": 5.0,
-              "runs": records + [_record("bitfit", 8.0, 0, 0.5)]}  # a run recorded before curves were: left out
+              "runs": records + [_record("bitfit", 8.0, 0, 0.5),  # a run recorded before curves were: left out
+                                 dict(_record("sparta", 8.0, 0, 0.8, kind="warmup"),
+                                      config={"method": {"name": "sparta", "warmup_epochs": 0}})]}
     (tmp_path / "cifar10-transfer-smoke.json").write_text(json.dumps(stored))
     assert utility.main(["--track", "cifar10-transfer", "--profile", "smoke", "--data-dir", str(tmp_path),
                          "--out-dir", str(tmp_path), "--report-only"]) == 0
     report = (tmp_path / "cifar10-transfer-smoke.md").read_text()
     assert "| epoch 1 (warm-up ends) | epoch 2 (selection ends) |" in report
-    rows = {line.split(" | ")[1]: line for line in report.splitlines() if line.startswith("| 8 | ")}
+    phases = report.split("## Where the gaps open")[1]
+    rows = {line.split(" | ")[1]: line for line in phases.splitlines() if line.startswith("| 8 | ")}
     assert set(rows) == {"sparta", "all"}  # private methods with a curve only
     assert rows["sparta"] == "| 8 | sparta | 1 | 50.0 | 50.0 | 70.0 | +20.0 |"
     assert rows["all"] == "| 8 | all | 1 | 40.0 | 60.0 | 65.0 | +5.0 |"
     assert (tmp_path / "cifar10-transfer-smoke-validation-curves.png").stat().st_size > 1000
+    assert "| 8 | 0 | 1 | 80.00 ± 0.00 | +10.00 (1 pair, no interval) | +15.00 (1 pair, no interval) |" in report
 
 
 def test_report_only_refuses_missing_or_stale_results(tmp_path):
@@ -206,6 +210,26 @@ def test_tuning_extends_only_methods_at_an_edge_until_every_choice_is_bracketed(
     assert sorted(c.lr for c in cells if c.method == "all") == list(profile["lr_grid"])
 
 
+def test_warmup_ablation_runs_sparta_with_each_shorter_warmup_in_its_own_directory(tmp_path):
+    profile = utility.PROFILES["standard"]
+    base = {"training": {"epochs": 20}, "privacy": {}}
+    rates = {"sparta": 0.1, "all": 0.03}
+    cells = [c for c in utility.benchmark_cells(base, profile, ["sparta", "all"], rates, str(tmp_path))
+             if c.kind == "warmup"]
+    ablation = profile["warmup_ablation"]
+    assert [(c.method, c.epsilon, c.seed, c.lr, c.config["method"]["warmup_epochs"]) for c in cells] == [
+        ("sparta", ablation["epsilon"], seed, 0.1, warmup) for warmup in ablation["warmup_epochs"]
+        for seed in ablation["seeds"]]
+    main = [c for c in utility.benchmark_cells(base, profile, ["sparta"], rates, str(tmp_path))
+            if c.kind == "main" and c.epsilon == ablation["epsilon"] and c.seed == 0][0]
+    assert "warmup_epochs" not in main.config["method"]  # the benchmark's SPARTA keeps the default T0
+    assert len({c.config["output_dir"] for c in cells} | {main.config["output_dir"]}) == len(cells) + 1
+    assert utility._missing(cells[:1], {}) == [f"warmup sparta eps=1 seed=0 warmup_epochs={ablation['warmup_epochs'][0]}"]
+    assert utility.warmup_ablation_cells(base, profile, ["all"], rates, str(tmp_path)) == []
+    config = dict(cells[0].config, data={"source": "npz", "path": "x"}, model={"name": "cifar_resnet_gn"})
+    assert utility.validate_config(config)["method"]["warmup_epochs"] == ablation["warmup_epochs"][0]
+
+
 def test_standard_profile_is_the_regime_the_issue_asks_for():
     profile = utility.PROFILES["standard"]
     train = profile["limit_train"] - round(0.1 * profile["limit_train"])  # 10% held out for validation
@@ -220,8 +244,8 @@ def test_standard_profile_is_the_regime_the_issue_asks_for():
         for track, name in utility.PROFILES[variant]["public_model"].items():
             assert name in pretrained.available(), f"{name} for {track} ({variant}) is not shipped"
     weak = utility.PROFILES["standard-weak"]
-    assert {k: v for k, v in weak.items() if k not in ("public_model", "methods", "densities", "more_seeds")} == {
-        k: v for k, v in profile.items() if k not in ("public_model", "methods", "densities", "more_seeds")}
+    assert {k: v for k, v in weak.items() if k not in ("public_model", "methods", "densities", "more_seeds", "warmup_ablation")} == {
+        k: v for k, v in profile.items() if k not in ("public_model", "methods", "densities", "more_seeds", "warmup_ablation")}
 
 
 def test_benchmark_cells_are_seed_major_so_a_partial_run_has_comparable_cells(tmp_path):
@@ -293,7 +317,8 @@ def test_epsilons_option_restricts_the_cells_and_rejects_epsilons_outside_the_pr
     profile = utility.PROFILES["standard"]
     cells, others = utility.split_by_epsilon(utility.benchmark_cells(
         {"training": {}, "privacy": {}}, profile, ["sparta"], {"sparta": 0.03}, str(tmp_path)), [2.0])
-    assert {c.epsilon for c in cells} == {2.0} and {c.kind for c in cells} == {"main", "density"}
+    assert {c.epsilon for c in cells if c.kind == "main"} == {2.0}
+    assert {c.kind for c in cells} == {"main", "density", "warmup"}  # the sweep and the ablation always run
     assert {c.epsilon for c in others} == {1.0, 8.0} and {c.kind for c in others} == {"main"}
     with pytest.raises(SystemExit):
         utility.main(["--track", "cifar10-transfer", "--profile", "standard", "--data-dir", str(tmp_path),
