@@ -95,10 +95,10 @@ def overlap_table(records: Sequence[dict], density: float) -> str:
     budgets: dict[float, dict] = {}
     for key in sorted(set(sparta) & set(oracle)):
         try:
-            overlaps.setdefault(key[0], []).append(
-                row_overlap(mask_rows(sparta[key]["run_dir"]), mask_rows(oracle[key]["run_dir"])))
-        except (OSError, ValueError):
+            overlap = row_overlap(mask_rows(sparta[key]["run_dir"]), mask_rows(oracle[key]["run_dir"]))
+        except (OSError, ValueError):  # no mask, or none with rows (the oracle's default is entries)
             continue
+        overlaps.setdefault(key[0], []).append(overlap)
         with open(os.path.join(sparta[key]["run_dir"], "plan.json")) as f:
             budgets.setdefault(key[0], selection_budget(json.load(f)))
     if not overlaps:

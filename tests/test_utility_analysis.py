@@ -71,6 +71,17 @@ def test_overlap_table_pairs_sparta_and_oracle_runs_on_the_same_epsilon_and_seed
     assert utility_analysis.overlap_table([r for r in records if r["method"] == "sparta"], 0.2) == ""
 
 
+def test_overlap_table_skips_pairs_whose_oracle_mask_has_no_rows(tmp_path):
+    # the oracle's default granularity is entries: its mask has no ``::rows`` arrays to compare
+    sparta = _run_dir(tmp_path, "sparta", {"d/kernel:0": [0, 1]}, _plan())
+    oracle = tmp_path / "oracle"
+    (oracle / "mask").mkdir(parents=True)
+    np.savez(oracle / "mask" / "mask.npz", **{"d/kernel:0::entries": np.array([0, 5], np.int64)})
+    records = [{"kind": "main", "method": method, "target_epsilon": 8.0, "seed": 0, "run_dir": run_dir}
+               for method, run_dir in (("sparta", sparta), ("oracle", str(oracle)))]
+    assert utility_analysis.overlap_table(records, 0.2) == ""
+
+
 def _curve_record(method, seed, curve, kind="main", eps=2.0):
     return {"kind": kind, "method": method, "target_epsilon": eps, "seed": seed, "val_curve": curve}
 
