@@ -148,14 +148,11 @@ def mean_curves(records: Sequence[dict], methods: Sequence[str]) -> dict[tuple[s
     """``{(method, epsilon): (validation accuracy after each epoch averaged over seeds, seeds)}`` of the
     benchmark (``main``) runs of ``methods`` that recorded a full curve (``val_curve``); runs stopped
     early, with a shorter curve than their epsilon's longest, are left out of the mean."""
-    groups: dict[tuple[str, float], list[list[float]]] = {}
-    for record in records:
-        if record["kind"] == "main" and record["method"] in methods and record.get("val_curve"):
-            groups.setdefault((record["method"], float(record["target_epsilon"])), []).append(record["val_curve"])
+    with_curves = [r for r in records if r["kind"] == "main" and r["method"] in methods and r.get("val_curve")]
     curves = {}
-    for key, group in groups.items():
-        length = max(len(curve) for curve in group)
-        full = [curve for curve in group if len(curve) == length]
+    for key, group in utility_report.group_by(with_curves, lambda r: (r["method"], float(r["target_epsilon"]))).items():
+        length = max(len(r["val_curve"]) for r in group)
+        full = [r["val_curve"] for r in group if len(r["val_curve"]) == length]
         curves[key] = ([statistics.fmean(epoch) for epoch in zip(*full)], len(full))
     return curves
 
@@ -210,4 +207,3 @@ def warmup_table(records: Sequence[dict], default_warmup: int) -> str:
         lines.append(f"| {epsilon:g} | {warmup} | {len(group)} | {statistics.fmean(accuracies):.2f} ± {spread:.2f} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
-
