@@ -85,7 +85,11 @@ PROFILES = {
                  "densities": (0.05, 0.1, 0.2, 0.5), "model": {"name": "pretrained"},
                  # SPARTA with a shorter warm-up where it trails full fine-tuning (eps = 1): does the
                  # T0 = 4 epochs of bias/norm/head-only training cost it the gap?
-                 "warmup_ablation": {"epsilon": 1.0, "warmup_epochs": (1,), "seeds": (0, 1, 2)}},
+                 "warmup_ablation": {"epsilon": 1.0, "warmup_epochs": (1,), "seeds": (0, 1, 2)},
+                 # The non-private oracle choosing *rows* (SPARTA's granularity; its default is entries) with
+                 # SPARTA's recipe and rate: how many of SPARTA's private rows it shares, and what exact
+                 # scores would have gained in accuracy, per epsilon.
+                 "row_oracle": {"seeds": (0,)}},
     # Standard from a weaker public model (the same recipe on a tenth of the public data): how transfer
     # quality moves the ranking of the main methods.
     "standard-weak": {"epsilons": (1.0, 2.0, 8.0), "seeds": (0, 1, 2), "epochs": 20, "batch_size": 250,
@@ -312,9 +316,9 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", nargs="+", choices=METHODS,
                         help="default: the profile's methods (every method for most profiles)")
     parser.add_argument("--epsilons", nargs="+", type=float,
-                        help="run only these of the profile's epsilons (default: all; the density sweep and the "
-                             "warm-up ablation always run); the report keeps the others' recorded runs and lists "
-                             "their missing cells")
+                        help="run only these of the profile's epsilons (default: all; the density sweep, the "
+                             "warm-up ablation and the row oracle always run); the report keeps the others' "
+                             "recorded runs and lists their missing cells")
     parser.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "utility"))
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
     parser.add_argument("--jobs", type=int, default=1,
@@ -378,7 +382,7 @@ def main(argv=None) -> int:
 class Cell(NamedTuple):
     """One benchmark cell: a trainer configuration and where it sits in the report."""
 
-    kind: str  # tune / main / density / warmup (SPARTA's warm-up ablation)
+    kind: str  # tune / main / density / warmup (SPARTA's warm-up ablation) / overlap (the row oracle)
     method: str
     epsilon: float  # the report's column (the non-private ceiling runs once per seed)
     seed: int
@@ -491,7 +495,8 @@ def benchmark_cells(base: dict, profile: dict, methods: list, rates: dict, work_
             out = cell_dir(work_dir, profile, method, epsilon, 0, rates[method], density)
             config = cell_config(base, method, epsilon, 0, rates[method], density, out)
             cells.append(Cell("density", method, epsilon, 0, rates[method], density, config))
-    return cells + warmup_ablation_cells(base, profile, methods, rates, work_dir)
+    return (cells + warmup_ablation_cells(base, profile, methods, rates, work_dir)
+            + row_oracle_cells(base, profile, methods, rates, work_dir))
 
 
 def warmup_ablation_cells(base: dict, profile: dict, methods: list, rates: dict, work_dir: str) -> list[Cell]:
@@ -511,9 +516,27 @@ def warmup_ablation_cells(base: dict, profile: dict, methods: list, rates: dict,
     return cells
 
 
+def row_oracle_cells(base: dict, profile: dict, methods: list, rates: dict, work_dir: str) -> list[Cell]:
+    """The oracle (exact ``|g|``, NOT private) selecting rows at the default density with SPARTA's
+    configuration and chosen rate, at every epsilon of the profile and each ``row_oracle`` seed: the
+    same seed gives it SPARTA's warm-up (same batches and noise), so the two masks differ only by the
+    selection epoch's clipping and noise. Paired in the report with the benchmark's SPARTA."""
+    oracle = profile.get("row_oracle")
+    if not oracle or "sparta" not in methods:
+        return []
+    lr, cells = rates["sparta"], []
+    for seed in oracle["seeds"]:
+        for epsilon in profile["epsilons"]:
+            out = os.path.join(work_dir, "oracle", f"eps{epsilon:g}", "rows", f"seed{seed}")
+            config = cell_config(base, "oracle", epsilon, seed, lr, DEFAULT_DENSITY, out)
+            config["method"]["granularity"] = "row"
+            cells.append(Cell("overlap", "oracle", epsilon, seed, lr, DEFAULT_DENSITY, config))
+    return cells
+
+
 def split_by_epsilon(cells: list[Cell], epsilons: list[float]) -> tuple[list[Cell], list[Cell]]:
-    """(the cells to run: benchmark cells at ``epsilons``, the density sweep and the warm-up
-    ablation, the other epsilons' benchmark cells), each in the plan's order."""
+    """(the cells to run: benchmark cells at ``epsilons``, the density sweep, the warm-up ablation and
+    the row oracle, the other epsilons' benchmark cells), each in the plan's order."""
     runs = [c for c in cells if c.kind != "main" or c.epsilon in epsilons]
     return runs, [c for c in cells if c.kind == "main" and c.epsilon not in epsilons]
 
@@ -535,6 +558,8 @@ def _cell_variant(cell: Cell) -> str:
         return f" density={cell.density:g}"
     if cell.kind == "warmup":
         return f" warmup_epochs={cell.config['method']['warmup_epochs']}"
+    if cell.kind == "overlap":
+        return f" granularity={cell.config['method']['granularity']}"
     return ""
 
 

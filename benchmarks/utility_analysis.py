@@ -1,7 +1,7 @@
 """Why, not only who: analyses of utility-benchmark runs beyond the accuracy tables.
 
 * :func:`row_overlap`: the share of SPARTA's privately selected rows that the
-  non-private oracle (the same warm-up, true gradient magnitudes) also selects,
+  non-private oracle at row granularity (the same warm-up, true gradient magnitudes) also selects,
   ``sum_l |S_l ∩ O_l| / sum_l |S_l|`` over the layers with row selections;
   ``density`` is what a uniformly random choice of rows would score, so overlap
   above it is the signal that survived the noise.
@@ -82,36 +82,46 @@ def selection_budget(plan: dict) -> dict[str, float]:
     }
 
 
-def _by_cell(records: Sequence[dict], method: str) -> dict[tuple[float, int], dict]:
+def _by_cell(records: Sequence[dict], method: str, kind: str = "main") -> dict[tuple[float, int], dict]:
     return {(float(r["target_epsilon"]), r["seed"]): r for r in records
-            if r["method"] == method and r["kind"] == "main" and r.get("run_dir")}
+            if r["method"] == method and r["kind"] == kind and r.get("run_dir")}
 
 
 def overlap_table(records: Sequence[dict], density: float) -> str:
-    """Markdown: SPARTA's row overlap with the oracle per epsilon (mean ± std over shared seeds) and
-    the share of steps and of epsilon its selection epoch took; empty when no pair has masks."""
-    sparta, oracle = _by_cell(records, "sparta"), _by_cell(records, "oracle")
+    """Markdown: per epsilon, SPARTA's row overlap with the row oracle (``overlap`` records: the oracle
+    at row granularity on SPARTA's seed) and the oracle's test accuracy minus SPARTA's (points), mean ±
+    std over shared seeds, with the share of steps and of epsilon SPARTA's selection epoch took;
+    empty when no pair has row masks."""
+    sparta, oracle = _by_cell(records, "sparta"), _by_cell(records, "oracle", "overlap")
     overlaps: dict[float, list[float]] = {}
+    gains: dict[float, list[float]] = {}
     budgets: dict[float, dict] = {}
     for key in sorted(set(sparta) & set(oracle)):
         try:
             overlap = row_overlap(mask_rows(sparta[key]["run_dir"]), mask_rows(oracle[key]["run_dir"]))
-        except (OSError, ValueError):  # no mask, or none with rows (the oracle's default is entries)
+        except (OSError, ValueError):  # no mask, or none with rows
             continue
         overlaps.setdefault(key[0], []).append(overlap)
+        gains.setdefault(key[0], []).append(100 * (oracle[key]["test_accuracy"] - sparta[key]["test_accuracy"]))
         with open(os.path.join(sparta[key]["run_dir"], "plan.json")) as f:
             budgets.setdefault(key[0], selection_budget(json.load(f)))
     if not overlaps:
         return ""
-    lines = ["| ε | rows shared with the oracle (chance = density) | seeds | selection epoch: share of steps | "
-             "share of ε (run's ε minus ε without it) | its ε alone |", "|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| ε | rows shared with the oracle (chance = density) | oracle's test accuracy minus SPARTA's (points) "
+             "| seeds | selection epoch: share of steps | share of ε (run's ε minus ε without it) | its ε alone |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
     for epsilon, values in sorted(overlaps.items()):
-        spread = statistics.stdev(values) if len(values) > 1 else 0.0
         budget = budgets[epsilon]
-        lines.append(f"| {epsilon:g} | {100 * statistics.fmean(values):.1f}% ± {100 * spread:.1f} (chance "
-                     f"{100 * density:g}%) | {len(values)} | {100 * budget['steps_share']:.1f}% | "
+        lines.append(f"| {epsilon:g} | {_mean_std(values, 100)}% (chance {100 * density:g}%) | "
+                     f"{_mean_std(gains[epsilon], 1, '+')} | {len(values)} | {100 * budget['steps_share']:.1f}% | "
                      f"{100 * budget['epsilon_marginal_share']:.1f}% | {budget['epsilon_alone']:.3g} |")
     return "\n".join(lines) + "\n"
+
+
+def _mean_std(values: Sequence[float], scale: float, sign: str = "") -> str:
+    """``mean ± std`` (sample std; 0 for one value) of ``scale * values``, one decimal."""
+    spread = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{scale * statistics.fmean(values):{sign}.1f} ± {scale * spread:.1f}"
 
 
 def density_table(records: Sequence[dict], methods: Sequence[str]) -> str:

@@ -58,27 +58,33 @@ def test_selection_budget_is_its_share_of_steps_and_of_the_composed_epsilon():
         utility_analysis.selection_budget(dict(plan, phases=[plan["phases"][0]]))
 
 
-def test_overlap_table_pairs_sparta_and_oracle_runs_on_the_same_epsilon_and_seed(tmp_path):
+def test_overlap_table_pairs_sparta_with_the_row_oracle_on_the_same_epsilon_and_seed(tmp_path):
     records = []
     for seed, oracle_rows in enumerate(([0, 1, 2, 3], [0, 1, 8, 9])):
-        for method, rows in (("sparta", [0, 1, 2, 3]), ("oracle", oracle_rows)):
+        for method, kind, rows, accuracy in (("sparta", "main", [0, 1, 2, 3], 0.70),
+                                             ("oracle", "overlap", oracle_rows, 0.71 + 0.02 * seed)):
             run_dir = _run_dir(tmp_path, f"{method}{seed}", {"d/kernel:0": rows}, _plan())
-            records.append({"kind": "main", "method": method, "target_epsilon": 2.0, "seed": seed,
-                            "run_dir": run_dir})
+            records.append({"kind": kind, "method": method, "target_epsilon": 2.0, "seed": seed,
+                            "run_dir": run_dir, "test_accuracy": accuracy})
     table = utility_analysis.overlap_table(records, 0.2)
     row = [line for line in table.splitlines() if line.startswith("| 2 |")][0]
-    assert "75.0% ± 35.4" in row and "| 2 |" in row and "5.0%" in row  # mean of 1.0 and 0.5; 20/400 steps
+    assert "75.0 ± 35.4%" in row and "5.0%" in row  # mean of 1.0 and 0.5; 20/400 steps
+    assert "+2.0 ± 1.4" in row  # oracle minus SPARTA: +1 and +3 points
     assert utility_analysis.overlap_table([r for r in records if r["method"] == "sparta"], 0.2) == ""
+    # the benchmark's own oracle cells (entries, kind "main") are not the row oracle
+    main_oracle = [dict(r, kind="main") if r["method"] == "oracle" else r for r in records]
+    assert utility_analysis.overlap_table(main_oracle, 0.2) == ""
 
 
 def test_overlap_table_skips_pairs_whose_oracle_mask_has_no_rows(tmp_path):
-    # the oracle's default granularity is entries: its mask has no ``::rows`` arrays to compare
+    # an oracle at entry granularity (its default): its mask has no ``::rows`` arrays to compare
     sparta = _run_dir(tmp_path, "sparta", {"d/kernel:0": [0, 1]}, _plan())
     oracle = tmp_path / "oracle"
     (oracle / "mask").mkdir(parents=True)
     np.savez(oracle / "mask" / "mask.npz", **{"d/kernel:0::entries": np.array([0, 5], np.int64)})
-    records = [{"kind": "main", "method": method, "target_epsilon": 8.0, "seed": 0, "run_dir": run_dir}
-               for method, run_dir in (("sparta", sparta), ("oracle", str(oracle)))]
+    records = [{"kind": kind, "method": method, "target_epsilon": 8.0, "seed": 0, "run_dir": run_dir,
+                "test_accuracy": 0.5} for method, kind, run_dir in (("sparta", "main", sparta),
+                                                                      ("oracle", "overlap", str(oracle)))]
     assert utility_analysis.overlap_table(records, 0.2) == ""
 
 

@@ -230,6 +230,35 @@ def test_warmup_ablation_runs_sparta_with_each_shorter_warmup_in_its_own_directo
     assert utility.validate_config(config)["method"]["warmup_epochs"] == ablation["warmup_epochs"][0]
 
 
+def test_row_oracle_runs_the_oracle_at_row_granularity_with_spartas_configuration_and_rate(tmp_path):
+    profile = utility.PROFILES["standard"]
+    base = {"training": {"epochs": 20}, "privacy": {}}
+    rates = {"sparta": 0.1, "all": 0.03}
+    planned = utility.benchmark_cells(base, profile, ["sparta", "all"], rates, str(tmp_path))
+    cells = [c for c in planned if c.kind == "overlap"]
+    assert [(c.method, c.epsilon, c.seed, c.lr) for c in cells] == [
+        ("oracle", epsilon, seed, 0.1) for seed in profile["row_oracle"]["seeds"] for epsilon in profile["epsilons"]]
+    for cell in cells:
+        sparta = [c for c in planned
+                  if (c.kind, c.method, c.epsilon, c.seed) == ("main", "sparta", cell.epsilon, cell.seed)][0]
+        # SPARTA's configuration but for the method (same seed: the same warm-up batches and noise)
+        assert cell.config["method"] == dict(sparta.config["method"], name="oracle", granularity="row")
+        assert {k: v for k, v in cell.config.items() if k not in ("method", "output_dir")} == {
+            k: v for k, v in sparta.config.items() if k not in ("method", "output_dir")}
+    # one directory per cell but one: the sweep's default-density cell is SPARTA's eps-2 seed-0 main run
+    assert len({c.config["output_dir"] for c in planned}) == len(planned) - 1
+    assert utility._missing(cells[:1], {}) == ["overlap oracle eps=1 seed=0 granularity=row"]
+    assert utility.row_oracle_cells(base, profile, ["all"], rates, str(tmp_path)) == []
+    runs, _ = utility.split_by_epsilon(planned, [8.0])
+    assert [c for c in runs if c.kind == "overlap"] == cells  # they run whatever --epsilons says
+    config = dict(cells[0].config, data={"source": "npz", "path": "x"}, model={"name": "cifar_resnet_gn"})
+    assert utility.validate_config(config)["method"]["granularity"] == "row"
+
+
+# the standard profile's analyses the weak one leaves out, and what differs by design
+STANDARD_ONLY = ("public_model", "methods", "densities", "more_seeds", "warmup_ablation", "row_oracle")
+
+
 def test_standard_profile_is_the_regime_the_issue_asks_for():
     profile = utility.PROFILES["standard"]
     train = profile["limit_train"] - round(0.1 * profile["limit_train"])  # 10% held out for validation
@@ -244,8 +273,8 @@ def test_standard_profile_is_the_regime_the_issue_asks_for():
         for track, name in utility.PROFILES[variant]["public_model"].items():
             assert name in pretrained.available(), f"{name} for {track} ({variant}) is not shipped"
     weak = utility.PROFILES["standard-weak"]
-    assert {k: v for k, v in weak.items() if k not in ("public_model", "methods", "densities", "more_seeds", "warmup_ablation")} == {
-        k: v for k, v in profile.items() if k not in ("public_model", "methods", "densities", "more_seeds", "warmup_ablation")}
+    assert {k: v for k, v in weak.items() if k not in STANDARD_ONLY} == {
+        k: v for k, v in profile.items() if k not in STANDARD_ONLY}
 
 
 def test_benchmark_cells_are_seed_major_so_a_partial_run_has_comparable_cells(tmp_path):
@@ -318,7 +347,7 @@ def test_epsilons_option_restricts_the_cells_and_rejects_epsilons_outside_the_pr
     cells, others = utility.split_by_epsilon(utility.benchmark_cells(
         {"training": {}, "privacy": {}}, profile, ["sparta"], {"sparta": 0.03}, str(tmp_path)), [2.0])
     assert {c.epsilon for c in cells if c.kind == "main"} == {2.0}
-    assert {c.kind for c in cells} == {"main", "density", "warmup"}  # the sweep and the ablation always run
+    assert {c.kind for c in cells} == {"main", "density", "warmup", "overlap"}  # the analyses always run
     assert {c.epsilon for c in others} == {1.0, 8.0} and {c.kind for c in others} == {"main"}
     with pytest.raises(SystemExit):
         utility.main(["--track", "cifar10-transfer", "--profile", "standard", "--data-dir", str(tmp_path),
