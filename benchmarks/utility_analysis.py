@@ -119,9 +119,9 @@ def overlap_table(records: Sequence[dict], density: float) -> str:
 
 
 def _mean_std(values: Sequence[float], scale: float, sign: str = "") -> str:
-    """``mean ± std`` (sample std; 0 for one value) of ``scale * values``, one decimal."""
-    spread = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{scale * statistics.fmean(values):{sign}.1f} ± {scale * spread:.1f}"
+    """``mean ± std`` (sample std) of ``scale * values``, one decimal; the value alone when there is one."""
+    mean = f"{scale * statistics.fmean(values):{sign}.1f}"
+    return mean if len(values) == 1 else f"{mean} ± {scale * statistics.stdev(values):.1f}"
 
 
 def density_table(records: Sequence[dict], methods: Sequence[str]) -> str:

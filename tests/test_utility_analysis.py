@@ -70,6 +70,8 @@ def test_overlap_table_pairs_sparta_with_the_row_oracle_on_the_same_epsilon_and_
     row = [line for line in table.splitlines() if line.startswith("| 2 |")][0]
     assert "75.0 ± 35.4%" in row and "5.0%" in row  # mean of 1.0 and 0.5; 20/400 steps
     assert "+2.0 ± 1.4" in row  # oracle minus SPARTA: +1 and +3 points
+    one_seed = utility_analysis.overlap_table([r for r in records if r["seed"] == 0], 0.2)
+    assert "| 2 | 100.0% (chance 20%) | +1.0 | 1 |" in one_seed  # no spread claimed from one seed
     assert utility_analysis.overlap_table([r for r in records if r["method"] == "sparta"], 0.2) == ""
     # the benchmark's own oracle cells (entries, kind "main") are not the row oracle
     main_oracle = [dict(r, kind="main") if r["method"] == "oracle" else r for r in records]
