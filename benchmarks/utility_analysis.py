@@ -103,8 +103,9 @@ def overlap_table(records: Sequence[dict], density: float) -> str:
             continue
         overlaps.setdefault(key[0], []).append(overlap)
         gains.setdefault(key[0], []).append(100 * (oracle[key]["test_accuracy"] - sparta[key]["test_accuracy"]))
-        with open(os.path.join(sparta[key]["run_dir"], "plan.json")) as f:
-            budgets.setdefault(key[0], selection_budget(json.load(f)))
+        if key[0] not in budgets:  # one plan per epsilon: every seed's run has the same steps and noise
+            with open(os.path.join(sparta[key]["run_dir"], "plan.json")) as f:
+                budgets[key[0]] = selection_budget(json.load(f))
     if not overlaps:
         return ""
     lines = ["| ε | rows shared with the oracle (chance = density) | oracle's test accuracy minus SPARTA's (points) "
