@@ -473,11 +473,24 @@ def seeds_of(profile: dict, method: str) -> tuple[int, ...]:
 
 
 def benchmark_cells(base: dict, profile: dict, methods: list, rates: dict, work_dir: str) -> list[Cell]:
-    """Every method x epsilon x seed at its chosen rate, then the density sweep of the sparse methods.
+    """Every method x epsilon x seed at its chosen rate, the density sweep of the sparse methods, the
+    warm-up ablation and the row oracle.
 
-    Seed-major: every method and epsilon gets its first seed before any gets its second, so a
-    benchmark stopped part-way has comparable cells (paired over the same seeds) rather than one
-    method complete and the others missing."""
+    Order: the benchmark cells of the profile's ``seeds`` (what every method runs), then the
+    ablations (density, warm-up, row oracle: the evidence for *why*), then the ``more_seeds`` that
+    only :data:`MORE_SEEDS` run. Benchmark cells are seed-major: every method and epsilon gets its
+    first seed before any gets its second, so a benchmark stopped part-way has comparable cells
+    (paired over the same seeds) rather than one method complete and the others missing."""
+    main = _main_cells(base, profile, methods, rates, work_dir)
+    first = [c for c in main if c.seed in profile["seeds"]]
+    ablations = (_density_cells(base, profile, methods, rates, work_dir)
+                 + warmup_ablation_cells(base, profile, methods, rates, work_dir)
+                 + row_oracle_cells(base, profile, methods, rates, work_dir))
+    return first + ablations + [c for c in main if c.seed not in profile["seeds"]]
+
+
+def _main_cells(base: dict, profile: dict, methods: list, rates: dict, work_dir: str) -> list[Cell]:
+    """Every method x epsilon x seed at its chosen rate and the default density, seed-major."""
     cells = []
     seeds = sorted({seed for method in methods for seed in seeds_of(profile, method)})
     for seed in seeds:
@@ -489,14 +502,19 @@ def benchmark_cells(base: dict, profile: dict, methods: list, rates: dict, work_
                 cell_epsilon = profile["tune_epsilon"] if method == "nonprivate" else epsilon
                 config = cell_config(base, method, cell_epsilon, seed, lr, DEFAULT_DENSITY, out)
                 cells.append(Cell("main", method, epsilon, seed, lr, DEFAULT_DENSITY, config))
+    return cells
+
+
+def _density_cells(base: dict, profile: dict, methods: list, rates: dict, work_dir: str) -> list[Cell]:
+    """The sparse methods at each of the profile's densities, at the tuning epsilon, seed 0."""
+    cells = []
     for method in [m for m in methods if m in SPARSE_FOR_PROFILE]:
         epsilon = profile["tune_epsilon"]
         for density in profile["densities"]:
             out = cell_dir(work_dir, profile, method, epsilon, 0, rates[method], density)
             config = cell_config(base, method, epsilon, 0, rates[method], density, out)
             cells.append(Cell("density", method, epsilon, 0, rates[method], density, config))
-    return (cells + warmup_ablation_cells(base, profile, methods, rates, work_dir)
-            + row_oracle_cells(base, profile, methods, rates, work_dir))
+    return cells
 
 
 def warmup_ablation_cells(base: dict, profile: dict, methods: list, rates: dict, work_dir: str) -> list[Cell]:

@@ -289,6 +289,21 @@ def test_benchmark_cells_are_seed_major_so_a_partial_run_has_comparable_cells(tm
     assert {c.method for c in cells if c.seed == max(profile["more_seeds"])} == {"sparta", "all"}
 
 
+def test_ablations_run_after_every_methods_seeds_and_before_the_extra_seeds(tmp_path):
+    profile = utility.PROFILES["standard"]
+    methods = ["sparta", "all", "mp", "last"]
+    cells = utility.benchmark_cells({"training": {}, "privacy": {}, "method": {}}, profile, methods,
+                                    {m: 0.01 for m in methods}, str(tmp_path))
+    kinds = [c.kind for c in cells]
+    extra = [i for i, c in enumerate(cells) if c.kind == "main" and c.seed not in profile["seeds"]]
+    ablations = [i for i, kind in enumerate(kinds) if kind != "main"]
+    base_seeds = [i for i, c in enumerate(cells) if c.kind == "main" and c.seed in profile["seeds"]]
+    assert extra and ablations and {"density", "warmup", "overlap"} <= set(kinds)
+    assert max(base_seeds) < min(ablations) and max(ablations) < min(extra)
+    assert {(c.method, c.epsilon, c.seed) for c in cells if c.kind == "main"} == {
+        (m, e, s) for m in methods for e in profile["epsilons"] for s in utility.seeds_of(profile, m)}
+
+
 def test_recorded_runs_are_restored_into_a_fresh_work_dir_and_not_recomputed(tmp_path, fake_train, monkeypatch):
     monkeypatch.setattr(utility, "validate_config", lambda config: config)
     work_dir, out_dir = str(tmp_path / "runs"), str(tmp_path / "results")
