@@ -1,5 +1,6 @@
 """sparta-train config validation: every malformed config is one clean line, before TensorFlow loads."""
 
+import json
 import subprocess
 import sys
 
@@ -154,6 +155,27 @@ def test_overrides_parse_yaml_values():
     assert config["method"]["name"] == "mp" and config["training"]["jit_compile"] is False
     with pytest.raises(ConfigError, match="must look like section.key=value"):
         apply_overrides(BASE, ["privacy.delta"])
+
+
+def test_exponent_floats_read_as_numbers(tmp_path):
+    """PyYAML (YAML 1.1) reads ``1e-5`` as a string; the config loader reads it as YAML 1.2 and JSON do."""
+    path = tmp_path / "eps.yaml"
+    path.write_text(yaml.safe_dump(BASE) + "privacy: {target_epsilon: 2e0, delta: 1e-5}\n")
+    privacy = load_config(str(path))["privacy"]
+    assert privacy["delta"] == 1e-5 and privacy["target_epsilon"] == 2.0
+    quoted = tmp_path / "quoted.yaml"
+    quoted.write_text(yaml.safe_dump(BASE) + "privacy: {delta: '1e-5'}\n")
+    with pytest.raises(ConfigError, match="privacy.delta='1e-5' must be"):
+        load_config(str(quoted))
+
+
+def test_a_runs_config_json_loads_as_the_same_config(tmp_path):
+    """``sparta-train --config RUN/config.json`` repeats a run: the JSON the run wrote (``1e-05``) reloads."""
+    config = validate(with_change("privacy", {"delta": 1e-5, "target_epsilon": 1.0}))
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config, indent=1))
+    assert '"delta": 1e-05' in path.read_text()
+    assert load_config(str(path)) == config
 
 
 def test_config_file_errors(tmp_path):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import re
 from typing import Any, Callable
 
 import yaml
@@ -198,6 +199,12 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                                   f"{key_node.start_mark.line + 1}); keep one")
             seen[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
+
+
+# YAML 1.1 (PyYAML) reads a float only with a dot: ``1e-5`` and ``1e-05`` (as json.dump writes them in a
+# run's config.json) would be strings. YAML 1.2 and JSON read them as floats, and so does this loader.
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789"))
 
 
 def _yaml(text: str) -> Any:
