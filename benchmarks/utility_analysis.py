@@ -211,10 +211,9 @@ def warmup_table(records: Sequence[dict], default_warmup: int) -> str:
                   and r["method"] in ("sparta", "all") and r["seed"] in seeds]
         runs = [dict(r, method=name) for r in group] + others
         differences = utility_report.paired_differences(runs, reference=name)
-        accuracies = [100 * r["test_accuracy"] for r in group]
-        spread = statistics.stdev(accuracies) if len(accuracies) > 1 else 0.0
-        cells = [utility_report.format_difference(differences[(other, epsilon)])
-                 if (other, epsilon) in differences else "-" for other in ("sparta", "all")]
-        lines.append(f"| {epsilon:g} | {warmup} | {len(group)} | {statistics.fmean(accuracies):.2f} ± {spread:.2f} | "
-                     + " | ".join(cells) + " |")
+        mean, std, n = utility_report.summarize(runs)[(name, epsilon)]
+        cells = [utility_report.format_mean_std(mean, std)] + [
+            utility_report.format_difference(differences[(other, epsilon)]) if (other, epsilon) in differences
+            else "-" for other in ("sparta", "all")]
+        lines.append(f"| {epsilon:g} | {warmup} | {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -123,6 +123,11 @@ def paired_table(runs: Sequence[dict], method_order: Sequence[str] | None = None
     return "\n".join(lines) + "\n"
 
 
+def format_mean_std(mean: float, std: float) -> str:
+    """An accuracy (a fraction) as ``mean ± std`` in %, two decimals: the tables' cell format."""
+    return f"{100 * mean:.2f} ± {100 * std:.2f}"
+
+
 def markdown_table(runs: Sequence[dict], method_order: Sequence[str] | None = None) -> str:
     """Methods x epsilon, accuracy in % as ``mean ± std``, best private mean per column in bold."""
     summary = summarize(runs)
@@ -142,7 +147,7 @@ def markdown_table(runs: Sequence[dict], method_order: Sequence[str] | None = No
                 cells.append("-")
                 continue
             mean, std, n = summary[(method, eps)]
-            cell = f"{100 * mean:.2f} ± {100 * std:.2f}"
+            cell = format_mean_std(mean, std)
             if method not in nonprivate and best[eps] is not None and mean == best[eps]:
                 cell = f"**{cell}**"
             cells.append(cell)
