@@ -128,6 +128,13 @@ def test_config_method_options_are_the_methods_own():
         assert set(METHOD_OPTIONS[name]) <= set(SCHEMA["method"]), name
 
 
+def test_config_warmup_default_is_the_methods_own():
+    from sparta_tf.methods.selection_epoch import default_warmup_epochs
+    from trainers.config import default_warmup_epochs as config_default
+
+    assert [config_default(epochs) for epochs in range(1, 60)] == [default_warmup_epochs(e) for e in range(1, 60)]
+
+
 def test_a_validated_config_validates_to_itself():
     once = validate(BASE)
     assert validate(once) == once

@@ -343,12 +343,18 @@ def _validate_section(section: str, values: Any, fields: dict[str, Field]) -> di
     return result
 
 
+def default_warmup_epochs(epochs: int) -> int:
+    """``T0 = T / 5``, at least 1: ``sparta_tf.methods.selection_epoch.default_warmup_epochs``, kept
+    here so that the config is checked without importing TensorFlow (a test keeps the two equal)."""
+    return max(1, epochs // 5)
+
+
 def _check_cross_field(config: dict) -> None:
     method, training, privacy = config["method"], config["training"], config["privacy"]
     epochs, name = training["epochs"], method["name"]
     if "warmup_epochs" in method:
-        if method["warmup_epochs"] is None:  # the methods' default, T0 = T / 5 (at least 1)
-            method["warmup_epochs"] = max(1, epochs // 5)
+        if method["warmup_epochs"] is None:
+            method["warmup_epochs"] = default_warmup_epochs(epochs)
         warmup = method["warmup_epochs"]
         selection = 1 if method["mask"] is None else 0
         if warmup + selection >= epochs:
