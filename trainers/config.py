@@ -17,7 +17,8 @@ vision settings where it has one):
   an option given for another method is dropped with a one-line note
   (``config["notes"]``), not refused.
 * ``privacy``: target epsilon, delta, clip norm, accountant, sampling.
-* ``training``: epochs, batch sizes, optimizer, learning rates, schedule, seed, XLA.
+* ``training``: epochs, batch sizes, optimizer, learning rates, schedule, seed, XLA,
+  bit-reproducible arithmetic (``deterministic``, :mod:`sparta_tf.determinism`).
 * ``output_dir`` (required), ``export``.
 """
 
@@ -163,6 +164,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "jit_compile": Field((bool, str), "auto", lambda v: None if v in (True, False, "auto") else "must be true, false or auto"),
         "engine": Field((str,), "auto", _one_of("auto", "bookkeeping", "layerwise", "vectorized")),
         "strategy": Field((str,), "default", _one_of("default", "mirrored", "multi_worker")),
+        "deterministic": Field((bool,), False),
     },
     "export": {
         "enabled": Field((bool,), True),

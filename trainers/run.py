@@ -25,7 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 import sparta_tf
-from sparta_tf import distribute
+from sparta_tf import determinism, distribute
 from sparta_tf.methods import Method, make_method
 from sparta_tf.privacy import PrivacyCallback, PrivacyLedger
 from sparta_tf.privacy.plan import PrivacyPlan, make_privacy_plan
@@ -235,6 +235,8 @@ def train(config: dict, resume: bool = False, hooks=None) -> dict:
     private data before the plan and the sample rate are made) and
     ``callbacks() -> list`` (extra Keras callbacks for the DP ``fit``).
     """
+    if config["training"]["deterministic"]:
+        determinism.make_deterministic()  # before any tf.function is traced
     strategy = distribute.make_strategy(config["training"]["strategy"])  # before any other TensorFlow op
     output_dir = distribute.worker_dir(config["output_dir"], strategy)
     with RunDirectory(output_dir, config, resume) as run_dir, strategy.scope():
