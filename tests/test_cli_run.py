@@ -168,6 +168,20 @@ def test_one_process_owns_an_output_dir(tmp_path):
     assert results["method"] == "bitfit"
 
 
+def test_resume_accepts_a_config_recorded_before_a_key_was_added(tmp_path):
+    from trainers.run_dir import RunDirectory
+
+    out = tmp_path / "run"
+    config = validate(tiny_config(out, "bitfit", epochs=2))
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "journal.json").write_text(json.dumps({"started_through": 3}))
+    older = json.loads(json.dumps(config))
+    del older["training"]["deterministic"]  # recorded by a version without the key
+    (out / "config.json").write_text(json.dumps(older))
+    with RunDirectory(str(out), config, resume=True) as run_dir:
+        assert run_dir.resume
+
+
 def test_resume_refuses_another_config(tmp_path):
     out = tmp_path / "run"
     config = validate(tiny_config(out, "bitfit", epochs=2))

@@ -20,7 +20,7 @@ import os
 import shutil
 
 from trainers import checkpointing
-from trainers.config import ConfigError
+from trainers.config import ConfigError, validate
 
 LOCK_FILE = ".lock"
 RESULTS = "results.json"
@@ -126,7 +126,7 @@ class RunDirectory:
         if not os.path.exists(path):
             return
         with open(path) as f:
-            before = json.load(f)
+            before = _with_current_defaults(json.load(f))
         for section in ("data", "model", "pretrain", "method", "privacy", "training"):
             if before.get(section) != self.config.get(section):
                 raise ConfigError(f"--resume: the interrupted run in {self.path} was started with another "
@@ -137,3 +137,12 @@ class RunDirectory:
         path = os.path.join(self.path, CONFIG)
         if not (self.resume and os.path.exists(path)):
             checkpointing.write_atomic(path, json.dumps(self.config, indent=1))
+
+
+def _with_current_defaults(config: dict) -> dict:
+    """A run's recorded config validated again, so that a key added to the schema since the run
+    started (recorded without it) compares equal to its default; as recorded if it no longer validates."""
+    try:
+        return validate(config)
+    except ConfigError:
+        return config
