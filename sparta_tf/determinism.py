@@ -33,4 +33,3 @@ def make_deterministic() -> None:
     """Turns off Grappler's graph rewrites and enables TensorFlow op determinism, process-wide."""
     tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
     tf.config.experimental.enable_op_determinism()
-
