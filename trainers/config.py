@@ -221,8 +221,8 @@ def parse_value(text: str) -> Any:
         problem = getattr(error, "problem", None) or type(error).__name__
         raise ConfigError(f"value {text!r} is not valid YAML ({problem}); quote text values, e.g. "
                           "output_dir='runs/a b'") from None
-    if isinstance(value, str) and _looks_like_float(value):
-        return float(value)
+    if isinstance(value, str) and _looks_like_float(value):  # Python's spellings the loader leaves as text:
+        return float(value)  # inf, nan, Infinity (so a --set inf is refused as "not finite", not "not a number")
     return value
 
 
