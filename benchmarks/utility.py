@@ -228,6 +228,7 @@ def _nonprivate(config: dict) -> dict:
 
     from trainers import run
 
+    run.apply_process_settings(config)
     os.makedirs(config["output_dir"], exist_ok=True)
     tf.keras.utils.set_random_seed(config["training"]["seed"])
     dataset = run.load_private_data(config)

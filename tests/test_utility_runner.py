@@ -57,6 +57,22 @@ def _config(tmp_path, lr=0.1):
     return utility.cell_config(base, "sparta", 2.0, 0, lr, 0.2, str(tmp_path / "cell"))
 
 
+def test_nonprivate_ceiling_applies_the_configs_process_settings_before_training(tmp_path, monkeypatch):
+    """``training.deterministic`` reaches the ceiling, which trains outside ``run.train``."""
+    from sparta_tf import determinism
+
+    class Applied(Exception):
+        pass
+
+    def make_deterministic():
+        raise Applied
+
+    monkeypatch.setattr(determinism, "make_deterministic", make_deterministic)
+    config = {"output_dir": str(tmp_path / "ceiling"), "training": {"deterministic": True, "seed": 0}}
+    with pytest.raises(Applied):
+        utility._nonprivate(config)
+
+
 def test_finished_cell_with_same_configuration_is_not_recomputed(tmp_path, fake_train, monkeypatch):
     monkeypatch.setattr(utility, "validate_config", lambda config: config)
     first = utility.run_cell(_config(tmp_path), "sparta")

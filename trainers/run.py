@@ -227,6 +227,14 @@ def strategy_line(name: str) -> str:
             f"{cluster.task_type}[{cluster.task_index}] = {role}")
 
 
+def apply_process_settings(config: dict) -> None:
+    """The process-wide TensorFlow settings a config asks for (``training.deterministic``: see
+    :mod:`sparta_tf.determinism`). Call before any ``tf.function`` is traced; they stay on for the
+    rest of the process."""
+    if config["training"]["deterministic"]:
+        determinism.make_deterministic()
+
+
 def train(config: dict, resume: bool = False, hooks=None) -> dict:
     """Runs (or with ``resume`` continues) the configured run; returns ``results.json``'s content.
 
@@ -235,8 +243,7 @@ def train(config: dict, resume: bool = False, hooks=None) -> dict:
     private data before the plan and the sample rate are made) and
     ``callbacks() -> list`` (extra Keras callbacks for the DP ``fit``).
     """
-    if config["training"]["deterministic"]:
-        determinism.make_deterministic()  # before any tf.function is traced
+    apply_process_settings(config)
     strategy = distribute.make_strategy(config["training"]["strategy"])  # before any other TensorFlow op
     output_dir = distribute.worker_dir(config["output_dir"], strategy)
     with RunDirectory(output_dir, config, resume) as run_dir, strategy.scope():
