@@ -31,7 +31,15 @@ def with_change(path, value):
     return config
 
 
-DELETE = object()
+class _Delete:
+    """Marks a key to remove; its repr is stable, so the test ids are the same in every process
+    (pytest-xdist's workers must collect identical ids)."""
+
+    def __repr__(self) -> str:
+        return "<deleted>"
+
+
+DELETE = _Delete()
 
 MALFORMED = [
     ("bogus", 1, "unknown section 'bogus'"),
