@@ -98,7 +98,9 @@ PROFILES = {
                                        "mnist-to-fashion": "mnist-resnet20-gn-weak"},
                       "methods": ("sparta", "all", "bitfit", "mp", "nonprivate"),
                       "lr_grid": (0.01, 0.03, 0.1), "bracket_lr": True, "tune_epsilon": 2.0,
-                      "densities": (), "model": {"name": "pretrained"}},
+                      "densities": (), "model": {"name": "pretrained"},
+                      # the report sets these runs beside the standard profile's (the strong model)
+                      "stronger_public_model_profile": "standard"},
     # Smoke: seconds-scale, for CI only (the scripts must not rot).
     "smoke": {"epsilons": (8.0,), "seeds": (0,), "epochs": 3, "batch_size": 64, "limit_train": 256,
               "limit_test": 128, "pretrain_limit": 256, "pretrain_epochs": 1, "lr_grid": (0.1,),
@@ -705,7 +707,7 @@ def rewrite_report(out_dir: str, name: str, profile: dict, budgets=None) -> int:
     with open(path) as f:
         stored = json.load(f)
     if stored["profile"] != _comparable(profile):
-        raise SystemExit(f"{path} was made with another {name.rsplit('-', 1)[1]!r} profile than this script's "
+        raise SystemExit(f"{path} was made with another {split_report_name(name)[1]!r} profile than this script's "
                          "(fix: run the benchmark again to refresh it)")
     report = Report(out_dir, name, profile, time.perf_counter() - stored["elapsed_s"],
                     stored.get("methods_not_run", []), stored.get("selection_budgets") or _try(budgets))
@@ -722,6 +724,14 @@ TRACK_NOTES = {
                         "for the paper's CIFAR-100 -> CIFAR-10 ablation (disjoint classes, but one distribution, "
                         "so an easier transfer than the paper's).",
 }
+
+
+def split_report_name(name: str) -> tuple[str, str]:
+    """``(track, profile)`` of a report name ``<track>-<profile>`` (both may contain hyphens)."""
+    for track in TRACK_NOTES:
+        if name.startswith(track + "-"):
+            return track, name[len(track) + 1:]
+    raise ValueError(f"report name {name!r} does not start with a track ({', '.join(TRACK_NOTES)})")
 
 
 def _public_line(profile: dict, track: str) -> str:
@@ -745,9 +755,15 @@ def _profile_line(profile: dict, track: str) -> str:
     return (f"profile: model {model}; private training examples {profile['limit_train'] or 'all'} (10% of them "
             f"held out for validation), test {profile['limit_test'] or 'all'}; {profile['epochs']} epochs at "
             f"expected batch {profile['batch_size']} (Poisson); {_public_line(profile, track)}; "
-            f"{_seeds_line(profile)}; lr grid {grid} (head 10x); density {DEFAULT_DENSITY:g} "
-            f"(sparta / mp / random; {', '.join(f'{d:g}' for d in profile['densities'])} in the trainable plot); "
+            f"{_seeds_line(profile)}; lr grid {grid} (head 10x); density {DEFAULT_DENSITY:g} (sparta / mp / random"
+            f"{_densities_line(profile)}); "
             "C = 1, SGD momentum 0.9, cosine schedule with warm-up, T0 = max(1, epochs // 5).")
+
+
+def _densities_line(profile: dict) -> str:
+    if not profile["densities"]:
+        return ""
+    return f"; {', '.join(f'{d:g}' for d in profile['densities'])} in the trainable plot"
 
 
 def _run_key(record: dict) -> tuple:
@@ -790,6 +806,8 @@ def _remaining_estimate(missing: list[str], records: list) -> str:
 def _tuning_table(records: list) -> str:
     """Markdown: every tuning run, method x learning rate, ``validation / test`` accuracy."""
     tune = [r for r in records if r["kind"] == "tune"]
+    if not tune:
+        return "(no tuning run recorded)\n"
     rates = sorted({r["learning_rate"] for r in tune})
     lines = ["| method | " + " | ".join(f"lr {lr:g}" for lr in rates) + " |", "|---|" + "---:|" * len(rates)]
     for method in [m for m in METHODS if any(r["method"] == m for r in tune)]:
@@ -824,6 +842,7 @@ def _why_sections(records: list, report: "Report") -> list[str]:
     warmup = utility_analysis.warmup_table(records, _warmup_epochs(profile))
     if warmup:
         lines += ["", "## SPARTA with a shorter warm-up", "", warmup]
+    lines += _public_model_section(records, report)
     phases = utility_analysis.phase_table(records, _curve_methods(records), _warmup_epochs(profile))
     if phases:
         lines += ["", "## Where the gaps open: validation accuracy at SPARTA's phase boundaries", "",
@@ -832,6 +851,25 @@ def _why_sections(records: list, report: "Report") -> list[str]:
                   "updates nothing during its selection epoch; the plot "
                   f"`{report.name}-validation-curves.png` has every epoch.", "", phases]
     return lines
+
+
+def _public_model_section(records: list, report: "Report") -> list[str]:
+    """This profile's runs beside those of the profile with the stronger public model
+    (``stronger_public_model_profile``, read from its report in the same folder), where both exist."""
+    stronger = report.profile.get("stronger_public_model_profile")
+    if not stronger:
+        return []
+    track = split_report_name(report.name)[0]
+    strong = recorded_runs(report.out_dir, f"{track}-{stronger}")
+    table = utility_analysis.public_model_table(strong, records, list(report.profile.get("methods", METHODS)))
+    if not table:
+        return []
+    return ["", f"## How the public model's strength moves the ranking: {stronger!r} (strong) against this "
+                f"profile (weak)", "",
+            f"The same cells from {_public_line(PROFILES[stronger], track)} (strong) and from "
+            f"{_public_line(report.profile, track)} (weak); everything else is equal, so pairs share their seed "
+            f"(data split, noise and sampling streams). Strong-model runs from `{track}-{stronger}.json`.", "",
+            table]
 
 
 def _warmup_epochs(profile: dict) -> int:
@@ -883,7 +921,7 @@ def _write(report: Report, records: list, missing: list[str] | None = ()) -> Non
         json.dump({"profile": {k: v for k, v in profile.items()}, "delta": DELTA, "learning_rates": chosen,
                    "elapsed_s": time.perf_counter() - start, "missing": missing,
                    "methods_not_run": list(not_run), "selection_budgets": report.budgets, "runs": records}, f, indent=1)
-    track = name.rsplit("-", 1)[0]
+    track = split_report_name(name)[0]
     order = [m for m in METHODS if any(r["method"] == m for r in main_runs)]
     paired = utility_report.paired_table(main_runs, order) if "sparta" in order else ""
     lines = [f"# Utility benchmark: {name}", "", TRACK_NOTES[track], "", _profile_line(profile, track), "",

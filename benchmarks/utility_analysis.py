@@ -15,6 +15,10 @@
   gained in the remaining ``T - T0 - 1`` epochs.
 * :func:`warmup_table`: SPARTA with a shorter warm-up (``warmup`` records, ``T0`` in their
   configuration) against the benchmark's SPARTA and full fine-tuning on the same seeds, paired.
+* :func:`public_model_table`: the same methods fine-tuned from a stronger and a weaker public
+  model (two profiles that differ only in the pre-trained weights): each method's accuracy from
+  both, the paired change ``weak - strong`` over shared seeds, and SPARTA's paired gap to each
+  method under either model, i.e. how transfer quality moves the ranking.
 * :func:`density_table`, :func:`overlap_table` and :func:`budget_table`: markdown for the report.
 """
 
@@ -217,3 +221,60 @@ def warmup_table(records: Sequence[dict], default_warmup: int) -> str:
             else "-" for other in ("sparta", "all")]
         lines.append(f"| {epsilon:g} | {warmup} | {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def public_model_table(strong: Sequence[dict], weak: Sequence[dict], methods: Sequence[str],
+                       reference: str = "sparta") -> str:
+    """Markdown: per method and epsilon, test accuracy (%) from the strong and the weak public model
+    (``main`` records of two profiles whose cells differ only in the public model), the change
+    ``weak - strong`` paired over the seeds both ran (mean and 95% Student-t interval, as
+    :func:`utility_report.paired_differences`: a change is claimed only where the interval excludes
+    zero) and ``reference - method`` under each model (paired means); empty when no method has a
+    cell under both models."""
+    strong_main = [r for r in strong if r["kind"] == "main" and r["method"] in methods]
+    weak_main = [r for r in weak if r["kind"] == "main" and r["method"] in methods]
+    strong_stats, weak_stats = utility_report.summarize(strong_main), utility_report.summarize(weak_main)
+    epsilons = sorted({eps for _, eps in set(strong_stats) & set(weak_stats)})
+    if not epsilons:
+        return ""
+    gaps = {"strong": utility_report.paired_differences(strong_main, reference),
+            "weak": utility_report.paired_differences(weak_main, reference)}
+    lines = ["| method | ε | strong public model | weak public model | weak − strong, paired [95% CI] (n) | "
+             f"{reference} − method: strong → weak |", "|---|---:|---:|---:|---:|---:|"]
+    for method in methods:
+        change = _model_change(strong_main, weak_main, method)
+        for epsilon in epsilons:
+            if (method, epsilon) not in strong_stats or (method, epsilon) not in weak_stats:
+                continue
+            cells = [utility_report.format_mean_std(*strong_stats[(method, epsilon)][:2]),
+                     utility_report.format_mean_std(*weak_stats[(method, epsilon)][:2]),
+                     utility_report.format_difference(change[epsilon]) if epsilon in change else "-",
+                     _gap_change(gaps, method, epsilon, reference)]
+            lines.append(f"| {method} | {epsilon:g} | " + " | ".join(cells) + " |")
+    lines += ["", "Test accuracy (%), mean ± std over each profile's seeds; the change and the gaps in points. "
+              "A non-private method's ε column is its one run per seed, repeated."]
+    return "\n".join(lines) + "\n"
+
+
+def _model_change(strong: Sequence[dict], weak: Sequence[dict], method: str) -> dict[float, "utility_report.PairedDifference"]:
+    """``{epsilon: weak - strong}`` of ``method`` paired over shared seeds (the two models relabelled as
+    two methods of one run list, so the statistics are :func:`utility_report.paired_differences`')."""
+    relabelled = ([dict(r, method="weak") for r in weak if r["method"] == method]
+                  + [dict(r, method="strong") for r in strong if r["method"] == method])
+    return {eps: d for (_, eps), d in utility_report.paired_differences(relabelled, "weak").items()}
+
+
+def _gap_change(gaps: dict, method: str, epsilon: float, reference: str) -> str:
+    """``reference - method`` (points, paired mean; ★ where its interval excludes zero) under the strong
+    then the weak model, ``-`` where a model has no pair."""
+    if method == reference:
+        return "(reference)"
+
+    def one(model: str) -> str:
+        difference = gaps[model].get((method, epsilon))
+        if difference is None:
+            return "-"
+        return f"{100 * difference.mean:+.2f}{' ★' if difference.verdict != 'tie' else ''}"
+
+    return f"{one('strong')} → {one('weak')}"
+

@@ -142,6 +142,32 @@ def test_report_reads_validation_curves_at_spartas_phase_boundaries(tmp_path, mo
     assert "| 8 | 0 | 1 | 80.00 ± 0.00 | +10.00 (1 pair, no interval) | +15.00 (1 pair, no interval) |" in report
 
 
+def test_weak_model_report_sets_each_method_beside_the_strong_models_runs_paired_over_seeds(tmp_path):
+    """The standard-weak report (a profile name with a hyphen) reads the standard report beside it."""
+    strong = {("sparta", 1.0): (0.70, 0.72, 0.74), ("all", 1.0): (0.75, 0.76, 0.77)}
+    weak = {("sparta", 1.0): (0.60, 0.61, 0.65), ("all", 1.0): (0.70, 0.70, 0.71)}
+
+    def runs(accuracies):
+        return [_record(method, eps, seed, accuracy) for (method, eps), values in accuracies.items()
+                for seed, accuracy in enumerate(values)]
+
+    for profile, accuracies in (("standard", strong), ("standard-weak", weak)):
+        stored = {"profile": utility._comparable(utility.PROFILES[profile]), "delta": utility.DELTA,
+                  "elapsed_s": 5.0, "runs": runs(accuracies)}
+        (tmp_path / f"mnist-to-fashion-{profile}.json").write_text(json.dumps(stored))
+    assert utility.main(["--track", "mnist-to-fashion", "--profile", "standard-weak", "--data-dir", str(tmp_path),
+                         "--out-dir", str(tmp_path), "--report-only"]) == 0
+    report = (tmp_path / "mnist-to-fashion-standard-weak.md").read_text()
+    section = report.split("## How the public model's strength moves the ranking")[1]
+    rows = {line.split(" | ")[0][2:]: line for line in section.splitlines() if line.startswith("| ") and " | 1 | " in line}
+    # sparta: weak - strong = -10, -11, -9 points: mean -10, sd 1, t(0.975, 2) * 1 / sqrt(3) = 2.48
+    assert rows["sparta"] == ("| sparta | 1 | 72.00 ± 2.00 | 62.00 ± 2.65 | -10.00 [-12.48, -7.52] (n=3) "
+                              "| (reference) |")
+    # sparta - all: strong -5, -4, -3 (interval excludes 0); weak -10, -9, -6 (it excludes 0 too)
+    assert rows["all"].endswith("| -4.00 ★ → -8.33 ★ |")
+    assert "mnist-resnet20-gn-weak" in report and "mnist-resnet20-gn'" in section
+
+
 def test_report_only_refuses_missing_or_stale_results(tmp_path):
     args = ["--track", "cifar10-transfer", "--profile", "smoke", "--data-dir", str(tmp_path),
             "--out-dir", str(tmp_path), "--report-only"]
@@ -272,7 +298,8 @@ def test_row_oracle_runs_the_oracle_at_row_granularity_with_spartas_configuratio
 
 
 # the standard profile's analyses the weak one leaves out, and what differs by design
-STANDARD_ONLY = ("public_model", "methods", "densities", "more_seeds", "warmup_ablation", "row_oracle")
+STANDARD_ONLY = ("public_model", "methods", "densities", "more_seeds", "warmup_ablation", "row_oracle",
+                 "stronger_public_model_profile")
 
 
 def test_standard_profile_is_the_regime_the_issue_asks_for():
@@ -291,6 +318,7 @@ def test_standard_profile_is_the_regime_the_issue_asks_for():
     weak = utility.PROFILES["standard-weak"]
     assert {k: v for k, v in weak.items() if k not in STANDARD_ONLY} == {
         k: v for k, v in profile.items() if k not in STANDARD_ONLY}
+    assert weak["stronger_public_model_profile"] == "standard"
 
 
 def test_benchmark_cells_are_seed_major_so_a_partial_run_has_comparable_cells(tmp_path):
