@@ -200,8 +200,21 @@ def run_cell(config: dict, method: str) -> dict:
         results = run.train(validate_config(config))
     results["wall_s"] = time.perf_counter() - start
     results["cell"] = _comparable(config)
+    rows = _saved_selection(config["output_dir"])
+    if rows:
+        results["selected_rows"] = rows
     _write_results(results_path, results)
     return results
+
+
+def _saved_selection(run_dir: str) -> dict[str, list[int]]:
+    """``{variable: selected rows}`` of the run's saved mask (empty without one, or without rows): kept
+    in results.json and the report's JSON, so the row-overlap analysis needs no ``runs/`` folder."""
+    try:
+        rows = utility_analysis.mask_rows(run_dir)
+    except OSError:
+        return {}
+    return {name: sorted(selected) for name, selected in sorted(rows.items())}
 
 
 def _write_results(path: str, results: dict) -> None:
@@ -275,7 +288,7 @@ def _record(results, method, epsilon, seed, lr, density, kind, val=None) -> dict
             "val_accuracy": val if val is not None else _val_accuracy(results),
             "trainable_fraction": results.get("trainable_fraction"), "seconds": results.get("wall_s"),
             "val_curve": _val_curve(results), "run_dir": results.get("cell", {}).get("output_dir"),
-            "config": results.get("cell")}
+            "config": results.get("cell"), "selected_rows": results.get("selected_rows")}
 
 
 def recorded_runs(out_dir: str, name: str) -> list[dict]:
@@ -304,7 +317,8 @@ def restore_recorded_runs(records: list[dict], work_dir: str, source: str) -> in
         results = {"method": record["method"], "private": record["private"], "epsilon": record["epsilon"],
                    "test_accuracy": record["test_accuracy"], "trainable_fraction": record["trainable_fraction"],
                    "history": {"val_accuracy": record.get("val_curve") or [record["val_accuracy"]]},
-                   "wall_s": record["seconds"], "cell": config, "restored_from": source}
+                   "wall_s": record["seconds"], "cell": config, "restored_from": source,
+                   "selected_rows": record.get("selected_rows")}
         _write_results(os.path.join(config["output_dir"], "results.json"), results)
         restored += 1
     return restored
@@ -836,9 +850,12 @@ def _why_sections(records: list, report: "Report") -> list[str]:
     density = utility_analysis.density_table(records, SPARSE_FOR_PROFILE)
     if density:
         lines += ["", f"## Accuracy against density (ε = {profile['tune_epsilon']:g}, seed 0)", "", density]
-    overlap = utility_analysis.overlap_table(records, DEFAULT_DENSITY)
+    overlap = utility_analysis.overlap_table(records, DEFAULT_DENSITY, report.budgets)
+    heading = "## How much of the oracle's choice SPARTA's private selection recovers"
     if overlap:
-        lines += ["", "## How much of the oracle's choice SPARTA's private selection recovers", "", overlap]
+        lines += ["", heading, "", overlap]
+    elif any(r["kind"] == "overlap" for r in records):
+        lines += _carried_section(report, heading)
     warmup = utility_analysis.warmup_table(records, _warmup_epochs(profile))
     if warmup:
         lines += ["", "## SPARTA with a shorter warm-up", "", warmup]
@@ -851,6 +868,20 @@ def _why_sections(records: list, report: "Report") -> list[str]:
                   "updates nothing during its selection epoch; the plot "
                   f"`{report.name}-validation-curves.png` has every epoch.", "", phases]
     return lines
+
+
+def _carried_section(report: "Report", heading: str) -> list[str]:
+    """The section ``heading`` of the report as last written, kept (and marked) where its inputs are
+    gone: runs recorded before the JSON kept their selected rows, in a checkout without ``runs/``."""
+    note = ("(Carried over unchanged from the report as last written: these runs' selected rows are neither "
+            "in the JSON, which predates keeping them, nor in this checkout's `runs/`.)")
+    path = os.path.join(report.out_dir, f"{report.name}.md")
+    text = open(path).read() if os.path.exists(path) else ""
+    if heading not in text:
+        return ["", heading, "", "(The runs are recorded but their selected rows are gone: re-run the overlap "
+                "cells to restore this table.)"]
+    body = text.split(heading, 1)[1].split("\n## ", 1)[0].strip("\n").replace("\n\n" + note, "")
+    return ["", heading, "", body, "", note]
 
 
 def _public_model_section(records: list, report: "Report") -> list[str]:

@@ -43,6 +43,17 @@ def mask_rows(run_dir: str) -> dict[str, set[int]]:
         return {key[: -len(ROWS_SUFFIX)]: set(data[key].tolist()) for key in data.files if key.endswith(ROWS_SUFFIX)}
 
 
+def selected_rows(record: dict) -> dict[str, set[int]]:
+    """The rows a record's run selected: ``selected_rows`` where the record carries them (the report's
+    JSON keeps them, so a checkout without ``runs/`` still has them), else its run's saved mask
+    (:func:`mask_rows`; ``OSError`` when neither exists)."""
+    if record.get("selected_rows") is not None:
+        return {name: set(rows) for name, rows in record["selected_rows"].items()}
+    if not record.get("run_dir"):
+        raise OSError("the record has neither selected rows nor a run directory")
+    return mask_rows(record["run_dir"])
+
+
 def row_overlap(selected: dict[str, set[int]], reference: dict[str, set[int]]) -> float:
     """``sum_l |S_l ∩ R_l| / sum_l |S_l|`` over the variables with rows in both masks."""
     shared = [name for name in selected if name in reference]
@@ -88,28 +99,28 @@ def selection_budget(plan: dict) -> dict[str, float]:
 
 def _by_cell(records: Sequence[dict], method: str, kind: str = "main") -> dict[tuple[float, int], dict]:
     return {(float(r["target_epsilon"]), r["seed"]): r for r in records
-            if r["method"] == method and r["kind"] == kind and r.get("run_dir")}
+            if r["method"] == method and r["kind"] == kind and (r.get("run_dir") or r.get("selected_rows"))}
 
 
-def overlap_table(records: Sequence[dict], density: float) -> str:
+def overlap_table(records: Sequence[dict], density: float, planned_budgets: dict | None = None) -> str:
     """Markdown: per epsilon, SPARTA's row overlap with the row oracle (``overlap`` records: the oracle
     at row granularity on SPARTA's seed) and the oracle's test accuracy minus SPARTA's (points), mean ±
-    std over shared seeds, with the share of steps and of epsilon SPARTA's selection epoch took;
-    empty when no pair has row masks."""
+    std over shared seeds, with the share of steps and of epsilon SPARTA's selection epoch took (from
+    the run's ``plan.json``, else ``planned_budgets``: ``{epsilon: selection_budget}`` of the planned
+    runs); empty when no pair has row selections."""
     sparta, oracle = _by_cell(records, "sparta"), _by_cell(records, "oracle", "overlap")
     overlaps: dict[float, list[float]] = {}
     gains: dict[float, list[float]] = {}
-    budgets: dict[float, dict] = {}
+    budgets: dict[float, dict | None] = {}
     for key in sorted(set(sparta) & set(oracle)):
         try:
-            overlap = row_overlap(mask_rows(sparta[key]["run_dir"]), mask_rows(oracle[key]["run_dir"]))
-        except (OSError, ValueError):  # no mask, or none with rows
+            overlap = row_overlap(selected_rows(sparta[key]), selected_rows(oracle[key]))
+        except (OSError, ValueError):  # no selection recorded, or none with rows
             continue
         overlaps.setdefault(key[0], []).append(overlap)
         gains.setdefault(key[0], []).append(100 * (oracle[key]["test_accuracy"] - sparta[key]["test_accuracy"]))
-        if key[0] not in budgets:  # one plan per epsilon: every seed's run has the same steps and noise
-            with open(os.path.join(sparta[key]["run_dir"], "plan.json")) as f:
-                budgets[key[0]] = selection_budget(json.load(f))
+        if budgets.get(key[0]) is None:  # one plan per epsilon: every seed's run has the same steps and noise
+            budgets[key[0]] = _run_budget(sparta[key]) or _planned_budget(planned_budgets, key[0])
     if not overlaps:
         return ""
     lines = ["| ε | rows shared with the oracle (chance = density) | oracle's test accuracy minus SPARTA's (points) "
@@ -117,10 +128,25 @@ def overlap_table(records: Sequence[dict], density: float) -> str:
              "|---:|---:|---:|---:|---:|---:|---:|"]
     for epsilon, values in sorted(overlaps.items()):
         budget = budgets[epsilon]
+        cost = (f"{100 * budget['steps_share']:.1f}% | {100 * budget['epsilon_marginal_share']:.1f}% | "
+                f"{budget['epsilon_alone']:.3g}") if budget else "- | - | -"
         lines.append(f"| {epsilon:g} | {_mean_std(values, 100)}% (chance {100 * density:g}%) | "
-                     f"{_mean_std(gains[epsilon], 1, '+')} | {len(values)} | {100 * budget['steps_share']:.1f}% | "
-                     f"{100 * budget['epsilon_marginal_share']:.1f}% | {budget['epsilon_alone']:.3g} |")
+                     f"{_mean_std(gains[epsilon], 1, '+')} | {len(values)} | {cost} |")
     return "\n".join(lines) + "\n"
+
+
+def _run_budget(record: dict) -> dict | None:
+    """:func:`selection_budget` of the record's run (its ``plan.json``), ``None`` without the run."""
+    path = os.path.join(record.get("run_dir") or "", "plan.json")
+    if not record.get("run_dir") or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return selection_budget(json.load(f))
+
+
+def _planned_budget(planned: dict | None, epsilon: float) -> dict | None:
+    """The planned selection budget at ``epsilon`` (JSON keys are strings), ``None`` where there is none."""
+    return next((budget for key, budget in (planned or {}).items() if float(key) == epsilon), None)
 
 
 def _mean_std(values: Sequence[float], scale: float, sign: str = "") -> str:

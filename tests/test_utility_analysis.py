@@ -78,6 +78,17 @@ def test_overlap_table_pairs_sparta_with_the_row_oracle_on_the_same_epsilon_and_
     assert utility_analysis.overlap_table(main_oracle, 0.2) == ""
 
 
+def test_overlap_table_reads_rows_kept_in_the_records_when_the_runs_are_gone():
+    planned = {"2.0": utility_analysis.selection_budget(_plan())}
+    records = [{"kind": kind, "method": method, "target_epsilon": 2.0, "seed": 0, "run_dir": "/gone",
+                "selected_rows": {"d/kernel:0": rows}, "test_accuracy": accuracy}
+               for method, kind, rows, accuracy in (("sparta", "main", [0, 1, 2, 3], 0.70),
+                                                    ("oracle", "overlap", [0, 1, 8, 9], 0.73))]
+    table = utility_analysis.overlap_table(records, 0.2, planned)
+    assert "| 2 | 50.0% (chance 20%) | +3.0 | 1 | 5.0% |" in table  # budget from the planned runs
+    assert "| 2 | 50.0% (chance 20%) | +3.0 | 1 | - | - | - |" in utility_analysis.overlap_table(records, 0.2)
+
+
 def test_overlap_table_skips_pairs_whose_oracle_mask_has_no_rows(tmp_path):
     # an oracle at entry granularity (its default): its mask has no ``::rows`` arrays to compare
     sparta = _run_dir(tmp_path, "sparta", {"d/kernel:0": [0, 1]}, _plan())

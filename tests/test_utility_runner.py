@@ -376,6 +376,54 @@ def test_recorded_runs_are_restored_into_a_fresh_work_dir_and_not_recomputed(tmp
     assert len(fake_train) == 2  # a restored run with another configuration is run again
 
 
+def test_a_runs_selected_rows_are_recorded_and_survive_a_checkout_without_runs(tmp_path, fake_train, monkeypatch):
+    """The row-overlap analysis needs each run's selected rows; runs/ is not committed, the JSON is."""
+    import numpy as np
+    from trainers import run
+
+    trained = run.train
+
+    def train_with_mask(config):
+        results = trained(config)
+        os.makedirs(os.path.join(config["output_dir"], "mask"))
+        np.savez(os.path.join(config["output_dir"], "mask", "mask.npz"),
+                 **{"conv/kernel:0::rows": np.array([3, 1]), "head/bias:0::dense": np.zeros(0)})
+        return results
+
+    monkeypatch.setattr(run, "train", train_with_mask)
+    monkeypatch.setattr(utility, "validate_config", lambda config: config)
+    work_dir = str(tmp_path / "runs")
+    config = utility.cell_config({"data": {}, "model": {}, "privacy": {}, "training": {}}, "sparta", 2.0, 1, 0.01,
+                                 0.2, os.path.join(work_dir, "sparta", "eps2", "seed1"))
+    record = utility._record(utility.run_cell(config, "sparta"), "sparta", 2.0, 1, 0.01, 0.2, "main")
+    assert record["selected_rows"] == {"conv/kernel:0": [1, 3]}
+    import shutil
+
+    shutil.rmtree(work_dir)
+    assert utility.restore_recorded_runs([json.loads(json.dumps(record))], work_dir, "t-p.json") == 1
+    again = utility._record(utility.run_cell(config, "sparta"), "sparta", 2.0, 1, 0.01, 0.2, "main")
+    assert len(fake_train) == 1 and again["selected_rows"] == {"conv/kernel:0": [1, 3]}
+
+
+def test_report_keeps_the_overlap_table_it_can_no_longer_compute_and_marks_it(tmp_path):
+    profile = utility.PROFILES["smoke"]
+    heading = "## How much of the oracle's choice SPARTA's private selection recovers"
+    records = [_record("sparta", 8.0, 0, 0.6), _record("oracle", 8.0, 0, 0.62, kind="overlap")]  # no rows, no runs/
+    stored = {"profile": utility._comparable(profile), "delta": utility.DELTA, "elapsed_s": 5.0, "runs": records}
+    (tmp_path / "cifar10-transfer-smoke.json").write_text(json.dumps(stored))
+    args = ["--track", "cifar10-transfer", "--profile", "smoke", "--data-dir", str(tmp_path), "--out-dir",
+            str(tmp_path), "--report-only"]
+    assert utility.main(args) == 0
+    report = tmp_path / "cifar10-transfer-smoke.md"
+    assert "re-run the overlap cells to restore this table" in report.read_text()
+    table = "| ε | rows shared |\n|---:|---:|\n| 8 | 90.0% (chance 20%) |"
+    report.write_text(report.read_text().replace(heading + "\n", heading + "\n\n" + table + "\n"))
+    for _ in range(2):  # carried once, not once more per rewrite
+        assert utility.main(args) == 0
+        section = report.read_text().split(heading)[1].split("\n## ")[0]
+        assert table in section and section.count("Carried over unchanged") == 1
+
+
 def test_report_names_the_methods_an_invocation_left_out_and_keeps_them_on_rewrite(tmp_path):
     profile = utility.PROFILES["standard"]
     record = {"kind": "tune", "method": "sparta", "target_epsilon": 2.0, "seed": 0, "learning_rate": 0.01,
