@@ -876,7 +876,10 @@ def _carried_section(report: "Report", heading: str) -> list[str]:
     note = ("(Carried over unchanged from the report as last written: these runs' selected rows are neither "
             "in the JSON, which predates keeping them, nor in this checkout's `runs/`.)")
     path = os.path.join(report.out_dir, f"{report.name}.md")
-    text = open(path).read() if os.path.exists(path) else ""
+    text = ""
+    if os.path.exists(path):
+        with open(path) as f:
+            text = f.read()
     if heading not in text:
         return ["", heading, "", "(The runs are recorded but their selected rows are gone: re-run the overlap "
                 "cells to restore this table.)"]
