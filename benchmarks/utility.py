@@ -962,7 +962,7 @@ def _write(report: Report, records: list, missing: list[str] | None = ()) -> Non
              f"test accuracy (%), mean ± std over the seeds each cell has run ({_seeds_line(profile)} planned), "
              f"delta = {DELTA:g}; learning rate per method chosen on the private validation split at "
              f"epsilon = {profile['tune_epsilon']:g} (not covered by the DP guarantee)", "", table,
-             "", "learning rates: " + ", ".join(f"{m} {lr:g}" for m, lr in chosen.items()),
+             "", "learning rates: " + (", ".join(f"{m} {lr:g}" for m, lr in chosen.items()) or "chosen once tuning ends"),
              "", _compute_line(records, time.perf_counter() - start), "", _missing_line(missing, records)]
     if not_run:
         lines += ["", "not run yet (methods without tuning runs or cells; the missing list above covers only the "
