@@ -163,29 +163,35 @@ def cell_config(base: dict, method: str, epsilon: float, seed: int, lr: float, d
     return config
 
 
-def cached_result(config: dict) -> dict | None:
-    """The finished run's ``results.json`` when it was made with ``config``, else ``None``."""
+def cached_result(config: dict, needs_rows: bool = False) -> dict | None:
+    """The finished run's ``results.json`` when it was made with ``config`` (and, where the row
+    overlap pairs it, ``needs_rows``, when it kept its ``selected_rows``), else ``None``."""
     results_path = os.path.join(config["output_dir"], "results.json")
     if not os.path.exists(results_path):
         return None
     with open(results_path) as f:
         cached = json.load(f)
-    return cached if cached.get("cell") == _comparable(config) else None
+    if cached.get("cell") != _comparable(config):
+        return None
+    return None if needs_rows and not cached.get("selected_rows") else cached
 
 
 def cached_results(cells: list[Cell]) -> dict[int, dict]:
     """``{index: cached results}`` of the cells that have run with today's configuration."""
-    return {i: result for i, cell in enumerate(cells) if (result := cached_result(cell.config)) is not None}
+    return {i: result for i, cell in enumerate(cells)
+            if (result := cached_result(cell.config, cell.needs_rows)) is not None}
 
 
-def run_cell(config: dict, method: str) -> dict:
-    """One run (or its cached results.json)."""
-    cached = cached_result(config)
+def run_cell(config: dict, method: str, needs_rows: bool = False) -> dict:
+    """One run (or its cached results.json). ``needs_rows``: a cached run that did not keep its
+    selected rows (recorded before runs kept them) runs again, since the row overlap needs them."""
+    cached = cached_result(config, needs_rows)
     if cached is not None:
         return cached
     results_path = os.path.join(config["output_dir"], "results.json")
     if os.path.exists(results_path):
-        print(f"cached run {config['output_dir']} has another configuration: running it again", flush=True)
+        reason = "kept no selected rows" if cached_result(config) else "has another configuration"
+        print(f"cached run {config['output_dir']} {reason}: running it again", flush=True)
     if os.path.exists(config["output_dir"]):  # unfinished, or stale: start the cell from scratch
         shutil.rmtree(config["output_dir"])
     import tensorflow as tf
@@ -406,6 +412,7 @@ class Cell(NamedTuple):
     lr: float
     density: float
     config: dict
+    needs_rows: bool = False  # the row overlap pairs it: its run must keep ``selected_rows``
 
 
 def tuning_cells(base: dict, profile: dict, methods, work_dir: str) -> list[Cell]:
@@ -507,8 +514,10 @@ def benchmark_cells(base: dict, profile: dict, methods: list, rates: dict, work_
 
 
 def _main_cells(base: dict, profile: dict, methods: list, rates: dict, work_dir: str) -> list[Cell]:
-    """Every method x epsilon x seed at its chosen rate and the default density, seed-major."""
+    """Every method x epsilon x seed at its chosen rate and the default density, seed-major. SPARTA's
+    cells at the row oracle's seeds need their selected rows (see :func:`row_oracle_cells`)."""
     cells = []
+    oracle_seeds = profile.get("row_oracle", {}).get("seeds", ())
     seeds = sorted({seed for method in methods for seed in seeds_of(profile, method)})
     for seed in seeds:
         for epsilon in profile["epsilons"]:
@@ -518,7 +527,8 @@ def _main_cells(base: dict, profile: dict, methods: list, rates: dict, work_dir:
                 # the non-private ceiling ignores epsilon: one run per seed, shown in every column
                 cell_epsilon = profile["tune_epsilon"] if method == "nonprivate" else epsilon
                 config = cell_config(base, method, cell_epsilon, seed, lr, DEFAULT_DENSITY, out)
-                cells.append(Cell("main", method, epsilon, seed, lr, DEFAULT_DENSITY, config))
+                needs_rows = method == "sparta" and seed in oracle_seeds
+                cells.append(Cell("main", method, epsilon, seed, lr, DEFAULT_DENSITY, config, needs_rows))
     return cells
 
 
@@ -565,7 +575,7 @@ def row_oracle_cells(base: dict, profile: dict, methods: list, rates: dict, work
             out = os.path.join(work_dir, "oracle", f"eps{epsilon:g}", "rows", f"seed{seed}")
             config = cell_config(base, "oracle", epsilon, seed, lr, DEFAULT_DENSITY, out)
             config["method"]["granularity"] = "row"
-            cells.append(Cell("overlap", "oracle", epsilon, seed, lr, DEFAULT_DENSITY, config))
+            cells.append(Cell("overlap", "oracle", epsilon, seed, lr, DEFAULT_DENSITY, config, needs_rows=True))
     return cells
 
 
@@ -610,7 +620,7 @@ def _execute(task: tuple) -> dict:
     if kind == "pretrain":
         ensure_pretrained(payload)
         return {}
-    return run_cell(payload.config, payload.method)
+    return run_cell(payload.config, payload.method, payload.needs_rows)
 
 
 def planned_selection_budgets(base: dict, profile: dict, methods) -> dict[str, dict]:

@@ -96,6 +96,34 @@ def test_cell_with_another_configuration_or_unfinished_is_run_again_from_scratch
     assert len(fake_train) == 3 and not (tmp_path / "cell" / "half-written").exists()
 
 
+def test_a_cached_run_without_selected_rows_runs_again_only_where_the_row_overlap_needs_them(
+        tmp_path, fake_train, monkeypatch):
+    """Runs recorded before results kept ``selected_rows`` (or restored from such records) cannot be
+    paired with the row oracle: the cells the overlap pairs run them again; other cells reuse them."""
+    monkeypatch.setattr(utility, "validate_config", lambda config: config)
+    monkeypatch.setattr(utility, "_saved_selection", lambda run_dir: {})  # a run that kept no rows
+    utility.run_cell(_config(tmp_path), "sparta")
+    utility.run_cell(_config(tmp_path), "sparta")  # no cell needs its rows: reused
+    assert len(fake_train) == 1
+    monkeypatch.setattr(utility, "_saved_selection", lambda run_dir: {"conv/kernel": [0, 3]})
+    again = utility.run_cell(_config(tmp_path), "sparta", needs_rows=True)
+    assert len(fake_train) == 2 and again["selected_rows"] == {"conv/kernel": [0, 3]}
+    utility.run_cell(_config(tmp_path), "sparta", needs_rows=True)  # now it has them: reused
+    assert len(fake_train) == 2
+
+
+def test_the_row_overlaps_cells_are_the_ones_that_need_selected_rows(tmp_path):
+    profile = utility.PROFILES["standard"]
+    base = {"training": {"epochs": 20}, "privacy": {}}
+    planned = utility.benchmark_cells(base, profile, ["sparta", "all"], {"sparta": 0.1, "all": 0.03}, str(tmp_path))
+    needing = {(c.kind, c.method, c.epsilon, c.seed) for c in planned if c.needs_rows}
+    oracle_seeds = profile["row_oracle"]["seeds"]
+    assert needing == {(kind, method, epsilon, seed) for seed in oracle_seeds for epsilon in profile["epsilons"]
+                       for kind, method in (("main", "sparta"), ("overlap", "oracle"))}
+    cells = [c for c in planned if c.needs_rows]
+    assert utility.cached_results(cells) == {}  # nothing has run
+
+
 def _record(method, eps, seed, accuracy, kind="main", lr=0.03, density=0.2, seconds=10.0, private=True):
     return {"kind": kind, "method": method, "target_epsilon": eps, "seed": seed, "learning_rate": lr,
             "density": density, "private": private, "epsilon": eps if private else None, "test_accuracy": accuracy,
