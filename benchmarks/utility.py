@@ -911,8 +911,8 @@ def _public_model_section(records: list, report: "Report") -> list[str]:
     return ["", f"## How the public model's strength moves the ranking: {stronger!r} (strong) against this "
                 f"profile (weak)", "",
             f"The same cells from {_public_line(PROFILES[stronger], track)} (strong) and from "
-            f"{_public_line(report.profile, track)} (weak); everything else is equal, so pairs share their seed "
-            f"(data split, noise and sampling streams). Strong-model runs from `{track}-{stronger}.json`.", "",
+            f"{_public_line(report.profile, track)} (weak); each profile tunes its own rates, everything else is "
+            f"equal (checked per pair), so pairs share their seed (data split, noise and sampling streams). Strong-model runs from `{track}-{stronger}.json`.", "",
             table]
 
 

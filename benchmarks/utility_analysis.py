@@ -16,7 +16,8 @@
 * :func:`warmup_table`: SPARTA with a shorter warm-up (``warmup`` records, ``T0`` in their
   configuration) against the benchmark's SPARTA and full fine-tuning on the same seeds, paired.
 * :func:`public_model_table`: the same methods fine-tuned from a stronger and a weaker public
-  model (two profiles that differ only in the pre-trained weights): each method's accuracy from
+  model (two profiles that differ only in the pre-trained weights and the rates each tunes; pairs
+  whose configurations differ otherwise are left out, and said so): each method's accuracy from
   both, the paired change ``weak - strong`` over shared seeds, and SPARTA's paired gap to each
   method under either model, i.e. how transfer quality moves the ranking.
 * :func:`density_table`, :func:`overlap_table` and :func:`budget_table`: markdown for the report.
@@ -252,13 +253,17 @@ def warmup_table(records: Sequence[dict], default_warmup: int) -> str:
 def public_model_table(strong: Sequence[dict], weak: Sequence[dict], methods: Sequence[str],
                        reference: str = "sparta") -> str:
     """Markdown: per method and epsilon, test accuracy (%) from the strong and the weak public model
-    (``main`` records of two profiles whose cells differ only in the public model), the change
+    (``main`` records of two profiles whose cells differ only in the public model and the tuned rates;
+    see :func:`unlike_pairs` for the cells left out because they differ otherwise), the change
     ``weak - strong`` paired over the seeds both ran (mean and 95% Student-t interval, as
     :func:`utility_report.paired_differences`: a change is claimed only where the interval excludes
     zero) and ``reference - method`` under each model (paired means); empty when no method has a
     cell under both models."""
     strong_main = [r for r in strong if r["kind"] == "main" and r["method"] in methods]
     weak_main = [r for r in weak if r["kind"] == "main" and r["method"] in methods]
+    unlike = unlike_pairs(strong_main, weak_main)
+    strong_main = [r for r in strong_main if _cell_key(r) not in unlike]
+    weak_main = [r for r in weak_main if _cell_key(r) not in unlike]
     strong_stats, weak_stats = utility_report.summarize(strong_main), utility_report.summarize(weak_main)
     epsilons = sorted({eps for _, eps in set(strong_stats) & set(weak_stats)})
     if not epsilons:
@@ -278,8 +283,59 @@ def public_model_table(strong: Sequence[dict], weak: Sequence[dict], methods: Se
                      _gap_change(gaps, method, epsilon, reference)]
             lines.append(f"| {method} | {epsilon:g} | " + " | ".join(cells) + " |")
     lines += ["", "Test accuracy (%), mean ± std over each profile's seeds; the change and the gaps in points. "
-              "A non-private method's ε column is its one run per seed, repeated."]
+              "A non-private method's ε column is its one run per seed, repeated. Learning rates, tuned by each "
+              "profile on its own validation runs (strong → weak): " + _rates_line(strong_main, weak_main, methods)
+              + "."]
+    if unlike:
+        differing = sorted({key for keys in unlike.values() for key in keys})
+        lines += ["", f"Left out: {len(unlike)} cell{'s' * (len(unlike) != 1)} whose two runs differ in more than the public model and the "
+                  f"tuned rates ({', '.join(differing)}), so their difference is not the public model's."]
     return "\n".join(lines) + "\n"
+
+
+# What may differ between a cell's run from the strong and from the weak public model: the weights,
+# where the run lives, and the rates each profile tunes on its own validation runs.
+PER_MODEL_SETTINGS = ("model.weights", "output_dir", "training.learning_rate", "training.head_learning_rate")
+
+
+def unlike_pairs(strong: Sequence[dict], weak: Sequence[dict]) -> dict[tuple, list[str]]:
+    """``{(method, epsilon, seed): differing settings}`` of the cells run under both models whose two
+    configurations (the records' ``config``) differ in a setting outside :data:`PER_MODEL_SETTINGS`;
+    records without a configuration cannot be checked and are taken as they are."""
+    strong_configs = {_cell_key(r): r.get("config") for r in strong}
+    unlike = {}
+    for record in weak:
+        other = strong_configs.get(_cell_key(record))
+        if record.get("config") and other:
+            differing = [key for key in _differing_settings(other, record["config"]) if key not in PER_MODEL_SETTINGS]
+            if differing:
+                unlike[_cell_key(record)] = differing
+    return unlike
+
+
+def _cell_key(record: dict) -> tuple:
+    return record["method"], record["target_epsilon"], record["seed"]
+
+
+def _differing_settings(first: dict, second: dict, prefix: str = "") -> list[str]:
+    """The dotted keys whose values differ between two nested configurations."""
+    differing = []
+    for key in sorted(set(first) | set(second)):
+        a, b = first.get(key), second.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            differing += _differing_settings(a, b, f"{prefix}{key}.")
+        elif a != b:
+            differing.append(f"{prefix}{key}")
+    return differing
+
+
+def _rates_line(strong: Sequence[dict], weak: Sequence[dict], methods: Sequence[str]) -> str:
+    def rates(records: Sequence[dict], method: str) -> str:
+        found = sorted({r["learning_rate"] for r in records if r["method"] == method})
+        return "/".join(f"{lr:g}" for lr in found) or "-"
+
+    return ", ".join(f"{m} {rates(strong, m)} → {rates(weak, m)}" for m in methods
+                     if any(r["method"] == m for r in weak))
 
 
 def _model_change(strong: Sequence[dict], weak: Sequence[dict], method: str) -> dict[float, "utility_report.PairedDifference"]:

@@ -194,6 +194,28 @@ def test_weak_model_report_sets_each_method_beside_the_strong_models_runs_paired
     # sparta - all: strong -5, -4, -3 (interval excludes 0); weak -10, -9, -6 (it excludes 0 too)
     assert rows["all"].endswith("| -4.00 ★ → -8.33 ★ |")
     assert "mnist-resnet20-gn-weak" in report and "mnist-resnet20-gn'" in section
+    assert "(strong → weak): sparta 0.03 → 0.03, all 0.03 → 0.03." in section
+    assert "Left out" not in section
+
+
+def test_weak_model_table_leaves_out_pairs_that_differ_in_more_than_the_model_and_the_rates():
+    """Each profile tunes its own rates; any other difference (here: T) would be read as the model's."""
+    import utility_analysis
+
+    def run(model, seed, accuracy, lr=0.1, epochs=20):
+        config = {"model": {"name": "pretrained", "weights": model}, "output_dir": f"/runs/{model}/{seed}",
+                  "training": {"learning_rate": lr, "head_learning_rate": 10 * lr, "epochs": epochs}}
+        return dict(_record("sparta", 2.0, seed, accuracy, lr=lr), config=config)
+
+    strong = [run("strong", seed, 0.70) for seed in range(3)]
+    weak = [run("weak", 0, 0.60, lr=0.3), run("weak", 1, 0.61, lr=0.3), run("weak", 2, 0.90, lr=0.3, epochs=40)]
+    assert utility_analysis.unlike_pairs(strong, weak) == {("sparta", 2.0, 2): ["training.epochs"]}
+    table = utility_analysis.public_model_table(strong, weak, ["sparta"])
+    row = [line for line in table.splitlines() if line.startswith("| sparta | 2 |")][0]
+    # seed 2 is left out of both columns: -10 and -9 over seeds 0-1 (the 40-epoch run would add +20)
+    assert "| 70.00 ± 0.00 | 60.50 ± 0.71 | -9.50" in row and "(n=2)" in row
+    assert "Left out: 1 cell whose" in table and "(training.epochs)" in table
+    assert "sparta 0.1 → 0.3." in table
 
 
 def test_report_only_refuses_missing_or_stale_results(tmp_path):
