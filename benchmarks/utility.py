@@ -862,10 +862,12 @@ def _why_sections(records: list, report: "Report") -> list[str]:
         lines += ["", f"## Accuracy against density (ε = {profile['tune_epsilon']:g}, seed 0)", "", density]
     overlap = utility_analysis.overlap_table(records, DEFAULT_DENSITY, report.budgets)
     heading = "## How much of the oracle's choice SPARTA's private selection recovers"
-    if overlap:
+    # all or nothing: while any recorded pair has lost its rows (until the benchmark re-runs it), the
+    # section as last written stands rather than a table of the pairs re-run so far
+    if utility_analysis.pairs_without_rows(records):
+        lines += _carried_section(report, heading, overlap)
+    elif overlap:
         lines += ["", heading, "", overlap]
-    elif any(r["kind"] == "overlap" for r in records):
-        lines += _carried_section(report, heading)
     warmup = utility_analysis.warmup_table(records, _warmup_epochs(profile))
     if warmup:
         lines += ["", "## SPARTA with a shorter warm-up", "", warmup]
@@ -880,9 +882,11 @@ def _why_sections(records: list, report: "Report") -> list[str]:
     return lines
 
 
-def _carried_section(report: "Report", heading: str) -> list[str]:
+def _carried_section(report: "Report", heading: str, fallback: str = "") -> list[str]:
     """The section ``heading`` of the report as last written, kept (and marked) where its inputs are
-    gone: runs recorded before the JSON kept their selected rows, in a checkout without ``runs/``."""
+    gone: runs recorded before the JSON kept their selected rows, in a checkout without ``runs/``.
+    Without such a section: ``fallback`` (the table of the pairs that still have their rows) and a
+    line saying what is gone."""
     note = ("(Carried over unchanged from the report as last written: these runs' selected rows are neither "
             "in the JSON, which predates keeping them, nor in this checkout's `runs/`.)")
     path = os.path.join(report.out_dir, f"{report.name}.md")
@@ -891,8 +895,8 @@ def _carried_section(report: "Report", heading: str) -> list[str]:
         with open(path) as f:
             text = f.read()
     if heading not in text:
-        return ["", heading, "", "(The runs are recorded but their selected rows are gone: re-run the overlap "
-                "cells to restore this table.)"]
+        return ["", heading, "", *([fallback] if fallback else []), "(Some recorded runs' selected rows are gone: "
+                "the benchmark re-runs those overlap pairs to restore this table.)"]
     body = text.split(heading, 1)[1].split("\n## ", 1)[0].strip("\n").replace("\n\n" + note, "")
     return ["", heading, "", body, "", note]
 

@@ -98,9 +98,26 @@ def selection_budget(plan: dict) -> dict[str, float]:
     }
 
 
-def _by_cell(records: Sequence[dict], method: str, kind: str = "main") -> dict[tuple[float, int], dict]:
+def _by_cell(records: Sequence[dict], method: str, kind: str = "main",
+             with_rows: bool = True) -> dict[tuple[float, int], dict]:
+    """``{(epsilon, seed): record}`` of ``method``'s ``kind`` records (``with_rows``: only those whose
+    rows can be looked up, in the record or its run directory)."""
     return {(float(r["target_epsilon"]), r["seed"]): r for r in records
-            if r["method"] == method and r["kind"] == kind and (r.get("run_dir") or r.get("selected_rows"))}
+            if r["method"] == method and r["kind"] == kind
+            and (not with_rows or r.get("run_dir") or r.get("selected_rows"))}
+
+
+def pairs_without_rows(records: Sequence[dict]) -> list[tuple[float, int]]:
+    """``(epsilon, seed)`` of the recorded SPARTA/row-oracle pairs whose selected rows are gone (runs
+    recorded before results kept them, in a checkout without their ``runs/``)."""
+    sparta, oracle = _by_cell(records, "sparta", with_rows=False), _by_cell(records, "oracle", "overlap", False)
+    missing = []
+    for key in sorted(set(sparta) & set(oracle)):
+        try:
+            selected_rows(sparta[key]), selected_rows(oracle[key])
+        except OSError:
+            missing.append(key)
+    return missing
 
 
 def overlap_table(records: Sequence[dict], density: float, planned_budgets: dict | None = None) -> str:

@@ -465,13 +465,27 @@ def test_report_keeps_the_overlap_table_it_can_no_longer_compute_and_marks_it(tm
             str(tmp_path), "--report-only"]
     assert utility.main(args) == 0
     report = tmp_path / "cifar10-transfer-smoke.md"
-    assert "re-run the overlap cells to restore this table" in report.read_text()
+    assert "re-runs those overlap pairs to restore this table" in report.read_text()
     table = "| ε | rows shared |\n|---:|---:|\n| 8 | 90.0% (chance 20%) |"
     report.write_text(report.read_text().replace(heading + "\n", heading + "\n\n" + table + "\n"))
     for _ in range(2):  # carried once, not once more per rewrite
         assert utility.main(args) == 0
         section = report.read_text().split(heading)[1].split("\n## ")[0]
         assert table in section and section.count("Carried over unchanged") == 1
+    # A pair re-run with its rows while another pair still has none: the section as last written stands
+    # (not a table of the re-run pairs alone) until every pair has its rows again.
+    rows = {"conv/kernel:0": [0, 1]}
+    stored["runs"] += [_record("sparta", 1.0, 0, 0.5) | {"selected_rows": rows},
+                       _record("oracle", 1.0, 0, 0.5, kind="overlap") | {"selected_rows": rows}]
+    (tmp_path / "cifar10-transfer-smoke.json").write_text(json.dumps(stored))
+    assert utility.main(args) == 0
+    section = report.read_text().split(heading)[1].split("\n## ")[0]
+    assert table in section and "| 1 | 100.0%" not in section
+    stored["runs"][:2] = [r | {"selected_rows": {"conv/kernel:0": [0, 2]}} for r in stored["runs"][:2]]
+    (tmp_path / "cifar10-transfer-smoke.json").write_text(json.dumps(stored))
+    assert utility.main(args) == 0
+    section = report.read_text().split(heading)[1].split("\n## ")[0]
+    assert "| 1 | 100.0%" in section and "| 8 | 100.0%" in section and "Carried over" not in section
 
 
 def test_report_names_the_methods_an_invocation_left_out_and_keeps_them_on_rewrite(tmp_path):
