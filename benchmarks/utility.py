@@ -86,6 +86,11 @@ PROFILES = {
                  # SPARTA with a shorter warm-up where it trails full fine-tuning (eps = 1): does the
                  # T0 = 4 epochs of bias/norm/head-only training cost it the gap?
                  "warmup_ablation": {"epsilon": 1.0, "warmup_epochs": (1,), "seeds": (0, 1, 2)},
+                 # Every rate is tuned at eps = 2 and reused at every eps. At eps = 1 (the most noise),
+                 # SPARTA and full fine-tuning one rung lower on LR_LADDER: is the tuned rate too
+                 # large there, and does SPARTA's gap to full fine-tuning survive a per-eps rate?
+                 "rate_ablation": {"epsilon": 1.0, "methods": ("sparta", "all"), "rungs": (-1,),
+                                   "seeds": (0, 1, 2)},
                  # The non-private oracle choosing *rows* (SPARTA's granularity; its default is entries) with
                  # SPARTA's recipe and rate: how many of SPARTA's private rows it shares, and what exact
                  # scores would have gained in accuracy, per epsilon.
@@ -177,9 +182,9 @@ def cached_result(config: dict, needs_rows: bool = False) -> dict | None:
 
 
 def cached_results(cells: list[Cell]) -> dict[int, dict]:
-    """``{index: cached results}`` of the cells that have run with today's configuration."""
-    return {i: result for i, cell in enumerate(cells)
-            if (result := cached_result(cell.config, cell.needs_rows)) is not None}
+    """``{index: cached results}`` of the cells that have run with today's configuration, for the
+    report: a run the row overlap will re-run for its rows is reported until its re-run replaces it."""
+    return {i: result for i, cell in enumerate(cells) if (result := cached_result(cell.config)) is not None}
 
 
 def run_cell(config: dict, method: str, needs_rows: bool = False) -> dict:
@@ -372,6 +377,7 @@ def main(argv=None) -> int:
     if restored:
         print(f"resuming: {restored} runs recorded in {name}.json restored into {work_dir}", flush=True)
     budgets = planned_selection_budgets(base, profile, methods)
+    kept = records_of_methods_not_run(previous, not_run)  # this invocation plans none of their cells
     report = Report(args.out_dir, name, profile, time.perf_counter(), not_run, budgets)
     with CellRunner(args.jobs) as runner:
         if args.jobs > 1:
@@ -379,12 +385,14 @@ def main(argv=None) -> int:
         def tuning_progress(cells: list, done: dict) -> None:
             # the benchmark cells are planned once tuning ends; until then the report keeps the
             # benchmark runs recorded before, so a run stopped while tuning loses none of them
-            _write(report, _tune_records(cells, done) + [r for r in previous if r["kind"] != "tune"], None)
+            _write(report, kept + _tune_records(cells, done)
+                   + [r for r in previous if r["kind"] != "tune" and r not in kept], None)
 
         tune_cells, tuned = tune(runner, base, profile, methods, work_dir, tuning_progress)
         rates = chosen_rates(tune_cells, tuned)
-        records = _tune_records(tune_cells, dict(enumerate(tuned)))
+        records = kept + _tune_records(tune_cells, dict(enumerate(tuned)))
         cells, others = split_by_epsilon(benchmark_cells(base, profile, methods, rates, work_dir), epsilons)
+        cells = row_reruns_last(cells)
         # cells of the epsilons this invocation leaves out: reported from their cached runs, else missing
         others_done = cached_results(others)
         records += _records(others, others_done)
@@ -405,7 +413,8 @@ def main(argv=None) -> int:
 class Cell(NamedTuple):
     """One benchmark cell: a trainer configuration and where it sits in the report."""
 
-    kind: str  # tune / main / density / warmup (SPARTA's warm-up ablation) / overlap (the row oracle)
+    kind: str  # tune / main / density / warmup (SPARTA's warm-up ablation) / rate (the rate ablation) /
+    # overlap (the row oracle)
     method: str
     epsilon: float  # the report's column (the non-private ceiling runs once per seed)
     seed: int
@@ -501,7 +510,7 @@ def benchmark_cells(base: dict, profile: dict, methods: list, rates: dict, work_
     warm-up ablation and the row oracle.
 
     Order: the benchmark cells of the profile's ``seeds`` (what every method runs), then the
-    ablations (density, warm-up, row oracle: the evidence for *why*), then the ``more_seeds`` that
+    ablations (density, warm-up, rate, row oracle: the evidence for *why*), then the ``more_seeds`` that
     only :data:`MORE_SEEDS` run. Benchmark cells are seed-major: every method and epsilon gets its
     first seed before any gets its second, so a benchmark stopped part-way has comparable cells
     (paired over the same seeds) rather than one method complete and the others missing."""
@@ -509,6 +518,7 @@ def benchmark_cells(base: dict, profile: dict, methods: list, rates: dict, work_
     first = [c for c in main if c.seed in profile["seeds"]]
     ablations = (_density_cells(base, profile, methods, rates, work_dir)
                  + warmup_ablation_cells(base, profile, methods, rates, work_dir)
+                 + rate_ablation_cells(base, profile, methods, rates, work_dir)
                  + row_oracle_cells(base, profile, methods, rates, work_dir))
     return first + ablations + [c for c in main if c.seed not in profile["seeds"]]
 
@@ -561,6 +571,24 @@ def warmup_ablation_cells(base: dict, profile: dict, methods: list, rates: dict,
     return cells
 
 
+def rate_ablation_cells(base: dict, profile: dict, methods: list, rates: dict, work_dir: str) -> list[Cell]:
+    """The ``rate_ablation`` methods at the ablation's epsilon and seeds with rates ``rungs`` steps
+    along :data:`LR_LADDER` from their chosen rate (tuned at the tuning epsilon), everything else as
+    their benchmark cells; paired in the report with those cells (same seeds)."""
+    ablation = profile.get("rate_ablation")
+    if not ablation:
+        return []
+    epsilon, cells = ablation["epsilon"], []
+    for method in [m for m in ablation["methods"] if m in methods and rates.get(m) in LR_LADDER]:
+        rung = LR_LADDER.index(rates[method])
+        for lr in [LR_LADDER[rung + step] for step in ablation["rungs"] if 0 <= rung + step < len(LR_LADDER)]:
+            for seed in ablation["seeds"]:
+                out = os.path.join(work_dir, method, f"eps{epsilon:g}", f"lr{lr:g}", f"seed{seed}")
+                config = cell_config(base, method, epsilon, seed, lr, DEFAULT_DENSITY, out)
+                cells.append(Cell("rate", method, epsilon, seed, lr, DEFAULT_DENSITY, config))
+    return cells
+
+
 def row_oracle_cells(base: dict, profile: dict, methods: list, rates: dict, work_dir: str) -> list[Cell]:
     """The oracle (exact ``|g|``, NOT private) selecting rows at the default density with SPARTA's
     configuration and chosen rate, at every epsilon of the profile and each ``row_oracle`` seed: the
@@ -577,6 +605,24 @@ def row_oracle_cells(base: dict, profile: dict, methods: list, rates: dict, work
             config["method"]["granularity"] = "row"
             cells.append(Cell("overlap", "oracle", epsilon, seed, lr, DEFAULT_DENSITY, config, needs_rows=True))
     return cells
+
+
+def row_reruns_last(cells: list[Cell]) -> list[Cell]:
+    """``cells`` with the ones that would run only to recover their selected rows (a cached run that
+    did not keep them, see :func:`cached_result`) moved to the end, in their order: they restore an
+    analysis the report carries meanwhile, so every new cell comes first."""
+    rerun = [c.needs_rows and cached_result(c.config) is not None and cached_result(c.config, True) is None
+             for c in cells]
+    return [c for c, late in zip(cells, rerun) if not late] + [c for c, late in zip(cells, rerun) if late]
+
+
+def records_of_methods_not_run(records: list[dict], not_run: list[str]) -> list[dict]:
+    """The recorded runs of the methods an invocation leaves out (``--methods``), kept in its report
+    as they are: the row oracle and the warm-up ablation belong to SPARTA, whose cells plan them."""
+    def owner(record: dict) -> str:
+        return "sparta" if record["kind"] in ("overlap", "warmup") else record["method"]
+
+    return [r for r in records if owner(r) in not_run]
 
 
 def split_by_epsilon(cells: list[Cell], epsilons: list[float]) -> tuple[list[Cell], list[Cell]]:
@@ -605,6 +651,8 @@ def _cell_variant(cell: Cell) -> str:
         return f" warmup_epochs={cell.config['method']['warmup_epochs']}"
     if cell.kind == "overlap":
         return f" granularity={cell.config['method']['granularity']}"
+    if cell.kind == "rate":
+        return f" lr={cell.lr:g}"
     return ""
 
 
@@ -871,6 +919,12 @@ def _why_sections(records: list, report: "Report") -> list[str]:
     warmup = utility_analysis.warmup_table(records, _warmup_epochs(profile))
     if warmup:
         lines += ["", "## SPARTA with a shorter warm-up", "", warmup]
+    rates = utility_analysis.rate_table(records)
+    if rates:
+        lines += ["", "## Rates tuned at ε = " f"{profile['tune_epsilon']:g}, used at another ε", "",
+                  "Each method's rate is tuned once, at the tuning ε, and reused at every ε. These runs try "
+                  "other rates (`rate_ablation`: rungs along the ladder from the tuned rate) at one ε, "
+                  "everything else as the benchmark cells of the same seeds.", "", rates]
     lines += _public_model_section(records, report)
     phases = utility_analysis.phase_table(records, _curve_methods(records), _warmup_epochs(profile))
     if phases:

@@ -15,6 +15,8 @@
   gained in the remaining ``T - T0 - 1`` epochs.
 * :func:`warmup_table`: SPARTA with a shorter warm-up (``warmup`` records, ``T0`` in their
   configuration) against the benchmark's SPARTA and full fine-tuning on the same seeds, paired.
+* :func:`rate_table`: SPARTA and full fine-tuning at other rates than the ones tuned at the
+  tuning epsilon (``rate`` records), paired with their benchmark cells and with each other.
 * :func:`public_model_table`: the same methods fine-tuned from a stronger and a weaker public
   model (two profiles that differ only in the pre-trained weights and the rates each tunes; pairs
   whose configurations differ otherwise are left out, and said so): each method's accuracy from
@@ -265,6 +267,60 @@ def warmup_table(records: Sequence[dict], default_warmup: int) -> str:
             else "-" for other in ("sparta", "all")]
         lines.append(f"| {epsilon:g} | {warmup} | {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def rate_table(records: Sequence[dict], reference: str = "sparta", other: str = "all") -> str:
+    """Markdown: the rate ablation (``rate`` records: a method at other rates than its tuned one, at
+    one epsilon) beside the method's benchmark cells at the tuned rate on the same seeds. Per method
+    and rate: test and validation accuracy (%, mean ± std) and test accuracy minus the tuned rate's,
+    paired; then ``reference - other`` for every pair of their rates, paired over shared seeds, and
+    for the rates a per-epsilon tuning would pick (highest mean validation accuracy over these seeds;
+    like the main tuning, that choice is not covered by the DP guarantee)."""
+    ablated = [r for r in records if r["kind"] == "rate"]
+    if not ablated:
+        return ""
+    epsilon = float(ablated[0]["target_epsilon"])
+    seeds = {r["seed"] for r in ablated}
+    methods = [m for m in (reference, other) if any(r["method"] == m for r in ablated)]
+    tuned = {r["method"]: r["learning_rate"] for r in records if r["kind"] == "main" and r["method"] in methods}
+    runs = [dict(r, method=_at_rate(r)) for r in records
+            if r["method"] in methods and float(r["target_epsilon"]) == epsilon and r["seed"] in seeds
+            and (r["kind"] == "rate" or (r["kind"] == "main" and r["learning_rate"] == tuned.get(r["method"])))]
+    stats = utility_report.summarize(runs)
+    validation = {label: statistics.fmean(r["val_accuracy"] for r in group)
+                  for label, group in utility_report.group_by(runs, lambda r: r["method"]).items()}
+    lines = [f"ε = {epsilon:g}, seeds {sorted(seeds)}.", "",
+             "| method | lr | seeds | test accuracy | validation accuracy | minus the tuned rate (paired) |",
+             "|---|---:|---:|---:|---:|---:|"]
+    rates = {m: sorted({r["learning_rate"] for r in runs if r["method"].startswith(m + " ")}) for m in methods}
+    for method in methods:
+        for lr in rates[method]:
+            label = f"{method} lr={lr:g}"
+            mean, std, n = stats[(label, epsilon)]
+            if lr == tuned.get(method):
+                change = "(tuned at the tuning ε)"
+            else:
+                difference = utility_report.paired_differences(runs, label).get((f"{method} lr={tuned[method]:g}", epsilon))
+                change = utility_report.format_difference(difference) if difference else "-"
+            lines.append(f"| {method} | {lr:g} | {n} | {utility_report.format_mean_std(mean, std)} | "
+                         f"{100 * validation[label]:.2f} | {change} |")
+    if len(methods) == 2:
+        lines += ["", f"{reference} − {other} (points, paired [95% CI]), rows {reference}'s rate, columns {other}'s:", "",
+                  f"| {reference} \\ {other} | " + " | ".join(f"lr {lr:g}" for lr in rates[other]) + " |",
+                  "|---|" + "---:|" * len(rates[other])]
+        for lr in rates[reference]:
+            differences = utility_report.paired_differences(runs, f"{reference} lr={lr:g}")
+            cells = [differences.get((f"{other} lr={x:g}", epsilon)) for x in rates[other]]
+            lines.append(f"| lr {lr:g} | " + " | ".join(utility_report.format_difference(d) if d else "-"
+                                                         for d in cells) + " |")
+        picked = {m: max(rates[m], key=lambda lr, m=m: validation[f"{m} lr={lr:g}"]) for m in methods}
+        lines += ["", f"Per-ε tuning on these seeds' validation accuracy would pick {reference} "
+                  f"{picked[reference]:g} and {other} {picked[other]:g}."]
+    return "\n".join(lines) + "\n"
+
+
+def _at_rate(record: dict) -> str:
+    return f"{record['method']} lr={record['learning_rate']:g}"
 
 
 def public_model_table(strong: Sequence[dict], weak: Sequence[dict], methods: Sequence[str],

@@ -347,8 +347,83 @@ def test_row_oracle_runs_the_oracle_at_row_granularity_with_spartas_configuratio
     assert utility.validate_config(config)["method"]["granularity"] == "row"
 
 
+def test_rate_ablation_runs_sparta_and_all_a_rung_below_their_tuned_rate_before_the_row_oracle(tmp_path):
+    profile = utility.PROFILES["standard"]
+    ablation = profile["rate_ablation"]
+    base = {"training": {"epochs": 20}, "privacy": {}}
+    rates = {"sparta": 0.3, "all": 0.1, "bitfit": 0.1}
+    planned = utility.benchmark_cells(base, profile, ["sparta", "all", "bitfit"], rates, str(tmp_path))
+    cells = [c for c in planned if c.kind == "rate"]
+    below = {"sparta": 0.1, "all": 0.03}  # one rung down LR_LADDER
+    assert [(c.method, c.epsilon, c.seed, c.lr) for c in cells] == [
+        (m, ablation["epsilon"], seed, below[m]) for m in ("sparta", "all") for seed in ablation["seeds"]]
+    for cell in cells:
+        main = [c for c in planned if (c.kind, c.method, c.epsilon, c.seed) == ("main", cell.method, cell.epsilon, cell.seed)][0]
+        assert cell.config["training"] == dict(main.config["training"], learning_rate=cell.lr,
+                                               head_learning_rate=10 * cell.lr)
+        assert {k: v for k, v in cell.config.items() if k not in ("training", "output_dir")} == {
+            k: v for k, v in main.config.items() if k not in ("training", "output_dir")}
+    assert len({c.config["output_dir"] for c in planned}) == len(planned) - 1  # only the tuning cell is shared
+    kinds = [c.kind for c in planned]
+    assert max(i for i, k in enumerate(kinds) if k == "rate") < kinds.index("overlap")
+    assert utility._missing(cells[:1], {}) == ["rate sparta eps=1 seed=0 lr=0.1"]
+    assert utility.rate_ablation_cells(base, profile, ["bitfit"], rates, str(tmp_path)) == []
+    assert [c.lr for c in utility.rate_ablation_cells(base, profile, ["all"], {"all": 0.0001}, str(tmp_path))] == []
+
+
+def test_rate_table_pairs_each_rate_with_the_tuned_one_and_sparta_with_all(tmp_path):
+    import utility_analysis
+
+    def run(method, kind, lr, seed, test, val):
+        return dict(_record(method, 1.0, seed, test, kind=kind, lr=lr), val_accuracy=val)
+
+    records = ([run("sparta", "main", 0.3, s, a, 0.60) for s, a in enumerate((0.64, 0.65, 0.63))]
+               + [run("sparta", "rate", 0.1, s, a, 0.66) for s, a in enumerate((0.68, 0.70, 0.69))]
+               + [run("all", "main", 0.1, s, a, 0.70) for s, a in enumerate((0.70, 0.71, 0.72))]
+               + [run("all", "rate", 0.03, s, a, 0.69) for s, a in enumerate((0.69, 0.69, 0.69))]
+               + [run("sparta", "main", 0.3, 3, 0.99, 0.99),  # a seed the ablation did not run: left out
+                  dict(run("sparta", "main", 0.3, 0, 0.5, 0.5), target_epsilon=2.0)])
+    table = utility_analysis.rate_table(records)
+    rows = {tuple(line.split(" | ")[:2]): line for line in table.splitlines() if line.startswith("| sparta |")
+            or line.startswith("| all |")}
+    assert rows[("| sparta", "0.3")] == "| sparta | 0.3 | 3 | 64.00 ± 1.00 | 60.00 | (tuned at the tuning ε) |"
+    # 0.1 - 0.3 per seed: +4, +5, +6 points: mean 5, sd 1, t(0.975, 2) / sqrt(3) = 2.48
+    assert rows[("| sparta", "0.1")] == "| sparta | 0.1 | 3 | 69.00 ± 1.00 | 66.00 | +5.00 [+2.52, +7.48] (n=3) |"
+    assert rows[("| all", "0.03")].endswith("| 69.00 | -2.00 [-4.48, +0.48] (n=3) |")
+    grid = {line.split(" | ")[0]: line for line in table.splitlines() if line.startswith("| lr ")}
+    # columns: all at 0.03, then 0.1; e.g. sparta 0.3 - all 0.1 per seed: -6, -6, -9 (sd sqrt(3): +-4.30)
+    assert grid["| lr 0.3"] == "| lr 0.3 | -5.00 [-7.48, -2.52] (n=3) | -7.00 [-11.30, -2.70] (n=3) |"
+    assert grid["| lr 0.1"] == "| lr 0.1 | +0.00 [-2.48, +2.48] (n=3) | -2.00 [-4.48, +0.48] (n=3) |"
+    assert "would pick sparta 0.1 and all 0.1." in table
+    assert utility_analysis.rate_table([r for r in records if r["kind"] == "main"]) == ""
+
+
+def test_runs_that_would_only_recover_their_rows_go_last_and_stay_reported_meanwhile(tmp_path, fake_train, monkeypatch):
+    monkeypatch.setattr(utility, "validate_config", lambda config: config)
+    monkeypatch.setattr(utility, "_saved_selection", lambda run_dir: {})
+
+    def cell(name, needs_rows):
+        config = utility.cell_config({"data": {}, "privacy": {}, "training": {}}, "sparta", 1.0, 0, 0.1, 0.2,
+                                     str(tmp_path / name))
+        return utility.Cell("main", "sparta", 1.0, 0, 0.1, 0.2, config, needs_rows)
+
+    old, new, plain = cell("old", True), cell("new", True), cell("plain", False)
+    utility.run_cell(old.config, "sparta")  # a run that kept no rows
+    assert utility.row_reruns_last([old, new, plain]) == [new, plain, old]
+    assert list(utility.cached_results([old, new, plain])) == [0]  # reported until its re-run replaces it
+
+
+def test_an_invocation_keeps_the_recorded_runs_of_the_methods_it_leaves_out():
+    records = [_record("sparta", 1.0, 0, 0.6), _record("bitfit", 1.0, 0, 0.5), _record("bitfit", 2.0, 0, 0.5, kind="tune"),
+               _record("oracle", 1.0, 0, 0.6, kind="overlap"), _record("sparta", 1.0, 0, 0.6, kind="warmup"),
+               _record("oracle", 1.0, 0, 0.7)]
+    kept = utility.records_of_methods_not_run(records, ["bitfit", "oracle"])
+    assert kept == [records[1], records[2], records[5]]  # the overlap runs are SPARTA's: it plans them
+    assert utility.records_of_methods_not_run(records, ["bitfit", "oracle", "sparta"]) == records
+
+
 # the standard profile's analyses the weak one leaves out, and what differs by design
-STANDARD_ONLY = ("public_model", "methods", "densities", "more_seeds", "warmup_ablation", "row_oracle",
+STANDARD_ONLY = ("public_model", "methods", "densities", "more_seeds", "warmup_ablation", "rate_ablation", "row_oracle",
                  "stronger_public_model_profile")
 
 
@@ -518,7 +593,7 @@ def test_epsilons_option_restricts_the_cells_and_rejects_epsilons_outside_the_pr
     cells, others = utility.split_by_epsilon(utility.benchmark_cells(
         {"training": {}, "privacy": {}}, profile, ["sparta"], {"sparta": 0.03}, str(tmp_path)), [2.0])
     assert {c.epsilon for c in cells if c.kind == "main"} == {2.0}
-    assert {c.kind for c in cells} == {"main", "density", "warmup", "overlap"}  # the analyses always run
+    assert {c.kind for c in cells} == {"main", "density", "warmup", "rate", "overlap"}  # the analyses always run
     assert {c.epsilon for c in others} == {1.0, 8.0} and {c.kind for c in others} == {"main"}
     with pytest.raises(SystemExit):
         utility.main(["--track", "cifar10-transfer", "--profile", "standard", "--data-dir", str(tmp_path),
@@ -636,3 +711,12 @@ def test_killing_the_benchmark_process_ends_its_workers(tmp_path):
     while any(alive(pid) for pid in workers) and time.time() < deadline:
         time.sleep(0.5)
     assert not any(alive(pid) for pid in workers)
+
+
+def test_a_run_of_fewer_methods_keeps_the_recorded_runs_of_the_others(tmp_path, fake_train, offline_main):
+    assert offline_main("--epsilons", "2") == 0
+    sparta = [r for r in _reported(tmp_path)["runs"] if r["method"] == "sparta"]
+    assert offline_main("--epsilons", "2", "--methods", "all") == 0  # the last --methods wins
+    stored = _reported(tmp_path)
+    assert [r for r in stored["runs"] if r["method"] == "sparta"] == sparta and len(sparta) >= 4
+    assert stored["methods_not_run"] == [m for m in PROFILE.get("methods", utility.METHODS) if m != "all"]
