@@ -778,14 +778,25 @@ def rewrite_report(out_dir: str, name: str, profile: dict, budgets=None) -> int:
         raise SystemExit(f"no results to report: {path} does not exist (fix: run without --report-only first)")
     with open(path) as f:
         stored = json.load(f)
-    if stored["profile"] != _comparable(profile):
+    if _profile_changes(stored["profile"], _comparable(profile)):
         raise SystemExit(f"{path} was made with another {split_report_name(name)[1]!r} profile than this script's "
                          "(fix: run the benchmark again to refresh it)")
     report = Report(out_dir, name, profile, time.perf_counter() - stored["elapsed_s"],
                     stored.get("methods_not_run", []), stored.get("selection_budgets") or _try(budgets))
-    _write(report, stored["runs"], stored.get("missing", []))
+    missing = stored.get("missing", [])
+    added = [key for key in _comparable(profile) if key not in stored["profile"]]
+    if missing is not None:  # None: still tuning, nothing planned yet
+        missing = missing + [f"{key}: all of its cells (the profile gained it after the last benchmark run)"
+                             for key in added]
+    _write(report, stored["runs"], missing)
     print(f"rewrote {os.path.join(out_dir, name)}.md/.png from {len(stored['runs'])} recorded runs")
     return 0
+
+
+def _profile_changes(stored: dict, current: dict) -> list[str]:
+    """The profile keys whose value changed (or that were removed) since a report was made. A key added
+    since (a new analysis) leaves every recorded run valid: its cells are only not in the report yet."""
+    return [key for key in stored if current.get(key) != stored[key]]
 
 
 TRACK_NOTES = {

@@ -227,6 +227,23 @@ def test_report_only_refuses_missing_or_stale_results(tmp_path):
     (tmp_path / "cifar10-transfer-smoke.json").write_text(json.dumps({"profile": stale, "elapsed_s": 1.0, "runs": []}))
     with pytest.raises(SystemExit, match="another 'smoke' profile"):
         utility.main(args)
+    removed = dict(utility._comparable(utility.PROFILES["smoke"]), retired_analysis={"epsilon": 8.0})  # gone since
+    (tmp_path / "cifar10-transfer-smoke.json").write_text(json.dumps({"profile": removed, "elapsed_s": 1.0, "runs": []}))
+    with pytest.raises(SystemExit, match="another 'smoke' profile"):
+        utility.main(args)
+
+
+def test_report_only_accepts_a_report_made_before_the_profile_gained_an_analysis(tmp_path, monkeypatch):
+    """A key added to the profile since (here a new ablation) plans new cells; the recorded ones stand."""
+    older = utility._comparable(utility.PROFILES["smoke"])
+    monkeypatch.setitem(utility.PROFILES, "smoke", dict(utility.PROFILES["smoke"], rate_ablation={"epsilon": 8.0}))
+    stored = {"profile": older, "delta": utility.DELTA, "elapsed_s": 5.0, "runs": [_record("sparta", 8.0, 0, 0.6)]}
+    (tmp_path / "cifar10-transfer-smoke.json").write_text(json.dumps(stored))
+    assert utility.main(["--track", "cifar10-transfer", "--profile", "smoke", "--data-dir", str(tmp_path),
+                         "--out-dir", str(tmp_path), "--report-only"]) == 0
+    report = (tmp_path / "cifar10-transfer-smoke.md").read_text()
+    assert "| sparta | **60.00 ± 0.00** |" in report
+    assert "rate_ablation: all of its cells (the profile gained it after the last benchmark run)" in report
 
 
 def test_missing_line_estimates_the_remaining_time_from_each_methods_median_run():
