@@ -507,7 +507,7 @@ def seeds_of(profile: dict, method: str) -> tuple[int, ...]:
 
 def benchmark_cells(base: dict, profile: dict, methods: list, rates: dict, work_dir: str) -> list[Cell]:
     """Every method x epsilon x seed at its chosen rate, the density sweep of the sparse methods, the
-    warm-up ablation and the row oracle.
+    warm-up and rate ablations and the row oracle.
 
     Order: the benchmark cells of the profile's ``seeds`` (what every method runs), then the
     ablations (density, warm-up, rate, row oracle: the evidence for *why*), then the ``more_seeds`` that
@@ -626,8 +626,8 @@ def records_of_methods_not_run(records: list[dict], not_run: list[str]) -> list[
 
 
 def split_by_epsilon(cells: list[Cell], epsilons: list[float]) -> tuple[list[Cell], list[Cell]]:
-    """(the cells to run: benchmark cells at ``epsilons``, the density sweep, the warm-up ablation and
-    the row oracle, the other epsilons' benchmark cells), each in the plan's order."""
+    """(the cells to run: benchmark cells at ``epsilons``, the density sweep, the warm-up and rate
+    ablations and the row oracle, the other epsilons' benchmark cells), each in the plan's order."""
     runs = [c for c in cells if c.kind != "main" or c.epsilon in epsilons]
     return runs, [c for c in cells if c.kind == "main" and c.epsilon not in epsilons]
 
