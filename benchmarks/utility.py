@@ -1029,7 +1029,7 @@ def _write(report: Report, records: list, missing: list[str] | None = ()) -> Non
     # The ceiling is non-private by design: shown, marked, never bolded.
     table = (utility_report.markdown_table(main_runs, [m for m in METHODS if any(r["method"] == m for r in main_runs)])
              if main_runs else "(no benchmark cell has run yet: see the tuning runs below)\n")
-    chosen = {r["method"]: r["learning_rate"] for r in main_runs}
+    chosen = {m: r["learning_rate"] for m in METHODS for r in main_runs if r["method"] == m}
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump({"profile": {k: v for k, v in profile.items()}, "delta": DELTA, "learning_rates": chosen,
                    "elapsed_s": time.perf_counter() - start, "missing": missing,
@@ -1043,9 +1043,13 @@ def _write(report: Report, records: list, missing: list[str] | None = ()) -> Non
              f"epsilon = {profile['tune_epsilon']:g} (not covered by the DP guarantee)", "", table,
              "", "learning rates: " + (", ".join(f"{m} {lr:g}" for m, lr in chosen.items()) or "chosen once tuning ends"),
              "", _compute_line(records, time.perf_counter() - start), "", _missing_line(missing, records)]
-    if not_run:
+    recorded = [m for m in not_run if any(r["method"] == m for r in records)]
+    if recorded:
+        lines += ["", "left out by this invocation (`--methods`), their recorded runs kept as they were; the missing "
+                      f"list above covers only the methods this invocation planned: {', '.join(recorded)}"]
+    if [m for m in not_run if m not in recorded]:
         lines += ["", "not run yet (methods without tuning runs or cells; the missing list above covers only the "
-                      f"methods this invocation planned): {', '.join(not_run)}"]
+                      f"methods this invocation planned): {', '.join(m for m in not_run if m not in recorded)}"]
     if paired:
         lines += ["", "## SPARTA minus each method, paired over shared seeds", "", paired]
     lines += _why_sections(records, report)

@@ -732,8 +732,13 @@ def test_killing_the_benchmark_process_ends_its_workers(tmp_path):
 
 def test_a_run_of_fewer_methods_keeps_the_recorded_runs_of_the_others(tmp_path, fake_train, offline_main):
     assert offline_main("--epsilons", "2") == 0
-    sparta = [r for r in _reported(tmp_path)["runs"] if r["method"] == "sparta"]
-    assert offline_main("--epsilons", "2", "--methods", "all") == 0  # the last --methods wins
+    full = [r for r in _reported(tmp_path)["runs"] if r["method"] == "all"]
+    assert offline_main("--epsilons", "2", "--methods", "sparta") == 0  # the last --methods wins
     stored = _reported(tmp_path)
-    assert [r for r in stored["runs"] if r["method"] == "sparta"] == sparta and len(sparta) >= 4
-    assert stored["methods_not_run"] == [m for m in PROFILE.get("methods", utility.METHODS) if m != "all"]
+    assert [r for r in stored["runs"] if r["method"] == "all"] == full and len(full) >= 4
+    assert stored["methods_not_run"] == [m for m in PROFILE.get("methods", utility.METHODS) if m != "sparta"]
+    report = (tmp_path / "results" / "cifar10-transfer-quick.md").read_text()
+    assert "their recorded runs kept as they were; the missing list above covers only the methods this " \
+           "invocation planned: all\n" in report
+    assert ": all" not in report.split("not run yet (methods without tuning runs or cells")[1].splitlines()[0]
+    assert "learning rates: sparta 0.1, all 0.1" in report  # the methods' order, not the records'
