@@ -393,19 +393,19 @@ def main(argv=None) -> int:
         records = kept + _tune_records(tune_cells, dict(enumerate(tuned)))
         cells, others = split_by_epsilon(benchmark_cells(base, profile, methods, rates, work_dir), epsilons)
         cells = row_reruns_last(cells)
-        # cells of the epsilons this invocation leaves out: reported from their cached runs, else missing
-        others_done = cached_results(others)
-        records += _records(others, others_done)
         # cells already run are reported from the start, not only once the runner reaches them
         cells_cached = cached_results(cells)
 
         def progress(done: dict) -> None:
             finished = {**cells_cached, **done}
-            _write(report, records + _records(cells, finished), _missing(others, others_done) + _missing(cells, finished))
+            # cells of the epsilons this invocation leaves out: reported from their cached runs, else
+            # missing; looked up anew, as the non-private ceiling's run of a seed serves every column
+            others_done = cached_results(others)
+            _write(report, records + _records(others, others_done) + _records(cells, finished),
+                   _missing(others, others_done) + _missing(cells, finished))
 
         progress({})
-        results = runner.run([("cell", cell) for cell in cells], on_result=progress)
-    _write(report, records + _records(cells, dict(enumerate(results))), _missing(others, others_done))
+        progress(dict(enumerate(runner.run([("cell", cell) for cell in cells], on_result=progress))))
     print(f"wrote {os.path.join(args.out_dir, name)}.json/.md/.png in {time.perf_counter() - report.start:.0f} s")
     return 0
 

@@ -742,3 +742,18 @@ def test_a_run_of_fewer_methods_keeps_the_recorded_runs_of_the_others(tmp_path, 
            "invocation planned: all\n" in report
     assert ": all" not in report.split("not run yet (methods without tuning runs or cells")[1].splitlines()[0]
     assert "learning rates: sparta 0.1, all 0.1" in report  # the methods' order, not the records'
+
+
+def test_an_epsilons_run_reports_the_ceilings_new_runs_in_every_column(tmp_path, fake_train, offline_main,
+                                                                        monkeypatch):
+    """The non-private ceiling has one run per seed, shown in every ε column: the columns an
+    ``--epsilons`` run leaves out show the runs it made, not only those cached when it started."""
+    from trainers import run
+
+    monkeypatch.setattr(utility, "_nonprivate", lambda config: dict(run.train(config), private=False))
+    assert offline_main("--epsilons", "2", "--methods", "sparta", "nonprivate") == 0
+    stored = _reported(tmp_path)
+    ceiling = {(r["target_epsilon"], r["seed"]) for r in stored["runs"] if r["method"] == "nonprivate"
+               and r["kind"] == "main"}
+    assert ceiling == {(e, s) for e in PROFILE["epsilons"] for s in PROFILE["seeds"]}
+    assert not [m for m in stored["missing"] if "nonprivate" in m]
