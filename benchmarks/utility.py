@@ -574,15 +574,17 @@ def warmup_ablation_cells(base: dict, profile: dict, methods: list, rates: dict,
 def rate_ablation_cells(base: dict, profile: dict, methods: list, rates: dict, work_dir: str) -> list[Cell]:
     """The ``rate_ablation`` methods at the ablation's epsilon and seeds with rates ``rungs`` steps
     along :data:`LR_LADDER` from their chosen rate (tuned at the tuning epsilon), everything else as
-    their benchmark cells; paired in the report with those cells (same seeds)."""
+    their benchmark cells; paired in the report with those cells (same seeds). Seed-major, like the
+    benchmark cells, so a stopped ablation has pairs."""
     ablation = profile.get("rate_ablation")
     if not ablation:
         return []
     epsilon, cells = ablation["epsilon"], []
-    for method in [m for m in ablation["methods"] if m in methods and rates.get(m) in LR_LADDER]:
-        rung = LR_LADDER.index(rates[method])
-        for lr in [LR_LADDER[rung + step] for step in ablation["rungs"] if 0 <= rung + step < len(LR_LADDER)]:
-            for seed in ablation["seeds"]:
+    ablated = [m for m in ablation["methods"] if m in methods and rates.get(m) in LR_LADDER]
+    for seed in ablation["seeds"]:
+        for method in ablated:
+            rung = LR_LADDER.index(rates[method])
+            for lr in [LR_LADDER[rung + s] for s in ablation["rungs"] if 0 <= rung + s < len(LR_LADDER)]:
                 out = os.path.join(work_dir, method, f"eps{epsilon:g}", f"lr{lr:g}", f"seed{seed}")
                 config = cell_config(base, method, epsilon, seed, lr, DEFAULT_DENSITY, out)
                 cells.append(Cell("rate", method, epsilon, seed, lr, DEFAULT_DENSITY, config))

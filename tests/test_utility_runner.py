@@ -373,7 +373,7 @@ def test_rate_ablation_runs_sparta_and_all_a_rung_below_their_tuned_rate_before_
     cells = [c for c in planned if c.kind == "rate"]
     below = {"sparta": 0.1, "all": 0.03}  # one rung down LR_LADDER
     assert [(c.method, c.epsilon, c.seed, c.lr) for c in cells] == [
-        (m, ablation["epsilon"], seed, below[m]) for m in ("sparta", "all") for seed in ablation["seeds"]]
+        (m, ablation["epsilon"], seed, below[m]) for seed in ablation["seeds"] for m in ("sparta", "all")]
     for cell in cells:
         main = [c for c in planned if (c.kind, c.method, c.epsilon, c.seed) == ("main", cell.method, cell.epsilon, cell.seed)][0]
         assert cell.config["training"] == dict(main.config["training"], learning_rate=cell.lr,
