@@ -1045,7 +1045,7 @@ def _write(report: Report, records: list, missing: list[str] | None = ()) -> Non
              f"epsilon = {profile['tune_epsilon']:g} (not covered by the DP guarantee)", "", table,
              "", "learning rates: " + (", ".join(f"{m} {lr:g}" for m, lr in chosen.items()) or "chosen once tuning ends"),
              "", _compute_line(records, time.perf_counter() - start), "", _missing_line(missing, records)]
-    recorded = [m for m in not_run if any(r["method"] == m for r in records)]
+    recorded = [m for m in not_run if any(r["method"] == m and r["kind"] in ("main", "tune") for r in records)]
     if recorded:
         lines += ["", "left out by this invocation (`--methods`), their recorded runs kept as they were; the missing "
                       f"list above covers only the methods this invocation planned: {', '.join(recorded)}"]
