@@ -299,6 +299,8 @@ def rate_table(records: Sequence[dict], reference: str = "sparta", other: str = 
             mean, std, n = stats[(label, epsilon)]
             if lr == tuned.get(method):
                 change = "(tuned at the tuning ε)"
+            elif method not in tuned:  # no benchmark cell recorded to pair with
+                change = "-"
             else:
                 difference = utility_report.paired_differences(runs, label).get((f"{method} lr={tuned[method]:g}", epsilon))
                 change = utility_report.format_difference(difference) if difference else "-"

@@ -413,6 +413,8 @@ def test_rate_table_pairs_each_rate_with_the_tuned_one_and_sparta_with_all(tmp_p
     assert grid["| lr 0.1"] == "| lr 0.1 | +0.00 [-2.48, +2.48] (n=3) | -2.00 [-4.48, +0.48] (n=3) |"
     assert "would pick sparta 0.1 and all 0.1." in table
     assert utility_analysis.rate_table([r for r in records if r["kind"] == "main"]) == ""
+    alone = utility_analysis.rate_table([r for r in records if r["kind"] == "rate"])  # nothing to pair with
+    assert "| sparta | 0.1 | 3 | 69.00 ± 1.00 | 66.00 | - |" in alone
 
 
 def test_runs_that_would_only_recover_their_rows_go_last_and_stay_reported_meanwhile(tmp_path, fake_train, monkeypatch):
