@@ -178,7 +178,12 @@ def cached_result(config: dict, needs_rows: bool = False) -> dict | None:
         cached = json.load(f)
     if cached.get("cell") != _comparable(config):
         return None
-    return None if needs_rows and not cached.get("selected_rows") else cached
+    return None if needs_rows and _lacks_rows(cached) else cached
+
+
+def _lacks_rows(results: dict) -> bool:
+    """Whether a run's results kept no selected rows (recorded before results kept them)."""
+    return not results.get("selected_rows")
 
 
 def cached_results(cells: list[Cell]) -> dict[int, dict]:
@@ -195,7 +200,7 @@ def run_cell(config: dict, method: str, needs_rows: bool = False) -> dict:
         return cached
     results_path = os.path.join(config["output_dir"], "results.json")
     if os.path.exists(results_path):
-        reason = "kept no selected rows" if cached_result(config) else "has another configuration"
+        reason = "kept no selected rows" if cached_result(config) is not None else "has another configuration"
         print(f"cached run {config['output_dir']} {reason}: running it again", flush=True)
     if os.path.exists(config["output_dir"]):  # unfinished, or stale: start the cell from scratch
         shutil.rmtree(config["output_dir"])
@@ -613,7 +618,7 @@ def row_reruns_last(cells: list[Cell]) -> list[Cell]:
     """``cells`` with the ones that would run only to recover their selected rows (a cached run that
     did not keep them, see :func:`cached_result`) moved to the end, in their order: they restore an
     analysis the report carries meanwhile, so every new cell comes first."""
-    rerun = [c.needs_rows and cached_result(c.config) is not None and cached_result(c.config, True) is None
+    rerun = [c.needs_rows and (cached := cached_result(c.config)) is not None and _lacks_rows(cached)
              for c in cells]
     return [c for c, late in zip(cells, rerun) if not late] + [c for c, late in zip(cells, rerun) if late]
 

@@ -283,26 +283,27 @@ def rate_table(records: Sequence[dict], reference: str = "sparta", other: str = 
     seeds = {r["seed"] for r in ablated}
     methods = [m for m in (reference, other) if any(r["method"] == m for r in ablated)]
     tuned = {r["method"]: r["learning_rate"] for r in records if r["kind"] == "main" and r["method"] in methods}
-    runs = [dict(r, method=_at_rate(r)) for r in records
-            if r["method"] in methods and float(r["target_epsilon"]) == epsilon and r["seed"] in seeds
-            and (r["kind"] == "rate" or (r["kind"] == "main" and r["learning_rate"] == tuned.get(r["method"])))]
+    selected = [r for r in records
+                if r["method"] in methods and float(r["target_epsilon"]) == epsilon and r["seed"] in seeds
+                and (r["kind"] == "rate" or (r["kind"] == "main" and r["learning_rate"] == tuned.get(r["method"])))]
+    rates = {m: sorted({r["learning_rate"] for r in selected if r["method"] == m}) for m in methods}
+    runs = [dict(r, method=_at_rate(r["method"], r["learning_rate"])) for r in selected]  # one "method" a rate
     stats = utility_report.summarize(runs)
     validation = {label: statistics.fmean(r["val_accuracy"] for r in group)
                   for label, group in utility_report.group_by(runs, lambda r: r["method"]).items()}
     lines = [f"ε = {epsilon:g}, seeds {sorted(seeds)}.", "",
              "| method | lr | seeds | test accuracy | validation accuracy | minus the tuned rate (paired) |",
              "|---|---:|---:|---:|---:|---:|"]
-    rates = {m: sorted({r["learning_rate"] for r in runs if r["method"].startswith(m + " ")}) for m in methods}
     for method in methods:
         for lr in rates[method]:
-            label = f"{method} lr={lr:g}"
+            label = _at_rate(method, lr)
             mean, std, n = stats[(label, epsilon)]
             if lr == tuned.get(method):
                 change = "(tuned at the tuning ε)"
             elif method not in tuned:  # no benchmark cell recorded to pair with
                 change = "-"
             else:
-                difference = utility_report.paired_differences(runs, label).get((f"{method} lr={tuned[method]:g}", epsilon))
+                difference = utility_report.paired_differences(runs, label).get((_at_rate(method, tuned[method]), epsilon))
                 change = utility_report.format_difference(difference) if difference else "-"
             lines.append(f"| {method} | {lr:g} | {n} | {utility_report.format_mean_std(mean, std)} | "
                          f"{100 * validation[label]:.2f} | {change} |")
@@ -311,18 +312,20 @@ def rate_table(records: Sequence[dict], reference: str = "sparta", other: str = 
                   f"| {reference} \\ {other} | " + " | ".join(f"lr {lr:g}" for lr in rates[other]) + " |",
                   "|---|" + "---:|" * len(rates[other])]
         for lr in rates[reference]:
-            differences = utility_report.paired_differences(runs, f"{reference} lr={lr:g}")
-            cells = [differences.get((f"{other} lr={x:g}", epsilon)) for x in rates[other]]
+            differences = utility_report.paired_differences(runs, _at_rate(reference, lr))
+            cells = [differences.get((_at_rate(other, x), epsilon)) for x in rates[other]]
             lines.append(f"| lr {lr:g} | " + " | ".join(utility_report.format_difference(d) if d else "-"
                                                          for d in cells) + " |")
-        picked = {m: max(rates[m], key=lambda lr, m=m: validation[f"{m} lr={lr:g}"]) for m in methods}
+        picked = {m: max(rates[m], key=lambda lr, m=m: validation[_at_rate(m, lr)]) for m in methods}
         lines += ["", f"Per-ε tuning on these seeds' validation accuracy would pick {reference} "
                   f"{picked[reference]:g} and {other} {picked[other]:g}."]
     return "\n".join(lines) + "\n"
 
 
-def _at_rate(record: dict) -> str:
-    return f"{record['method']} lr={record['learning_rate']:g}"
+def _at_rate(method: str, lr: float) -> str:
+    """The label :func:`rate_table` gives a method at one rate (so the paired statistics treat each
+    rate as a method)."""
+    return f"{method} lr={lr:g}"
 
 
 def public_model_table(strong: Sequence[dict], weak: Sequence[dict], methods: Sequence[str],
