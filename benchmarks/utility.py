@@ -645,10 +645,15 @@ def _tune_records(cells: list[Cell], results: dict[int, dict]) -> list[dict]:
             for i, c in enumerate(cells) if i in results]
 
 
+RERUN_FOR_ROWS = " (to run again: its recorded run kept no selected rows)"
+
+
 def _missing(cells: list[Cell], results: dict[int, dict]) -> list[str]:
-    """The planned cells without a result, named as the report names them."""
+    """The planned cells without a result, and those the row overlap will run again for their
+    selected rows (reported meanwhile from their recorded run), named as the report names them."""
     return [f"{c.kind} {c.method} eps={c.epsilon:g} seed={c.seed}" + _cell_variant(c)
-            for i, c in enumerate(cells) if i not in results]
+            + (RERUN_FOR_ROWS if i in results else "")
+            for i, c in enumerate(cells) if i not in results or (c.needs_rows and _lacks_rows(results[i]))]
 
 
 def _cell_variant(cell: Cell) -> str:
@@ -876,8 +881,10 @@ def _missing_line(missing: list[str] | None, records: list) -> str:
         return "missing: the cells are planned once tuning has finished (tuning runs so far are listed in the JSON)"
     if not missing:
         return "missing: none (every planned cell has run)"
-    return (f"missing: {len(missing)} planned cells have not run yet ({_remaining_estimate(missing, records)}): "
-            + "; ".join(missing))
+    reruns = sum(entry.endswith(RERUN_FOR_ROWS) for entry in missing)
+    count = f"{len(missing)} planned cells have not run yet" if not reruns else (
+        f"{len(missing)} planned cells have not run yet, {reruns} of them only to keep their selected rows")
+    return f"missing: {count} ({_remaining_estimate(missing, records)}): " + "; ".join(missing)
 
 
 def _remaining_estimate(missing: list[str], records: list) -> str:

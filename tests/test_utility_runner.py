@@ -429,7 +429,14 @@ def test_runs_that_would_only_recover_their_rows_go_last_and_stay_reported_meanw
     old, new, plain = cell("old", True), cell("new", True), cell("plain", False)
     utility.run_cell(old.config, "sparta")  # a run that kept no rows
     assert utility.row_reruns_last([old, new, plain]) == [new, plain, old]
-    assert list(utility.cached_results([old, new, plain])) == [0]  # reported until its re-run replaces it
+    reported = utility.cached_results([old, new, plain])
+    assert list(reported) == [0]  # reported until its re-run replaces it
+    # ... and named as missing until then: the report must not say every planned cell has run
+    assert utility._missing([old, new, plain], reported) == [
+        "main sparta eps=1 seed=0" + utility.RERUN_FOR_ROWS, "main sparta eps=1 seed=0", "main sparta eps=1 seed=0"]
+    line = utility._missing_line(utility._missing([old], reported), [{"method": "sparta", "seconds": 3600.0}])
+    assert line.startswith("missing: 1 planned cells have not run yet, 1 of them only to keep their selected rows "
+                           "(about 1.0 h")
 
 
 def test_an_invocation_keeps_the_recorded_runs_of_the_methods_it_leaves_out():
