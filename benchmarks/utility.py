@@ -373,7 +373,7 @@ def main(argv=None) -> int:
     work_dir = os.path.join(args.work_dir, name)
     if args.report_only:
         return rewrite_report(args.out_dir, name, profile, lambda: planned_selection_budgets(
-            base_config(args.track, profile, args.data_dir, args.fashion_dir, work_dir), profile, methods))
+            base_config(args.track, profile, args.data_dir, args.fashion_dir, work_dir), profile))
     os.makedirs(work_dir, exist_ok=True)
     os.makedirs(args.out_dir, exist_ok=True)
     base = base_config(args.track, profile, args.data_dir, args.fashion_dir, work_dir)
@@ -381,7 +381,7 @@ def main(argv=None) -> int:
     restored = restore_recorded_runs(previous, work_dir, os.path.join(args.out_dir, f"{name}.json"))
     if restored:
         print(f"resuming: {restored} runs recorded in {name}.json restored into {work_dir}", flush=True)
-    budgets = planned_selection_budgets(base, profile, methods)
+    budgets = planned_selection_budgets(base, profile)
     kept = records_of_methods_not_run(previous, not_run)  # this invocation plans none of their cells
     report = Report(args.out_dir, name, profile, time.perf_counter(), not_run, budgets)
     with CellRunner(args.jobs) as runner:
@@ -683,11 +683,12 @@ def _execute(task: tuple) -> dict:
     return run_cell(payload.config, payload.method, payload.needs_rows)
 
 
-def planned_selection_budgets(base: dict, profile: dict, methods) -> dict[str, dict]:
+def planned_selection_budgets(base: dict, profile: dict) -> dict[str, dict]:
     """``{epsilon: share of steps and of epsilon of SPARTA's selection epoch}`` from the plan each
     epsilon's SPARTA run makes (``trainers.run.dry_run``: data, model and accounting, no training);
-    ``{}`` when ``methods`` has no SPARTA."""
-    if "sparta" not in methods:
+    ``{}`` when the profile has no SPARTA. The profile's methods, not an invocation's (``--methods``):
+    a report keeps SPARTA's recorded runs when an invocation leaves SPARTA out, and this section too."""
+    if "sparta" not in profile.get("methods", METHODS):
         return {}
     import contextlib
     import io

@@ -4,6 +4,7 @@ import json
 import math
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -766,3 +767,18 @@ def test_an_epsilons_run_reports_the_ceilings_new_runs_in_every_column(tmp_path,
                and r["kind"] == "main"}
     assert ceiling == {(e, s) for e in PROFILE["epsilons"] for s in PROFILE["seeds"]}
     assert not [m for m in stored["missing"] if "nonprivate" in m]
+
+
+def test_selection_budgets_follow_the_profile_not_the_invocations_methods(monkeypatch):
+    """An invocation without SPARTA (``--methods random``) keeps SPARTA's runs in the report, so it
+    must keep the section on SPARTA's selection epoch too (it had dropped it)."""
+    import utility_analysis
+    from trainers import run
+
+    monkeypatch.setattr(utility, "validate_config", lambda config: config)
+    monkeypatch.setattr(run, "dry_run", lambda config: SimpleNamespace(to_json=lambda: config))
+    monkeypatch.setattr(utility_analysis, "selection_budget", lambda plan: plan["privacy"]["target_epsilon"])
+    base = {"data": {}, "model": {}, "privacy": {}, "training": {}}
+    standard = utility.PROFILES["standard"]
+    assert utility.planned_selection_budgets(base, standard) == {"1": 1.0, "2": 2.0, "8": 8.0}
+    assert utility.planned_selection_budgets(base, dict(standard, methods=("all", "random"))) == {}
