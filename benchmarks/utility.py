@@ -363,13 +363,13 @@ def main(argv=None) -> int:
         parser.error("--jobs must be >= 1")
 
     profile = PROFILES[args.profile]
-    methods = list(args.methods or profile.get("methods", METHODS))
+    methods = list(args.methods or profile_methods(profile))
     name = f"{args.track}-{args.profile}"
     epsilons = list(args.epsilons or profile["epsilons"])
     unknown = [e for e in epsilons if e not in profile["epsilons"]]
     if unknown:
         parser.error(f"--epsilons {unknown} not in the {args.profile!r} profile's {list(profile['epsilons'])}")
-    not_run = [m for m in profile.get("methods", METHODS) if m not in methods]
+    not_run = [m for m in profile_methods(profile) if m not in methods]
     work_dir = os.path.join(args.work_dir, name)
     if args.report_only:
         return rewrite_report(args.out_dir, name, profile, lambda: planned_selection_budgets(
@@ -503,6 +503,12 @@ def middle_rates_first(cells: list[Cell], grid) -> list[Cell]:
         return abs(math.log(lr / middle))
 
     return sorted(cells, key=lambda c: (round(distance(c.lr), 6), c.lr, METHODS.index(c.method)))
+
+
+def profile_methods(profile: dict) -> list[str]:
+    """The methods a profile plans (``methods``, default every method), whatever an invocation's
+    ``--methods`` runs: the report keeps the others' recorded runs and the analyses that read them."""
+    return list(profile.get("methods", METHODS))
 
 
 def seeds_of(profile: dict, method: str) -> tuple[int, ...]:
@@ -688,7 +694,7 @@ def planned_selection_budgets(base: dict, profile: dict) -> dict[str, dict]:
     epsilon's SPARTA run makes (``trainers.run.dry_run``: data, model and accounting, no training);
     ``{}`` when the profile has no SPARTA. The profile's methods, not an invocation's (``--methods``):
     a report keeps SPARTA's recorded runs when an invocation leaves SPARTA out, and this section too."""
-    if "sparta" not in profile.get("methods", METHODS):
+    if "sparta" not in profile_methods(profile):
         return {}
     import contextlib
     import io
@@ -989,7 +995,7 @@ def _public_model_section(records: list, report: "Report") -> list[str]:
         return []
     track = split_report_name(report.name)[0]
     strong = recorded_runs(report.out_dir, f"{track}-{stronger}")
-    table = utility_analysis.public_model_table(strong, records, list(report.profile.get("methods", METHODS)))
+    table = utility_analysis.public_model_table(strong, records, profile_methods(report.profile))
     if not table:
         return []
     return ["", f"## How the public model's strength moves the ranking: {stronger!r} (strong) against this "
