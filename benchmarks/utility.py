@@ -654,12 +654,25 @@ def _tune_records(cells: list[Cell], results: dict[int, dict]) -> list[dict]:
 RERUN_FOR_ROWS = " (to run again: its recorded run kept no selected rows)"
 
 
-def _missing(cells: list[Cell], results: dict[int, dict]) -> list[str]:
+def _missing(cells: list[Cell], results: dict[int, dict]) -> list[dict]:
     """The planned cells without a result, and those the row overlap will run again for their
-    selected rows (reported meanwhile from their recorded run), named as the report names them."""
-    return [f"{c.kind} {c.method} eps={c.epsilon:g} seed={c.seed}" + _cell_variant(c)
-            + (RERUN_FOR_ROWS if i in results else "")
+    selected rows (reported meanwhile from their recorded run): ``{"cell": name as the report names
+    it, "method", "rerun_for_rows"}`` (``method`` None: an entry that is not one cell)."""
+    return [{"cell": f"{c.kind} {c.method} eps={c.epsilon:g} seed={c.seed}" + _cell_variant(c),
+             "method": c.method, "rerun_for_rows": i in results}
             for i, c in enumerate(cells) if i not in results or (c.needs_rows and _lacks_rows(results[i]))]
+
+
+def _missing_entry(entry: str | dict) -> dict:
+    """A stored ``missing`` entry as :func:`_missing` makes it; reports written before the entries
+    were structured stored the label (``"<kind> <method> eps=..."``, maybe ending in RERUN_FOR_ROWS)."""
+    if isinstance(entry, dict):
+        return entry
+    rerun = entry.endswith(RERUN_FOR_ROWS)
+    words = entry.split()
+    cell = entry[:-len(RERUN_FOR_ROWS)] if rerun else entry
+    return {"cell": cell, "method": words[1] if len(words) > 2 and words[2].startswith("eps=") else None,
+            "rerun_for_rows": rerun}
 
 
 def _cell_variant(cell: Cell) -> str:
@@ -800,13 +813,14 @@ def rewrite_report(out_dir: str, name: str, profile: dict, budgets=None) -> int:
     if _profile_changes(stored["profile"], _comparable(profile)):
         raise SystemExit(f"{path} was made with another {split_report_name(name)[1]!r} profile than this script's "
                          "(fix: run the benchmark again to refresh it)")
-    report = Report(out_dir, name, profile, time.perf_counter() - stored["elapsed_s"],
-                    stored.get("methods_not_run", []), stored.get("selection_budgets") or _try(budgets))
+    report = Report(out_dir, name, profile, time.perf_counter(), stored.get("methods_not_run", []),
+                    stored.get("selection_budgets") or _try(budgets), stored["elapsed_s"])
     missing = stored.get("missing", [])
     added = [key for key in _comparable(profile) if key not in stored["profile"]]
     if missing is not None:  # None: still tuning, nothing planned yet
-        missing = missing + [f"{key}: all of its cells (the profile gained it after the last benchmark run)"
-                             for key in added]
+        missing = [_missing_entry(entry) for entry in missing] + [
+            {"cell": f"{key}: all of its cells (the profile gained it after the last benchmark run)",
+             "method": None, "rerun_for_rows": False} for key in added]
     _write(report, stored["runs"], missing)
     print(f"rewrote {os.path.join(out_dir, name)}.md/.png from {len(stored['runs'])} recorded runs")
     return 0
@@ -883,28 +897,29 @@ def _compute_line(records: list, elapsed: float) -> str:
             f"(each run's own time; several runs may have shared the machine); this invocation: {elapsed:.0f} s")
 
 
-def _missing_line(missing: list[str] | None, records: list) -> str:
+def _missing_line(missing: list[dict] | None, records: list) -> str:
     if missing is None:
         return "missing: the cells are planned once tuning has finished (tuning runs so far are listed in the JSON)"
     if not missing:
         return "missing: none (every planned cell has run)"
-    reruns = sum(entry.endswith(RERUN_FOR_ROWS) for entry in missing)
+    reruns = sum(entry["rerun_for_rows"] for entry in missing)
     count = f"{len(missing)} planned cells have not run yet" if not reruns else (
         f"{len(missing)} planned cells have not run yet, {reruns} of them only to keep their selected rows")
-    return f"missing: {count} ({_remaining_estimate(missing, records)}): " + "; ".join(missing)
+    labels = (entry["cell"] + (RERUN_FOR_ROWS if entry["rerun_for_rows"] else "") for entry in missing)
+    return f"missing: {count} ({_remaining_estimate(missing, records)}): " + "; ".join(labels)
 
 
-def _remaining_estimate(missing: list[str], records: list) -> str:
+def _remaining_estimate(missing: list[dict], records: list) -> str:
     """The missing cells' run wall clock if each takes its method's median run time so far."""
     seconds: dict[str, list[float]] = {}
     for record in records:
         if record["seconds"]:
             seconds.setdefault(record["method"], []).append(record["seconds"])
-    methods = [entry.split()[1] for entry in missing]  # "<kind> <method> eps=..." (see _missing)
+    methods = [entry["method"] for entry in missing]
     known = [statistics.median(seconds[m]) for m in methods if m in seconds]
     unknown = len(methods) - len(known)
     return (f"about {sum(known) / 3600:.1f} h of run wall clock at each method's median run time so far"
-            + (f", {unknown} cells of methods without a run yet not counted" if unknown else ""))
+            + (f", {unknown} entries without a timed run of their method not counted" if unknown else ""))
 
 
 def _tuning_table(records: list) -> str:
@@ -1030,8 +1045,9 @@ def _plot_curves(report: "Report", records: list) -> None:
 
 class Report(NamedTuple):
     """What a report says besides its runs: where it goes, the profile, when the invocation started
-    (``time.perf_counter``), the profile's methods it left out (``--methods``) and SPARTA's planned
-    selection budget per epsilon (:func:`planned_selection_budgets`)."""
+    (``time.perf_counter``), the profile's methods it left out (``--methods``), SPARTA's planned
+    selection budget per epsilon (:func:`planned_selection_budgets`) and, for ``--report-only``, the
+    last benchmark invocation's wall clock, which a rewrite repeats instead of adding its own."""
 
     out_dir: str
     name: str
@@ -1039,13 +1055,19 @@ class Report(NamedTuple):
     start: float
     not_run: list
     budgets: dict
+    recorded_elapsed_s: float | None = None
+
+    def elapsed_s(self) -> float:
+        if self.recorded_elapsed_s is not None:
+            return self.recorded_elapsed_s
+        return time.perf_counter() - self.start
 
 
-def _write(report: Report, records: list, missing: list[str] | None = ()) -> None:
+def _write(report: Report, records: list, missing: list[dict] | None = ()) -> None:
     """The report: JSON of every run, markdown tables (accuracy; SPARTA minus each method, paired),
     plots, which planned cells are still missing (``None``: not planned yet), what was left out and
     the selection epoch's planned budget."""
-    out_dir, name, profile, start, not_run = report.out_dir, report.name, report.profile, report.start, report.not_run
+    out_dir, name, profile, not_run = report.out_dir, report.name, report.profile, report.not_run
     main_runs = [r for r in records if r["kind"] == "main"]
     # The ceiling is non-private by design: shown, marked, never bolded.
     table = (utility_report.markdown_table(main_runs, [m for m in METHODS if any(r["method"] == m for r in main_runs)])
@@ -1053,7 +1075,7 @@ def _write(report: Report, records: list, missing: list[str] | None = ()) -> Non
     chosen = {m: r["learning_rate"] for m in METHODS for r in main_runs if r["method"] == m}
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump({"profile": {k: v for k, v in profile.items()}, "delta": DELTA, "learning_rates": chosen,
-                   "elapsed_s": time.perf_counter() - start, "missing": missing,
+                   "elapsed_s": report.elapsed_s(), "missing": missing,
                    "methods_not_run": list(not_run), "selection_budgets": report.budgets, "runs": records}, f, indent=1)
     track = split_report_name(name)[0]
     order = [m for m in METHODS if any(r["method"] == m for r in main_runs)]
@@ -1063,7 +1085,7 @@ def _write(report: Report, records: list, missing: list[str] | None = ()) -> Non
              f"delta = {DELTA:g}; learning rate per method chosen on the private validation split at "
              f"epsilon = {profile['tune_epsilon']:g} (not covered by the DP guarantee)", "", table,
              "", "learning rates: " + (", ".join(f"{m} {lr:g}" for m, lr in chosen.items()) or "chosen once tuning ends"),
-             "", _compute_line(records, time.perf_counter() - start), "", _missing_line(missing, records)]
+             "", _compute_line(records, report.elapsed_s()), "", _missing_line(missing, records)]
     recorded = [m for m in not_run if any(r["method"] == m and r["kind"] in ("main", "tune") for r in records)]
     if recorded:
         lines += ["", "left out by this invocation (`--methods`), their recorded runs kept as they were; the missing "

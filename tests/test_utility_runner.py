@@ -144,6 +144,9 @@ def test_report_only_rebuilds_table_from_recorded_runs_and_counts_shared_runs_on
     assert "nonprivate †" in report
     # the tuning run and the main (epsilon 8, seed 0) cell are one run
     assert "compute: 3 runs" in report
+    # a rewrite repeats the last benchmark invocation's wall clock instead of adding its own
+    assert "this invocation: 5 s" in report
+    assert json.loads((tmp_path / "cifar10-transfer-smoke.json").read_text())["elapsed_s"] == 5.0
     assert (tmp_path / "cifar10-transfer-smoke-accuracy-vs-epsilon.png").stat().st_size > 0
 
 
@@ -250,13 +253,28 @@ def test_report_only_accepts_a_report_made_before_the_profile_gained_an_analysis
 def test_missing_line_estimates_the_remaining_time_from_each_methods_median_run():
     records = [{"method": "sparta", "seconds": s} for s in (600.0, 900.0, 3600.0)] + [
         {"method": "all", "seconds": 1800.0}, {"method": "bitfit", "seconds": None}]
-    missing = ["main sparta eps=2 seed=3", "main all eps=2 seed=3", "density mp eps=2 seed=0 density=0.1",
-               "main bitfit eps=2 seed=3"]
+    missing = [{"cell": cell, "method": cell.split()[1], "rerun_for_rows": False} for cell in (
+        "main sparta eps=2 seed=3", "main all eps=2 seed=3", "density mp eps=2 seed=0 density=0.1",
+        "main bitfit eps=2 seed=3")] + [
+        {"cell": "rate_ablation: all of its cells (the profile gained it)", "method": None, "rerun_for_rows": False}]
     line = utility._missing_line(missing, records)
-    # sparta's median 900 s + all's 1800 s = 0.75 h; mp and bitfit (no timed run) are named as not counted
-    assert line.startswith("missing: 4 planned cells have not run yet (about 0.8 h of run wall clock")
-    assert "2 cells of methods without a run yet not counted" in line and line.endswith("density=0.1; main bitfit eps=2 seed=3")
+    # sparta's median 900 s + all's 1800 s = 0.75 h; mp and bitfit (no timed run) and the entry that is
+    # not one cell (not an `all` run, though its label's second word is "all") are named as not counted
+    assert line.startswith("missing: 5 planned cells have not run yet (about 0.8 h of run wall clock")
+    assert "3 entries without a timed run of their method not counted" in line
+    assert line.endswith("density=0.1; main bitfit eps=2 seed=3; rate_ablation: all of its cells (the profile gained it)")
     assert utility._missing_line([], records) == "missing: none (every planned cell has run)"
+
+
+def test_missing_entries_of_reports_written_before_they_were_structured_are_read_as_cells():
+    assert utility._missing_entry("density mp eps=2 seed=0 density=0.1") == {
+        "cell": "density mp eps=2 seed=0 density=0.1", "method": "mp", "rerun_for_rows": False}
+    assert utility._missing_entry("main sparta eps=1 seed=0" + utility.RERUN_FOR_ROWS) == {
+        "cell": "main sparta eps=1 seed=0", "method": "sparta", "rerun_for_rows": True}
+    assert utility._missing_entry("row_oracle: all of its cells (the profile gained it after the last benchmark run)"
+                                  )["method"] is None
+    entry = {"cell": "main all eps=8 seed=4", "method": "all", "rerun_for_rows": False}
+    assert utility._missing_entry(entry) == entry
 
 
 def test_rate_with_best_private_validation_accuracy_is_chosen_first_on_ties(tmp_path):
@@ -334,7 +352,8 @@ def test_warmup_ablation_runs_sparta_with_each_shorter_warmup_in_its_own_directo
             if c.kind == "main" and c.epsilon == ablation["epsilon"] and c.seed == 0][0]
     assert "warmup_epochs" not in main.config["method"]  # the benchmark's SPARTA keeps the default T0
     assert len({c.config["output_dir"] for c in cells} | {main.config["output_dir"]}) == len(cells) + 1
-    assert utility._missing(cells[:1], {}) == [f"warmup sparta eps=1 seed=0 warmup_epochs={ablation['warmup_epochs'][0]}"]
+    assert utility._missing(cells[:1], {}) == [{"cell": f"warmup sparta eps=1 seed=0 warmup_epochs={ablation['warmup_epochs'][0]}",
+                                                "method": "sparta", "rerun_for_rows": False}]
     assert utility.warmup_ablation_cells(base, profile, ["all"], rates, str(tmp_path)) == []
     config = dict(cells[0].config, data={"source": "npz", "path": "x"}, model={"name": "cifar_resnet_gn"})
     assert utility.validate_config(config)["method"]["warmup_epochs"] == ablation["warmup_epochs"][0]
@@ -357,7 +376,7 @@ def test_row_oracle_runs_the_oracle_at_row_granularity_with_spartas_configuratio
             k: v for k, v in sparta.config.items() if k not in ("method", "output_dir")}
     # one directory per cell but one: the sweep's default-density cell is SPARTA's eps-2 seed-0 main run
     assert len({c.config["output_dir"] for c in planned}) == len(planned) - 1
-    assert utility._missing(cells[:1], {}) == ["overlap oracle eps=1 seed=0 granularity=row"]
+    assert [e["cell"] for e in utility._missing(cells[:1], {})] == ["overlap oracle eps=1 seed=0 granularity=row"]
     assert utility.row_oracle_cells(base, profile, ["all"], rates, str(tmp_path)) == []
     runs, _ = utility.split_by_epsilon(planned, [8.0])
     assert [c for c in runs if c.kind == "overlap"] == cells  # they run whatever --epsilons says
@@ -384,7 +403,7 @@ def test_rate_ablation_runs_sparta_and_all_a_rung_below_their_tuned_rate_before_
     assert len({c.config["output_dir"] for c in planned}) == len(planned) - 1  # only the tuning cell is shared
     kinds = [c.kind for c in planned]
     assert max(i for i, k in enumerate(kinds) if k == "rate") < kinds.index("overlap")
-    assert utility._missing(cells[:1], {}) == ["rate sparta eps=1 seed=0 lr=0.1"]
+    assert [e["cell"] for e in utility._missing(cells[:1], {})] == ["rate sparta eps=1 seed=0 lr=0.1"]
     assert utility.rate_ablation_cells(base, profile, ["bitfit"], rates, str(tmp_path)) == []
     assert [c.lr for c in utility.rate_ablation_cells(base, profile, ["all"], {"all": 0.0001}, str(tmp_path))] == []
 
@@ -433,8 +452,8 @@ def test_runs_that_would_only_recover_their_rows_go_last_and_stay_reported_meanw
     reported = utility.cached_results([old, new, plain])
     assert list(reported) == [0]  # reported until its re-run replaces it
     # ... and named as missing until then: the report must not say every planned cell has run
-    assert utility._missing([old, new, plain], reported) == [
-        "main sparta eps=1 seed=0" + utility.RERUN_FOR_ROWS, "main sparta eps=1 seed=0", "main sparta eps=1 seed=0"]
+    assert [(e["cell"], e["rerun_for_rows"]) for e in utility._missing([old, new, plain], reported)] == [
+        ("main sparta eps=1 seed=0", True), ("main sparta eps=1 seed=0", False), ("main sparta eps=1 seed=0", False)]
     line = utility._missing_line(utility._missing([old], reported), [{"method": "sparta", "seconds": 3600.0}])
     assert line.startswith("missing: 1 planned cells have not run yet, 1 of them only to keep their selected rows "
                            "(about 1.0 h")
@@ -658,8 +677,8 @@ def test_an_epsilons_run_keeps_the_other_epsilons_recorded_runs_and_lists_their_
     stored = _reported(tmp_path)
     main_runs = {(r["method"], r["target_epsilon"], r["seed"]) for r in stored["runs"] if r["kind"] == "main"}
     assert main_runs == {(m, e, s) for m in ("sparta", "all") for e in (2.0, 8.0) for s in PROFILE["seeds"]}
-    assert sorted(stored["missing"]) == sorted(f"main {m} eps=1 seed={s}" for m in ("sparta", "all")
-                                               for s in PROFILE["seeds"])
+    assert sorted(e["cell"] for e in stored["missing"]) == sorted(f"main {m} eps=1 seed={s}" for m in ("sparta", "all")
+                                                              for s in PROFILE["seeds"])
 
 
 def test_a_run_stopped_while_tuning_keeps_the_recorded_benchmark_runs_in_the_report(
@@ -703,7 +722,7 @@ def test_a_run_stopped_at_its_first_new_cell_still_reports_every_cached_cell_aft
     stored = _reported(tmp_path)
     assert sorted(map(json.dumps, stored["runs"])) == sorted(map(json.dumps, recorded))
     assert any(r["kind"] == "density" for r in stored["runs"])  # planned after the stopped cell
-    assert "main sparta eps=2 seed=1" in stored["missing"]
+    assert "main sparta eps=2 seed=1" in [e["cell"] for e in stored["missing"]]
 
 
 def test_killing_the_benchmark_process_ends_its_workers(tmp_path):
@@ -766,7 +785,7 @@ def test_an_epsilons_run_reports_the_ceilings_new_runs_in_every_column(tmp_path,
     ceiling = {(r["target_epsilon"], r["seed"]) for r in stored["runs"] if r["method"] == "nonprivate"
                and r["kind"] == "main"}
     assert ceiling == {(e, s) for e in PROFILE["epsilons"] for s in PROFILE["seeds"]}
-    assert not [m for m in stored["missing"] if "nonprivate" in m]
+    assert not [e for e in stored["missing"] if e["method"] == "nonprivate"]
 
 
 def test_selection_budgets_follow_the_profile_not_the_invocations_methods(monkeypatch):
