@@ -108,9 +108,9 @@ def load(path: str) -> dict:
 
 
 def save(path: str, results: dict) -> None:
-    with open(path + ".tmp", "w") as f:
-        json.dump(results, f, indent=1)
-    os.replace(path + ".tmp", path)
+    from sparta_tf.atomic_files import write_atomic
+
+    write_atomic(path, json.dumps(results, indent=1))
 
 
 def _number(value, digits=2) -> str:

@@ -122,6 +122,7 @@ def run_audit(config: dict, canaries: int | None = None, kind: str = "mislabelle
     import numpy as np
 
     check_arguments(canaries, kind, score, confidence)
+    from sparta_tf.atomic_files import write_atomic
     from sparta_tf.audit import audit_report, summary_line
     from trainers import run
 
@@ -141,9 +142,7 @@ def run_audit(config: dict, canaries: int | None = None, kind: str = "mislabelle
     np.savez(os.path.join(output_dir, CANARY_LOSSES), included=hooks.canaries.included, labels=hooks.canaries.y,
              loss_start=recorder.start, loss_end=recorder.end)
     path = os.path.join(output_dir, AUDIT_JSON)
-    with open(path + ".tmp", "w") as f:
-        json.dump(report, f, indent=1)
-    os.replace(path + ".tmp", path)
+    write_atomic(path, json.dumps(report, indent=1))
     print(summary_line(report) + f"; report in {path}")
     return report
 

@@ -29,6 +29,7 @@ import tempfile
 import tensorflow as tf
 
 from sparta_tf import distribute
+from sparta_tf.atomic_files import write_atomic
 from sparta_tf.privacy import PrivacyLedger
 
 CHECKPOINTS = "checkpoints"
@@ -40,22 +41,6 @@ KEEP = 2
 
 class CheckpointError(ValueError):
     """No usable checkpoint (damaged, foreign or missing files); the message names the fix."""
-
-
-def write_atomic(path: str, text: str) -> None:
-    """Writes ``text`` to ``path`` through a temporary file, fsync and rename (no temporary is left)."""
-    directory = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def save(output_dir: str, epoch: int, dp_model, state: dict) -> str:

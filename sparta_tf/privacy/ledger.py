@@ -25,11 +25,11 @@ import dataclasses
 import json
 import math
 import os
-import tempfile
 from typing import Any, Iterable, Sequence, Union
 
 import dp_accounting
 
+from sparta_tf.atomic_files import write_atomic
 from sparta_tf.privacy import accounting
 from sparta_tf.privacy.accounting import PrivacyBudgetExceededError
 
@@ -272,21 +272,8 @@ class PrivacyLedger:
         return ledger
 
     def save(self, path: str | os.PathLike) -> None:
-        """Writes :meth:`to_json` to ``path`` atomically (temp file + ``os.replace``)."""
-        path = os.fspath(path)
-        directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".ledger-", suffix=".tmp", dir=directory)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.to_json(), f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
+        """Writes :meth:`to_json` to ``path`` atomically (:func:`sparta_tf.atomic_files.write_atomic`)."""
+        write_atomic(path, json.dumps(self.to_json(), indent=1), prefix=".ledger-", suffix=".tmp")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> PrivacyLedger:
