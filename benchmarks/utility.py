@@ -309,11 +309,16 @@ def _record(results, method, epsilon, seed, lr, density, kind, val=None) -> dict
 
 def recorded_runs(out_dir: str, name: str) -> list[dict]:
     """The runs recorded in ``<out_dir>/<name>.json`` (none when it does not exist)."""
+    return stored_report(out_dir, name).get("runs", [])
+
+
+def stored_report(out_dir: str, name: str) -> dict:
+    """``<out_dir>/<name>.json`` as the last invocation wrote it (``{}`` when it does not exist)."""
     path = os.path.join(out_dir, f"{name}.json")
     if not os.path.exists(path):
-        return []
+        return {}
     with open(path) as f:
-        return json.load(f)["runs"]
+        return json.load(f)
 
 
 def restore_recorded_runs(records: list[dict], work_dir: str, source: str) -> int:
@@ -377,12 +382,14 @@ def main(argv=None) -> int:
     os.makedirs(work_dir, exist_ok=True)
     os.makedirs(args.out_dir, exist_ok=True)
     base = base_config(args.track, profile, args.data_dir, args.fashion_dir, work_dir)
-    previous = recorded_runs(args.out_dir, name)
+    stored = stored_report(args.out_dir, name)
+    previous = stored.get("runs", [])
     restored = restore_recorded_runs(previous, work_dir, os.path.join(args.out_dir, f"{name}.json"))
     if restored:
         print(f"resuming: {restored} runs recorded in {name}.json restored into {work_dir}", flush=True)
     budgets = planned_selection_budgets(base, profile)
     kept = records_of_methods_not_run(previous, not_run)  # this invocation plans none of their cells
+    kept_missing = missing_of_methods_not_run(stored.get("missing") or [], not_run)  # nor knows which are missing
     report = Report(args.out_dir, name, profile, time.perf_counter(), not_run, budgets)
     with CellRunner(args.jobs) as runner:
         if args.jobs > 1:
@@ -407,7 +414,7 @@ def main(argv=None) -> int:
             # missing; looked up anew, as the non-private ceiling's run of a seed serves every column
             others_done = cached_results(others)
             _write(report, records + _records(others, others_done) + _records(cells, finished),
-                   _missing(others, others_done) + _missing(cells, finished))
+                   kept_missing + _missing(others, others_done) + _missing(cells, finished))
 
         progress({})
         progress(dict(enumerate(runner.run([("cell", cell) for cell in cells], on_result=progress))))
@@ -629,13 +636,23 @@ def row_reruns_last(cells: list[Cell]) -> list[Cell]:
     return [c for c, late in zip(cells, rerun) if not late] + [c for c, late in zip(cells, rerun) if late]
 
 
+def planning_method(kind: str, method: str) -> str:
+    """The method whose cells plan a run of ``kind``: the row oracle and the warm-up ablation belong
+    to SPARTA; every other run to its own method."""
+    return "sparta" if kind in ("overlap", "warmup") else method
+
+
 def records_of_methods_not_run(records: list[dict], not_run: list[str]) -> list[dict]:
     """The recorded runs of the methods an invocation leaves out (``--methods``), kept in its report
-    as they are: the row oracle and the warm-up ablation belong to SPARTA, whose cells plan them."""
-    def owner(record: dict) -> str:
-        return "sparta" if record["kind"] in ("overlap", "warmup") else record["method"]
+    as they are (see :func:`planning_method`)."""
+    return [r for r in records if planning_method(r["kind"], r["method"]) in not_run]
 
-    return [r for r in records if owner(r) in not_run]
+
+def missing_of_methods_not_run(stored_missing: list, not_run: list[str]) -> list[dict]:
+    """The missing cells, as the last report listed them, of the methods an invocation leaves out
+    (``--methods``): it plans none of their cells, so it keeps the last report's word on them."""
+    entries = [_missing_entry(entry) for entry in stored_missing]
+    return [e for e in entries if e["method"] is not None and planning_method(e["kind"], e["method"]) in not_run]
 
 
 def split_by_epsilon(cells: list[Cell], epsilons: list[float]) -> tuple[list[Cell], list[Cell]]:
@@ -657,9 +674,9 @@ RERUN_FOR_ROWS = " (to run again: its recorded run kept no selected rows)"
 def _missing(cells: list[Cell], results: dict[int, dict]) -> list[dict]:
     """The planned cells without a result, and those the row overlap will run again for their
     selected rows (reported meanwhile from their recorded run): ``{"cell": name as the report names
-    it, "method", "rerun_for_rows"}`` (``method`` None: an entry that is not one cell)."""
+    it, "kind", "method", "rerun_for_rows"}`` (``kind`` and ``method`` None: an entry that is not one cell)."""
     return [{"cell": f"{c.kind} {c.method} eps={c.epsilon:g} seed={c.seed}" + _cell_variant(c),
-             "method": c.method, "rerun_for_rows": i in results}
+             "kind": c.kind, "method": c.method, "rerun_for_rows": i in results}
             for i, c in enumerate(cells) if i not in results or (c.needs_rows and _lacks_rows(results[i]))]
 
 
@@ -670,9 +687,9 @@ def _missing_entry(entry: str | dict) -> dict:
         return entry
     rerun = entry.endswith(RERUN_FOR_ROWS)
     words = entry.split()
-    cell = entry[:-len(RERUN_FOR_ROWS)] if rerun else entry
-    return {"cell": cell, "method": words[1] if len(words) > 2 and words[2].startswith("eps=") else None,
-            "rerun_for_rows": rerun}
+    one_cell = len(words) > 2 and words[2].startswith("eps=")
+    return {"cell": entry[:-len(RERUN_FOR_ROWS)] if rerun else entry, "kind": words[0] if one_cell else None,
+            "method": words[1] if one_cell else None, "rerun_for_rows": rerun}
 
 
 def _cell_variant(cell: Cell) -> str:
@@ -820,7 +837,7 @@ def rewrite_report(out_dir: str, name: str, profile: dict, budgets=None) -> int:
     if missing is not None:  # None: still tuning, nothing planned yet
         missing = [_missing_entry(entry) for entry in missing] + [
             {"cell": f"{key}: all of its cells (the profile gained it after the last benchmark run)",
-             "method": None, "rerun_for_rows": False} for key in added]
+             "kind": None, "method": None, "rerun_for_rows": False} for key in added]
     _write(report, stored["runs"], missing)
     print(f"rewrote {os.path.join(out_dir, name)}.md/.png from {len(stored['runs'])} recorded runs")
     return 0
@@ -1088,11 +1105,12 @@ def _write(report: Report, records: list, missing: list[dict] | None = ()) -> No
              "", _compute_line(records, report.elapsed_s()), "", _missing_line(missing, records)]
     recorded = [m for m in not_run if any(r["method"] == m and r["kind"] in ("main", "tune") for r in records)]
     if recorded:
-        lines += ["", "left out by this invocation (`--methods`), their recorded runs kept as they were; the missing "
-                      f"list above covers only the methods this invocation planned: {', '.join(recorded)}"]
+        lines += ["", "left out by this invocation (`--methods`), their recorded runs and missing cells kept as the "
+                      f"last report had them: {', '.join(recorded)}"]
     if [m for m in not_run if m not in recorded]:
-        lines += ["", "not run yet (methods without tuning runs or cells; the missing list above covers only the "
-                      f"methods this invocation planned): {', '.join(m for m in not_run if m not in recorded)}"]
+        lines += ["", "not run yet (methods without tuning runs or cells; the missing list above has none of their "
+                      f"cells, as none is planned before the method's tuning): "
+                      f"{', '.join(m for m in not_run if m not in recorded)}"]
     if paired:
         lines += ["", "## SPARTA minus each method, paired over shared seeds", "", paired]
     lines += _why_sections(records, report)

@@ -253,10 +253,11 @@ def test_report_only_accepts_a_report_made_before_the_profile_gained_an_analysis
 def test_missing_line_estimates_the_remaining_time_from_each_methods_median_run():
     records = [{"method": "sparta", "seconds": s} for s in (600.0, 900.0, 3600.0)] + [
         {"method": "all", "seconds": 1800.0}, {"method": "bitfit", "seconds": None}]
-    missing = [{"cell": cell, "method": cell.split()[1], "rerun_for_rows": False} for cell in (
+    missing = [{"cell": cell, "kind": cell.split()[0], "method": cell.split()[1], "rerun_for_rows": False} for cell in (
         "main sparta eps=2 seed=3", "main all eps=2 seed=3", "density mp eps=2 seed=0 density=0.1",
         "main bitfit eps=2 seed=3")] + [
-        {"cell": "rate_ablation: all of its cells (the profile gained it)", "method": None, "rerun_for_rows": False}]
+        {"cell": "rate_ablation: all of its cells (the profile gained it)", "kind": None, "method": None,
+         "rerun_for_rows": False}]
     line = utility._missing_line(missing, records)
     # sparta's median 900 s + all's 1800 s = 0.75 h; mp and bitfit (no timed run) and the entry that is
     # not one cell (not an `all` run, though its label's second word is "all") are named as not counted
@@ -268,12 +269,13 @@ def test_missing_line_estimates_the_remaining_time_from_each_methods_median_run(
 
 def test_missing_entries_of_reports_written_before_they_were_structured_are_read_as_cells():
     assert utility._missing_entry("density mp eps=2 seed=0 density=0.1") == {
-        "cell": "density mp eps=2 seed=0 density=0.1", "method": "mp", "rerun_for_rows": False}
-    assert utility._missing_entry("main sparta eps=1 seed=0" + utility.RERUN_FOR_ROWS) == {
-        "cell": "main sparta eps=1 seed=0", "method": "sparta", "rerun_for_rows": True}
-    assert utility._missing_entry("row_oracle: all of its cells (the profile gained it after the last benchmark run)"
-                                  )["method"] is None
-    entry = {"cell": "main all eps=8 seed=4", "method": "all", "rerun_for_rows": False}
+        "cell": "density mp eps=2 seed=0 density=0.1", "kind": "density", "method": "mp", "rerun_for_rows": False}
+    assert utility._missing_entry("overlap oracle eps=1 seed=0 granularity=row" + utility.RERUN_FOR_ROWS) == {
+        "cell": "overlap oracle eps=1 seed=0 granularity=row", "kind": "overlap", "method": "oracle",
+        "rerun_for_rows": True}
+    gained = utility._missing_entry("row_oracle: all of its cells (the profile gained it after the last benchmark run)")
+    assert gained["kind"] is None and gained["method"] is None
+    entry = {"cell": "main all eps=8 seed=4", "kind": "main", "method": "all", "rerun_for_rows": False}
     assert utility._missing_entry(entry) == entry
 
 
@@ -353,7 +355,7 @@ def test_warmup_ablation_runs_sparta_with_each_shorter_warmup_in_its_own_directo
     assert "warmup_epochs" not in main.config["method"]  # the benchmark's SPARTA keeps the default T0
     assert len({c.config["output_dir"] for c in cells} | {main.config["output_dir"]}) == len(cells) + 1
     assert utility._missing(cells[:1], {}) == [{"cell": f"warmup sparta eps=1 seed=0 warmup_epochs={ablation['warmup_epochs'][0]}",
-                                                "method": "sparta", "rerun_for_rows": False}]
+                                                "kind": "warmup", "method": "sparta", "rerun_for_rows": False}]
     assert utility.warmup_ablation_cells(base, profile, ["all"], rates, str(tmp_path)) == []
     config = dict(cells[0].config, data={"source": "npz", "path": "x"}, model={"name": "cifar_resnet_gn"})
     assert utility.validate_config(config)["method"]["warmup_epochs"] == ablation["warmup_epochs"][0]
@@ -466,6 +468,12 @@ def test_an_invocation_keeps_the_recorded_runs_of_the_methods_it_leaves_out():
     kept = utility.records_of_methods_not_run(records, ["bitfit", "oracle"])
     assert kept == [records[1], records[2], records[5]]  # the overlap runs are SPARTA's: it plans them
     assert utility.records_of_methods_not_run(records, ["bitfit", "oracle", "sparta"]) == records
+    # the same ownership for the last report's missing cells (old string entries and structured ones)
+    missing = ["overlap oracle eps=1 seed=0 granularity=row", "main oracle eps=1 seed=0",
+               {"cell": "main bitfit eps=8 seed=1", "kind": "main", "method": "bitfit", "rerun_for_rows": False},
+               "rate_ablation: all of its cells (the profile gained it after the last benchmark run)"]
+    kept = utility.missing_of_methods_not_run(missing, ["bitfit", "oracle"])
+    assert [e["cell"] for e in kept] == ["main oracle eps=1 seed=0", "main bitfit eps=8 seed=1"]
 
 
 # the standard profile's analyses the weak one leaves out, and what differs by design
@@ -766,9 +774,13 @@ def test_a_run_of_fewer_methods_keeps_the_recorded_runs_of_the_others(tmp_path, 
     stored = _reported(tmp_path)
     assert [r for r in stored["runs"] if r["method"] == "all"] == full and len(full) >= 4
     assert stored["methods_not_run"] == [m for m in PROFILE.get("methods", utility.METHODS) if m != "sparta"]
+    # all's cells at epsilon 1 and 8 are still missing: the sparta-only run keeps the last report's word on them
+    all_missing = sorted(f"main all eps={e:g} seed={s}" for e in (1, 8) for s in PROFILE["seeds"])
+    assert sorted(e["cell"] for e in stored["missing"] if e["method"] == "all") == all_missing
+    assert sorted(e["cell"] for e in stored["missing"] if e["method"] == "sparta") == [
+        a.replace("all", "sparta") for a in all_missing]
     report = (tmp_path / "results" / "cifar10-transfer-quick.md").read_text()
-    assert "their recorded runs kept as they were; the missing list above covers only the methods this " \
-           "invocation planned: all\n" in report
+    assert "their recorded runs and missing cells kept as the last report had them: all\n" in report
     assert ": all" not in report.split("not run yet (methods without tuning runs or cells")[1].splitlines()[0]
     assert "learning rates: sparta 0.1, all 0.1" in report  # the methods' order, not the records'
 
