@@ -671,12 +671,18 @@ def _tune_records(cells: list[Cell], results: dict[int, dict]) -> list[dict]:
 RERUN_FOR_ROWS = " (to run again: its recorded run kept no selected rows)"
 
 
+def missing_entry(cell: str, kind: str | None = None, method: str | None = None, rerun_for_rows: bool = False) -> dict:
+    """One entry of a report's ``missing`` list (stored as is in its JSON): ``cell``, the name the
+    report gives it; ``kind`` and ``method``, None for an entry that is not one cell (an analysis the
+    profile gained); ``rerun_for_rows``, a recorded run the row overlap will run again for its rows."""
+    return {"cell": cell, "kind": kind, "method": method, "rerun_for_rows": rerun_for_rows}
+
+
 def _missing(cells: list[Cell], results: dict[int, dict]) -> list[dict]:
     """The planned cells without a result, and those the row overlap will run again for their
-    selected rows (reported meanwhile from their recorded run): ``{"cell": name as the report names
-    it, "kind", "method", "rerun_for_rows"}`` (``kind`` and ``method`` None: an entry that is not one cell)."""
-    return [{"cell": f"{c.kind} {c.method} eps={c.epsilon:g} seed={c.seed}" + _cell_variant(c),
-             "kind": c.kind, "method": c.method, "rerun_for_rows": i in results}
+    selected rows (reported meanwhile from their recorded run), as :func:`missing_entry`."""
+    return [missing_entry(f"{c.kind} {c.method} eps={c.epsilon:g} seed={c.seed}" + _cell_variant(c),
+                          c.kind, c.method, rerun_for_rows=i in results)
             for i, c in enumerate(cells) if i not in results or (c.needs_rows and _lacks_rows(results[i]))]
 
 
@@ -688,8 +694,8 @@ def _missing_entry(entry: str | dict) -> dict:
     rerun = entry.endswith(RERUN_FOR_ROWS)
     words = entry.split()
     one_cell = len(words) > 2 and words[2].startswith("eps=")
-    return {"cell": entry[:-len(RERUN_FOR_ROWS)] if rerun else entry, "kind": words[0] if one_cell else None,
-            "method": words[1] if one_cell else None, "rerun_for_rows": rerun}
+    return missing_entry(entry[:-len(RERUN_FOR_ROWS)] if rerun else entry, words[0] if one_cell else None,
+                         words[1] if one_cell else None, rerun)
 
 
 def _cell_variant(cell: Cell) -> str:
@@ -836,8 +842,8 @@ def rewrite_report(out_dir: str, name: str, profile: dict, budgets=None) -> int:
     added = [key for key in _comparable(profile) if key not in stored["profile"]]
     if missing is not None:  # None: still tuning, nothing planned yet
         missing = [_missing_entry(entry) for entry in missing] + [
-            {"cell": f"{key}: all of its cells (the profile gained it after the last benchmark run)",
-             "kind": None, "method": None, "rerun_for_rows": False} for key in added]
+            missing_entry(f"{key}: all of its cells (the profile gained it after the last benchmark run)")
+            for key in added]
     _write(report, stored["runs"], missing)
     print(f"rewrote {os.path.join(out_dir, name)}.md/.png from {len(stored['runs'])} recorded runs")
     return 0
