@@ -49,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import utility_analysis  # noqa: E402
 import utility_report  # noqa: E402
+from sparta_tf.atomic_files import write_atomic  # noqa: E402
 from trainers.config import METHOD_OPTIONS  # noqa: E402
 
 METHODS = ("sparta", "all", "last", "bitfit", "mp", "random", "dpsgd_grad", "oracle", "x_bitfit",
@@ -234,11 +235,8 @@ def _saved_selection(run_dir: str) -> dict[str, list[int]]:
 
 
 def _write_results(path: str, results: dict) -> None:
-    """``results.json`` written whole or not at all (a killed writer leaves only a ``.partial``)."""
-    partial = path + ".partial"
-    with open(partial, "w") as f:
-        json.dump(results, f, indent=1)
-    os.replace(partial, path)
+    """``results.json`` written whole or not at all (a killed writer leaves only a ``.tmp-*``)."""
+    write_atomic(path, json.dumps(results, indent=1))
 
 
 def validate_config(config: dict) -> dict:

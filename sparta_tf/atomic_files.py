@@ -1,33 +1,61 @@
 """Files written whole or not at all.
 
 A reader, or a run resumed after a SIGKILL, finds the previous version of a
-file or the new one, never a truncated one: the text goes to a temporary file
-in the same directory (same file system), is flushed and ``fsync``-ed, and
+file or the new one, never a truncated one: the content goes to a temporary
+file in the same directory (same file system), is ``fsync``-ed, and
 ``os.replace`` (atomic on POSIX) puts it in place. A writer killed before the
 rename leaves only its temporary, named ``<prefix>*<suffix>``, which the run
 directory's owner removes (``trainers.run_dir.STALE_TEMPORARIES``); on any
 other error the temporary is removed and the error raised.
+
+:func:`replace_atomically` takes any writer that fills a path (``np.savez``,
+``model.save``); :func:`write_atomic` is its form for text.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+from typing import Callable
 
 
-def write_atomic(path: str | os.PathLike, text: str, prefix: str = ".tmp-", suffix: str = "") -> None:
-    """Writes ``text`` to ``path`` through a temporary file, fsync and rename (no temporary is left)."""
+def replace_atomically(path: str | os.PathLike, write: Callable[[str], None], prefix: str = ".tmp-",
+                       suffix: str = "") -> None:
+    """Puts at ``path`` the file that ``write(temporary)`` fills: temporary file, fsync, rename.
+
+    ``write`` receives the temporary's path (an empty file in ``path``'s
+    directory, named ``<prefix>*<suffix>``) and must leave the whole content
+    there; no temporary is left, whatever ``write`` raises.
+    """
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=suffix)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        write(tmp)
+        _fsync(tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def write_atomic(path: str | os.PathLike, text: str, prefix: str = ".tmp-", suffix: str = "") -> None:
+    """Writes ``text`` to ``path`` whole or not at all (:func:`replace_atomically`)."""
+
+    def write_text(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            f.write(text)
+
+    replace_atomically(path, write_text, prefix=prefix, suffix=suffix)
+
+
+def _fsync(path: str) -> None:
+    """Flushes ``path``'s content to the disk (whoever wrote it has closed it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

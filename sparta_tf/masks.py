@@ -43,6 +43,7 @@ import numpy as np
 import tensorflow as tf
 
 from sparta_tf import trainable
+from sparta_tf.atomic_files import replace_atomically, write_atomic
 from sparta_tf.groups import parameter_table, row_groups
 from sparta_tf.privacy.ledger import LedgerEntry
 from sparta_tf.trainable import VariableSelection
@@ -108,16 +109,6 @@ def model_fingerprint(model: tf.keras.Model) -> dict[str, list[int]]:
     return {g.variable.name: g.variable.shape.as_list() for g in row_groups(model)}
 
 
-def _atomic_write(path: str, write) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def mask_summary(selections: Sequence[VariableSelection], model: tf.keras.Model) -> list[dict[str, Any]]:
     """Per maskable kernel: layer, variable, kept and total rows (or entries)."""
     chosen = {id(s.variable): s for s in selections}
@@ -173,20 +164,13 @@ def save_mask(directory: str, selections: Sequence[VariableSelection], model: tf
     summary = mask_summary(selections, model)
     npz_path = os.path.join(directory, MASK_FILE)
 
-    def write_npz(tmp):
+    def write_npz(tmp: str) -> None:
         with open(tmp, "wb") as f:
             np.savez(f, **arrays)
 
-    def write_text(text):
-        def write(tmp):
-            with open(tmp, "w") as f:
-                f.write(text)
-        return write
-
-    _atomic_write(npz_path, write_npz)
-    _atomic_write(os.path.join(directory, SUMMARY_FILE),
-                  write_text(json.dumps({"meta": meta, "layers": summary}, indent=2) + "\n"))
-    _atomic_write(os.path.join(directory, TABLE_FILE), write_text(_markdown(summary, meta)))
+    replace_atomically(npz_path, write_npz)
+    write_atomic(os.path.join(directory, SUMMARY_FILE), json.dumps({"meta": meta, "layers": summary}, indent=2) + "\n")
+    write_atomic(os.path.join(directory, TABLE_FILE), _markdown(summary, meta))
     return npz_path
 
 

@@ -1,12 +1,14 @@
-"""A file written through ``write_atomic`` is the old one or the new one, never part of either."""
+"""A file written through ``write_atomic`` or ``replace_atomically`` is the old one or the new one,
+never part of either."""
 
 import errno
 import os
 
+import numpy as np
 import pytest
 
 from sparta_tf import atomic_files
-from sparta_tf.atomic_files import write_atomic
+from sparta_tf.atomic_files import replace_atomically, write_atomic
 
 
 def test_writes_the_text_and_leaves_no_temporary(tmp_path):
@@ -29,3 +31,33 @@ def test_a_failed_write_keeps_the_old_file_and_removes_its_temporary(tmp_path, m
         write_atomic(path, "new")
     assert path.read_text() == "old"
     assert os.listdir(tmp_path) == ["state.json"]
+
+
+def test_a_writer_that_fills_a_path_gets_a_temporary_with_the_suffix_it_needs(tmp_path):
+    path = tmp_path / "arrays.npz"
+    seen = []
+
+    def save(tmp):
+        seen.append(tmp)
+        with open(tmp, "wb") as f:
+            np.savez(f, rows=np.arange(3))
+
+    replace_atomically(path, save, suffix=".npz")
+    assert os.path.basename(seen[0]).startswith(".tmp-") and seen[0].endswith(".npz")
+    assert np.load(path)["rows"].tolist() == [0, 1, 2]
+    assert os.listdir(tmp_path) == ["arrays.npz"]
+
+
+def test_a_writer_that_fails_halfway_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "model.keras"
+    path.write_text("old model")
+
+    def crash_halfway(tmp):
+        with open(tmp, "w") as f:
+            f.write("half a mod")
+        raise KeyboardInterrupt  # a BaseException, as an interrupted save raises
+
+    with pytest.raises(KeyboardInterrupt):
+        replace_atomically(path, crash_halfway, suffix=".keras")
+    assert path.read_text() == "old model"
+    assert os.listdir(tmp_path) == ["model.keras"]

@@ -175,10 +175,13 @@ def test_a_full_disk_is_a_one_line_error_and_leaves_no_temporaries(tmp_path, cap
 
 def test_the_owner_removes_what_killed_writers_left(tmp_path):
     out = tmp_path / "run"
-    stale = [out / "export" / ".tmp-export-abc", out / "checkpoints" / ".partial-xyz", out / ".tmp-123"]
+    stale = [out / "export" / ".tmp-export-abc", out / "checkpoints" / ".partial-xyz", out / ".tmp-123",
+             out / "mask" / ".tmp-npz", out / "mask" / "mask.npz.tmp-77", out / "pretrained.keras.tmp.keras"]
     for path in stale[:2]:
         path.mkdir(parents=True)
-    stale[2].write_text("half")
+    for path in stale[2:]:  # files: a killed text, mask or pre-training writer (old names included)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("half")
     (out / "checkpoints" / "journal.json").write_text(json.dumps({"started_through": 2}))
     results = run.train(validate(tiny(out, "bitfit", epochs=1)), resume=True)
     assert results["steps"] >= 2 + PER_EPOCH - 2  # the 2 started steps stay charged

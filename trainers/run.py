@@ -26,6 +26,7 @@ import tensorflow as tf
 
 import sparta_tf
 from sparta_tf import determinism, distribute
+from sparta_tf.atomic_files import replace_atomically
 from sparta_tf.methods import Method, make_method
 from sparta_tf.privacy import PrivacyCallback, PrivacyLedger
 from sparta_tf.privacy.plan import PrivacyPlan, make_privacy_plan
@@ -104,9 +105,7 @@ def pretrain(config: dict, output_dir: str) -> tf.keras.Model:
     trainer.compile(optimizer, loss=LOSS, metrics=["accuracy"])
     trainer.fit(public.x_train, public.y_train, epochs=spec["epochs"], batch_size=spec["batch_size"],
                 validation_data=(public.x_test, public.y_test), verbose=2)
-    tmp = path + ".tmp.keras"
-    model.save(tmp)
-    os.replace(tmp, path)
+    replace_atomically(path, model.save, suffix=".keras")  # Keras picks the format by the suffix
     return model
 
 

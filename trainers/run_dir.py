@@ -26,8 +26,9 @@ LOCK_FILE = ".lock"
 RESULTS = "results.json"
 CONFIG = "config.json"
 STALE_TEMPORARIES = (".tmp-*", "*.tmp.keras", ".ledger-*.tmp", "checkpoints/.partial-*", "checkpoints/.tmp-*",
-                     "export/.tmp-export-*", "mask/*.tmp-*")
-"""What a killed writer leaves behind (atomic writes go through these names first)."""
+                     "export/.tmp-export-*", "mask/.tmp-*", "mask/*.tmp-*")
+"""What a killed writer leaves behind (atomic writes go through these names first; ``*.tmp.keras``
+and ``mask/*.tmp-*`` are the names versions before ``replace_atomically`` used)."""
 
 
 def check_output_dir(path: str) -> None:
