@@ -6,7 +6,10 @@ file in the same directory (same file system), is ``fsync``-ed, and
 ``os.replace`` (atomic on POSIX) puts it in place. A writer killed before the
 rename leaves only its temporary, named ``<prefix>*<suffix>``, which the run
 directory's owner removes (``trainers.run_dir.STALE_TEMPORARIES``); on any
-other error the temporary is removed and the error raised.
+other error the temporary is removed and the error raised. The file gets the
+mode a plain ``open`` would give it (0o666 less the umask), not the 0o600 of
+``mkstemp``: a shared pre-trained model or cache stays readable, and a
+restrictive umask still holds.
 
 :func:`replace_atomically` takes any writer that fills a path (``np.savez``,
 ``model.save``); :func:`write_atomic` is its form for text.
@@ -33,6 +36,7 @@ def replace_atomically(path: str | os.PathLike, write: Callable[[str], None], pr
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=suffix)
     os.close(fd)
     try:
+        os.chmod(tmp, _creation_mode())
         write(tmp)
         _fsync(tmp)
         os.replace(tmp, path)
@@ -59,3 +63,17 @@ def _fsync(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _creation_mode() -> int:
+    """The mode ``open(path, "w")`` gives a new file: 0o666 less the process umask."""
+    try:
+        with open("/proc/self/status") as status:  # Linux: reads the umask without changing it
+            for line in status:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except OSError:
+        pass
+    umask = os.umask(0o077)  # elsewhere: set and restore (the brief value is the safe one)
+    os.umask(umask)
+    return 0o666 & ~umask

@@ -61,3 +61,16 @@ def test_a_writer_that_fails_halfway_keeps_the_old_file_and_leaves_no_temporary(
         replace_atomically(path, crash_halfway, suffix=".keras")
     assert path.read_text() == "old model"
     assert os.listdir(tmp_path) == ["model.keras"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_the_file_gets_the_mode_a_plain_open_would_give_it(tmp_path, umask):
+    previous = os.umask(umask)
+    try:
+        write_atomic(tmp_path / "atomic.json", "{}")
+        with open(tmp_path / "plain.json", "w") as f:
+            f.write("{}")
+    finally:
+        os.umask(previous)
+    mode = lambda name: os.stat(tmp_path / name).st_mode & 0o777  # noqa: E731
+    assert mode("atomic.json") == mode("plain.json") == 0o666 & ~umask
