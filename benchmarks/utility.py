@@ -685,10 +685,13 @@ def _missing(cells: list[Cell], results: dict[int, dict]) -> list[dict]:
 
 
 def _missing_entry(entry: str | dict) -> dict:
-    """A stored ``missing`` entry as :func:`_missing` makes it; reports written before the entries
-    were structured stored the label (``"<kind> <method> eps=..."``, maybe ending in RERUN_FOR_ROWS)."""
+    """A stored ``missing`` entry as :func:`_missing` makes it. Older reports stored the label
+    (``"<kind> <method> eps=..."``, maybe ending in RERUN_FOR_ROWS), or a dict without ``kind``
+    (``cell``, ``method``, ``rerun_for_rows``): both are read back from the label."""
     if isinstance(entry, dict):
-        return entry
+        if "kind" in entry:
+            return entry
+        return dict(_missing_entry(entry["cell"]), rerun_for_rows=entry["rerun_for_rows"])
     rerun = entry.endswith(RERUN_FOR_ROWS)
     words = entry.split()
     one_cell = len(words) > 2 and words[2].startswith("eps=")

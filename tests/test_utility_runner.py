@@ -277,6 +277,9 @@ def test_missing_entries_of_reports_written_before_they_were_structured_are_read
     assert gained["kind"] is None and gained["method"] is None
     entry = {"cell": "main all eps=8 seed=4", "kind": "main", "method": "all", "rerun_for_rows": False}
     assert utility._missing_entry(entry) == entry
+    without_kind = {"cell": "overlap oracle eps=2 seed=0 granularity=row", "method": "oracle", "rerun_for_rows": True}
+    assert utility._missing_entry(without_kind) == dict(without_kind, kind="overlap")  # a report of Nov 2026
+    assert utility.missing_of_methods_not_run([without_kind], ["sparta"]) == [dict(without_kind, kind="overlap")]
 
 
 def test_rate_with_best_private_validation_accuracy_is_chosen_first_on_ties(tmp_path):
