@@ -129,7 +129,8 @@ def format_mean_std(mean: float, std: float) -> str:
 
 
 def markdown_table(runs: Sequence[dict], method_order: Sequence[str] | None = None) -> str:
-    """Methods x epsilon, accuracy in % as ``mean ± std``, best private mean per column in bold."""
+    """Methods x epsilon, accuracy in % as ``mean ± std``, best private mean per column in bold (where at
+    least two private methods have a value)."""
     summary = summarize(runs)
     nonprivate = {r["method"] for r in runs if not r.get("private", True)}
     epsilons = sorted({eps for _, eps in summary})
@@ -137,7 +138,7 @@ def markdown_table(runs: Sequence[dict], method_order: Sequence[str] | None = No
     best = {}
     for eps in epsilons:
         candidates = [summary[(m, eps)][0] for m in methods if (m, eps) in summary and m not in nonprivate]
-        best[eps] = max(candidates) if candidates else None
+        best[eps] = max(candidates) if len(candidates) > 1 else None  # one method alone is no 'best'
     lines = ["| method | " + " | ".join(f"ε = {eps:g}" for eps in epsilons) + " |",
              "|---|" + "---:|" * len(epsilons)]
     for method in methods:

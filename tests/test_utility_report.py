@@ -37,6 +37,14 @@ def test_table_bolds_best_private_method_per_column_and_marks_nonprivate():
     assert "not differentially private" in table
 
 
+def test_a_column_with_one_private_method_bolds_nothing():
+    partial = [r for r in runs() if r["method"] != "all" or r["target_epsilon"] != 1.0]  # eps=1: sparta alone
+    table = utility_report.markdown_table(partial, ["sparta", "all", "oracle"])
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")}
+    assert "**" not in rows["sparta"].split("|")[2] and "82.00 ± 2.00" in rows["sparta"].split("|")[2]
+    assert "**87.00 ± 2.00**" in rows["all"].split("|")[3]  # eps=8 still has two: all best
+
+
 def test_plots_are_written(tmp_path):
     utility_report.plot_accuracy_vs_epsilon(runs(), str(tmp_path / "eps.png"), "t")
     utility_report.plot_accuracy_vs_trainable(runs(), str(tmp_path / "frac.png"), ["sparta"], "t")
