@@ -18,7 +18,7 @@ restrictive umask still holds.
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 from typing import Callable
 
 
@@ -33,10 +33,8 @@ def replace_atomically(path: str | os.PathLike, write: Callable[[str], None], pr
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=suffix)
-    os.close(fd)
+    tmp = _new_temporary(directory, prefix, suffix)
     try:
-        os.chmod(tmp, _creation_mode())
         write(tmp)
         _fsync(tmp)
         os.replace(tmp, path)
@@ -65,15 +63,14 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def _creation_mode() -> int:
-    """The mode ``open(path, "w")`` gives a new file: 0o666 less the process umask."""
-    try:
-        with open("/proc/self/status") as status:  # Linux: reads the umask without changing it
-            for line in status:
-                if line.startswith("Umask:"):
-                    return 0o666 & ~int(line.split()[1], 8)
-    except OSError:
-        pass
-    umask = os.umask(0o077)  # elsewhere: set and restore (the brief value is the safe one)
-    os.umask(umask)
-    return 0o666 & ~umask
+def _new_temporary(directory: str, prefix: str, suffix: str) -> str:
+    """A new empty file ``<prefix><8 random hex digits><suffix>`` in ``directory``, created (like
+    ``mkstemp``, exclusively) with the mode ``open`` gives: 0o666 less the umask, which the kernel
+    applies (``mkstemp`` would make it 0o600)."""
+    while True:
+        tmp = os.path.join(directory, f"{prefix}{secrets.token_hex(4)}{suffix}")
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return tmp
+        except FileExistsError:
+            continue

@@ -151,7 +151,6 @@ def save_mask(directory: str, selections: Sequence[VariableSelection], model: tf
     if duplicates:
         raise ValueError(f"variables {duplicates} share a name, so a saved mask could not tell them apart; "
                          "give the layers unique names")
-    os.makedirs(directory, exist_ok=True)
     arrays = {}
     for sel in selections:
         if sel.kind == "rows":
