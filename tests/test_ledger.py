@@ -174,6 +174,14 @@ def test_report_lists_budget_and_phases():
     assert "phase warmup: 30 x dp_sgd_step, noise_multiplier=1.5, sample_rate=0.02" in report
     assert "phase sparse: 20 x dp_sgd_step, noise_multiplier=2.5, sample_rate=0.05" in report
     assert "WARNING" not in report
+    assert "covers        : the weights after every step" in report
+    assert "not the logged metrics" in report
+
+
+def test_report_claims_no_coverage_when_not_private():
+    ledger = _two_phase_ledger("rdp")
+    ledger.record_nonprivate("an oracle mask")
+    assert "covers" not in ledger.report()
 
 
 def test_report_states_poisson_assumption_for_shuffled_batches():

@@ -294,6 +294,8 @@ class PrivacyLedger:
         ]
         lines += [f"    {row}" for row in _summary_rows(self._entries)]
         lines += [f"  NOT differentially private: {reason}" for reason in self._nonprivate]
+        if self.is_private:
+            lines.append(f"  covers        : {COVERAGE}")
         if not self.covered_by_accountant:
             lines.append(
                 f"  WARNING: batches were drawn with sampling={self.sampling!r}; the accountant's "
@@ -317,6 +319,13 @@ class PrivacyLedger:
             f"target_epsilon={self.target_epsilon}, sampling={self.sampling!r}, "
             f"steps={self.steps}, entries={len(self._entries)})"
         )
+
+
+COVERAGE = (
+    "the weights after every step (checkpoints, mask, export), for the private training split; "
+    "not the logged metrics (training loss/accuracy are noiseless means over private batches; "
+    "validation/test metrics come from examples never trained on): keep the run's logs private"
+)
 
 
 def _as_dp_event(entries: Sequence[LedgerEntry], nonprivate: int = 0) -> dp_accounting.DpEvent:
