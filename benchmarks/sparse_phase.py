@@ -6,7 +6,7 @@ random CIFAR-shaped batch pool (32x32x3, 10 classes) are run through:
 
   keras             non-private Keras step (reference only)
   dp-full           full DP-SGD step, every parameter (``sparta_tf.DPModel``,
-                    layer-wise engine) -- THE REFERENCE of every ratio here
+                    default engine: book-keeping) -- THE REFERENCE of every ratio here
   selection         SPARTA selection-epoch step: private row scores of every
                     kernel (``DPModel.begin_scoring``), no weight update
   sparse-20         SPARTA sparse phase, 20% of the rows of every kernel +

@@ -396,7 +396,7 @@ def _make_opacus_step(mode: str) -> Factory:
 
 VARIANTS: List[Variant] = [
     Variant("keras", make_keras_step, "Keras non-private (fit-path tf.function)"),
-    Variant("sparta", make_sparta_dp_step, "sparta_tf.DPModel (ours, layer-wise engine)"),
+    Variant("sparta", make_sparta_dp_step, "sparta_tf.DPModel (ours, default engine: book-keeping)"),
     Variant("sparta-selection", make_sparta_selection_step, "ours: SPARTA selection-epoch step (row scores, no update)"),
     Variant("sparta-sparse-20", _make_sparta_sparse_step(0.20), "ours: SPARTA sparse phase, 20% of rows"),
     Variant("sparta-sparse-1", _make_sparta_sparse_step(0.01), "ours: SPARTA sparse phase, 1% of rows"),
