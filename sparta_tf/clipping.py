@@ -47,10 +47,12 @@ def clip_factors(squared_norms: tf.Tensor, clip_norm: float, valid: tf.Tensor) -
     """``(c, keep)``: ``c_i = min(1, C / ||g_i||)`` for kept examples, else 0.
 
     An example is kept when it is real (``valid``) and its squared norm is
-    finite; ``keep`` is returned so that callers can zero the gradients of the
-    others exactly.
+    finite and not negative (a negative one can only come from rounding, and
+    its true norm is unknown: dropped, it contributes exactly zero, where
+    ``c_i = 1`` could leave it unclipped); ``keep`` is returned so that callers
+    can zero the gradients of the others exactly.
     """
-    keep = tf.logical_and(valid, tf.math.is_finite(squared_norms))
+    keep = tf.logical_and(valid, tf.logical_and(tf.math.is_finite(squared_norms), squared_norms >= 0))
     return _factors(tf.sqrt(tf.where(keep, squared_norms, tf.zeros_like(squared_norms))), keep, clip_norm), keep
 
 

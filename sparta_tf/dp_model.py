@@ -50,7 +50,7 @@ from sparta_tf.noise import gaussian_noise
 from sparta_tf.optim.masked_optimizer import MaskedOptimizer
 from sparta_tf.per_example import make_engine
 from sparta_tf.per_example.bookkeeping import BookkeepingEngine, clipped_batch, make_clipping_engine
-from sparta_tf.privacy.accounting import check_noise_multiplier, check_sample_rate
+from sparta_tf.privacy.accounting import check_noise_multiplier, check_sample_rate, check_steps
 from sparta_tf.privacy.callbacks import PrivacyCallback
 from sparta_tf.privacy.ledger import PrivacyLedger
 from sparta_tf.privacy.sampling import (
@@ -235,6 +235,16 @@ class DPModel(tf.keras.Model):
         self._loss_tracker.update_state(losses, sample_weight=weights)
         self.compiled_metrics.update_state(y, predictions, weights)
 
+    def _update_training_metrics(self, y, predictions, losses, weights):
+        """The training metrics over the examples with a finite loss. An example whose loss is not
+        finite contributes nothing to the step (its squared norm is not finite: clip factor 0);
+        left in the mean it would turn the logged loss into NaN, and a guard that stops training on
+        a NaN loss (:class:`~sparta_tf.callbacks.NonFiniteGuard`) would end the run because of one
+        record. A model that diverges is still caught: its weights are checked every epoch."""
+        finite = tf.math.is_finite(losses)
+        weights = tf.where(finite, tf.cast(weights, losses.dtype), tf.zeros_like(losses))
+        self._update_metrics(y, predictions, tf.where(finite, losses, tf.zeros_like(losses)), weights)
+
     def test_step(self, data):
         x, y, weights = tf.keras.utils.unpack_x_y_sample_weight(data)
         predictions = self(x, training=False)
@@ -307,7 +317,7 @@ class DPModel(tf.keras.Model):
         if self._scorer is not None and isinstance(engine, BookkeepingEngine):
             sums, losses, predictions = self._scorer.batch_statistic_bookkeeping(
                 engine, x, y, self._per_example_loss, valid)
-            self._update_metrics(y, predictions, losses, weights)
+            self._update_training_metrics(y, predictions, losses, weights)
             return sums
         if self._scorer is not None:
             result = engine(x, y, self._per_example_loss, valid)
@@ -315,7 +325,7 @@ class DPModel(tf.keras.Model):
         else:
             result = clipped_batch(engine, x, y, self._per_example_loss, valid, self.clip_norm)
             sums = result.sums
-        self._update_metrics(y, result.predictions, result.losses, weights)
+        self._update_training_metrics(y, result.predictions, result.losses, weights)
         return sums
 
     def _clipped_sum(self, x, y, weights):
@@ -424,13 +434,26 @@ class DPModel(tf.keras.Model):
             self._mixing_probed = True
 
     def _privacy_callback(self, callbacks, steps_per_epoch, on_budget_exhausted):
+        """The caller's :class:`PrivacyCallback`, else this model's own, one for every ``fit``.
+
+        One callback for the model's life: it counts ``dp_step`` from its last record, so the
+        steps of a ``fit`` that ended in an exception (no ``on_epoch_end`` / ``on_train_end``)
+        are recorded when the next ``fit`` begins, with the values in force when they ran.
+        """
         existing = [c for c in callbacks if isinstance(c, PrivacyCallback)]
         if existing or self.ledger is None:
             return existing[0] if existing else None
-        return PrivacyCallback(
-            self.ledger, self.noise_multiplier, self.sample_rate, steps_per_epoch,
-            step_counter=self.dp_step, on_budget_exhausted=on_budget_exhausted,
-        )
+        own = self.privacy_callback
+        if own is None or own.ledger is not self.ledger or own.step_counter is not self.dp_step:
+            return PrivacyCallback(
+                self.ledger, self.noise_multiplier, self.sample_rate, steps_per_epoch,
+                step_counter=self.dp_step, on_budget_exhausted=on_budget_exhausted,
+            )
+        own.flush()  # an interrupted fit's steps, under the values they ran with
+        own.noise_multiplier, own.sample_rate = self.noise_multiplier, self.sample_rate
+        own.steps_per_epoch = None if steps_per_epoch is None else check_steps(steps_per_epoch, "steps_per_epoch")
+        own.on_budget_exhausted = on_budget_exhausted
+        return own
 
     def fit(
         self,

@@ -181,3 +181,44 @@ def test_budget_check_without_target_is_skipped():
 def test_rejects_unknown_budget_mode():
     with pytest.raises(ValueError, match="budget_mode"):
         PrivacyCallback(PrivacyLedger(DELTA), SIGMA, Q, budget_mode="lenient")
+
+
+class _RaiseAfterTwoSteps(tf.keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 1:
+            raise RuntimeError("interrupted")
+
+
+def _dp_model(x, **kwargs):
+    from sparta_tf import DPModel
+
+    dp = DPModel(_model(), noise_multiplier=SIGMA, sample_rate=Q, delta=DELTA, seed=0, **kwargs)
+    dp.compile(tf.keras.optimizers.SGD(0.01), loss="mse")
+    return dp
+
+
+def test_steps_of_a_dp_fit_that_raised_are_charged_by_the_next_fit():
+    """Regression: every DPModel.fit made a new callback counting dp_step from its current value,
+    so the steps of a fit that ended in an exception (no epoch end, no train end) were never charged."""
+    x, y = _data()
+    dp = _dp_model(x)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        dp.fit(x, y, epochs=2, verbose=0, callbacks=[_RaiseAfterTwoSteps()])
+    assert int(dp.dp_step.numpy()) == 2 and dp.ledger.steps == 0
+    dp.fit(x, y, epochs=1, verbose=0)
+    assert dp.ledger.steps == int(dp.dp_step.numpy()) == 2 + STEPS_PER_EPOCH
+    assert dp.ledger.epsilon() == pytest.approx(_epsilon(2 + STEPS_PER_EPOCH), rel=1e-6)
+
+
+def test_one_record_with_a_non_finite_loss_does_not_stop_training():
+    """An example whose loss is not finite adds nothing to the step (clip factor 0); it must not turn
+    the logged loss into NaN either, or NonFiniteGuard would end the run because of one record."""
+    from sparta_tf import NonFiniteGuard
+
+    x, y = _data()
+    x[5] = np.nan
+    dp = _dp_model(x)
+    dp.sample_rate = 1.0  # every example in every step
+    history = dp.fit(x, y, epochs=1, verbose=0, callbacks=[NonFiniteGuard()])
+    assert all(np.isfinite(history.history["loss"]))
+    assert all(np.all(np.isfinite(v.numpy())) for v in dp.model.weights)

@@ -176,13 +176,30 @@ class BookkeepingEngine(HookedEngine):
 
 def make_bookkeeping_engine(model: tf.keras.Model, selections: Sequence[VariableSelection]):
     """``(BookkeepingEngine, None)``, or ``(None, reason)`` when a selected variable is not owned
-    by a leaf layer (then no per-layer rule can see its inputs and output gradients)."""
+    by a leaf layer (then no per-layer rule can see its inputs and output gradients) or is owned
+    by several (tied weights: see :func:`_shared_selections`)."""
     from sparta_tf.per_example.engines import LayerwiseEngine
 
     plan, reason = LayerwiseEngine.plan_for(model, selections, ghost_rule_for)
     if plan is None:
         return None, reason
+    shared = _shared_selections(plan)
+    if shared:
+        return None, (f"variable {selections[shared[0]].variable.name!r} is owned by more than one layer "
+                      "(tied weights): its per-example norm needs every layer's part summed first, which "
+                      "per-layer norms cannot give")
     return BookkeepingEngine(model, selections, plan), None
+
+
+def _shared_selections(plan) -> list[int]:
+    """Indices of selections that more than one layer of ``plan`` owns. Their per-example gradient
+    is the *sum* of the layers' parts, and ``||g_A + g_B||^2`` is not ``||g_A||^2 + ||g_B||^2``:
+    adding per-layer norms would clip such an example at up to ``sqrt(L) C`` for ``L`` owners."""
+    owners: dict[int, int] = {}
+    for _, _, indices in plan:
+        for k in indices:
+            owners[k] = owners.get(k, 0) + 1
+    return sorted(k for k, count in owners.items() if count > 1)
 
 
 ENGINES = ("auto", "bookkeeping", "layerwise", "vectorized")
@@ -191,8 +208,9 @@ ENGINES = ("auto", "bookkeeping", "layerwise", "vectorized")
 def make_clipping_engine(model: tf.keras.Model, trainable, engine: str = "auto"):
     """The engine of a DP step's clipped sum for ``trainable`` (see :func:`clipped_batch`).
 
-    ``"auto"``: book-keeping wherever every selected variable is owned by a leaf layer, else the
-    materialising ``tf.vectorized_map`` engine (with a warning); ``"bookkeeping"``: book-keeping
+    ``"auto"``: book-keeping wherever every selected variable is owned by exactly one leaf layer,
+    else a materialising engine (layer-wise for tied weights; ``tf.vectorized_map``, with a
+    warning, for variables no leaf layer owns); ``"bookkeeping"``: book-keeping
     or a ValueError; ``"layerwise"`` / ``"vectorized"``: the materialising engines
     (:func:`~sparta_tf.per_example.engines.make_engine`), kept as references.
     """
@@ -207,7 +225,7 @@ def make_clipping_engine(model: tf.keras.Model, trainable, engine: str = "auto")
             return bookkeeping
         if engine == "bookkeeping":
             raise ValueError(f"engine='bookkeeping' cannot handle this model: {reason}; use engine='auto'")
-        return make_engine(model, selections, "auto")  # the same leaf-layer check fails: vectorized, warned
+        return make_engine(model, selections, "auto")  # layer-wise (tied weights) or vectorized, warned
     return make_engine(model, selections, engine)
 
 
