@@ -235,16 +235,6 @@ class DPModel(tf.keras.Model):
         self._loss_tracker.update_state(losses, sample_weight=weights)
         self.compiled_metrics.update_state(y, predictions, weights)
 
-    def _update_training_metrics(self, y, predictions, losses, weights):
-        """The training metrics over the examples with a finite loss. An example whose loss is not
-        finite contributes nothing to the step (its squared norm is not finite: clip factor 0);
-        left in the mean it would turn the logged loss into NaN, and a guard that stops training on
-        a NaN loss (:class:`~sparta_tf.callbacks.NonFiniteGuard`) would end the run because of one
-        record. A model that diverges is still caught: its weights are checked every epoch."""
-        finite = tf.math.is_finite(losses)
-        weights = tf.where(finite, tf.cast(weights, losses.dtype), tf.zeros_like(losses))
-        self._update_metrics(y, predictions, tf.where(finite, losses, tf.zeros_like(losses)), weights)
-
     def test_step(self, data):
         x, y, weights = tf.keras.utils.unpack_x_y_sample_weight(data)
         predictions = self(x, training=False)
@@ -317,7 +307,7 @@ class DPModel(tf.keras.Model):
         if self._scorer is not None and isinstance(engine, BookkeepingEngine):
             sums, losses, predictions = self._scorer.batch_statistic_bookkeeping(
                 engine, x, y, self._per_example_loss, valid)
-            self._update_training_metrics(y, predictions, losses, weights)
+            self._update_metrics(y, predictions, losses, weights)
             return sums
         if self._scorer is not None:
             result = engine(x, y, self._per_example_loss, valid)
@@ -325,7 +315,7 @@ class DPModel(tf.keras.Model):
         else:
             result = clipped_batch(engine, x, y, self._per_example_loss, valid, self.clip_norm)
             sums = result.sums
-        self._update_training_metrics(y, result.predictions, result.losses, weights)
+        self._update_metrics(y, result.predictions, result.losses, weights)
         return sums
 
     def _clipped_sum(self, x, y, weights):

@@ -497,7 +497,7 @@ class SSGDModel(DPModel):
         result = self._get_engine()(x, y, self._per_example_loss, valid)
         grads = [tf.where(keep[None], g, tf.zeros_like(g)) for g, keep in zip(result.grads, self._step_keep)]
         sums, _ = clipped_sum(grads, self.clip_norm, valid)
-        self._update_training_metrics(y, result.predictions, result.losses, weights)
+        self._update_metrics(y, result.predictions, result.losses, weights)
         return sums
 
     def _noisy_mean(self, sums):
