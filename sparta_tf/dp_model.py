@@ -50,7 +50,7 @@ from sparta_tf.noise import gaussian_noise
 from sparta_tf.optim.masked_optimizer import MaskedOptimizer
 from sparta_tf.per_example import make_engine
 from sparta_tf.per_example.bookkeeping import BookkeepingEngine, clipped_batch, make_clipping_engine
-from sparta_tf.privacy.accounting import check_noise_multiplier, check_sample_rate, check_steps
+from sparta_tf.privacy.accounting import check_noise_multiplier, check_sample_rate
 from sparta_tf.privacy.callbacks import PrivacyCallback
 from sparta_tf.privacy.ledger import PrivacyLedger
 from sparta_tf.privacy.sampling import (
@@ -441,7 +441,7 @@ class DPModel(tf.keras.Model):
             )
         own.flush()  # an interrupted fit's steps, under the values they ran with
         own.noise_multiplier, own.sample_rate = self.noise_multiplier, self.sample_rate
-        own.steps_per_epoch = None if steps_per_epoch is None else check_steps(steps_per_epoch, "steps_per_epoch")
+        own.steps_per_epoch = steps_per_epoch
         own.on_budget_exhausted = on_budget_exhausted
         return own
 

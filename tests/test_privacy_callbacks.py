@@ -189,10 +189,10 @@ class _RaiseAfterTwoSteps(tf.keras.callbacks.Callback):
             raise RuntimeError("interrupted")
 
 
-def _dp_model(x, **kwargs):
+def _dp_model():
     from sparta_tf import DPModel
 
-    dp = DPModel(_model(), noise_multiplier=SIGMA, sample_rate=Q, delta=DELTA, seed=0, **kwargs)
+    dp = DPModel(_model(), noise_multiplier=SIGMA, sample_rate=Q, delta=DELTA, seed=0)
     dp.compile(tf.keras.optimizers.SGD(0.01), loss="mse")
     return dp
 
@@ -201,7 +201,7 @@ def test_steps_of_a_dp_fit_that_raised_are_charged_by_the_next_fit():
     """Regression: every DPModel.fit made a new callback counting dp_step from its current value,
     so the steps of a fit that ended in an exception (no epoch end, no train end) were never charged."""
     x, y = _data()
-    dp = _dp_model(x)
+    dp = _dp_model()
     with pytest.raises(RuntimeError, match="interrupted"):
         dp.fit(x, y, epochs=2, verbose=0, callbacks=[_RaiseAfterTwoSteps()])
     assert int(dp.dp_step.numpy()) == 2 and dp.ledger.steps == 0

@@ -27,6 +27,7 @@ method and the cost model's numbers of the last traced step (also logged once).
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import NamedTuple, Sequence
 
 import tensorflow as tf
@@ -195,10 +196,7 @@ def _shared_selections(plan) -> list[int]:
     """Indices of selections that more than one layer of ``plan`` owns. Their per-example gradient
     is the *sum* of the layers' parts, and ``||g_A + g_B||^2`` is not ``||g_A||^2 + ||g_B||^2``:
     adding per-layer norms would clip such an example at up to ``sqrt(L) C`` for ``L`` owners."""
-    owners: dict[int, int] = {}
-    for _, _, indices in plan:
-        for k in indices:
-            owners[k] = owners.get(k, 0) + 1
+    owners = Counter(k for _, _, indices in plan for k in indices)
     return sorted(k for k, count in owners.items() if count > 1)
 
 

@@ -88,9 +88,7 @@ class PrivacyCallback(tf.keras.callbacks.Callback):
         self._q = accounting.check_sample_rate(sample_rate)
         self._phase = phase
         self._kind = kind
-        self.steps_per_epoch = (
-            None if steps_per_epoch is None else accounting.check_steps(steps_per_epoch, "steps_per_epoch")
-        )
+        self.steps_per_epoch = steps_per_epoch
         self.step_counter = step_counter
         self.on_budget_exhausted = on_budget_exhausted
         self.budget_mode = budget_mode
@@ -100,6 +98,14 @@ class PrivacyCallback(tf.keras.callbacks.Callback):
         self._reset_progress()
 
     # ------------------------------------------------------------ mechanism values
+
+    @property
+    def steps_per_epoch(self) -> int | None:
+        return self._steps_per_epoch
+
+    @steps_per_epoch.setter
+    def steps_per_epoch(self, value: int | None) -> None:
+        self._steps_per_epoch = None if value is None else accounting.check_steps(value, "steps_per_epoch")
 
     @property
     def noise_multiplier(self) -> float:
