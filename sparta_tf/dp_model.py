@@ -34,6 +34,9 @@ Poisson-subsampled Gaussian mechanism (Abadi et al. 2016)::
   ``MultiWorkerMirroredStrategy`` every worker draws the same global Poisson
   sample from the chief's seed and trains on its share
   (:mod:`sparta_tf.distribute`).
+* Tracing a step turns TensorFloat-32 off for the process
+  (:mod:`sparta_tf.precision`): the clip bound's rounding margin assumes IEEE
+  float32 matmuls.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from sparta_tf.noise import gaussian_noise
 from sparta_tf.optim.masked_optimizer import MaskedOptimizer
 from sparta_tf.per_example import make_engine
 from sparta_tf.per_example.bookkeeping import BookkeepingEngine, clipped_batch, make_clipping_engine
+from sparta_tf.precision import require_ieee_float32_matmuls
 from sparta_tf.privacy.accounting import check_noise_multiplier, check_sample_rate
 from sparta_tf.privacy.callbacks import PrivacyCallback
 from sparta_tf.privacy.ledger import PrivacyLedger
@@ -359,6 +363,7 @@ class DPModel(tf.keras.Model):
         return [(s + z) / expected_batch for s, z in zip(sums, noise)]
 
     def train_step(self, data):
+        require_ieee_float32_matmuls()
         if self.model.losses:
             raise ValueError(
                 "the model has regularization losses, which DP-SGD would leave unclipped; "

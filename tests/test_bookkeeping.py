@@ -351,6 +351,24 @@ def test_the_ghost_norms_rounding_margin_costs_ordinary_examples_little():
     assert np.all(ghost >= direct) and np.all(ghost <= direct * 1.001)
 
 
+def test_a_dp_step_turns_tensor_float_32_off_so_the_rounding_margin_holds():
+    """The margin assumes IEEE float32 matmuls; TF32 (TensorFlow's default on Ampere+ GPUs) rounds
+    matmul inputs to 10 mantissa bits. Tracing a DP step must turn it off, even when re-enabled."""
+    from sparta_tf import DPModel
+
+    tf.config.experimental.enable_tensor_float_32_execution(True)
+    try:
+        dp_model = DPModel(MODELS["dense_2d"](), clip_norm=1.0, noise_multiplier=1.0, sample_rate=0.5,
+                           dataset_size=8, seed=1)
+        dp_model.compile(tf.keras.optimizers.SGD(0.1),
+                         loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        assert tf.config.experimental.tensor_float_32_execution_enabled()
+        dp_model.train_on_batch(tf.random.normal([4, 6]), tf.constant([0, 1, 2, 0]), sample_weight=tf.ones([4]))
+        assert not tf.config.experimental.tensor_float_32_execution_enabled()
+    finally:
+        tf.config.experimental.enable_tensor_float_32_execution(False)
+
+
 def test_a_kernel_shared_by_two_layers_is_clipped_on_the_sum_of_its_parts():
     """Regression: with a kernel owned by two layers (tied weights), the book-keeping engine added
     the layers' squared norms, ||g_A||^2 + ||g_B||^2, and clipped the example at sqrt(2) C."""

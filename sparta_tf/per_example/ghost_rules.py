@@ -124,7 +124,8 @@ def gram_squared_norms(gram_a: Tensor, gram_d: Tensor, chain) -> Tensor:
 
     ``u`` is that of IEEE arithmetic in the Grams' dtype: CPUs, and GPUs with TensorFloat-32 off.
     TensorFloat-32 matmuls (TensorFlow's default on Ampere and newer GPUs) and bfloat16 TPU
-    matmuls round inputs to 10 and 7 mantissa bits, beyond what this bound covers.
+    matmuls round inputs to 10 and 7 mantissa bits, beyond what this bound covers; a DP step
+    turns TensorFloat-32 off (:mod:`sparta_tf.precision`).
     """
     dtype = gram_a.dtype
     raw = tf.reduce_sum(tf.reduce_sum(gram_a * gram_d, axis=2), axis=1)  # two sums of T terms

@@ -1,0 +1,39 @@
+"""The matmul precision that the clip bound relies on.
+
+The ghost and index-equality norms (:func:`sparta_tf.per_example.ghost_rules.gram_squared_norms`)
+add a bound on their own rounding error, ``2 gamma_n R_i^2`` with the unit roundoff ``u`` of
+IEEE arithmetic in the Grams' dtype (``2^-24`` for float32). TensorFloat-32 matmuls, which
+TensorFlow turns on by default on Ampere and newer NVIDIA GPUs, round their inputs to 10
+mantissa bits (``u = 2^-11``): there a crafted example whose positions nearly cancel could
+still come out below its true squared norm and escape clipping. So every DP step turns
+TensorFloat-32 off for the process before it is traced.
+
+Cost: float32 matmuls and convolutions of the whole process run in full float32 on such GPUs
+(slower than TF32; nothing changes on CPUs or older GPUs). Not covered: TPUs, whose default
+float32 matmul precision multiplies in bfloat16 (``u = 2^-8``) whatever this flag says.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import tensorflow as tf
+
+logger = logging.getLogger(__name__)
+
+
+def require_ieee_float32_matmuls() -> None:
+    """Turns TensorFloat-32 execution off (process-wide, idempotent).
+
+    Logs once per switch when a GPU is visible, where the switch can slow matmuls down.
+    Re-enabling TF32 after a DP step has been traced is not detected for already-compiled
+    XLA steps; the next trace turns it off again.
+    """
+    if not tf.config.experimental.tensor_float_32_execution_enabled():
+        return
+    tf.config.experimental.enable_tensor_float_32_execution(False)
+    if tf.config.list_logical_devices("GPU"):
+        logger.warning(
+            "TensorFloat-32 turned off: the DP clip bound assumes IEEE float32 matmuls "
+            "(see sparta_tf.precision)"
+        )
