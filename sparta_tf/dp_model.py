@@ -172,7 +172,9 @@ class DPModel(tf.keras.Model):
         """What a resumable checkpoint must hold: weights, optimizer state, step counters, seed.
 
         ``{"model", "dp_step", "noise_seed", "iterations", "masked_optimizer"}``
-        (``masked_optimizer`` only after ``compile``), for ``tf.train.Checkpoint``.
+        (``masked_optimizer`` only after ``compile``), for ``tf.train.Checkpoint``. The privacy
+        ledger is not a ``tf.Module``: save ``ledger.to_json()`` beside the checkpoint and restore it
+        (``PrivacyLedger.from_json``) with it; ``fit`` refuses a ``dp_step`` its ledger does not cover.
         """
         state = {"model": self.model, "dp_step": self.dp_step, "noise_seed": self._noise_seed}
         if self._masked_optimizer is not None:
@@ -212,7 +214,10 @@ class DPModel(tf.keras.Model):
         self._retrace()
 
     def begin_scoring(self, scorer) -> None:
-        """From the next step on, steps release mask scores to ``scorer`` instead of updating weights."""
+        """From the next step on, steps release mask scores to ``scorer`` instead of updating weights.
+        A scorer that is not private (``score="oracle"``: unclipped, noiseless) marks the ledger."""
+        if not scorer.private and self.ledger is not None:
+            self.ledger.record_nonprivate(f"selection scores {scorer.score!r}: unclipped, noiseless gradients")
         self._scorer = scorer
         self._engine = None
         self._retrace()
@@ -437,18 +442,37 @@ class DPModel(tf.keras.Model):
         """
         existing = [c for c in callbacks if isinstance(c, PrivacyCallback)]
         if existing or self.ledger is None:
+            if existing:
+                self._check_ledger_covers_dp_step(existing[0])
             return existing[0] if existing else None
         own = self.privacy_callback
         if own is None or own.ledger is not self.ledger or own.step_counter is not self.dp_step:
-            return PrivacyCallback(
+            own = PrivacyCallback(
                 self.ledger, self.noise_multiplier, self.sample_rate, steps_per_epoch,
                 step_counter=self.dp_step, on_budget_exhausted=on_budget_exhausted,
             )
-        own.flush()  # an interrupted fit's steps, under the values they ran with
-        own.noise_multiplier, own.sample_rate = self.noise_multiplier, self.sample_rate
-        own.steps_per_epoch = steps_per_epoch
-        own.on_budget_exhausted = on_budget_exhausted
+        else:
+            own.flush()  # an interrupted fit's steps, under the values they ran with
+            own.noise_multiplier, own.sample_rate = self.noise_multiplier, self.sample_rate
+            own.steps_per_epoch = steps_per_epoch
+            own.on_budget_exhausted = on_budget_exhausted
+        self._check_ledger_covers_dp_step(own)
         return own
+
+    def _check_ledger_covers_dp_step(self, callback: PrivacyCallback) -> None:
+        """``dp_step`` counts every DP step this model's weights have been through; the ledger must
+        hold at least as many (recorded or pending), or epsilon would leave steps out: e.g. after
+        ``checkpoint_state()`` was restored into a new DPModel whose ledger starts empty."""
+        if callback.ledger is not self.ledger or callback.step_counter is not self.dp_step:
+            return
+        recorded = sum(entry.count for entry in self.ledger.entries if entry.kind == callback.kind)
+        ran = int(self.dp_step.numpy())
+        if recorded + callback.pending_steps() < ran:
+            raise ValueError(
+                f"dp_step is {ran} but the privacy ledger records {recorded} DP steps: restore the ledger "
+                "saved with the checkpoint (dp_model.ledger = PrivacyLedger.from_json(...)) before fit, "
+                "or epsilon would leave the other steps out"
+            )
 
     def fit(
         self,

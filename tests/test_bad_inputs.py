@@ -230,7 +230,10 @@ CASES = [
      "pretrain.data.colour"),
     ("pretrain-data-source", {"pretrain": {"enabled": True, "data": {"source": "csv"}}}, 1, "pretrain.data"),
     ("pretrain-checkpoint-garbage", {"pretrain": {"enabled": True, "checkpoint": _garbage_keras,
-                                                  "data": {"source": "digits"}}}, 2, "pretrain.checkpoint"),
+                                                  "data": {"source": "digits", "classes": [5, 6, 7, 8, 9]}}}, 2,
+     "pretrain.checkpoint"),
+    ("pretrain-on-private-data", {"pretrain": {"enabled": True, "data": {"source": "digits", "classes": [2, 3]}}}, 2,
+     "pretrain.data reads the private data's examples"),
     ("pretrain-epochs", {"pretrain.epochs": 0}, 2, "pretrain.epochs=0 must be >= 1"),
     ("pretrain-optimizer", {"pretrain.optimizer": "lamb"}, 2, "pretrain.optimizer='lamb' must be one of"),
     # outputs

@@ -81,9 +81,18 @@ def test_dp_ssgd_with_dp_snip_charges_pre_pruning_within_budget(tmp_path):
 
 def test_finished_output_dir_is_not_overwritten(tmp_path):
     config = validate(tiny_config(tmp_path / "run", "bitfit", epochs=1))
-    run.train(config)
+    results = run.train(config)
+    # seed 0 in the config: the noise follows from it, and the results say so
+    assert results["privacy_caveats"] == [run.SEED_CAVEAT]
     with pytest.raises(run.ConfigError, match="already holds a finished run"):
         run.train(config)
+
+
+def test_a_secret_seed_leaves_no_caveat_and_the_report_says_what_epsilon_covers(tmp_path, capsys):
+    results = run.train(validate(tiny_config(tmp_path / "run", "bitfit", epochs=1, seed=None)))
+    assert results["private"] and results["privacy_caveats"] == []
+    out = capsys.readouterr().out
+    assert "covers" in out and "seed stays secret" in out and "training.seed is set" not in out
 
 
 def test_dry_run_prints_the_plan(tmp_path):

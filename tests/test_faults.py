@@ -186,3 +186,29 @@ def test_the_owner_removes_what_killed_writers_left(tmp_path):
     results = run.train(validate(tiny(out, "bitfit", epochs=1)), resume=True)
     assert results["steps"] >= 2 + PER_EPOCH - 2  # the 2 started steps stay charged
     assert not any(path.exists() for path in stale)
+
+
+def test_a_run_killed_after_its_pre_pruning_charges_it_again_on_resume(tmp_path):
+    """Regression: a DP-SSGD run stopped after DP-SNIP, before any step, held no journal, so it could
+    start afresh, and on resume DP-SNIP ran again under a new secret seed (a second release) while
+    the ledger charged one. Now the first run's DP-SNIP stays charged as ``interrupted``."""
+    from sparta_tf import ssgd as ssgd_module
+
+    out = tmp_path / "run"
+    config = tiny(out, "dp_ssgd", epochs=1, seed=None)
+    config["method"].update({"prune": "dp_snip", "prune_rate": 0.5})
+    config = validate(config)
+    real = ssgd_module.prune_dp_snip
+
+    def killed_after_pruning(*args, **kwargs):
+        real(*args, **kwargs)
+        raise RuntimeError("killed")
+
+    with mock.patch.object(ssgd_module, "prune_dp_snip", killed_after_pruning), pytest.raises(RuntimeError):
+        run.train(config)
+    with pytest.raises(run.ConfigError, match="interrupted run"):
+        run.train(config)
+    results = run.train(config, resume=True)
+    ledger = json.loads((out / "ledger.json").read_text())
+    assert [e["phase"] for e in ledger["entries"] if e["kind"] == "dp_snip"] == ["interrupted", "pre-pruning"]
+    assert results["epsilon"] <= 8.0 + 1e-6

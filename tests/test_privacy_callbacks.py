@@ -209,3 +209,19 @@ def test_steps_of_a_dp_fit_that_raised_are_charged_by_the_next_fit():
     assert dp.ledger.steps == int(dp.dp_step.numpy()) == 2 + STEPS_PER_EPOCH
     assert dp.ledger.epsilon() == pytest.approx(_epsilon(2 + STEPS_PER_EPOCH), rel=1e-6)
 
+
+
+def test_a_checkpoint_restored_without_its_ledger_is_refused_and_with_it_counts_every_step(tmp_path):
+    """Regression: checkpoint_state() holds dp_step but not the ledger; restored into a new DPModel,
+    fit counted epsilon from the restored step, leaving the first run's steps out."""
+    x, y = _data()
+    first = _dp_model()
+    first.fit(x, y, epochs=1, verbose=0)
+    path = tf.train.Checkpoint(**first.checkpoint_state()).write(str(tmp_path / "ckpt"))
+    restored = _dp_model()
+    tf.train.Checkpoint(**restored.checkpoint_state()).read(path).expect_partial()
+    with pytest.raises(ValueError, match="ledger records 0 DP steps"):
+        restored.fit(x, y, epochs=1, verbose=0)
+    restored.ledger = PrivacyLedger.from_json(first.ledger.to_json())
+    restored.fit(x, y, epochs=1, verbose=0)
+    assert restored.ledger.steps == int(restored.dp_step.numpy()) == 2 * STEPS_PER_EPOCH

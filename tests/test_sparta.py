@@ -202,6 +202,16 @@ def test_oracle_marks_the_run_not_private():
     assert "oracle" in " ".join(dp.ledger.nonprivate_reasons)
 
 
+def test_a_standalone_oracle_selection_epoch_marks_the_ledger_not_private():
+    """Regression: SpartaSelector.select_epoch with score="oracle" (no clipping, no noise) left the
+    ledger private; only the MethodCallback path marked it."""
+    model = _conv_model()
+    x, y = _conv_data()
+    dp = dp_model(model, sigma=1.0, delta=1e-5)
+    st.SpartaSelector(model, density=0.25, score="oracle").select_epoch(dp, x, y)
+    assert not dp.ledger.is_private and "oracle" in " ".join(dp.ledger.nonprivate_reasons)
+
+
 def test_dpsgd_grad_selects_entries():
     model = _conv_model()
     x, y = _conv_data()

@@ -17,6 +17,12 @@ a SIGKILL the steps between the last checkpoint and the journal were run
 (their noisy updates may have been observed), so
 :func:`charge_interrupted_steps` records them in the ledger before training
 resumes: epsilon is never under-counted.
+
+Mechanisms that run before the first DP step (DP-FROST's selection rounds,
+DP-SNIP) are journalled the same way: ``checkpoints/before_training.json``
+is written before they run, and a run resumed before its first checkpoint
+charges them (:func:`charge_interrupted_before_training`) before running
+them again; after a checkpoint the checkpoint's ledger holds them.
 """
 
 from __future__ import annotations
@@ -25,16 +31,18 @@ import json
 import os
 import shutil
 import tempfile
+from typing import Sequence
 
 import tensorflow as tf
 
 from sparta_tf import distribute
 from sparta_tf.atomic_files import write_atomic
-from sparta_tf.privacy import PrivacyLedger
+from sparta_tf.privacy import LedgerEntry, PrivacyLedger
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 JOURNAL = "journal.json"
+BEFORE_TRAINING = "before_training.json"
 LEDGER = "ledger.json"
 KEEP = 2
 
@@ -85,6 +93,8 @@ def has_state(output_dir: str) -> str | None:
         return f"checkpoint {complete[-1]}"
     if os.path.exists(os.path.join(root, JOURNAL)):
         return "a step journal, no checkpoint yet"
+    if os.path.exists(os.path.join(root, BEFORE_TRAINING)):
+        return "mechanisms run before training, no step yet"
     return None
 
 
@@ -209,3 +219,32 @@ def charge_interrupted_steps(output_dir: str, checkpoint_step: int, ledger, nois
     if lost:
         ledger.record(noise_multiplier, sample_rate, lost, phase="interrupted")
     return lost
+
+
+def journal_before_training(output_dir: str, ledger, entries: Sequence[LedgerEntry]) -> None:
+    """Before mechanisms that run ahead of the first DP step (``entries``: what they charge): writes
+    ``ledger.json`` with them already charged, then records that they started, so that a kill
+    during or after them cannot drop them from the ledger."""
+    if not entries:
+        return
+    charged = PrivacyLedger.from_json(ledger.to_json())
+    for entry in entries:
+        charged.record(entry.noise_multiplier, entry.sample_rate, entry.count, entry.kind, entry.phase)
+    write_atomic(os.path.join(output_dir, LEDGER), json.dumps(charged.to_json(), indent=1))
+    path = os.path.join(output_dir, CHECKPOINTS, BEFORE_TRAINING)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write_atomic(path, json.dumps({"entries": [entry.to_dict() for entry in entries]}, indent=1))
+
+
+def charge_interrupted_before_training(output_dir: str, ledger, planned: Sequence[LedgerEntry],
+                                       strategy: tf.distribute.Strategy) -> int:
+    """In a run resumed before its first checkpoint: when the killed run started its mechanisms before
+    training (on any worker), records ``planned`` (those mechanisms, the same config) under the phase
+    ``interrupted``; returns how many runs were charged. Their releases (a mask on disk, the steps
+    that used it) may have been observed, and the resumed run draws them again with fresh keys."""
+    started = os.path.exists(os.path.join(output_dir, CHECKPOINTS, BEFORE_TRAINING))
+    if not planned or not distribute.largest_over_workers(strategy, int(started)):
+        return 0
+    for entry in planned:
+        ledger.record(entry.noise_multiplier, entry.sample_rate, entry.count, entry.kind, phase="interrupted")
+    return sum(entry.count for entry in planned)

@@ -44,6 +44,7 @@ def preflight(config: dict) -> None:
     """What the dry run and the run check before loading data: the model section (the zoo's own
     validation), the public data spec, the pre-training checkpoint and the output directory."""
     from sparta_tf.data import DataError, parse_spec
+    from sparta_tf.data.spec import may_share_examples
     from sparta_tf.models.zoo import validate_model_spec
 
     try:
@@ -53,9 +54,13 @@ def preflight(config: dict) -> None:
     spec = config["pretrain"]
     if spec["enabled"] and spec["data"] is not None:
         try:
-            parse_spec(spec["data"])
+            public = parse_spec(spec["data"])
         except DataError as error:
             raise DataError(str(error.under("pretrain.data"))) from None
+        if may_share_examples(public, parse_spec(config["data"])):
+            raise ConfigError("pretrain.data reads the private data's examples (same source and file, overlapping "
+                              "classes): non-private pre-training on them voids the guarantee; pre-train on public "
+                              "data (other files or disjoint classes)")
     checkpoint = spec["checkpoint"] if spec["enabled"] else None
     if checkpoint and not os.path.exists(checkpoint) and spec["data"] is None:
         raise ConfigError(f"pretrain.checkpoint={checkpoint!r} does not exist and there is no pretrain.data to "
@@ -71,6 +76,22 @@ def load_private_data(config: dict):
     dataset = load_dataset(config["data"], seed=_seed(config))
     check_against_data(config, len(dataset.x_train))
     return dataset
+
+
+SEED_CAVEAT = ("training.seed is set: the DP noise and batches follow from it, so the guarantee holds only "
+               "while this config stays as secret as the data; leave training.seed null (the default) for a "
+               "secret seed")
+
+
+def _privacy_caveats(config: dict, ledger) -> list[str]:
+    """What weakens the run's epsilon: the ledger's own caveats, and a seed fixed in the config."""
+    fixed_seed = ledger.is_private and config["training"]["seed"] is not None
+    return ledger.caveats() + ([SEED_CAVEAT] if fixed_seed else [])
+
+
+def _warn_if_seed_fixed(config: dict, private: bool) -> None:
+    if private and config["training"]["seed"] is not None:
+        print(f"  WARNING: {SEED_CAVEAT}")
 
 
 def _seed(config: dict) -> int:
@@ -212,6 +233,7 @@ def dry_run(config: dict) -> PrivacyPlan:
     method = build_method(config, None, model)
     plan = make_plan(config, dataset, method)
     print(describe(plan, method, model))
+    _warn_if_seed_fixed(config, plan.private)
     print(strategy_line(config["training"]["strategy"]))
     return plan
 
@@ -267,6 +289,7 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
     method = build_method(config, output_dir, model)
     plan = make_plan(config, dataset, method)
     print(describe(plan, method, model))
+    _warn_if_seed_fixed(config, plan.private)
     print(strategy_line(config["training"]["strategy"]))
     checkpointing.write_atomic(os.path.join(output_dir, "plan.json"), json.dumps(plan.to_json(), indent=1))
 
@@ -285,6 +308,7 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
         for reason in dataset.nonprivate_reasons():
             dp.ledger.record_nonprivate(reason)
         _charge_steps_before_first_checkpoint(dp, plan, output_dir)
+        checkpointing.journal_before_training(output_dir, dp.ledger, plan.before_training_entries())
     method_info = method.prepare(dp, dataset.x_train, dataset.y_train, LOSS, plan, initial_epoch)
     callback.begin(dp, plan.epochs, initial_epoch)
     if previous is not None:
@@ -314,6 +338,7 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
         )
     checkpointing.write_atomic(os.path.join(output_dir, RESULTS), json.dumps(results, indent=1))
     print(dp.ledger.report())
+    _warn_if_seed_fixed(config, dp.ledger.is_private)
     spent = f"epsilon {results['epsilon']:.4g}" if results["private"] else "NO privacy guarantee"
     print(f"== test accuracy {results['test_accuracy']:.4f} at {spent} "
           f"(delta {privacy['delta']:g}); results in {os.path.join(output_dir, RESULTS)}")
@@ -322,6 +347,10 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
 
 def _charge_steps_before_first_checkpoint(dp, plan: PrivacyPlan, output_dir: str) -> None:
     """A resumed run killed before its first checkpoint starts over; the steps it ran stay charged."""
+    before = checkpointing.charge_interrupted_before_training(
+        output_dir, dp.ledger, plan.before_training_entries(), dp.distribute_strategy)
+    if before:
+        print(f"== {before} run(s) of the interrupted run's mechanisms before training charged to the ledger")
     lost = checkpointing.charge_interrupted_steps(output_dir, 0, dp.ledger, plan.noise_multiplier, plan.sample_rate,
                                                   dp.distribute_strategy)
     if lost:
@@ -375,6 +404,7 @@ def _results(config, dp, plan: PrivacyPlan, dataset, phase_seconds, timings, his
         "private": dp.ledger.is_private,
         "nonprivate_reasons": list(dp.ledger.nonprivate_reasons),
         "epsilon": dp.ledger.epsilon() if dp.ledger.is_private else None,  # None: not DP
+        "privacy_caveats": _privacy_caveats(config, dp.ledger),
         "target_epsilon": plan.target_epsilon,
         "delta": plan.delta,
         "noise_multiplier": plan.noise_multiplier,

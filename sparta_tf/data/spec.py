@@ -20,6 +20,7 @@ __all__ = [
     "DataSpec",
     "NORMALIZATIONS",
     "SOURCE_KEYS",
+    "may_share_examples",
     "parse_spec",
 ]
 
@@ -105,6 +106,22 @@ def parse_spec(spec: Mapping[str, Any]) -> DataSpec:
     _check_required(fields, source)
     _check_normalization(fields)
     return DataSpec(**fields)
+
+
+def may_share_examples(a: DataSpec, b: DataSpec) -> bool:
+    """True when ``a`` and ``b`` can read the same examples: one origin (source and file, TFDS
+    name and directory, or synthetic generator) and overlapping classes (``None``: every class).
+    Class references are compared as written (``3`` and ``"3"`` count as different classes)."""
+    if _origin(a) != _origin(b):
+        return False
+    return a.classes is None or b.classes is None or bool(set(a.classes) & set(b.classes))
+
+
+def _origin(spec: DataSpec) -> tuple:
+    path = None if spec.path is None else Path(spec.path).resolve()
+    data_dir = None if spec.data_dir is None else Path(spec.data_dir).resolve()
+    generator = (spec.num_examples, spec.num_classes) if spec.source == "synthetic" else None
+    return spec.source, path, spec.name, data_dir, generator
 
 
 def _source(value: Any) -> str:

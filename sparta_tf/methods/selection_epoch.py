@@ -86,13 +86,10 @@ class SelectionEpochMethod(MaskedMethod):
                 for e in self._provenance.charged_entries()]
 
     def nonprivate_reasons(self) -> list[str]:
-        reasons = [] if self.private else [self._oracle_reason()]
+        reasons = [] if self.private else [f"{self.name}: mask chosen from non-private gradients"]
         if self._provenance is not None:
             reasons += [f"{reason} (loaded from {self.mask_path})" for reason in self._provenance.reasons]
         return reasons
-
-    def _oracle_reason(self) -> str:
-        return f"{self.name}: mask chosen from non-private gradients"
 
     def trainable_set(self, phase: TrainingPhase, model: tf.keras.Model) -> TrainableSet | None:
         if phase.name == WARMUP:
@@ -127,8 +124,6 @@ class SelectionEpochMethod(MaskedMethod):
             return super().enter(phase, dp)
         self.selector = SpartaSelector(dp.model, self.density, self.score, self.granularity,
                                        self.density_overrides, self.head)
-        if not self.private and dp.ledger is not None:
-            dp.ledger.record_nonprivate(self._oracle_reason())
         dp.begin_scoring(self.selector.make_scorer(dp.noise_multiplier, dp.clip_norm))
 
     def leave(self, phase: TrainingPhase, dp) -> None:

@@ -296,13 +296,16 @@ class PrivacyLedger:
         lines += [f"  NOT differentially private: {reason}" for reason in self._nonprivate]
         if self.is_private:
             lines.append(f"  covers        : {COVERAGE}")
-        if not self.covered_by_accountant:
-            lines.append(
-                f"  WARNING: batches were drawn with sampling={self.sampling!r}; the accountant's "
-                "guarantee assumes Poisson sampling and does not cover fixed-size shuffled batches, "
-                "so the epsilon above is not a proven guarantee for this run."
-            )
+        lines += [f"  WARNING: {caveat}" for caveat in self.caveats()]
         return "\n".join(lines)
+
+    def caveats(self) -> list[str]:
+        """What keeps the epsilon above from being a proven guarantee for this run (empty: nothing)."""
+        if self.covered_by_accountant:
+            return []
+        return [f"batches were drawn with sampling={self.sampling!r}; the accountant's guarantee assumes "
+                "Poisson sampling and does not cover fixed-size shuffled batches, so the epsilon above is "
+                "not a proven guarantee for this run."]
 
     def _epsilon_line(self) -> str:
         epsilon = self.epsilon()
@@ -322,9 +325,10 @@ class PrivacyLedger:
 
 
 COVERAGE = (
-    "the weights after every step (checkpoints, mask, export), for the private training split; "
+    "the weights after every step (checkpoints, mask, export), for the private training split, while "
+    "the run's seed stays secret (whoever knows it can recompute the noise; checkpoints hold it); "
     "not the logged metrics (training loss/accuracy are noiseless means over private batches; "
-    "validation/test metrics come from examples never trained on): keep the run's logs private"
+    "validation/test metrics come from examples never trained on): keep the run's logs and checkpoints private"
 )
 
 

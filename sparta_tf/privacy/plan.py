@@ -113,10 +113,14 @@ class PrivacyPlan:
             ledger.record(entry.noise_multiplier, entry.sample_rate, entry.count, entry.kind, entry.phase)
         return list(ledger.entries)
 
+    def before_training_entries(self) -> list[LedgerEntry]:
+        """The ledger entries of the mechanisms that run before the first DP step."""
+        return [m.entry() for m in self.before_training if m.count]
+
     def _entries(self) -> list[LedgerEntry]:
         training = [LedgerEntry(self.noise_multiplier, self.sample_rate, p.steps, DEFAULT_KIND, p.name)
                     for p in self.phases if p.steps]
-        return [m.entry() for m in self.before_training if m.count] + training
+        return self.before_training_entries() + training
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self) | {"steps": self.steps, "update_steps": self.update_steps,
