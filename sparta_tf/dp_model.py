@@ -54,7 +54,7 @@ from sparta_tf.optim.masked_optimizer import MaskedOptimizer
 from sparta_tf.per_example import make_engine
 from sparta_tf.per_example.bookkeeping import BookkeepingEngine, clipped_batch, make_clipping_engine
 from sparta_tf.precision import require_ieee_float32_matmuls
-from sparta_tf.privacy.accounting import check_noise_multiplier, check_sample_rate
+from sparta_tf.privacy.accounting import check_delta_for_dataset, check_noise_multiplier, check_sample_rate
 from sparta_tf.privacy.callbacks import PrivacyCallback
 from sparta_tf.privacy.ledger import PrivacyLedger
 from sparta_tf.privacy.sampling import (
@@ -148,6 +148,8 @@ class DPModel(tf.keras.Model):
             PrivacyLedger(delta, accountant=accountant, target_epsilon=target_epsilon, sampling=sampling)
             if delta is not None else None
         )
+        if dataset_size is not None and self.ledger is not None:
+            check_delta_for_dataset(self.ledger.delta, dataset_size)
         self._trainable_set: TrainableSet | None = None
         self._masked_optimizer: MaskedOptimizer | None = None
         self._scorer = None
@@ -394,6 +396,8 @@ class DPModel(tf.keras.Model):
         """(dataset, steps_per_epoch) for in-memory arrays, Poisson or shuffled."""
         n = len(tf.nest.flatten(x)[0])
         if self.dataset_size is None:
+            if self.ledger is not None:
+                check_delta_for_dataset(self.ledger.delta, n)
             self.dataset_size = n
         elif self.dataset_size != n:
             raise ValueError(f"dataset_size={self.dataset_size} but fit got {n} examples; they must agree")

@@ -225,3 +225,16 @@ def test_a_checkpoint_restored_without_its_ledger_is_refused_and_with_it_counts_
     restored.ledger = PrivacyLedger.from_json(first.ledger.to_json())
     restored.fit(x, y, epochs=1, verbose=0)
     assert restored.ledger.steps == int(restored.dp_step.numpy()) == 2 * STEPS_PER_EPOCH
+
+
+def test_a_delta_of_at_least_one_over_n_is_refused():
+    """(eps, 1/n)-DP allows publishing one example outright; the CLI refused such a delta, the library did not."""
+    from sparta_tf import DPModel
+
+    with pytest.raises(ValueError, match=r"delta=0.2 must be < 1/n = 0.2 for n=5"):
+        DPModel(_model(), noise_multiplier=SIGMA, sample_rate=Q, delta=0.2, dataset_size=5)
+    x, y = _data()
+    dp = DPModel(_model(), noise_multiplier=SIGMA, sample_rate=Q, delta=1.0 / len(x), seed=0)
+    dp.compile(tf.keras.optimizers.SGD(0.01), loss="mse")
+    with pytest.raises(ValueError, match="must be < 1/n"):
+        dp.fit(x, y, epochs=1, verbose=0)

@@ -122,6 +122,14 @@ def check_delta(delta: float) -> float:
     return float(delta)
 
 
+def check_delta_for_dataset(delta: float, dataset_size: int) -> None:
+    """Raises unless ``delta < 1/n``: a mechanism that publishes one random example of ``n`` in
+    full is (0, 1/n)-DP, so a guarantee with ``delta >= 1/n`` can hide the release of an example."""
+    if delta >= 1.0 / dataset_size:
+        raise ValueError(f"delta={delta:g} must be < 1/n = {1.0 / dataset_size:.3g} for n={dataset_size} "
+                         f"training examples (e.g. delta={10.0 ** -len(str(dataset_size)):g})")
+
+
 def check_steps(steps: int, name: str = "steps") -> int:
     """Returns ``steps`` as int if it is an integer ``>= 0``, else raises."""
     if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
