@@ -241,7 +241,8 @@ def charge_interrupted_before_training(output_dir: str, ledger, planned: Sequenc
     """In a run resumed before its first checkpoint: when the killed run started its mechanisms before
     training (on any worker), records ``planned`` (those mechanisms, the same config) under the phase
     ``interrupted``; returns how many runs were charged. Their releases (a mask on disk, the steps
-    that used it) may have been observed, and the resumed run draws them again with fresh keys."""
+    that used it) may have been observed, and the resumed run runs them again (under a new secret
+    seed unless the config fixes one: then the same draw, charged twice, an over-count)."""
     started = os.path.exists(os.path.join(output_dir, CHECKPOINTS, BEFORE_TRAINING))
     if not planned or not distribute.largest_over_workers(strategy, int(started)):
         return 0
