@@ -61,6 +61,7 @@ class MaskProvenance:
     private: bool
     entries: tuple[LedgerEntry, ...] = ()
     reasons: tuple[str, ...] = ()
+    caveats: tuple[str, ...] = ()
 
     @classmethod
     def public(cls) -> "MaskProvenance":
@@ -70,11 +71,12 @@ class MaskProvenance:
     @classmethod
     def of_ledger(cls, ledger) -> "MaskProvenance":
         """The provenance of a mask chosen now, by a run whose ledger is ``ledger``."""
-        return cls(private=ledger.is_private, entries=tuple(ledger.entries), reasons=ledger.nonprivate_reasons)
+        return cls(private=ledger.is_private, entries=tuple(ledger.entries), reasons=ledger.nonprivate_reasons,
+                   caveats=tuple(ledger.caveats()))
 
     def to_json(self) -> dict[str, Any]:
         return {"private": self.private, "entries": [e.to_dict() for e in self.entries],
-                "nonprivate_reasons": list(self.reasons)}
+                "nonprivate_reasons": list(self.reasons), "caveats": list(self.caveats)}
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any], path: str) -> "MaskProvenance":
@@ -86,22 +88,26 @@ class MaskProvenance:
         try:
             entries = tuple(LedgerEntry.from_dict(e) for e in privacy.get("entries", []))
             reasons = tuple(str(r) for r in privacy.get("nonprivate_reasons", []))
+            caveats = tuple(str(c) for c in privacy.get("caveats", []))
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise ValueError(f"mask {path} has a damaged privacy record ({error}); re-create the mask") from None
         if not privacy["private"] and not reasons:
             reasons = (f"mask {path} was chosen without differential privacy (method {meta.get('method')})",)
-        return cls(bool(privacy["private"]) and not reasons, entries, reasons)
+        return cls(bool(privacy["private"]) and not reasons, entries, reasons, caveats)
 
     def charged_entries(self) -> list[LedgerEntry]:
         """What choosing the mask spent, as a run that loads it records it: phase ``mask:<its phase>``."""
         return [dataclasses.replace(entry, phase=f"mask:{entry.phase}") for entry in self.entries]
 
     def charge(self, ledger, source: str) -> None:
-        """Records :meth:`charged_entries` in ``ledger``; marks it non-private if the mask is not."""
+        """Records :meth:`charged_entries` in ``ledger``; marks it non-private if the mask is not, and
+        carries over its caveats (e.g. shuffled batches, which the accountant does not cover)."""
         for entry in self.charged_entries():
             ledger.record(entry.noise_multiplier, entry.sample_rate, entry.count, entry.kind, entry.phase)
         for reason in self.reasons:
             ledger.record_nonprivate(f"{reason} (loaded from {source})")
+        for caveat in self.caveats:
+            ledger.record_caveat(f"the mask loaded from {source}: {caveat}")
 
 
 def model_fingerprint(model: tf.keras.Model) -> dict[str, list[int]]:

@@ -69,6 +69,22 @@ def test_a_sparta_mask_brings_its_selection_cost_into_the_run_that_loads_it(tmp_
     assert second.ledger.epsilon() > own_steps_only * 1.2  # 16 steps composed, not 8
 
 
+def test_a_mask_chosen_from_shuffled_batches_carries_that_caveat_into_the_run_that_loads_it(tmp_path):
+    """Regression: the provenance kept the entries but not the sampling mode, so a mask chosen with
+    fixed-size shuffled batches was charged into a Poisson run as if Poisson-sampled, with no warning."""
+    chooser = st.PrivacyLedger(1e-5, sampling="shuffle")
+    chooser.record(1.0, 0.25, 4, phase="selection")
+    model = _model()
+    mask = [st.trainable.rows(g, [0]) for g in row_groups(model)]
+    save_mask(str(tmp_path), mask, model, provenance=MaskProvenance.of_ledger(chooser), method="sparta")
+    loader = st.PrivacyLedger(1e-5)
+    read_provenance(str(tmp_path)).charge(loader, str(tmp_path))
+    restored = st.PrivacyLedger.from_json(json.loads(json.dumps(loader.to_json())))
+    for ledger in (loader, restored):
+        assert ledger.is_private and any("shuffle" in caveat for caveat in ledger.caveats())
+        assert "WARNING: the mask loaded from" in ledger.report()
+
+
 def test_a_public_mask_costs_nothing_and_a_mask_without_provenance_is_not_private(tmp_path):
     model = _model()
     mask = [st.trainable.rows(g, [0]) for g in row_groups(model)]

@@ -139,6 +139,7 @@ class PrivacyLedger:
         self.sampling = sampling
         self._entries: tuple[LedgerEntry, ...] = ()
         self._nonprivate: list[str] = []
+        self._caveats: list[str] = []
 
     @property
     def target_epsilon(self) -> float | None:
@@ -167,6 +168,14 @@ class PrivacyLedger:
             )
         entry = LedgerEntry(noise_multiplier, sample_rate, count, kind, phase)
         self._entries = _appended(self._entries, entry)
+
+    def record_caveat(self, caveat: str) -> None:
+        """Records what keeps epsilon from being a proven guarantee without making the run
+        non-private (e.g. a loaded mask chosen from shuffled batches); :meth:`caveats` lists it."""
+        if not isinstance(caveat, str) or not caveat:
+            raise ValueError("caveat must be a non-empty string saying what the guarantee does not cover.")
+        if caveat not in self._caveats:
+            self._caveats.append(caveat)
 
     def record_nonprivate(self, reason: str) -> None:
         """Marks the run as NOT differentially private: epsilon is ``inf`` from now on, so the
@@ -249,6 +258,7 @@ class PrivacyLedger:
             "sampling": self.sampling,
             "entries": [entry.to_dict() for entry in self._entries],
             "nonprivate": list(self._nonprivate),
+            "caveats": list(self._caveats),
         }
 
     @classmethod
@@ -269,6 +279,8 @@ class PrivacyLedger:
             ledger._entries = _appended(ledger._entries, LedgerEntry.from_dict(entry))
         for reason in data.get("nonprivate", []):
             ledger.record_nonprivate(reason)
+        for caveat in data.get("caveats", []):
+            ledger.record_caveat(caveat)
         return ledger
 
     def save(self, path: str | os.PathLike) -> None:
@@ -301,11 +313,11 @@ class PrivacyLedger:
 
     def caveats(self) -> list[str]:
         """What keeps the epsilon above from being a proven guarantee for this run (empty: nothing)."""
-        if self.covered_by_accountant:
-            return []
-        return [f"batches were drawn with sampling={self.sampling!r}; the accountant's guarantee assumes "
-                "Poisson sampling and does not cover fixed-size shuffled batches, so the epsilon above is "
-                "not a proven guarantee for this run."]
+        own = [] if self.covered_by_accountant else [
+            f"batches were drawn with sampling={self.sampling!r}; the accountant's guarantee assumes "
+            "Poisson sampling and does not cover fixed-size shuffled batches, so the epsilon above is "
+            "not a proven guarantee for this run."]
+        return own + list(self._caveats)
 
     def _epsilon_line(self) -> str:
         epsilon = self.epsilon()
