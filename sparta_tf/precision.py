@@ -26,8 +26,10 @@ def require_ieee_float32_matmuls() -> None:
     """Turns TensorFloat-32 execution off (process-wide, idempotent).
 
     Logs once per switch when a GPU is visible, where the switch can slow matmuls down.
-    Re-enabling TF32 after a DP step has been traced is not detected for already-compiled
-    XLA steps; the next trace turns it off again.
+    Re-enabling TF32 after a DP step was traced is not undone until the next trace: XLA steps
+    keep the precision they were compiled with, but non-XLA GPU kernels read the flag each time
+    they run, so they would use TF32 again. Do not re-enable it in a process that trains with DP
+    (this also means non-private baselines timed in the same process run in full float32).
     """
     if not tf.config.experimental.tensor_float_32_execution_enabled():
         return

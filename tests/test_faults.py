@@ -188,10 +188,11 @@ def test_the_owner_removes_what_killed_writers_left(tmp_path):
     assert not any(path.exists() for path in stale)
 
 
-def test_a_run_killed_after_its_pre_pruning_charges_it_again_on_resume(tmp_path):
+def test_a_run_killed_twice_after_its_pre_pruning_charges_every_pruning_on_resume(tmp_path):
     """Regression: a DP-SSGD run stopped after DP-SNIP, before any step, held no journal, so it could
     start afresh, and on resume DP-SNIP ran again under a new secret seed (a second release) while
-    the ledger charged one. Now the first run's DP-SNIP stays charged as ``interrupted``."""
+    the ledger charged one. Now every started DP-SNIP stays charged as ``interrupted``, however
+    many times the run was killed before its first checkpoint."""
     from sparta_tf import ssgd as ssgd_module
 
     out = tmp_path / "run"
@@ -208,7 +209,10 @@ def test_a_run_killed_after_its_pre_pruning_charges_it_again_on_resume(tmp_path)
         run.train(config)
     with pytest.raises(run.ConfigError, match="interrupted run"):
         run.train(config)
+    with mock.patch.object(ssgd_module, "prune_dp_snip", killed_after_pruning), pytest.raises(RuntimeError):
+        run.train(config, resume=True)
     results = run.train(config, resume=True)
     ledger = json.loads((out / "ledger.json").read_text())
-    assert [e["phase"] for e in ledger["entries"] if e["kind"] == "dp_snip"] == ["interrupted", "pre-pruning"]
+    snip = [(e["phase"], e["count"]) for e in ledger["entries"] if e["kind"] == "dp_snip"]
+    assert snip == [("interrupted", 2), ("pre-pruning", 1)]
     assert results["epsilon"] <= 8.0 + 1e-6

@@ -1,6 +1,7 @@
 """A loaded mask brings its privacy cost: an oracle mask makes the run non-private, a SPARTA mask's
 selection epoch is charged again, a mask from another model is refused."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -8,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 import sparta_tf as st
+from sparta_tf import methods
 from sparta_tf.groups import row_groups
 from sparta_tf.masks import MaskProvenance, load_mask, read_provenance, save_mask
 
@@ -83,6 +85,31 @@ def test_a_mask_chosen_from_shuffled_batches_carries_that_caveat_into_the_run_th
     for ledger in (loader, restored):
         assert ledger.is_private and any("shuffle" in caveat for caveat in ledger.caveats())
         assert "WARNING: the mask loaded from" in ledger.report()
+
+
+def test_a_loaded_masks_cost_is_charged_by_every_start_but_never_journalled_as_a_new_release(tmp_path):
+    """A run that loads a mask charges the mask's cost at its start; a resume before the first
+    checkpoint charges again only what draws new noise before training, or the mask would count twice."""
+    from sparta_tf.privacy.plan import Mechanism
+
+    chooser = st.PrivacyLedger(1e-5)
+    chooser.record(1.0, 0.25, 4, phase="selection")
+    model = _model()
+    save_mask(str(tmp_path), [st.trainable.rows(g, [0]) for g in row_groups(model)], model,
+              provenance=MaskProvenance.of_ledger(chooser), method="sparta")
+    loaded = methods.make_method("sparta", mask=str(tmp_path)).mechanisms_before_training(48, 0.25)
+    assert [(m.phase, m.count, m.draws_noise) for m in loaded] == [("mask:selection", 4, False)]
+    snip = Mechanism("pre-pruning", 1.0, 1, 2.0, "dp_snip")
+    plan = dataclasses.replace(_plan_stub(), before_training=tuple(loaded) + (snip,))
+    assert [e.phase for e in plan.before_training_entries()] == ["mask:selection", "pre-pruning"]
+    assert [e.phase for e in plan.before_training_entries(releases_only=True)] == ["pre-pruning"]
+
+
+def _plan_stub():
+    from sparta_tf.privacy.plan import PrivacyPlan
+
+    return PrivacyPlan(n=48, sample_rate=0.25, steps_per_epoch=4, epochs=1, noise_multiplier=1.0, delta=1e-5,
+                       target_epsilon=None, accountant="pld", before_training=(), phases=())
 
 
 def test_a_public_mask_costs_nothing_and_a_mask_without_provenance_is_not_private(tmp_path):

@@ -222,9 +222,9 @@ def charge_interrupted_steps(output_dir: str, checkpoint_step: int, ledger, nois
 
 
 def journal_before_training(output_dir: str, ledger, entries: Sequence[LedgerEntry]) -> None:
-    """Before mechanisms that run ahead of the first DP step (``entries``: what they charge): writes
-    ``ledger.json`` with them already charged, then records that they started, so that a kill
-    during or after them cannot drop them from the ledger."""
+    """Before mechanisms that draw noise ahead of the first DP step (``entries``: one run's charge):
+    writes ``ledger.json`` with them already charged, then counts one more started run, so that no
+    kill, during or after them, once or repeatedly, can drop a run from the ledger."""
     if not entries:
         return
     charged = PrivacyLedger.from_json(ledger.to_json())
@@ -233,19 +233,34 @@ def journal_before_training(output_dir: str, ledger, entries: Sequence[LedgerEnt
     write_atomic(os.path.join(output_dir, LEDGER), json.dumps(charged.to_json(), indent=1))
     path = os.path.join(output_dir, CHECKPOINTS, BEFORE_TRAINING)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    write_atomic(path, json.dumps({"entries": [entry.to_dict() for entry in entries]}, indent=1))
+    started = _runs_started_before_training(output_dir) + 1
+    write_atomic(path, json.dumps({"runs_started": started, "entries": [e.to_dict() for e in entries]}, indent=1))
+
+
+def _runs_started_before_training(output_dir: str) -> int:
+    path = os.path.join(output_dir, CHECKPOINTS, BEFORE_TRAINING)
+    if not os.path.exists(path):
+        return 0
+    try:
+        with open(path) as f:
+            return int(json.load(f)["runs_started"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"{path} is damaged ({error}): the mechanisms the killed runs started cannot be "
+                              "counted, so it cannot be resumed safely; start a new output_dir") from None
 
 
 def charge_interrupted_before_training(output_dir: str, ledger, planned: Sequence[LedgerEntry],
                                        strategy: tf.distribute.Strategy) -> int:
-    """In a run resumed before its first checkpoint: when the killed run started its mechanisms before
-    training (on any worker), records ``planned`` (those mechanisms, the same config) under the phase
-    ``interrupted``; returns how many runs were charged. Their releases (a mask on disk, the steps
-    that used it) may have been observed, and the resumed run runs them again (under a new secret
-    seed unless the config fixes one: then the same draw, charged twice, an over-count)."""
-    started = os.path.exists(os.path.join(output_dir, CHECKPOINTS, BEFORE_TRAINING))
-    if not planned or not distribute.largest_over_workers(strategy, int(started)):
+    """In a run resumed before its first checkpoint: records ``planned`` (one run of the mechanisms
+    that draw noise before training; the same config) once for every run the killed runs started
+    (the largest count over workers), under the phase ``interrupted``; returns that count. Their
+    releases (a mask on disk, the steps that used it) may have been observed, and the resumed run
+    runs them again (under a new secret seed unless the config fixes one: then the same draw,
+    charged twice, an over-count)."""
+    if not planned:
         return 0
-    for entry in planned:
-        ledger.record(entry.noise_multiplier, entry.sample_rate, entry.count, entry.kind, phase="interrupted")
-    return sum(entry.count for entry in planned)
+    started = distribute.largest_over_workers(strategy, _runs_started_before_training(output_dir))
+    for _ in range(started):
+        for entry in planned:
+            ledger.record(entry.noise_multiplier, entry.sample_rate, entry.count, entry.kind, phase="interrupted")
+    return started

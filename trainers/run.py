@@ -83,12 +83,6 @@ SEED_CAVEAT = ("training.seed is set: the DP noise and batches follow from it, s
                "secret seed")
 
 
-def _privacy_caveats(config: dict, ledger) -> list[str]:
-    """What weakens the run's epsilon: the ledger's own caveats, and a seed fixed in the config."""
-    fixed_seed = ledger.is_private and config["training"]["seed"] is not None
-    return ledger.caveats() + ([SEED_CAVEAT] if fixed_seed else [])
-
-
 def _warn_if_seed_fixed(config: dict, private: bool) -> None:
     if private and config["training"]["seed"] is not None:
         print(f"  WARNING: {SEED_CAVEAT}")
@@ -307,8 +301,10 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
     if previous is None:
         for reason in dataset.nonprivate_reasons():
             dp.ledger.record_nonprivate(reason)
+        if plan.private and training["seed"] is not None:
+            dp.ledger.record_caveat(SEED_CAVEAT)  # in the ledger, so a mask chosen now carries it too
         _charge_steps_before_first_checkpoint(dp, plan, output_dir)
-        checkpointing.journal_before_training(output_dir, dp.ledger, plan.before_training_entries())
+        checkpointing.journal_before_training(output_dir, dp.ledger, plan.before_training_entries(releases_only=True))
     method_info = method.prepare(dp, dataset.x_train, dataset.y_train, LOSS, plan, initial_epoch)
     callback.begin(dp, plan.epochs, initial_epoch)
     if previous is not None:
@@ -338,7 +334,6 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
         )
     checkpointing.write_atomic(os.path.join(output_dir, RESULTS), json.dumps(results, indent=1))
     print(dp.ledger.report())
-    _warn_if_seed_fixed(config, dp.ledger.is_private)
     spent = f"epsilon {results['epsilon']:.4g}" if results["private"] else "NO privacy guarantee"
     print(f"== test accuracy {results['test_accuracy']:.4f} at {spent} "
           f"(delta {privacy['delta']:g}); results in {os.path.join(output_dir, RESULTS)}")
@@ -347,10 +342,10 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
 
 def _charge_steps_before_first_checkpoint(dp, plan: PrivacyPlan, output_dir: str) -> None:
     """A resumed run killed before its first checkpoint starts over; the steps it ran stay charged."""
-    before = checkpointing.charge_interrupted_before_training(
-        output_dir, dp.ledger, plan.before_training_entries(), dp.distribute_strategy)
-    if before:
-        print(f"== {before} run(s) of the interrupted run's mechanisms before training charged to the ledger")
+    runs = checkpointing.charge_interrupted_before_training(
+        output_dir, dp.ledger, plan.before_training_entries(releases_only=True), dp.distribute_strategy)
+    if runs:
+        print(f"== the mechanisms before training, run {runs} time(s) by the interrupted run(s), charged to the ledger")
     lost = checkpointing.charge_interrupted_steps(output_dir, 0, dp.ledger, plan.noise_multiplier, plan.sample_rate,
                                                   dp.distribute_strategy)
     if lost:
@@ -404,7 +399,7 @@ def _results(config, dp, plan: PrivacyPlan, dataset, phase_seconds, timings, his
         "private": dp.ledger.is_private,
         "nonprivate_reasons": list(dp.ledger.nonprivate_reasons),
         "epsilon": dp.ledger.epsilon() if dp.ledger.is_private else None,  # None: not DP
-        "privacy_caveats": _privacy_caveats(config, dp.ledger),
+        "privacy_caveats": dp.ledger.caveats(),
         "target_epsilon": plan.target_epsilon,
         "delta": plan.delta,
         "noise_multiplier": plan.noise_multiplier,

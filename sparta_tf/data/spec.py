@@ -111,7 +111,9 @@ def parse_spec(spec: Mapping[str, Any]) -> DataSpec:
 def may_share_examples(a: DataSpec, b: DataSpec) -> bool:
     """True when ``a`` and ``b`` can read the same examples: one origin (source and file, TFDS
     name and directory, or synthetic generator) and overlapping classes (``None``: every class).
-    Class references are compared as written (``3`` and ``"3"`` count as different classes)."""
+    A best-effort check on the specs alone: class references are compared as written (class 5
+    given by id in one spec and by name in the other is not matched), and one file reached by two
+    routes (a TFDS default directory and the same directory written out) counts as two origins."""
     if _origin(a) != _origin(b):
         return False
     return a.classes is None or b.classes is None or bool(set(a.classes) & set(b.classes))

@@ -38,13 +38,16 @@ from sparta_tf.privacy.sampling import steps_per_epoch
 
 @dataclasses.dataclass(frozen=True)
 class Mechanism:
-    """``count`` runs of ``M_{q, sigma}`` labelled ``phase`` / ``kind``; ``sigma=None``: to be calibrated."""
+    """``count`` runs of ``M_{q, sigma}`` labelled ``phase`` / ``kind``; ``sigma=None``: to be calibrated.
+    ``draws_noise=False``: a recorded cost, not a new release (a loaded mask's provenance, charged
+    again by every run that loads the mask)."""
 
     phase: str
     sample_rate: float
     count: int
     noise_multiplier: float | None = None
     kind: str = DEFAULT_KIND
+    draws_noise: bool = True
 
     def entry(self) -> LedgerEntry:
         if self.noise_multiplier is None:
@@ -113,9 +116,10 @@ class PrivacyPlan:
             ledger.record(entry.noise_multiplier, entry.sample_rate, entry.count, entry.kind, entry.phase)
         return list(ledger.entries)
 
-    def before_training_entries(self) -> list[LedgerEntry]:
-        """The ledger entries of the mechanisms that run before the first DP step."""
-        return [m.entry() for m in self.before_training if m.count]
+    def before_training_entries(self, releases_only: bool = False) -> list[LedgerEntry]:
+        """The ledger entries of the mechanisms before the first DP step (``releases_only``: only
+        those that draw noise, i.e. release something new each time they run)."""
+        return [m.entry() for m in self.before_training if m.count and (m.draws_noise or not releases_only)]
 
     def _entries(self) -> list[LedgerEntry]:
         training = [LedgerEntry(self.noise_multiplier, self.sample_rate, p.steps, DEFAULT_KIND, p.name)
