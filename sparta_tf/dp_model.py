@@ -47,6 +47,7 @@ from typing import Sequence
 import tensorflow as tf
 
 from sparta_tf.losses import per_example_loss_fn
+from sparta_tf.masks import is_mask_charge
 from sparta_tf import distribute, random_streams
 from sparta_tf.model_checks import probe_batch_mixing, reject_batch_mixing_layers
 from sparta_tf.noise import gaussian_noise
@@ -469,7 +470,8 @@ class DPModel(tf.keras.Model):
         ``checkpoint_state()`` was restored into a new DPModel whose ledger starts empty."""
         if callback.ledger is not self.ledger or callback.step_counter is not self.dp_step:
             return
-        recorded = sum(entry.count for entry in self.ledger.entries if entry.kind == callback.kind)
+        recorded = sum(entry.count for entry in self.ledger.entries
+                       if entry.kind == callback.kind and not is_mask_charge(entry))
         ran = int(self.dp_step.numpy())
         if recorded + callback.pending_steps() < ran:
             raise ValueError(

@@ -54,6 +54,15 @@ TABLE_FILE = "mask.md"
 _META_KEY = "__meta__"
 
 
+MASK_CHARGE_PREFIX = "mask:"
+"""The phase prefix of the ledger entries that charge a loaded mask's cost (not this run's steps)."""
+
+
+def is_mask_charge(entry: LedgerEntry) -> bool:
+    """True for a ledger entry that charges a loaded mask's cost (:meth:`MaskProvenance.charge`)."""
+    return (entry.phase or "").startswith(MASK_CHARGE_PREFIX)
+
+
 @dataclasses.dataclass(frozen=True)
 class MaskProvenance:
     """How a mask was chosen, for the privacy ledger of a run that uses it (see the module doc)."""
@@ -97,7 +106,7 @@ class MaskProvenance:
 
     def charged_entries(self) -> list[LedgerEntry]:
         """What choosing the mask spent, as a run that loads it records it: phase ``mask:<its phase>``."""
-        return [dataclasses.replace(entry, phase=f"mask:{entry.phase}") for entry in self.entries]
+        return [dataclasses.replace(entry, phase=f"{MASK_CHARGE_PREFIX}{entry.phase}") for entry in self.entries]
 
     def charge(self, ledger, source: str) -> None:
         """Records :meth:`charged_entries` in ``ledger``; marks it non-private if the mask is not, and

@@ -222,6 +222,9 @@ def test_a_checkpoint_restored_without_its_ledger_is_refused_and_with_it_counts_
     tf.train.Checkpoint(**restored.checkpoint_state()).read(path).expect_partial()
     with pytest.raises(ValueError, match="ledger records 0 DP steps"):
         restored.fit(x, y, epochs=1, verbose=0)
+    restored.ledger.record(SIGMA, Q, STEPS_PER_EPOCH, phase="mask:selection")  # a loaded mask's cost: not our steps
+    with pytest.raises(ValueError, match="ledger records 0 DP steps"):
+        restored.fit(x, y, epochs=1, verbose=0)
     restored.ledger = PrivacyLedger.from_json(first.ledger.to_json())
     restored.fit(x, y, epochs=1, verbose=0)
     assert restored.ledger.steps == int(restored.dp_step.numpy()) == 2 * STEPS_PER_EPOCH
