@@ -47,8 +47,8 @@ from typing import Sequence
 import tensorflow as tf
 
 from sparta_tf.losses import per_example_loss_fn
-from sparta_tf.masks import is_mask_charge
 from sparta_tf import distribute, random_streams
+from sparta_tf.masks import is_mask_charge
 from sparta_tf.model_checks import probe_batch_mixing, reject_batch_mixing_layers
 from sparta_tf.noise import gaussian_noise
 from sparta_tf.optim.masked_optimizer import MaskedOptimizer
