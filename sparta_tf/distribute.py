@@ -20,6 +20,8 @@ What this module holds (the rest is ``DPModel``'s ordinary step):
   seed drawn per worker would give different Poisson samples and noise);
 * :func:`largest_over_workers`: one number every worker agrees on (the steps a
   killed run started, charged once the same on every worker's ledger);
+* :func:`check_same_checkpoint`, :func:`check_same_step`: every worker resumes
+  from the same checkpoint and step, or none starts;
 * :func:`replica_share`: the slice of a global Poisson batch a replica trains on;
 * :func:`is_chief`, :func:`worker_dir`: only the chief writes the run's files;
   other workers write to a scratch directory of their own.
@@ -318,6 +320,37 @@ def largest_over_workers(strategy: tf.distribute.Strategy, value: int) -> int:
     return int(values.max())
 
 
+def _mean_unless_equal(strategy: tf.distribute.Strategy, value: int) -> float | None:
+    """``None`` when every worker holds ``value``, else the mean over the replicas (one collective).
+
+    Cauchy-Schwarz: ``R sum_r v_r^2 = (sum_r v_r)^2`` iff every ``v_r`` is equal.
+    """
+    moments = tf.constant([value, value * value], tf.int64)
+    total, squares = _sum_over_replicas(strategy, lambda replica: moments)
+    replicas = strategy.num_replicas_in_sync
+    return None if replicas * int(squares) == int(total) ** 2 else int(total) / replicas
+
+
+def check_same_checkpoint(strategy: tf.distribute.Strategy, epoch: int | None) -> None:
+    """:class:`ClusterError` unless every worker resumes from the checkpoint of ``epoch`` (``None``:
+    every worker starts without one).
+
+    A worker that starts fresh runs the mechanisms before training (and
+    their collectives) that a restored worker skips, so workers that
+    disagree would pair unrelated collectives and could hang; called before
+    the first collective that only one of the paths makes, so they meet here
+    and stop.
+    """
+    if not is_multi_worker(strategy):
+        return
+    mean = _mean_unless_equal(strategy, -1 if epoch is None else epoch)
+    if mean is not None:
+        mine = "none" if epoch is None else f"epoch {epoch}"
+        raise ClusterError(f"the workers found different checkpoints to resume from (this one: {mine}); restart "
+                           "every worker with --resume from copies of the same epoch's checkpoint, or start over "
+                           "in fresh output directories")
+
+
 def check_same_step(strategy: tf.distribute.Strategy, step: int) -> None:
     """:class:`ClusterError` unless every worker is at global step ``step`` (e.g. after ``--resume``).
 
@@ -327,10 +360,8 @@ def check_same_step(strategy: tf.distribute.Strategy, step: int) -> None:
     """
     if not is_multi_worker(strategy):
         return
-    moments = tf.constant([step, step * step], tf.int64)
-    total, squares = _sum_over_replicas(strategy, lambda replica: moments)
-    replicas = strategy.num_replicas_in_sync
-    if replicas * int(squares) != int(total) ** 2:  # Cauchy-Schwarz: equality iff all steps are equal
+    mean = _mean_unless_equal(strategy, step)
+    if mean is not None:
         raise ClusterError(f"the workers restored different checkpoints (this one at step {step}, the mean "
-                           f"{int(total) / replicas:g}); restart every worker with --resume from copies of the "
+                           f"{mean:g}); restart every worker with --resume from copies of the "
                            "same epoch's checkpoint, or start over in fresh output directories")

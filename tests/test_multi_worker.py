@@ -244,6 +244,33 @@ def test_workers_whose_journals_disagree_all_charge_the_largest_count(tmp_path):
     assert all("3 step(s) of the interrupted run" in output for output in outputs)
 
 
+def test_workers_that_find_different_checkpoints_stop_with_one_line_instead_of_hanging(tmp_path):
+    """Regression: a worker without a checkpoint starts fresh and runs DP-SNIP's before-training charge
+    (one more collective) while a restored worker does not, so their collectives paired up wrongly and
+    the run could hang. Both must stop at the first collective with the same one-line error."""
+    import shutil
+
+    out, other = tmp_path / "run", tmp_path / "run.worker-worker-1"
+    config = cli_config(out)
+    config["method"] = {"name": "dp_ssgd", "prune": "dp_snip", "prune_rate": 0.5}
+    config["training"]["epochs"] = 1
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(config))
+    resume_all_to_the_end(path)
+    for directory in (out, other):
+        (directory / "results.json").unlink()
+    shutil.rmtree(other / "checkpoints")  # worker 1 lost its checkpoint; the chief kept epoch 1
+
+    procs = start_workers(path, free_ports(2), "--resume")
+    try:
+        outputs = [proc.communicate(timeout=TIMEOUT_S)[0].decode() for proc in procs]
+    finally:
+        kill_all(procs)
+    assert [p.returncode for p in procs] == [1, 1], "\n".join(o[-2500:] for o in outputs)
+    assert "(this one: epoch 1)" in outputs[0] and "(this one: none)" in outputs[1]
+    assert all("the workers found different checkpoints to resume from" in output for output in outputs)
+
+
 def test_the_plan_shows_the_strategy_and_this_tasks_role(monkeypatch):
     from trainers.run import strategy_line
 

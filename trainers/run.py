@@ -298,6 +298,7 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
     dp.compile(make_optimizer(config, plan.update_steps), loss=LOSS, metrics=["accuracy"])
     callback = sparta_tf.MethodCallback(method)
     initial_epoch = previous[1]["epoch"] if previous else 0
+    distribute.check_same_checkpoint(dp.distribute_strategy, previous[1]["epoch"] if previous else None)
     if previous is None:
         for reason in dataset.nonprivate_reasons():
             dp.ledger.record_nonprivate(reason)
