@@ -881,6 +881,21 @@ def _public_line(profile: dict, track: str) -> str:
             f"{profile['pretrain_epochs']} epochs")
 
 
+def _unplanned_cells(profile: dict, methods: list[str]) -> str:
+    """The methods not run yet, each with the benchmark cells it would add after its tuning (epsilons x
+    its seeds; the non-private ceiling one run per seed), and their total: the missing cells named."""
+    def count(method: str) -> int:
+        return len(seeds_of(profile, method)) * (1 if method == "nonprivate" else len(profile["epsilons"]))
+
+    def seeds(method: str) -> str:
+        chosen = seeds_of(profile, method)
+        return f"{chosen[0]}-{chosen[-1]}" if list(chosen) == list(range(chosen[0], chosen[-1] + 1)) else str(chosen)
+
+    epsilons = ", ".join(f"{e:g}" for e in profile["epsilons"])
+    named = [f"{m} (tuning, then {count(m)} cells: eps {epsilons} x seeds {seeds(m)})" for m in methods]
+    return f"{'; '.join(named)}; {sum(count(m) for m in methods)} cells in all, besides their tuning runs"
+
+
 def _seeds_line(profile: dict) -> str:
     if "more_seeds" not in profile:
         return f"seeds {profile['seeds']}"
@@ -1117,7 +1132,7 @@ def _write(report: Report, records: list, missing: list[dict] | None = ()) -> No
     if [m for m in not_run if m not in recorded]:
         lines += ["", "not run yet (methods without tuning runs or cells; the missing list above has none of their "
                       f"cells, as none is planned before the method's tuning): "
-                      f"{', '.join(m for m in not_run if m not in recorded)}"]
+                      f"{_unplanned_cells(profile, [m for m in not_run if m not in recorded])}"]
     if paired:
         lines += ["", "## SPARTA minus each method, paired over shared seeds", "", paired]
     lines += _why_sections(records, report)

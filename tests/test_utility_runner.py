@@ -627,14 +627,17 @@ def test_report_names_the_methods_an_invocation_left_out_and_keeps_them_on_rewri
               "trainable_fraction": 0.2, "seconds": 1.0, "run_dir": None, "config": None}
     budgets = {"2": {"steps_share": 0.05, "epsilon_increment_share": 0.04, "epsilon_marginal_share": 0.03,
                      "epsilon_alone": 0.6, "epsilon": 2.0}}
-    report = utility.Report(str(tmp_path), "cifar10-transfer-standard", profile, 0.0, ["last", "oracle"], budgets)
+    report = utility.Report(str(tmp_path), "cifar10-transfer-standard", profile, 0.0, ["last", "oracle", "dpsgd_grad"], budgets)
     utility._write(report, [record], None)
     text = (tmp_path / "cifar10-transfer-standard.md").read_text()
-    assert "not run yet" in text and "last, oracle" in text
+    assert "not run yet" in text
+    assert ("last (tuning, then 9 cells: eps 1, 2, 8 x seeds 0-2); oracle (tuning, then 9 cells: eps 1, 2, 8 x "
+            "seeds 0-2); dpsgd_grad (tuning, then 15 cells: eps 1, 2, 8 x seeds 0-4); 33 cells in all, besides their "
+            "tuning runs") in text
     assert "| 2 | 5.0% | 3.0% | 4.0% | 0.6 |" in text
     (tmp_path / "cifar10-transfer-standard.md").unlink()
     assert utility.rewrite_report(str(tmp_path), "cifar10-transfer-standard", profile) == 0
-    assert "last, oracle" in (tmp_path / "cifar10-transfer-standard.md").read_text()
+    assert "last (tuning, then 9 cells" in (tmp_path / "cifar10-transfer-standard.md").read_text()
     assert "| 2 | 5.0% |" in (tmp_path / "cifar10-transfer-standard.md").read_text()
 
 
