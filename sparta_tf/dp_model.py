@@ -61,6 +61,7 @@ from sparta_tf.privacy.ledger import PrivacyLedger
 from sparta_tf.privacy.sampling import (
     PoissonSampler,
     default_physical_batch_size,
+    poisson_provenance,
     shuffled_dataset,
     shuffled_steps_per_epoch,
 )
@@ -412,6 +413,24 @@ class DPModel(tf.keras.Model):
         sampler = PoissonSampler(n, self.sample_rate, self.physical_batch_size, seed=self._seed)
         return sampler.dataset(x, y, start_step=initial_step), sampler.steps_per_epoch
 
+    def _check_dataset_provenance(self, dataset: tf.data.Dataset) -> None:
+        """Records a ledger caveat unless ``dataset`` is, unchanged, what ``PoissonSampler(n, q)
+        .dataset`` made for this model's ``n`` and ``q``: the ledger charges Poisson sampling at
+        ``q``, which a hand-made or transformed dataset (fixed batches, another rate) need not be."""
+        if self.ledger is None or not self.ledger.covered_by_accountant:
+            return  # no accounting, or the ledger already says its sampling is not Poisson
+        made = poisson_provenance(dataset)
+        expected = (self.dataset_size, self.sample_rate)
+        if made is not None and made[1] == self.sample_rate and self.dataset_size in (None, made[0]):
+            return
+        what = ("a tf.data.Dataset that PoissonSampler did not make (or one transformed after it)" if made is None
+                else f"the dataset of PoissonSampler(n={made[0]}, sample_rate={made[1]:g})")
+        self.ledger.record_caveat(
+            f"fit got {what}, but the ledger charges Poisson sampling of "
+            f"{'the' if expected[0] is None else f'n={expected[0]}'} examples at "
+            f"q={expected[1]:g}; the guarantee holds only if its batches are exactly that; feed arrays to fit, "
+            "or PoissonSampler(n, q, ...).dataset(x, y) unchanged")
+
     def _build_compiled_metrics(self, element_spec) -> None:
         """Creates the compiled metrics (and their variables) eagerly, before the step is traced.
 
@@ -506,6 +525,7 @@ class DPModel(tf.keras.Model):
             x, steps_per_epoch = self._input_pipeline(x, y, int(self.dp_step.numpy()))
             y = None
         elif isinstance(x, tf.data.Dataset):
+            self._check_dataset_provenance(x)
             x = x.map(_checked_padding_mask)
             self._probe_mixing(next(iter(x.take(1)))[0])
         if isinstance(x, tf.data.Dataset):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import yaml
 
@@ -93,6 +94,22 @@ def test_a_secret_seed_leaves_no_caveat_and_the_report_says_what_epsilon_covers(
     assert results["private"] and results["privacy_caveats"] == []
     out = capsys.readouterr().out
     assert "covers" in out and "seed stays secret" in out and "training.seed is set" not in out
+
+
+def test_the_data_sets_caveats_join_the_seed_caveat_in_private_runs_only(tmp_path):
+    """One list feeds the warning at the start and the ledger (hence results.json and the report)."""
+    from sparta_tf.data import Dataset
+
+    empty = np.zeros((0, 2, 2, 1), np.float32)
+    labels = np.zeros(0, np.int64)
+    dataset = Dataset(empty, labels, empty, labels, empty, labels, num_classes=3, class_names=list("abc"),
+                      name="toy", class_count_from_private_labels=True)
+    config = validate(tiny_config(tmp_path / "run", "bitfit"))
+    caveats = run.privacy_caveats(config, dataset, private=True)
+    assert caveats[0] == run.SEED_CAVEAT and "number of classes (3) was read off the private labels" in caveats[1]
+    assert run.privacy_caveats(config, dataset, private=False) == []
+    config["training"]["seed"] = None
+    assert run.privacy_caveats(config, dataset, private=True) == caveats[1:]
 
 
 def test_dry_run_prints_the_plan(tmp_path):

@@ -129,6 +129,22 @@ def test_npz_grayscale_uint8_gets_channel_axis_and_scaling(tmp_path):
     assert sorted(decode_ids(data.x_test)) == list(range(1000, 1050))
 
 
+@pytest.mark.parametrize("named_by", [None, "classes", "class_names", "stored"])
+def test_a_class_count_read_off_the_private_labels_is_a_privacy_caveat(tmp_path, named_by):
+    """Without names or classes, K = largest label + 1: removing the only example of the top class
+    would shrink the model's head. The data set says so unless the spec or the file fixed the classes."""
+    extra = {"class_names": np.array(list("abcde"))} if named_by == "stored" else {}
+    path = write_npz(tmp_path / "toy.npz", **extra)
+    spec = {"source": "npz", "path": str(path), "val_fraction": 0.0}
+    spec.update({"classes": {"classes": [0, 1, 2, 3, 4]}, "class_names": {"class_names": list("abcde")}}
+                .get(named_by, {}))
+    caveats = load_dataset(spec).privacy_caveats()
+    if named_by is None:
+        assert len(caveats) == 1 and "number of classes (5) was read off the private labels" in caveats[0]
+    else:
+        assert caveats == []
+
+
 def test_npz_float_pixels_outside_unit_range_are_rejected(tmp_path):
     path = tmp_path / "bad.npz"
     x_test, y_test = np.zeros((2, 2, 2)), [0, 1]

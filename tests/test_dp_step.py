@@ -227,6 +227,30 @@ def test_jit_compile_runs_and_matches_graph_mode():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("made_by", ["hand", "other_rate", "sampler"])
+def test_fit_on_a_dataset_the_sampler_did_not_make_for_this_rate_is_a_ledger_caveat(made_by):
+    """The ledger charges Poisson sampling at q; a tf.data.Dataset fed to fit as given could be fixed
+    batches or another rate, so unless PoissonSampler(n, q) made it, unchanged, the ledger says so."""
+    from sparta_tf.privacy.sampling import PoissonSampler
+
+    x, y = data(16)
+    dp = DPModel(small_model(), noise_multiplier=1.0, sample_rate=0.25, dataset_size=16, physical_batch_size=8,
+                 delta=1e-3, seed=3)
+    dp.compile(tf.keras.optimizers.SGD(0.1), loss=LOSS)
+    datasets = {"hand": lambda: tf.data.Dataset.from_tensors((x[:8], y[:8], np.ones(8, np.float32))).repeat(),
+                "other_rate": lambda: PoissonSampler(16, 0.5, 8, seed=3).dataset(x, y),
+                "sampler": lambda: PoissonSampler(16, 0.25, 8, seed=3).dataset(x, y)}
+    dp.fit(datasets[made_by](), epochs=1, steps_per_epoch=2, verbose=0)
+    caveats = [c for c in dp.ledger.caveats() if c.startswith("fit got")]
+    if made_by == "sampler":
+        assert caveats == []
+    else:
+        expected = ("PoissonSampler did not make" if made_by == "hand"
+                    else "PoissonSampler(n=16, sample_rate=0.5)")
+        assert len(caveats) == 1 and expected in caveats[0] and "n=16 examples at q=0.25" in caveats[0]
+        assert dp.ledger.report().count(caveats[0]) == 1
+
+
 def test_mirrored_strategy_matches_single_device():
     devices = tf.config.list_logical_devices("CPU")
     if len(devices) < 2:

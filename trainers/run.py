@@ -83,9 +83,17 @@ SEED_CAVEAT = ("training.seed is set: the DP noise and batches follow from it, s
                "secret seed")
 
 
-def _warn_if_seed_fixed(config: dict, private: bool) -> None:
-    if private and config["training"]["seed"] is not None:
-        print(f"  WARNING: {SEED_CAVEAT}")
+def privacy_caveats(config: dict, dataset, private: bool) -> list[str]:
+    """What a private run's guarantee assumes beyond the mechanism: a secret config when it fixes the
+    seed, and what the data set assumes (:meth:`Dataset.privacy_caveats`); none for a non-private run."""
+    if not private:
+        return []
+    return ([SEED_CAVEAT] if config["training"]["seed"] is not None else []) + dataset.privacy_caveats()
+
+
+def _warn_of_caveats(config: dict, dataset, private: bool) -> None:
+    for caveat in privacy_caveats(config, dataset, private):
+        print(f"  WARNING: {caveat}")
 
 
 def _seed(config: dict) -> int:
@@ -227,7 +235,7 @@ def dry_run(config: dict) -> PrivacyPlan:
     method = build_method(config, None, model)
     plan = make_plan(config, dataset, method)
     print(describe(plan, method, model))
-    _warn_if_seed_fixed(config, plan.private)
+    _warn_of_caveats(config, dataset, plan.private)
     print(strategy_line(config["training"]["strategy"]))
     return plan
 
@@ -283,7 +291,7 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
     method = build_method(config, output_dir, model)
     plan = make_plan(config, dataset, method)
     print(describe(plan, method, model))
-    _warn_if_seed_fixed(config, plan.private)
+    _warn_of_caveats(config, dataset, plan.private)
     print(strategy_line(config["training"]["strategy"]))
     checkpointing.write_atomic(os.path.join(output_dir, "plan.json"), json.dumps(plan.to_json(), indent=1))
 
@@ -302,8 +310,8 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
     if previous is None:
         for reason in dataset.nonprivate_reasons():
             dp.ledger.record_nonprivate(reason)
-        if plan.private and training["seed"] is not None:
-            dp.ledger.record_caveat(SEED_CAVEAT)  # in the ledger, so a mask chosen now carries it too
+        for caveat in privacy_caveats(config, dataset, plan.private):
+            dp.ledger.record_caveat(caveat)  # in the ledger, so a mask chosen now carries it too
         _charge_steps_before_first_checkpoint(dp, plan, output_dir)
         checkpointing.journal_before_training(output_dir, dp.ledger, plan.before_training_entries(releases_only=True))
     method_info = method.prepare(dp, dataset.x_train, dataset.y_train, LOSS, plan, initial_epoch)

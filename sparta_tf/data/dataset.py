@@ -36,6 +36,19 @@ class Dataset:
     """True when ``mean``/``std`` were computed from ``x_train`` without noise: a release of the
     private data that no DP accounting covers (a run using them is reported NOT private)."""
 
+    class_count_from_private_labels: bool = False
+    """True when ``num_classes`` is one more than the largest label in the data (no ``data.classes``
+    or ``data.class_names``, none stored): one example of the top class can change it, and with
+    it the model's head, unless the label set is public knowledge (a caveat, not a refusal)."""
+
+    def privacy_caveats(self) -> list[str]:
+        """What the DP guarantee assumes of this data set beyond the mechanism (empty: nothing)."""
+        if not self.class_count_from_private_labels:
+            return []
+        return [f"the number of classes ({self.num_classes}) was read off the private labels, so one example of "
+                "the top class can change the model's head; the guarantee assumes the label set is public: "
+                "give data.classes or data.class_names"]
+
     def nonprivate_reasons(self) -> list[str]:
         """Why training on this data set is not covered by the DP guarantee (empty: it is)."""
         if not self.statistics_from_private_data:

@@ -100,6 +100,7 @@ def build_dataset(raw: RawData, spec: DataSpec, seed: int) -> Dataset:
         mean=mean,
         std=std,
         statistics_from_private_data=spec.normalize == "standard" and spec.mean is None,
+        class_count_from_private_labels=raw.class_names_from_labels and spec.classes is None,
     )
 
 

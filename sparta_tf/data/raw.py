@@ -42,12 +42,18 @@ class ArraySplit(Split):
 
 @dataclasses.dataclass
 class RawData:
-    """A source's splits (``test`` is ``None`` when it has none) and class names."""
+    """A source's splits (``test`` is ``None`` when it has none) and class names.
+
+    ``class_names_from_labels``: the names are ``"0" .. "K-1"`` with ``K`` one
+    more than the largest label in the data (nothing gave the names or ``K``),
+    so ``K`` depends on the data's examples.
+    """
 
     train: Split
     test: Optional[Split]
     class_names: list[str]
     name: str
+    class_names_from_labels: bool = False
 
 
 def images_with_channel_axis(x: np.ndarray, what: str) -> np.ndarray:

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import weakref
 from typing import Any
 
 import numpy as np
@@ -76,6 +77,7 @@ __all__ = [
     "PoissonSampler",
     "default_physical_batch_size",
     "poisson_dataset",
+    "poisson_provenance",
     "shuffled_dataset",
     "shuffled_steps_per_epoch",
     "steps_per_epoch",
@@ -87,6 +89,18 @@ SHUFFLE_STREAM = "shuffle"
 POISSON_DOMAIN: int = random_streams.STREAMS[POISSON_STREAM]
 #: Domain constant of the shuffled-batches stream.
 SHUFFLE_DOMAIN: int = random_streams.STREAMS[SHUFFLE_STREAM]
+
+#: ``dataset -> (n, q)`` for every dataset :meth:`PoissonSampler.dataset` returned (weak keys: it
+#: does not keep them alive). Any transformation (``map``, ``take``, ``batch``) makes a new
+#: dataset, which is not in here.
+_POISSON_DATASETS: "weakref.WeakKeyDictionary[tf.data.Dataset, tuple[int, float]]" = weakref.WeakKeyDictionary()
+
+
+def poisson_provenance(dataset: tf.data.Dataset) -> tuple[int, float] | None:
+    """``(n, q)`` when ``dataset`` is exactly what ``PoissonSampler(n, q, ...).dataset`` returned,
+    else ``None`` (a dataset made any other way, or transformed after the sampler made it): the
+    accountant's Poisson analysis holds only for the former, at that ``q``."""
+    return _POISSON_DATASETS.get(dataset)
 
 
 # --------------------------------------------------------------------------
@@ -349,8 +363,9 @@ class PoissonSampler:
             indices, weights = self.padded_indices(t)
             return _gather(x_t, indices), _gather(y_t, indices), weights
 
-        ds = tf.data.Dataset.counter(start_step, dtype=tf.int64)
-        return ds.map(element).prefetch(tf.data.AUTOTUNE)
+        ds = tf.data.Dataset.counter(start_step, dtype=tf.int64).map(element).prefetch(tf.data.AUTOTUNE)
+        _POISSON_DATASETS[ds] = (self.n, self.sample_rate)
+        return ds
 
 
 def poisson_dataset(

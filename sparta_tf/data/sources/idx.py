@@ -21,7 +21,7 @@ import numpy as np
 
 from sparta_tf.data.errors import DataError, key_error
 from sparta_tf.data.raw import ArraySplit, RawData, check_labels, images_with_channel_axis
-from sparta_tf.data.sources.naming import class_names_for
+from sparta_tf.data.sources.naming import class_names_for, names_from_labels
 from sparta_tf.data.spec import DataSpec
 
 __all__ = ["IDX_DTYPES", "load_idx", "read_idx"]
@@ -42,7 +42,7 @@ def load_idx(spec: DataSpec, seed: int) -> RawData:
         )
     train = _split(directory, SPLITS["train"], required=True)
     test = _split(directory, SPLITS["test"], required=False)
-    return RawData(train, test, class_names_for(spec, [train, test]), directory.name)
+    return RawData(train, test, class_names_for(spec, [train, test]), directory.name, names_from_labels(spec))
 
 
 def _split(directory: Path, prefix: str, required: bool) -> Optional[ArraySplit]:

@@ -8,7 +8,7 @@ from sparta_tf.data.errors import key_error
 from sparta_tf.data.raw import Split
 from sparta_tf.data.spec import DataSpec
 
-__all__ = ["MAX_CLASSES", "class_names_for"]
+__all__ = ["MAX_CLASSES", "class_names_for", "names_from_labels"]
 
 MAX_CLASSES = 100_000
 
@@ -35,3 +35,8 @@ def class_names_for(
         raise key_error(key, f"has {len(names)} class names but labels go up to {needed - 1}",
                         f"give {needed} names")
     return names
+
+
+def names_from_labels(spec: DataSpec, stored: Optional[Sequence[str]] = None) -> bool:
+    """True when :func:`class_names_for` reads the number of classes off the labels."""
+    return not spec.class_names and not stored

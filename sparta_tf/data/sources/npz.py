@@ -16,7 +16,7 @@ import numpy as np
 
 from sparta_tf.data.errors import key_error
 from sparta_tf.data.raw import ArraySplit, RawData, check_labels, images_with_channel_axis
-from sparta_tf.data.sources.naming import class_names_for
+from sparta_tf.data.sources.naming import class_names_for, names_from_labels
 from sparta_tf.data.spec import DataSpec
 
 __all__ = ["load_npz"]
@@ -37,7 +37,7 @@ def load_npz(spec: DataSpec, seed: int) -> RawData:
     test = _split(arrays, "test", spec.path)
     stored = [str(n) for n in arrays["class_names"]] if "class_names" in arrays else None
     names = class_names_for(spec, [train, test], stored)
-    return RawData(train, test, names, spec.path.name.removesuffix(".npz"))
+    return RawData(train, test, names, spec.path.name.removesuffix(".npz"), names_from_labels(spec, stored))
 
 
 def _read(path: Path) -> dict[str, np.ndarray]:

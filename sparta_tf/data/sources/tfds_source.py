@@ -48,10 +48,11 @@ def load_tfds(spec: DataSpec, seed: int) -> RawData:
     test = _split(builder, "test", spec, image_key) if "test" in info.splits else None
     num_classes = getattr(label_feature, "num_classes", None)
     names = list(getattr(label_feature, "names", None) or [])
+    from_labels = not names and not num_classes
     if not names:
         top = max(int(s.labels.max()) for s in (train, test) if s is not None and s.labels.size)
         names = [str(k) for k in range(num_classes or top + 1)]
-    return RawData(train, test, names, spec.name)
+    return RawData(train, test, names, spec.name, from_labels)
 
 
 def _builder(spec: DataSpec):
