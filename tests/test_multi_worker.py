@@ -160,14 +160,14 @@ def kill_all(procs):
         proc.wait()
 
 
-def resume_all_to_the_end(config_path) -> list[str]:
-    """Both workers with --resume, run to their end: each one's output (both must exit 0)."""
+def resume_all_to_the_end(config_path, exit_code=0) -> list[str]:
+    """Both workers with --resume, run to their end: each one's output (both must exit ``exit_code``)."""
     procs = start_workers(config_path, free_ports(2), "--resume")
     try:
         outputs = [proc.communicate(timeout=TIMEOUT_S)[0].decode() for proc in procs]
     finally:
         kill_all(procs)
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2500:] for o in outputs)
+    assert [p.returncode for p in procs] == [exit_code, exit_code], "\n".join(o[-2500:] for o in outputs)
     return outputs
 
 
@@ -261,12 +261,7 @@ def test_workers_that_find_different_checkpoints_stop_with_one_line_instead_of_h
         (directory / "results.json").unlink()
     shutil.rmtree(other / "checkpoints")  # worker 1 lost its checkpoint; the chief kept epoch 1
 
-    procs = start_workers(path, free_ports(2), "--resume")
-    try:
-        outputs = [proc.communicate(timeout=TIMEOUT_S)[0].decode() for proc in procs]
-    finally:
-        kill_all(procs)
-    assert [p.returncode for p in procs] == [1, 1], "\n".join(o[-2500:] for o in outputs)
+    outputs = resume_all_to_the_end(path, exit_code=1)  # both stop at the check
     assert "(this one: epoch 1)" in outputs[0] and "(this one: none)" in outputs[1]
     assert all("the workers found different checkpoints to resume from" in output for output in outputs)
 
