@@ -7,6 +7,7 @@ runtime (even ``list_logical_devices`` does), hence here, first.
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")  # as trainers/__init__.py: grouped convs need it on AMD
 
 import tensorflow as tf  # noqa: E402
 
