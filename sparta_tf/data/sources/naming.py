@@ -25,12 +25,9 @@ def class_names_for(
     if needed > MAX_CLASSES:
         raise key_error("path", f"labels go up to {needed - 1}, more than {MAX_CLASSES:,} classes",
                         "store class ids 0..K-1")
-    if spec.class_names:
-        names, key = list(spec.class_names), "class_names"
-    elif stored:
-        names, key = list(stored), "path"
-    else:
+    if names_from_labels(spec, stored):
         return [str(k) for k in range(needed)]
+    names, key = (list(spec.class_names), "class_names") if spec.class_names else (list(stored), "path")
     if len(names) < needed:
         raise key_error(key, f"has {len(names)} class names but labels go up to {needed - 1}",
                         f"give {needed} names")
