@@ -32,15 +32,24 @@ SAFETY_MARGIN = 1e-6
 
 
 def per_example_squared_norms(grads: Sequence[tf.Tensor]) -> tf.Tensor:
-    """``[B]``: ``sum_k ||grads[k][i]||^2`` over all per-example tensors ``[B, ...]``."""
+    """``[B]``: ``sum_k ||grads[k][i]||^2`` over all per-example tensors ``[B, ...]``, in the
+    accumulation dtype (:func:`sparta_tf.precision.accumulation_dtype`: float32 for bfloat16 /
+    float16 gradients, whose squares would round past the clip bound or overflow)."""
     batch = tf.shape(grads[0])[0]
+    grads = _common_accumulation(grads)
     return tf.add_n([tf.reduce_sum(tf.reshape(tf.square(g), [batch, -1]), axis=1) for g in grads])
+
+
+def _common_accumulation(grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    """``grads`` in one accumulation dtype (float64 if any is float64, else float32)."""
+    dtype = tf.float64 if any(g.dtype == tf.float64 for g in grads) else tf.float32
+    return [tf.cast(g, dtype) for g in grads]
 
 
 def per_example_l1_norms(grads: Sequence[tf.Tensor]) -> tf.Tensor:
     """``[B]``: ``sum_k ||grads[k][i]||_1`` over all per-example tensors ``[B, ...]``."""
     batch = tf.shape(grads[0])[0]
-    return tf.add_n([tf.reduce_sum(tf.reshape(tf.abs(g), [batch, -1]), axis=1) for g in grads])
+    return tf.add_n([tf.reduce_sum(tf.reshape(tf.abs(g), [batch, -1]), axis=1) for g in _common_accumulation(grads)])
 
 
 def clip_factors(squared_norms: tf.Tensor, clip_norm: float, valid: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
@@ -78,8 +87,8 @@ def clipped_sum(
     else:
         raise ValueError(f"order={order!r}: clipping supports the L1 and L2 norms (order 1 or 2)")
     sums = []
-    for g in grads:
+    for g in _common_accumulation(grads):
         mask = tf.reshape(keep, [-1] + [1] * (g.shape.rank - 1))
         g = tf.where(mask, g, tf.zeros_like(g))
-        sums.append(tf.tensordot(factors, g, axes=1))
+        sums.append(tf.tensordot(tf.cast(factors, g.dtype), g, axes=1))
     return sums, norms

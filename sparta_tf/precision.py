@@ -39,3 +39,26 @@ def require_ieee_float32_matmuls() -> None:
             "TensorFloat-32 turned off: the DP clip bound assumes IEEE float32 matmuls "
             "(see sparta_tf.precision)"
         )
+
+
+def accumulation_dtype(dtype: tf.DType) -> tf.DType:
+    """The dtype per-example norms, clip factors and clipped sums are computed in: float64 for a
+    float64 model, else float32 whatever the compute dtype.
+
+    A bfloat16 or float16 norm rounds with ``u = 2^-9`` or ``2^-11``, so one example's clipped
+    contribution could exceed ``C`` by that much (measured: 1.0057 C in bfloat16, 1.036 C in
+    float16), and a float16 square above 65504 overflows to inf, which would drop the example
+    instead of clipping it. Output gradients and layer inputs are exact in float32 (every
+    bfloat16 / float16 value is a float32 value), so casting them up first computes the norm of
+    the very gradient that is summed, with float32 rounding, which the safety margin of
+    :mod:`sparta_tf.clipping` and the ghost norms' rounding bound already cover.
+    """
+    dtype = tf.as_dtype(dtype)
+    return tf.float64 if dtype == tf.float64 else tf.float32
+
+
+def to_accumulation(t: tf.Tensor) -> tf.Tensor:
+    """``t`` cast to :func:`accumulation_dtype` (floating tensors only; others unchanged)."""
+    if not t.dtype.is_floating:
+        return t
+    return tf.cast(t, accumulation_dtype(t.dtype))

@@ -33,8 +33,15 @@ from typing import NamedTuple, Sequence
 import tensorflow as tf
 
 from sparta_tf import clipping
-from sparta_tf.per_example.engines import HookedEngine, PerExampleLoss, record_output_gradients
+from sparta_tf.per_example.engines import (
+    HookedEngine,
+    PerExampleLoss,
+    check_rows,
+    per_example_sum,
+    record_output_gradients,
+)
 from sparta_tf.per_example.ghost_rules import NormMethod, _squared, ghost_rule_for, keep_examples
+from sparta_tf.precision import accumulation_dtype, to_accumulation
 from sparta_tf.trainable import VariableSelection
 
 logger = logging.getLogger(__name__)
@@ -65,11 +72,11 @@ class BookkeepingEngine(HookedEngine):
 
     def clipped_sum(self, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor, clip_norm: float) -> ClippedBatch:
         calls, losses, predictions = record_output_gradients(self.model, self._layers, x, y, loss_fn, valid)
-        squared, direct_grads, table = self._squared_norms(calls)
+        squared, direct_grads, table = self._squared_norms(calls, losses)
         self._remember(table)
         batch = tf.shape(losses)[0]
         if squared is None:
-            squared = tf.zeros([batch], losses.dtype)
+            squared = tf.zeros([batch], tf.float32)
         factors, keep = clipping.clip_factors(squared, clip_norm, valid)
         sums = self._weighted_sums(calls, factors, keep, direct_grads)
         return ClippedBatch(sums, squared, losses, predictions)
@@ -85,10 +92,10 @@ class BookkeepingEngine(HookedEngine):
         gradients at a time.
         """
         calls, losses, predictions = record_output_gradients(self.model, self._layers, x, y, loss_fn, valid)
-        squared, direct_grads, table = self._squared_norms(calls)
+        squared, direct_grads, table = self._squared_norms(calls, losses)
         self._remember(table)
         if squared is None:
-            squared = tf.zeros([tf.shape(losses)[0]], losses.dtype)
+            squared = tf.zeros([tf.shape(losses)[0]], tf.float32)
         if clip_norm is None:
             keep = tf.logical_and(valid, tf.math.is_finite(squared))
             factors = tf.cast(keep, squared.dtype)
@@ -118,29 +125,33 @@ class BookkeepingEngine(HookedEngine):
 
     # ------------------------------------------------------------------ norms
 
-    def _squared_norms(self, calls):
-        """``([B] or None, {selection index: per-example grads of multi-call layers}, cost table)``."""
+    def _squared_norms(self, calls, losses):
+        """``([B] or None, {selection index: materialised per-example grads}, cost table)``."""
         parts, direct_grads, table = [], {}, []
+        batch = tf.shape(losses)[0]
         for layer, rule, indices in self._plan:
             recorded = [(call, delta) for call, delta in calls.get(id(layer), []) if delta is not None]
             if not recorded:
                 continue
             selections = [self.selections[k] for k in indices]
-            if len(recorded) == 1:
+            if len(recorded) == 1 and not self.is_grouped(layer):
                 call, delta = recorded[0]
                 materialised: dict = {}
                 norms, methods = rule.squared_norms(layer, call, delta, selections, materialised)
+                check_rows(layer, norms, losses)
                 direct_grads.update({indices[position]: g for position, g in materialised.items()})
                 parts.append(norms)
                 table.extend(methods)
                 continue
-            for call, delta in recorded:  # shared layer: the per-example gradient sums over calls
+            # Shared layer (the per-example gradient sums over calls) or inside TimeDistributed (over rows).
+            for call, delta in recorded:
                 for k, g in zip(indices, rule.reference.per_example_grads(layer, call, delta, selections)):
+                    g = per_example_sum(g, batch) if self.is_grouped(layer) else g
                     direct_grads[k] = g if k not in direct_grads else direct_grads[k] + g
             parts.extend(_squared(direct_grads[k]) for k in indices)
-            table.extend(NormMethod(layer.name, s.variable.name, "direct_shared_layer", None, None)
-                         for s in selections)
-        return (tf.add_n(parts) if parts else None), direct_grads, table
+            method = "direct_time_distributed" if self.is_grouped(layer) else "direct_shared_layer"
+            table.extend(NormMethod(layer.name, s.variable.name, method, None, None) for s in selections)
+        return _total(parts), direct_grads, table
 
     # ------------------------------------------------------------------- sums
 
@@ -149,7 +160,8 @@ class BookkeepingEngine(HookedEngine):
         for layer, rule, indices in self._plan:
             for k in indices:  # per-example gradients a norm rule computed anyway: sum them
                 if k in direct_grads:
-                    sums[k] = tf.tensordot(factors, keep_examples(direct_grads[k], keep), axes=1)
+                    grads = to_accumulation(keep_examples(direct_grads[k], keep))
+                    sums[k] = tf.tensordot(tf.cast(factors, grads.dtype), grads, axes=1)
             rest = [k for k in indices if k not in direct_grads]
             if not rest:
                 continue
@@ -161,8 +173,7 @@ class BookkeepingEngine(HookedEngine):
                 layer_sums = rule.weighted_sums(layer, call, delta_c, keep, [self.selections[k] for k in rest])
                 for k, s in zip(rest, layer_sums):
                     sums[k] = s if sums[k] is None else sums[k] + s
-        return [tf.zeros(s.compact_shape, s.variable.dtype) if total is None else tf.cast(total, s.variable.dtype)
-                for total, s in zip(sums, self.selections)]
+        return [_as_statistic(total, s) for total, s in zip(sums, self.selections)]
 
     def _remember(self, table: list[NormMethod]) -> None:
         self._cost_table = table
@@ -173,6 +184,24 @@ class BookkeepingEngine(HookedEngine):
                 counts[row.method] = counts.get(row.method, 0) + 1
             logger.info("book-keeping engine: per-example norms by %s",
                         ", ".join(f"{method} x{count}" for method, count in sorted(counts.items())))
+
+
+def _total(parts: list) -> tf.Tensor | None:
+    """``sum_l ||g_i^l||^2`` over layers, in float64 if any layer's part is (a float64 layer)."""
+    if not parts:
+        return None
+    dtype = tf.float64 if any(p.dtype == tf.float64 for p in parts) else tf.float32
+    return tf.add_n([tf.cast(p, dtype) for p in parts])
+
+
+def _as_statistic(total, selection: VariableSelection) -> tf.Tensor:
+    """A selection's clipped sum in its compact shape (static, whatever the batch's shapes) and
+    the accumulation dtype: the noise is added to it there, before any cast to a low-precision
+    variable dtype (a cast after the release is post-processing)."""
+    dtype = accumulation_dtype(selection.variable.dtype)
+    if total is None:
+        return tf.zeros(selection.compact_shape, dtype)
+    return tf.reshape(tf.cast(total, dtype), selection.compact_shape)
 
 
 def make_bookkeeping_engine(model: tf.keras.Model, selections: Sequence[VariableSelection]):
@@ -234,4 +263,5 @@ def clipped_batch(engine, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor, clip_
         return engine.clipped_sum(x, y, loss_fn, valid, clip_norm)
     result = engine(x, y, loss_fn, valid)
     sums, norms = clipping.clipped_sum(result.grads, clip_norm, valid)
+    sums = [_as_statistic(total, s) for total, s in zip(sums, engine.selections)]
     return ClippedBatch(sums, tf.square(norms), result.losses, result.predictions)

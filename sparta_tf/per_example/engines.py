@@ -30,8 +30,11 @@ from typing import Callable, NamedTuple, Sequence
 
 import tensorflow as tf
 
+from sparta_tf.per_example.errors import UnsupportedLayerError
 from sparta_tf.per_example.layer_rules import LayerRule, rule_for
-from sparta_tf.per_example.recording import install_hook, recording
+from sparta_tf.per_example.recording import install_hook, install_reshape_hook, recording
+from sparta_tf.per_example.recurrent import RECURRENT_RULE, cell_layers, check_recurrent_layer, is_recurrent
+from sparta_tf.precision import accumulation_dtype, to_accumulation
 from sparta_tf.trainable import TrainableSet, VariableSelection
 
 logger = logging.getLogger(__name__)
@@ -45,34 +48,62 @@ class PerExampleGradients(NamedTuple):
     predictions: object  # model output structure
 
 
-def _leaf_layers_owning_variables(model: tf.keras.Model) -> list[tf.keras.layers.Layer]:
-    """Layers (including nested ones) that create trainable or frozen weights themselves."""
-    layers = []
-    for module in model._flatten_layers(include_self=False, recursive=True):
-        own = list(module._trainable_weights) + list(module._non_trainable_weights)
-        if own:
-            layers.append(module)
-    return layers
-
-
 def _owned_weights(layer) -> list[tf.Variable]:
     return list(layer._trainable_weights) + list(layer._non_trainable_weights)
+
+
+def _units(model: tf.keras.Model) -> list[tuple[tf.keras.layers.Layer, list[tf.Variable]]]:
+    """``(layer, variables)`` for every layer a rule is planned for.
+
+    A leaf layer that creates weights itself owns them; a recurrent layer owns the weights of its
+    cell (and of the cells inside it), which its call uses without calling the cell's ``call``
+    (:mod:`sparta_tf.per_example.recurrent`). A layer with weights of its own *and* sublayers with
+    weights is a unit too; the planner refuses it.
+    """
+    units, claimed = [], set()
+    for module in model._flatten_layers(include_self=False, recursive=True):
+        if id(module) in claimed:
+            continue
+        if is_recurrent(module):
+            cells = cell_layers(module)
+            claimed.update(id(c) for c in cells)
+            units.append((module, [v for c in cells for v in _owned_weights(c)]))
+        elif _owned_weights(module):
+            units.append((module, _owned_weights(module)))
+    return units
+
+
+def _layers_inside_time_distributed(model: tf.keras.Model) -> tuple[list, set[int]]:
+    """``(wrappers, ids of the layers they apply to [B*T, ...] rows)``."""
+    wrappers = [m for m in model._flatten_layers(include_self=False, recursive=True)
+                if isinstance(m, tf.keras.layers.TimeDistributed)]
+    inside = {id(layer) for w in wrappers for layer in w.layer._flatten_layers(include_self=True, recursive=True)}
+    return wrappers, inside
 
 
 class HookedEngine:
     """An engine that records layer inputs and output gradients through per-layer hooks.
 
     ``plan``: ``[(layer, rule, [indices into selections])]``; each rule's ``probe_point`` says
-    where its layer is probed (see :mod:`sparta_tf.per_example.recording`).
+    where its layer is probed (see :mod:`sparta_tf.per_example.recording`). Layers inside a
+    ``TimeDistributed`` see ``B*T`` rows; their per-row gradients are summed per example
+    (:func:`per_example_sum`).
     """
 
     def __init__(self, model: tf.keras.Model, selections: Sequence[VariableSelection], plan):
         self.model = model
         self.selections = list(selections)
         self._plan = plan
+        wrappers, self._grouped = _layers_inside_time_distributed(model)
+        for wrapper in wrappers:
+            install_reshape_hook(wrapper)
         for layer, rule, _ in plan:
             install_hook(layer, rule)
         self._layers = [layer for layer, _, _ in plan]
+
+    def is_grouped(self, layer) -> bool:
+        """True for a layer that a ``TimeDistributed`` applies to several rows per example."""
+        return id(layer) in self._grouped
 
 
 class LayerwiseEngine(HookedEngine):
@@ -84,14 +115,21 @@ class LayerwiseEngine(HookedEngine):
     def plan_for(cls, model: tf.keras.Model, selections: Sequence[VariableSelection], rule_of=rule_for):
         """(plan, None) when every selected variable is covered, else (None, reason).
 
-        ``plan``: ``[(layer, rule_of(layer), [indices of the layer's selections])]``."""
+        ``plan``: ``[(layer, rule_of(layer), [indices of the layer's selections])]``. Raises
+        :class:`UnsupportedLayerError` for a layer no engine can make exact (e.g. a stateful RNN).
+        """
         variables = [s.variable for s in selections]
         index_of = {id(v): k for k, v in enumerate(variables)}
         covered: set[int] = set()
         plan = []
-        for layer in _leaf_layers_owning_variables(model):
-            wanted = [index_of[id(v)] for v in _owned_weights(layer) if id(v) in index_of]
+        for layer, owned in _units(model):
+            wanted = [index_of[id(v)] for v in owned if id(v) in index_of]
             if not wanted:
+                continue
+            if is_recurrent(layer):
+                check_recurrent_layer(layer)
+                plan.append((layer, rule_of(layer), wanted))
+                covered.update(wanted)
                 continue
             sublayers_with_weights = [
                 sub for sub in layer._flatten_layers(include_self=False, recursive=True)
@@ -108,40 +146,83 @@ class LayerwiseEngine(HookedEngine):
 
     def __call__(self, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor) -> PerExampleGradients:
         per_layer_calls, losses, predictions = record_output_gradients(self.model, self._layers, x, y, loss_fn, valid)
+        batch = tf.shape(losses)[0]
         grads: list = [None] * len(self.selections)
         for layer, rule, indices in self._plan:
             selections = [self.selections[k] for k in indices]
             for call, delta in per_layer_calls.get(id(layer), []):
                 if delta is None:
                     continue
-                for k, g in zip(indices, rule.per_example_grads(layer, call, delta, selections)):
+                call_grads = rule.per_example_grads(layer, call, delta, selections)
+                if self.is_grouped(layer):
+                    call_grads = [per_example_sum(g, batch) for g in call_grads]
+                else:
+                    check_rows(layer, call_grads[0], losses)
+                for k, g in zip(indices, call_grads):
                     grads[k] = g if grads[k] is None else grads[k] + g
-        batch = tf.shape(losses)[0]
         grads = [
-            tf.zeros(tf.concat([[batch], s.compact_shape], 0), s.variable.dtype) if g is None else g
+            tf.zeros(tf.concat([[batch], s.compact_shape], 0), accumulation_dtype(s.variable.dtype))
+            if g is None else g
             for g, s in zip(grads, self.selections)
         ]
         return PerExampleGradients(grads, losses, predictions)
 
 
-def record_output_gradients(model, layers, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor):
+def per_example_sum(rows: tf.Tensor, batch: tf.Tensor) -> tf.Tensor:
+    """``[B*T, ...] -> [B, ...]``: per-row gradients of a layer inside ``TimeDistributed`` summed per
+    example (row ``i*T + t`` is example ``i``'s step ``t``, the order of Keras's reshape)."""
+    grouped = tf.reshape(rows, tf.concat([[batch, -1], tf.shape(rows)[1:]], 0))
+    summed = tf.reduce_sum(grouped, axis=1)
+    if rows.shape.rank is not None:
+        summed.set_shape([None, *rows.shape[1:]])
+    return summed
+
+
+def check_rows(layer, per_example: tf.Tensor, losses: tf.Tensor) -> None:
+    """Refuses a layer whose call saw another number of rows than the batch's examples (a reshape
+    that folds examples together outside ``TimeDistributed``): its per-row norms are not per example."""
+    rows, batch = per_example.shape[0], losses.shape[0]
+    if rows is not None and batch is not None and rows != batch:
+        raise UnsupportedLayerError(
+            f"layer {layer.name!r} was called on {rows} rows for a batch of {batch} examples (a reshape folds "
+            "examples together), so its per-row gradients are not per-example ones; apply it with "
+            "tf.keras.layers.TimeDistributed, or keep the batch axis first")
+
+
+def record_output_gradients(model, layers, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor, watch=()):
     """One batched forward and one batched backward pass of ``sum_i valid_i L_i``.
 
     Returns ``({id(layer): [(RecordedCall, delta)]}, losses [B], predictions)``, where
     ``delta = [dL_1/dz_1, ..., dL_B/dz_B]`` at each call's probe point (no layer mixes
-    examples, so the gradient of the sum separates by example); ``delta`` is None for a
-    call the loss does not depend on.
+    examples, so the gradient of the sum separates by example), in the accumulation dtype
+    (float32 for bfloat16 / float16 layers; :func:`sparta_tf.precision.accumulation_dtype`);
+    ``delta`` is None for a call the loss does not depend on. With ``watch`` (variables), also
+    returns their batch gradients of the same pass (None where unconnected) as a fourth item.
     """
     with tf.GradientTape(watch_accessed_variables=False, persistent=False) as tape:
+        tape.watch(list(watch))
         with recording(tape, layers) as rec:
             predictions = model(x, training=True)
         losses = loss_fn(y, predictions)
         total = tf.reduce_sum(tf.where(valid, losses, tf.zeros_like(losses)))
-    deltas = tape.gradient(total, [call.probe for call in rec.calls])
+    sources = [call.probe for call in rec.calls]
+    gradients = tape.gradient(total, sources + list(watch))
+    deltas, variable_grads = gradients[: len(sources)], gradients[len(sources):]
     per_layer_calls: dict[int, list] = {}
     for call, delta in zip(rec.calls, deltas):
-        per_layer_calls.setdefault(id(call.layer), []).append((call, delta))
+        per_layer_calls.setdefault(id(call.layer), []).append((call, _accumulation_delta(call.probe, delta)))
+    if watch:
+        return per_layer_calls, losses, predictions, variable_grads
     return per_layer_calls, losses, predictions
+
+
+def _accumulation_delta(probe, delta):
+    """``delta`` cast to the accumulation dtype; None when no part of the probe reaches the loss,
+    zeros for the parts that do not (a structure of probes)."""
+    if all(d is None for d in tf.nest.flatten(delta)):
+        return None
+    return tf.nest.map_structure(
+        lambda p, d: to_accumulation(tf.zeros_like(p) if d is None else tf.convert_to_tensor(d)), probe, delta)
 
 
 class VectorizedEngine:
@@ -150,6 +231,13 @@ class VectorizedEngine:
     name = "vectorized"
 
     def __init__(self, model: tf.keras.Model, selections: Sequence[VariableSelection]):
+        recurrent = [layer.name for layer in model._flatten_layers(include_self=False, recursive=True)
+                     if is_recurrent(layer)]
+        if recurrent:
+            raise UnsupportedLayerError(
+                f"engine='vectorized' cannot take per-example gradients through the recurrent layer "
+                f"{recurrent[0]!r} (tf.vectorized_map has no rule for its while loop); use engine='auto' "
+                "or 'layerwise'")
         self.model = model
         self.selections = list(selections)
         self.variables = [s.variable for s in self.selections]
@@ -166,6 +254,7 @@ class VectorizedEngine:
             grads = tape.gradient(
                 loss, self.variables, unconnected_gradients=tf.UnconnectedGradients.ZERO
             )
+            grads = [to_accumulation(tf.convert_to_tensor(g)) for g in grads]
             prediction = tf.nest.map_structure(lambda t: t[0], prediction)
             return grads, loss, prediction
 

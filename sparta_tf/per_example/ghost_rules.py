@@ -58,6 +58,8 @@ from sparta_tf.per_example.layer_rules import (
     rule_for,
 )
 from sparta_tf.per_example.patches import extract_patches
+from sparta_tf.per_example.recurrent import RECURRENT_RULE
+from sparta_tf.precision import to_accumulation
 
 Tensor = tf.Tensor
 
@@ -143,7 +145,8 @@ def linear_sum(a: Tensor, d: Tensor) -> Tensor:
 
 
 def _squared(t: Tensor) -> Tensor:
-    """``[B]``: sum of squares of ``[B, ...]``."""
+    """``[B]``: sum of squares of ``[B, ...]``, in the accumulation dtype (float32 for low precision)."""
+    t = to_accumulation(t)
     return tf.reduce_sum(tf.reshape(tf.square(t), [tf.shape(t)[0], -1]), axis=1)
 
 
@@ -174,6 +177,10 @@ class GhostRule:
     def probe_point(self) -> str:
         return self.reference.probe_point
 
+    def record(self, recording, layer, original_call, args, kwargs):
+        """What the hooked call does in a recording pass: the reference rule's recording."""
+        return self.reference.record(recording, layer, original_call, args, kwargs)
+
     def squared_norms(self, layer, call, delta, selections, materialised: dict | None = None):
         """``([B], [NormMethod])``; per-example gradients a rule computed anyway go into
         ``materialised[position]`` (compact form), so the engine sums them instead of recomputing."""
@@ -190,19 +197,9 @@ class GhostRule:
         return tf.reduce_sum(group.to_row_view(tf.abs(grads), batch_dims=1), axis=[0, 1])
 
     def weighted_sums(self, layer, call, delta_c, keep, selections) -> list[Tensor]:
-        """Batched VJP of the layer's own call with ``output_gradients = c * delta``."""
-        variables = [s.variable for s in selections]
-        args = [keep_examples(call.args[0], keep) if _is_float(call.args[0]) else call.args[0], *call.args[1:]]
-        with tf.GradientTape(watch_accessed_variables=False) as tape:
-            tape.watch(variables)
-            out = call.original_call(*args, **call.kwargs)
-        grads = tape.gradient(out, variables, output_gradients=delta_c,
-                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        return [s.compact(tf.convert_to_tensor(g)) for s, g in zip(selections, grads)]
-
-
-def _is_float(t) -> bool:
-    return isinstance(t, tf.Tensor) and t.dtype.is_floating
+        """``S = sum_i c_i g_i``; the base rule's ``squared_norms`` materialises ``g_i``, which the
+        engine sums itself, so only rules that factorise override this."""
+        raise NotImplementedError(f"{type(self).__name__} sums materialised per-example gradients")
 
 
 class LinearGhostRule(GhostRule):
@@ -409,8 +406,8 @@ class EmbeddingGhostRule(GhostRule):
         same = tf.cast(tf.equal(indices[:, :, None], indices[:, None, :]), d.dtype)  # [B, T, T]
         norms = gram_squared_norms(same, tf.matmul(d, d, transpose_b=True), 2 * tf.shape(d)[1] + d.shape[2])
         rows = d.shape[1]
-        methods = [NormMethod(layer.name, s.variable.name, "index_equality", rows * rows * d.shape[2], None)
-                   for s in selections]
+        cost = None if rows is None else rows * rows * d.shape[2]
+        methods = [NormMethod(layer.name, s.variable.name, "index_equality", cost, None) for s in selections]
         if any(s.kind != "dense" for s in selections):  # entries: this layer's per-example gradients
             return super().squared_norms(layer, call, delta, selections, materialised)
         return norms, methods
@@ -428,12 +425,22 @@ class EmbeddingGhostRule(GhostRule):
         return indices, tf.reshape(delta, [batch, -1, delta.shape[-1]])
 
 
+class RecurrentGhostRule(GhostRule):
+    """Recurrent layers: per-example gradients of the cell's weights, materialised
+    (:mod:`sparta_tf.per_example.recurrent`)."""
+
+    reference = RECURRENT_RULE
+
+
 FALLBACK_GHOST_RULE = GhostRule()
+RECURRENT_GHOST_RULE = RecurrentGhostRule()
 
 
 def ghost_rule_for(layer: tf.keras.layers.Layer) -> GhostRule:
     """The book-keeping rule of ``layer`` (same probe point as :func:`layer_rules.rule_for`'s)."""
     reference = rule_for(layer)
+    if reference is RECURRENT_RULE:
+        return RECURRENT_GHOST_RULE
     if reference is DENSE_RULE:
         return LinearGhostRule()
     if reference is CONV2D_RULE:

@@ -43,7 +43,9 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import tensorflow as tf
 
+from sparta_tf.per_example.arguments import split_arguments
 from sparta_tf.per_example.patches import _output_size_and_padding, extract_patches
+from sparta_tf.precision import to_accumulation
 
 if TYPE_CHECKING:  # pragma: no cover
     from sparta_tf.trainable import VariableSelection
@@ -60,6 +62,11 @@ class LayerRule:
     """
 
     probe_point = "output"
+
+    def record(self, recording, layer, original_call: Callable, args: tuple, kwargs: dict):
+        """The hooked call inside a recording pass: the layer's output with zero probes added."""
+        output = original_call(*args, **kwargs)
+        return recording.probe(layer, args, kwargs, output, original_call)
 
     def per_example_grads(
         self,
@@ -84,18 +91,32 @@ class LayerRule:
 
 
 class RecordedCall:
-    """One call of a hooked layer during the recording forward pass."""
+    """One call of a hooked layer during the recording forward pass.
 
-    def __init__(self, layer, args, kwargs, probe, original_call: Callable):
+    ``probe``: the zero tensor added to the output (its gradient is ``delta``); for a layer that
+    returns a structure, a list of probes, one per floating-point tensor at ``output_positions``
+    of the flattened output. A recurrent layer's call records the step inputs and the probes of
+    every step (:mod:`sparta_tf.per_example.recurrent`).
+    """
+
+    def __init__(self, layer, args, kwargs, probe, original_call: Callable, output_positions=None):
         self.layer = layer
         self.args = args
         self.kwargs = kwargs
         self.probe = probe
         self.original_call = original_call
+        self.output_positions = output_positions
 
     @property
     def inputs(self) -> Tensor:
         return self.args[0]
+
+    def probed_outputs(self, output):
+        """The tensors of a re-run's ``output`` that correspond to the probes (same structure)."""
+        if self.output_positions is None:
+            return output
+        leaves = tf.nest.flatten(output)
+        return [leaves[k] for k in self.output_positions]
 
 
 def _sum_over_middle_axes(t: Tensor) -> Tensor:
@@ -268,26 +289,36 @@ class VjpRule(LayerRule):
 
     ``dL_i/dW = delta_i^T J_W f(a_i; W)`` computed as ``tf.vectorized_map`` of a
     batch-of-one re-run of the layer's original ``call`` with
-    ``output_gradients = delta_i``.
+    ``output_gradients = delta_i``. The re-run of example ``i`` sees only row ``i``
+    of every argument with a batch dimension (positional and keyword: ``mask=``,
+    attention masks; :mod:`sparta_tf.per_example.arguments`).
+
+    ``delta`` arrives in the accumulation dtype (float32 for a bfloat16 / float16 layer); the
+    re-run takes it back in the layer's output dtype (exact: it was that dtype), and its
+    gradients are returned in the accumulation dtype.
     """
 
     def per_example_grads(self, layer, call, delta, selections):
         variables = [sel.variable for sel in selections]
-        args, kwargs = call.args, call.kwargs
-        tensor_args = tuple(args)
+        first = tf.nest.flatten(delta)[0]
+        split = split_arguments(layer.name, call.args, call.kwargs, first.shape[0], tf.shape(first)[0])
+        output_delta = delta if call.probe is None else tf.nest.map_structure(
+            lambda d, p: tf.cast(d, p.dtype), delta, call.probe)
 
         def one_example(elems):
-            example_args, example_delta = elems
-            batched = tf.nest.map_structure(lambda t: t[None], example_args)
+            example_arguments, example_delta = elems
+            args, kwargs = split.rebuild([t[None] for t in example_arguments])
             with tf.GradientTape(watch_accessed_variables=False) as tape:
                 tape.watch(variables)
-                out = call.original_call(*batched, **kwargs)
-            return tape.gradient(
-                out, variables, output_gradients=example_delta[None],
+                out = call.probed_outputs(call.original_call(*args, **kwargs))
+            grads = tape.gradient(
+                out, variables, output_gradients=tf.nest.map_structure(lambda d: d[None], example_delta),
                 unconnected_gradients=tf.UnconnectedGradients.ZERO,
             )
+            return [to_accumulation(tf.convert_to_tensor(g)) for g in grads]
 
-        full = tf.vectorized_map(one_example, (tensor_args, delta))
+        with tf.control_dependencies(split.checks):
+            full = tf.vectorized_map(one_example, (split.batched, output_delta))
         return [sel.compact(g, batch_dims=1) for sel, g in zip(selections, full)]
 
 
@@ -318,6 +349,10 @@ def rule_for(layer: tf.keras.layers.Layer) -> LayerRule | None:
     takes non-tensor positional inputs or returns a structure), and the engine
     falls back to whole-model ``tf.vectorized_map``.
     """
+    from sparta_tf.per_example.recurrent import RECURRENT_RULE, is_recurrent  # recurrent imports this module
+
+    if is_recurrent(layer):
+        return RECURRENT_RULE
     linear = getattr(layer, "activation", None) in (None, tf.keras.activations.linear)
     if type(layer) is tf.keras.layers.Dense and linear:
         return DENSE_RULE

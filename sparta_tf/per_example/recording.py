@@ -22,6 +22,7 @@ from typing import Iterator
 
 import tensorflow as tf
 
+from sparta_tf.per_example.errors import UnsupportedLayerError
 from sparta_tf.per_example.layer_rules import LayerRule, RecordedCall
 
 _STATE = threading.local()
@@ -36,11 +37,23 @@ class Recording:
         self.layer_ids = layers
         self.calls: list[RecordedCall] = []
 
-    def probe(self, layer, args, kwargs, output, original_call) -> tf.Tensor:
-        probe = tf.zeros_like(output)
-        self.tape.watch(probe)
-        self.calls.append(RecordedCall(layer, args, kwargs, probe, original_call))
-        return output + probe
+    def probe(self, layer, args, kwargs, output, original_call):
+        """``output`` with a zero probe added to each floating-point tensor in it (recorded)."""
+        leaves = tf.nest.flatten(output)
+        positions = [k for k, t in enumerate(leaves) if isinstance(t, tf.Tensor) and t.dtype.is_floating]
+        if not positions:
+            raise UnsupportedLayerError(
+                f"layer {layer.name!r} ({type(layer).__name__}) owns trainable weights but returns no "
+                "floating-point tensor, so no output gradient can reach them; make it return its output tensor")
+        probes = [tf.zeros_like(leaves[k]) for k in positions]
+        self.tape.watch(probes)
+        single = isinstance(output, tf.Tensor)
+        self.calls.append(RecordedCall(layer, args, kwargs, probes[0] if single else probes, original_call,
+                                       output_positions=None if single else positions))
+        probed = list(leaves)
+        for k, probe in zip(positions, probes):
+            probed[k] = leaves[k] + probe
+        return probed[0] if single else tf.nest.pack_sequence_as(output, probed)
 
 
 def _active_recording_for(layer) -> Recording | None:
@@ -63,23 +76,44 @@ def recording(tape: tf.GradientTape, layers) -> Iterator[Recording]:
 
 
 def install_hook(layer: tf.keras.layers.Layer, rule: LayerRule) -> None:
-    """Wraps ``layer`` so that recording passes probe it where ``rule`` needs."""
+    """Wraps ``layer`` so that recording passes probe it where ``rule`` needs (``rule.record``)."""
     if getattr(layer, _HOOK_ATTRIBUTE, None) is not None:
         return
     method_name = "convolution_op" if rule.probe_point == "convolution" else "call"
     original = getattr(layer, method_name)
 
     def hooked(*args, **kwargs):
-        output = original(*args, **kwargs)
         active = _active_recording_for(layer)
         if active is None:
-            return output
-        if not isinstance(output, tf.Tensor):
-            raise TypeError(
-                f"layer {layer.name!r} returned {type(output).__name__}; per-example "
-                "gradients by layer need a single tensor output (use engine='vectorized')"
-            )
-        return active.probe(layer, args, kwargs, output, original)
+            return original(*args, **kwargs)
+        return rule.record(active, layer, original, args, kwargs)
 
     object.__setattr__(layer, method_name, hooked)
     object.__setattr__(layer, _HOOK_ATTRIBUTE, rule)
+
+
+def install_reshape_hook(wrapper: tf.keras.layers.TimeDistributed) -> None:
+    """Makes ``wrapper`` apply its inner layer to ``[B*T, ...]`` rows in recording passes.
+
+    With a static batch size, Keras runs the inner layer of a ``TimeDistributed`` with a custom
+    (non-built-in) layer inside a ``while_loop`` over time steps, where no probe can be read from
+    outside; the reshape path (``[B, T, ...] -> [B*T, ...]``, row ``i*T + t`` is example ``i``'s
+    step ``t``) computes the same values with one call, which the engine then groups back by
+    example. Outside recording passes the wrapper is untouched.
+    """
+    if getattr(wrapper, _HOOK_ATTRIBUTE, None) is not None:
+        return
+    original = wrapper.call
+
+    def hooked(*args, **kwargs):
+        if getattr(_STATE, "recording", None) is None:
+            return original(*args, **kwargs)
+        before = wrapper._always_use_reshape
+        object.__setattr__(wrapper, "_always_use_reshape", True)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            object.__setattr__(wrapper, "_always_use_reshape", before)
+
+    object.__setattr__(wrapper, "call", hooked)
+    object.__setattr__(wrapper, _HOOK_ATTRIBUTE, "reshape")
