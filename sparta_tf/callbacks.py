@@ -70,9 +70,16 @@ class MethodCallback(tf.keras.callbacks.Callback):
         ``initial_epoch=k`` call ``begin(dp, epochs, k)`` first, then restore
         the checkpoint and ``fit(..., initial_epoch=k)``: the method then reloads
         its saved mask instead of choosing (and paying for) it again.
+
+        Raises ValueError (one line) when ``dp`` is not the DP model the method
+        runs on or the method's preparation did not run for it
+        (:meth:`~sparta_tf.methods.Method.check_ready`): DP-SSGD needs
+        ``method.make_dp_model``, DP-FROST and pruning DP-SSGD need
+        ``method.prepare(dp, x, y, loss, plan)`` before ``fit``.
         """
         self.model = dp
         self._epochs = epochs
+        self.method.check_ready(dp)  # refuses a DP model the method was not built or prepared for
         self.method.phases(epochs)  # refuses a schedule that does not fit
         self.method.start(dp, epochs, first_epoch)
         self.phase = None

@@ -20,6 +20,15 @@ Life cycle, driven by :class:`sparta_tf.callbacks.MethodCallback` inside
     method.enter(phase, dp)                             # first epoch of each phase
     method.leave(phase, dp)                             # after its last epoch
 
+Preparation: a method that makes choices before training (DP-FROST's
+partition selection, DP-SSGD's pre-pruning) says so in
+:attr:`Method.preparation`, and one that needs more than a plain
+:class:`~sparta_tf.DPModel` names the class in :attr:`Method.dp_model_class`.
+``MethodCallback`` calls :meth:`Method.check_ready` before every fit, which
+refuses (one line saying what to call) a DP model of the wrong class or one
+that :meth:`Method.prepare` did not run for: such a fit would train
+something other than the named method.
+
 Options: every method takes ``head`` (the classifier layer or its name;
 default the layer named "head", else the last Dense),
 ``head_learning_rate_scale``, ``mask_dir`` (where masks are saved) and
@@ -29,6 +38,7 @@ default the layer named "head", else the last Dense),
 from __future__ import annotations
 
 import abc
+import weakref
 from typing import Any, ClassVar, Sequence
 
 import tensorflow as tf
@@ -47,6 +57,9 @@ class Method(abc.ABC):
     """The method's own keyword options (``sparta-train``: keys of the ``method`` section)."""
     private: ClassVar[bool] = True
     """False for a method whose choices look at private data without noise (``oracle``)."""
+    dp_model_class: ClassVar[type | None] = None
+    """The DP model class :meth:`make_dp_model` builds when a plain ``DPModel`` cannot run the method
+    (DP-SSGD's ``SSGDModel``); None: any ``DPModel``."""
 
     def __init__(self, *, head=None, head_learning_rate_scale: float = 1.0, mask_dir: str | None = None,
                  verbose: int = 1, **options: Any):
@@ -60,6 +73,7 @@ class Method(abc.ABC):
         self.head_learning_rate_scale = float(head_learning_rate_scale)
         self.mask_dir = mask_dir
         self.verbose = verbose
+        self._prepared_for: weakref.ref | None = None  # the DP model prepare() last ran for
         self.configure(**options)
 
     def configure(self, **options: Any) -> None:
@@ -105,10 +119,43 @@ class Method(abc.ABC):
 
         return DPModel(model, **dp_kwargs)
 
+    @property
+    def preparation(self) -> str | None:
+        """What :meth:`prepare` must do before ``fit`` (a phrase, e.g. "chooses the partitions it trains
+        before training"), or None when the method needs no preparation."""
+        return None
+
     def prepare(self, dp, x, y, loss, plan, first_epoch: int = 0) -> dict[str, Any]:
         """Runs the choices made before training (charging ``plan.before_training``); returns info.
-        ``first_epoch > 0``: a resumed run, whose choices were made (and charged) already."""
+        ``first_epoch > 0``: a resumed run, whose choices were made (and charged) already. A method
+        with a :attr:`preparation` calls :meth:`mark_prepared` once its choices are made."""
         return {}
+
+    def mark_prepared(self, dp) -> None:
+        """Records that :meth:`prepare` ran for ``dp`` (what :meth:`check_ready` looks for)."""
+        self._prepared_for = weakref.ref(dp)
+
+    def is_prepared_for(self, dp) -> bool:
+        """Whether :meth:`prepare` ran for this very DP model."""
+        return self._prepared_for is not None and self._prepared_for() is dp
+
+    def check_ready(self, dp, *, before_prepare: bool = False) -> None:
+        """Raises a one-line ValueError when ``fit`` on ``dp`` would not run this method as named: ``dp``
+        is not a :attr:`dp_model_class`, or (unless ``before_prepare``) the method has a
+        :attr:`preparation` and :meth:`prepare` did not run for ``dp``."""
+        problems = []
+        if self.dp_model_class is not None and not isinstance(dp, self.dp_model_class):
+            problems.append(f"it needs the {self.dp_model_class.__name__} that method.make_dp_model builds")
+        unprepared = self.preparation is not None and not self.is_prepared_for(dp)
+        if unprepared and not before_prepare:
+            problems.append(f"it {self.preparation} and method.prepare did not run for this model")
+        if not problems:
+            return
+        todo = "build the DP model with method.make_dp_model(model, ...)"
+        if unprepared:
+            todo += " and call method.prepare(dp, x, y, loss, plan) before fit"
+        raise ValueError(f"method {self.name!r} cannot run on this {type(dp).__name__}: {'; '.join(problems)}; "
+                         f"{todo} (as sparta-train does)")
 
     def start(self, dp, epochs: int, first_epoch: int = 0) -> None:
         """``on_train_begin``: set up what the phases need (``first_epoch > 0``: a resumed run)."""

@@ -52,6 +52,10 @@ class DpFrost(Method):
     def training_share(self) -> float:
         return self.r_eps
 
+    @property
+    def preparation(self) -> str:
+        return "chooses the partitions it trains before training (DP-FROST's selection rounds)"
+
     def trainable_set(self, phase: TrainingPhase, model: tf.keras.Model) -> TrainableSet | None:
         return self.selected
 
@@ -59,6 +63,7 @@ class DpFrost(Method):
         if first_epoch and masks.has_mask(self.mask_dir):  # resumed: the selection was made (and charged) already
             selections, _ = masks.load_mask(self.mask_dir, dp.model)
             self.selected = TrainableSet(selections)
+            self.mark_prepared(dp)
             return {"frost_selected_partitions": "reloaded"}
         (selection,) = plan.before_training
         self.selected, info = frost.frost_select(
@@ -71,5 +76,6 @@ class DpFrost(Method):
         if self.mask_dir is not None:
             masks.save_mask(self.mask_dir, list(self.selected), dp.model,
                             provenance=masks.MaskProvenance.of_ledger(dp.ledger), method=self.name)
+        self.mark_prepared(dp)
         return {"frost_selected_partitions": [str(s) for s in info.get("selected", [])],
                 "frost_sigma_selection": float(info["sigma_selection"])}

@@ -28,6 +28,7 @@ SNIP_PHASE, SNIP_KIND = "pre-pruning", "dp_snip"
 class DpSsgd(Method):
     name = "dp_ssgd"
     options = ("prune", "prune_rate", "drop_rate", "drop_mode", "snip_noise_multiplier", "synflow_iterations")
+    dp_model_class = ssgd.SSGDModel  # gradient dropping happens in SSGDModel's train step
 
     def configure(self, prune: str = "random", prune_rate: float = 0.5, drop_rate: float = 0.5,
                   drop_mode: str = "random", snip_noise_multiplier: float = 5.0, synflow_iterations: int = 100,
@@ -44,6 +45,13 @@ class DpSsgd(Method):
         self.drop_mode = drop_mode
         self.snip_noise_multiplier = float(snip_noise_multiplier)
         self.synflow_iterations = int(synflow_iterations)
+
+    @property
+    def preparation(self) -> str | None:
+        if self.prune == "none":
+            return None
+        return (f"pre-prunes a {self.prune_rate:g} fraction of the prunable kernels' weights ({self.prune}) "
+                "before training")
 
     def phases(self, epochs: int) -> list[TrainingPhase]:
         return single_phase(self.name, epochs)
@@ -68,13 +76,16 @@ class DpSsgd(Method):
         pass  # the trainable set is the pre-pruned one, set in prepare
 
     def prepare(self, dp, x, y, loss, plan, first_epoch: int = 0) -> dict:
+        self.check_ready(dp, before_prepare=True)  # pruning needs SSGDModel.set_keep_masks
         if self.prune == "none":
+            self.mark_prepared(dp)
             return {"prune": "none"}
         if first_epoch and masks.has_mask(self.mask_dir):  # resumed: pruned (and charged) already
             selections, _ = masks.load_mask(self.mask_dir, dp.model)
             kept = {id(s.variable): s.dense_mask() for s in selections}
             dp.set_keep_masks([(v, kept.get(id(v), np.zeros(v.shape.as_list(), bool)))
                                for v in ssgd.prunable_variables(dp.model)])
+            self.mark_prepared(dp)
             return {"prune": self.prune, "kept_fraction_of_pruned_kernels": "reloaded"}
         keep = self._prune(dp, x, y, loss)
         dp.set_keep_masks(keep)
@@ -84,6 +95,7 @@ class DpSsgd(Method):
             kept = [s for s in (entries(v, m) for v, m in keep) if s is not None]
             masks.save_mask(self.mask_dir, kept, dp.model, provenance=provenance,
                             method=self.name, prune=self.prune, prune_rate=self.prune_rate)
+        self.mark_prepared(dp)
         return {"prune": self.prune, "kept_fraction_of_pruned_kernels": float(ssgd.keep_fraction(keep))}
 
     def _prune(self, dp, x, y, loss) -> ssgd.KeepMasks:
