@@ -49,12 +49,13 @@ import tensorflow as tf
 from sparta_tf.losses import per_example_loss_fn
 from sparta_tf import distribute, random_streams
 from sparta_tf.masks import is_mask_charge
-from sparta_tf.model_checks import probe_batch_mixing, reject_batch_mixing_layers
+from sparta_tf.model_checks import PROBE_EXAMPLES, probe_batch_mixing, reject_batch_mixing_layers
 from sparta_tf.noise import gaussian_noise
 from sparta_tf.optim.masked_optimizer import MaskedOptimizer
 from sparta_tf.per_example import make_engine
 from sparta_tf.per_example.bookkeeping import BookkeepingEngine, clipped_batch, make_clipping_engine
-from sparta_tf.precision import require_ieee_float32_matmuls
+from sparta_tf.per_example.coverage import check_coverage
+from sparta_tf.precision import accumulation_dtype, require_ieee_float32_matmuls
 from sparta_tf.privacy.accounting import check_delta_for_dataset, check_noise_multiplier, check_sample_rate
 from sparta_tf.privacy.callbacks import PrivacyCallback
 from sparta_tf.privacy.ledger import PrivacyLedger
@@ -159,7 +160,7 @@ class DPModel(tf.keras.Model):
         self._engine = None
         self._per_example_loss = None
         self._loss_tracker = tf.keras.metrics.Mean(name="loss")
-        self._mixing_probed = False
+        self._model_probed = False
 
     # ------------------------------------------------------------------ model
 
@@ -345,7 +346,7 @@ class DPModel(tf.keras.Model):
         )
 
         def micro_batch(t, i):
-            return tf.reshape(t, [-1, micro] + t.shape[1:].as_list())[i]
+            return tf.reshape(t, tf.concat([[-1, micro], tf.shape(t)[1:]], 0))[i]
 
         def body(i, sums):
             part = tf.nest.map_structure(lambda t: micro_batch(t, i), (x, y, weights))
@@ -360,14 +361,16 @@ class DPModel(tf.keras.Model):
         """Shapes of the per-step sums: compact gradients, or the scorer's statistics."""
         if self._scorer is not None:
             return [tf.TensorSpec(shape, tf.float32) for shape in self._scorer.statistic_shapes()]
-        return [tf.TensorSpec(s.compact_shape, s.variable.dtype) for s in self.trainable_set]
+        return [tf.TensorSpec(s.compact_shape, accumulation_dtype(s.variable.dtype)) for s in self.trainable_set]
 
     def _noisy_mean(self, sums):
-        """``(S + N(0, sigma^2 C^2)) / (q n)``, identical on every replica."""
+        """``(S + N(0, sigma^2 C^2)) / (q n)``, identical on every replica; the noise is drawn in the
+        dtype of the sums (float32, float64 for a float64 model), before any cast to a variable's dtype."""
         if self.dataset_size is None:
             raise ValueError("dataset_size is unknown: pass DPModel(dataset_size=n) or fit arrays")
         std = self.noise_multiplier * self.clip_norm
-        noise = gaussian_noise([s.shape for s in sums], std, self._noise_seed, self.dp_step)
+        noise = gaussian_noise([s.shape for s in sums], std, self._noise_seed, self.dp_step,
+                               dtype=[s.dtype for s in sums])
         expected_batch = self.sample_rate * self.dataset_size
         return [(s + z) / expected_batch for s, z in zip(sums, noise)]
 
@@ -431,31 +434,43 @@ class DPModel(tf.keras.Model):
             f"q={expected[1]:g}; the guarantee holds only if its batches are exactly that; feed arrays to fit, "
             "or PoissonSampler(n, q, ...).dataset(x, y) unchanged")
 
-    def _build_compiled_metrics(self, element_spec) -> None:
+    def _build_compiled_metrics(self, x, y) -> None:
         """Creates the compiled metrics (and their variables) eagerly, before the step is traced.
 
         Keras builds them inside the first call of the traced step; a
         ``tf.function`` whose first trace creates variables is traced a second
         time, which for a DP step (per-example gradients, micro-batch loop) costs
-        seconds per phase. Built here from zeros shaped like one element of the
-        data (``None`` dimensions -> 1) and the model's output; no metric state
-        is updated.
+        seconds per phase. Built from the model's output on a few real examples
+        ``x`` (shapes that the data has, so any valid model runs) and their
+        labels ``y``; no metric state is updated.
         """
-        if self.compiled_metrics is None or self.compiled_metrics.built:
+        if self.compiled_metrics is None or self.compiled_metrics.built or y is None:
             return
-        x_spec, y_spec, _ = tf.keras.utils.unpack_x_y_sample_weight(element_spec)
-        if y_spec is None:
-            return
-        zeros = lambda spec: tf.zeros([1 if d is None else d for d in spec.shape], spec.dtype)  # noqa: E731
-        x, y = tf.nest.map_structure(zeros, x_spec), tf.nest.map_structure(zeros, y_spec)
         with self.distribute_strategy.scope():
             self.compiled_metrics.build(self.model(x, training=False), y)
 
-    def _probe_mixing(self, x) -> None:
-        """:func:`probe_batch_mixing` on the first examples of ``x``, once per model."""
-        if not self._mixing_probed:
-            probe_batch_mixing(self.model, x)
-            self._mixing_probed = True
+    def _probe_model(self, x, y) -> None:
+        """Before the first DP step, on a few real examples ``x, y`` (no padding), once per model:
+        :func:`probe_batch_mixing` (training mode keeps examples apart) and
+        :func:`~sparta_tf.per_example.coverage.check_coverage` (every trainable variable is seen,
+        exactly, by the engine's per-example rules). Both refuse the model with one line."""
+        if self._model_probed:
+            return
+        everything = TrainableSet.of_variables(self.model.trainable_variables)
+        engine = make_clipping_engine(self.model, everything, self.engine_name)  # refuses what it cannot plan
+        probe_batch_mixing(self.model, x)
+        if self._per_example_loss is not None:
+            check_coverage(engine, x, y, self._per_example_loss)
+        self._model_probed = True
+
+    def _first_examples(self, dataset: tf.data.Dataset):
+        """``(x, y)``: the real examples (weight 1) of ``dataset``'s first element."""
+        x, y, weights = tf.keras.utils.unpack_x_y_sample_weight(next(iter(dataset.take(1))))
+        if weights is None:
+            return x, y
+        rows = tf.where(tf.reshape(weights, [-1]) > 0)[:, 0]
+        pick = lambda t: tf.gather(t, rows)  # noqa: E731
+        return tf.nest.map_structure(pick, x), (None if y is None else tf.nest.map_structure(pick, y))
 
     def _privacy_callback(self, callbacks, steps_per_epoch, on_budget_exhausted):
         """The caller's :class:`PrivacyCallback`, else this model's own, one for every ``fit``.
@@ -521,15 +536,16 @@ class DPModel(tf.keras.Model):
         if x is not None and not isinstance(x, tf.data.Dataset):
             if y is None:
                 raise ValueError("fit(x, y): labels y are required with array inputs")
-            self._probe_mixing(x)
+            first = _first_rows(x), _first_rows(y)
             x, steps_per_epoch = self._input_pipeline(x, y, int(self.dp_step.numpy()))
             y = None
         elif isinstance(x, tf.data.Dataset):
             self._check_dataset_provenance(x)
             x = x.map(_checked_padding_mask)
-            self._probe_mixing(next(iter(x.take(1)))[0])
+            first = self._first_examples(x)
         if isinstance(x, tf.data.Dataset):
-            self._build_compiled_metrics(x.element_spec)
+            self._probe_model(*first)
+            self._build_compiled_metrics(*first)
             x = distribute.for_fit(x, self.distribute_strategy)
         callbacks = list(callbacks or [])
         privacy = self._privacy_callback(callbacks, steps_per_epoch, on_budget_exhausted)
@@ -543,6 +559,11 @@ class DPModel(tf.keras.Model):
             x, y, epochs=epochs, verbose=verbose, callbacks=callbacks,
             steps_per_epoch=steps_per_epoch, **kwargs,
         )
+
+
+def _first_rows(t, rows: int = PROBE_EXAMPLES):
+    """The first ``rows`` examples of arrays or tensors (any structure)."""
+    return tf.nest.map_structure(lambda a: tf.convert_to_tensor(a[:rows]), t)
 
 
 def _checked_padding_mask(*element):

@@ -37,10 +37,15 @@ def gaussian_noise(
     shapes: Sequence[tf.TensorShape], stddev: tf.Tensor, seed: tf.Tensor, step: tf.Tensor,
     dtype=tf.float32, stream: str = DP_SGD_NOISE,
 ) -> list[tf.Tensor]:
-    """Independent ``N(0, stddev^2)`` tensors of the given shapes for step ``step`` of ``stream``."""
+    """Independent ``N(0, stddev^2)`` tensors of the given shapes for step ``step`` of ``stream``.
+
+    ``dtype``: one dtype for every tensor, or one per shape (a float64 model's sums take float64
+    noise)."""
     key = step_key(seed, stream, step)
+    dtypes = list(dtype) if isinstance(dtype, (list, tuple)) else [dtype] * len(shapes)
     noise = []
-    for k, shape in enumerate(shapes):
+    for k, (shape, tensor_dtype) in enumerate(zip(shapes, dtypes)):
         sub_key = tf.random.experimental.stateless_fold_in(key, k, alg="philox")
-        noise.append(tf.random.stateless_normal(shape, seed=sub_key, stddev=stddev, dtype=dtype, alg="philox"))
+        noise.append(tf.random.stateless_normal(shape, seed=sub_key, stddev=tf.cast(stddev, tensor_dtype),
+                                                dtype=tensor_dtype, alg="philox"))
     return noise

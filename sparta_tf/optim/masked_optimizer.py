@@ -62,6 +62,21 @@ def _optimizer_kind(optimizer) -> str:
     )
 
 
+def _without_loss_scaling(optimizer):
+    """The optimizer inside a Keras ``LossScaleOptimizer`` (what ``compile`` wraps around the optimizer
+    under the ``mixed_float16`` policy), else ``optimizer``.
+
+    A DP step does not scale its loss: per-example losses are summed, not averaged over the
+    batch, so output gradients keep a per-example size, and the clipped sum is computed in
+    float32 (:mod:`sparta_tf.precision`). A dynamic loss scale would be worse than useless here:
+    it moves with whether private examples overflowed, a data-dependent state outside the
+    noised release."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None and "LossScale" in type(optimizer).__name__:
+        return inner
+    return optimizer
+
+
 def _check_options(optimizer) -> None:
     for option in _UNSUPPORTED_OPTIONS:
         if getattr(optimizer, option, None):
@@ -86,6 +101,7 @@ class MaskedOptimizer(tf.Module):
 
     def __init__(self, keras_optimizer: tf.keras.optimizers.Optimizer):
         super().__init__(name="masked_optimizer")
+        keras_optimizer = _without_loss_scaling(keras_optimizer)
         self.kind = _optimizer_kind(keras_optimizer)
         _check_options(keras_optimizer)
         self.keras_optimizer = keras_optimizer
@@ -166,7 +182,9 @@ class MaskedOptimizer(tf.Module):
         element_indices = _element_indices(selection)
 
         def update(variable, grad, lr, step, *slots):
-            grad = tf.convert_to_tensor(grad)
+            grad = tf.cast(tf.convert_to_tensor(grad), variable.dtype)  # the noisy release, post-processed
+            lr = tf.cast(lr, variable.dtype)
+            step = tf.cast(step, variable.dtype)
             decrement = self._decrement(grad, lr, step, slots)
             weight_decay = getattr(self.keras_optimizer, "weight_decay", None)
             if weight_decay:

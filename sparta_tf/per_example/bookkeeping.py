@@ -71,27 +71,31 @@ class BookkeepingEngine(HookedEngine):
         return list(self._cost_table)
 
     def clipped_sum(self, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor, clip_norm: float) -> ClippedBatch:
-        calls, losses, predictions = record_output_gradients(self.model, self._layers, x, y, loss_fn, valid)
-        squared, direct_grads, table = self._squared_norms(calls, losses)
-        self._remember(table)
-        batch = tf.shape(losses)[0]
-        if squared is None:
-            squared = tf.zeros([batch], tf.float32)
-        factors, keep = clipping.clip_factors(squared, clip_norm, valid)
-        sums = self._weighted_sums(calls, factors, keep, direct_grads)
-        return ClippedBatch(sums, squared, losses, predictions)
+        """``sum_i c_i g_i`` of a (micro-)batch, ``c_i = min(1, C/||g_i||)`` (0 for padding)."""
+        return self.selection_statistic(x, y, loss_fn, valid, clip_norm)
 
     def selection_statistic(self, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor, clip_norm: float | None,
                             groups=None) -> ClippedBatch:
         """A selection step's noise-free statistic without a model's worth of per-example gradients.
 
         ``clip_norm=None``: no clipping (``c_i = 1`` for kept examples; the non-private oracle).
-        ``groups=None``: the linear statistic ``sum_i c_i g_i`` (``abs_sum``, ``signed``);
-        otherwise ``[n_rows]`` per group: ``sum_i sum_{k in row j} |c_i g_i[k]|`` (``sum_abs``), by
-        the exact factorisation for Dense on 2-D input, else from one layer's per-example
-        gradients at a time.
+        ``groups=None``: the linear statistic ``sum_i c_i g_i`` (``abs_sum``, ``signed``; a DP
+        step's clipped sum); otherwise ``[n_rows]`` per group: ``sum_i sum_{k in row j} |c_i g_i[k]|``
+        (``sum_abs``), by the exact factorisation for Dense on 2-D input, else from one layer's
+        per-example gradients at a time.
         """
-        calls, losses, predictions = record_output_gradients(self.model, self._layers, x, y, loss_fn, valid)
+        recorded = record_output_gradients(self.model, self._layers, x, y, loss_fn, valid)
+        return self._statistic(*recorded, valid, clip_norm, groups)
+
+    def coverage_sums(self, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor):
+        """``(sum_i g_i unclipped, the batch gradient of the same pass)`` per selection (compact;
+        the batch gradient None where the loss does not depend on the variable), for
+        :func:`sparta_tf.per_example.coverage.check_coverage`."""
+        *recorded, batch_gradients = record_output_gradients(
+            self.model, self._layers, x, y, loss_fn, valid, watch=[s.variable for s in self.selections])
+        return self._statistic(*recorded, valid, None, None).sums, batch_gradients
+
+    def _statistic(self, calls, losses, predictions, valid, clip_norm, groups) -> ClippedBatch:
         squared, direct_grads, table = self._squared_norms(calls, losses)
         self._remember(table)
         if squared is None:

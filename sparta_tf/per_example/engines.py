@@ -145,7 +145,18 @@ class LayerwiseEngine(HookedEngine):
         return plan, None
 
     def __call__(self, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor) -> PerExampleGradients:
-        per_layer_calls, losses, predictions = record_output_gradients(self.model, self._layers, x, y, loss_fn, valid)
+        recorded = record_output_gradients(self.model, self._layers, x, y, loss_fn, valid)
+        return self._per_example(*recorded)
+
+    def coverage_sums(self, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor):
+        """``(sum_i g_i, the batch gradient of the same pass)`` per selection (see
+        :func:`sparta_tf.per_example.coverage.check_coverage`)."""
+        *recorded, batch_gradients = record_output_gradients(
+            self.model, self._layers, x, y, loss_fn, valid, watch=[s.variable for s in self.selections])
+        result = self._per_example(*recorded)
+        return [tf.reduce_sum(g, axis=0) for g in result.grads], batch_gradients
+
+    def _per_example(self, per_layer_calls, losses, predictions) -> PerExampleGradients:
         batch = tf.shape(losses)[0]
         grads: list = [None] * len(self.selections)
         for layer, rule, indices in self._plan:

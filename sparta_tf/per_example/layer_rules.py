@@ -44,7 +44,12 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import tensorflow as tf
 
 from sparta_tf.per_example.arguments import split_arguments
-from sparta_tf.per_example.patches import _output_size_and_padding, extract_patches
+from sparta_tf.per_example.patches import (
+    _output_size_and_padding,
+    extract_patches,
+    pad_like_convolution,
+    static_or_dynamic,
+)
 from sparta_tf.precision import to_accumulation
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -64,9 +69,14 @@ class LayerRule:
     probe_point = "output"
 
     def record(self, recording, layer, original_call: Callable, args: tuple, kwargs: dict):
-        """The hooked call inside a recording pass: the layer's output with zero probes added."""
+        """The hooked call inside a recording pass: the layer's output with zero probes added.
+
+        A re-run of an output-probed layer goes through ``layer.__call__`` (outside recording
+        passes the hook is inert), so that Keras casts its variables to the compute dtype as in
+        the recorded pass (mixed precision)."""
         output = original_call(*args, **kwargs)
-        return recording.probe(layer, args, kwargs, output, original_call)
+        rerun = layer.__call__ if self.probe_point == "output" else original_call
+        return recording.probe(layer, args, kwargs, output, rerun)
 
     def per_example_grads(
         self,
@@ -193,9 +203,9 @@ def _padded_input(layer, inputs: Tensor, dtype) -> Tensor:
     """The input padded exactly as the forward convolution pads it."""
     (kh, kw), (sh, sw) = tuple(layer.kernel_size), tuple(layer.strides)
     padding = layer.padding.upper()
-    _, pad_h = _output_size_and_padding(inputs.shape[1], kh, sh, 1, padding)
-    _, pad_w = _output_size_and_padding(inputs.shape[2], kw, sw, 1, padding)
-    return tf.pad(tf.cast(inputs, dtype), [[0, 0], list(pad_h), list(pad_w), [0, 0]])
+    _, pad_h = _output_size_and_padding(static_or_dynamic(inputs, 1), kh, sh, 1, padding)
+    _, pad_w = _output_size_and_padding(static_or_dynamic(inputs, 2), kw, sw, 1, padding)
+    return pad_like_convolution(tf.cast(inputs, dtype), pad_h, pad_w)
 
 
 def _kernel_grads_shifted(layer, inputs: Tensor, delta: Tensor) -> Tensor:

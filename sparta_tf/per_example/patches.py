@@ -16,14 +16,31 @@ from __future__ import annotations
 import tensorflow as tf
 
 
-def _output_size_and_padding(size: int, kernel: int, stride: int, dilation: int, padding: str):
-    """TensorFlow's output length and (before, after) padding for one spatial axis."""
+def static_or_dynamic(t: tf.Tensor, axis: int):
+    """``t``'s size on ``axis``: a Python int when known when the step is traced, else a scalar tensor."""
+    size = t.shape[axis]
+    return size if size is not None else tf.shape(t)[axis]
+
+
+def _output_size_and_padding(size, kernel: int, stride: int, dilation: int, padding: str):
+    """TensorFlow's output length and (before, after) padding for one spatial axis.
+
+    ``size`` is an int, or a scalar tensor for a size unknown when the step is traced (then the
+    results are tensors too)."""
     effective = (kernel - 1) * dilation + 1
     if padding == "VALID":
         return (size - effective) // stride + 1, (0, 0)
     out = -(-size // stride)
-    total = max((out - 1) * stride + effective - size, 0)
+    total = (out - 1) * stride + effective - size
+    total = max(total, 0) if isinstance(total, int) else tf.maximum(total, 0)
     return out, (total // 2, total - total // 2)
+
+
+def pad_like_convolution(inputs: tf.Tensor, pad_h, pad_w) -> tf.Tensor:
+    """``inputs`` padded by ``(before, after)`` on H and W (ints or scalar tensors); unchanged for zeros."""
+    if all(isinstance(p, int) and p == 0 for p in (*pad_h, *pad_w)):
+        return inputs
+    return tf.pad(inputs, [[0, 0], list(pad_h), list(pad_w), [0, 0]])
 
 
 def extract_patches(
@@ -33,13 +50,12 @@ def extract_patches(
     dilations: tuple[int, int],
     padding: str,
 ) -> tf.Tensor:
-    """``[B, H, W, C] -> [B, H', W', kh*kw*C]`` receptive fields, ``(kh, kw, C)`` order."""
-    height, width = inputs.shape[1], inputs.shape[2]
+    """``[B, H, W, C] -> [B, H', W', kh*kw*C]`` receptive fields, ``(kh, kw, C)`` order (H, W may be
+    unknown when the step is traced)."""
     (kh, kw), (sh, sw), (dh, dw) = kernel_size, strides, dilations
-    out_h, pad_h = _output_size_and_padding(height, kh, sh, dh, padding)
-    out_w, pad_w = _output_size_and_padding(width, kw, sw, dw, padding)
-    if any(pad_h) or any(pad_w):
-        inputs = tf.pad(inputs, [[0, 0], list(pad_h), list(pad_w), [0, 0]])
+    out_h, pad_h = _output_size_and_padding(static_or_dynamic(inputs, 1), kh, sh, dh, padding)
+    out_w, pad_w = _output_size_and_padding(static_or_dynamic(inputs, 2), kw, sw, dw, padding)
+    inputs = pad_like_convolution(inputs, pad_h, pad_w)
     if (kh, kw, sh, sw) == (1, 1, 1, 1):
         return inputs
     columns = [

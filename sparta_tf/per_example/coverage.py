@@ -1,0 +1,73 @@
+"""Coverage: every trained variable is seen, exactly, by the per-example rule of its layer.
+
+The book-keeping and layer-wise engines see a variable only through the
+recorded calls of the layer that owns it (:mod:`sparta_tf.per_example.recording`).
+A variable the model also uses some other way -- read by another layer, used in
+a ``tf.while_loop`` or by a layer whose ``call`` Keras bypasses (as LSTM and GRU
+bypass their cell's) -- would be missing from the per-example norms, in whole
+or in part: it would be trained by noise alone, or with a gradient that is not
+the one clipped, while the run looks fine. Layers with random ops inside their
+own call are not re-run exactly either.
+
+So before the first DP step, on a few real examples, the engine's per-example
+gradients summed without clipping must equal the batch gradient of the same
+forward pass, for every variable::
+
+    || sum_i g_i - dL/dW ||  <=  tol ||dL/dW||  +  atol
+
+(``tol`` 1e-3 in float32 / float64, 5e-2 when a layer computes in bfloat16 or
+float16, whose batch gradient rounds differently from the float32 per-example
+sums; ``atol`` 1e-5 of the largest batch gradient, for variables whose
+gradient is zero). A variable outside the bound is refused with one line
+naming it, its layer and what to do. An uncovered variable is off by 100%,
+far outside either tolerance. The whole-model ``vectorized`` engine needs no
+check: it differentiates the model itself, one example at a time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from sparta_tf.per_example.errors import UnsupportedLayerError
+
+FLOAT_TOLERANCE = 1e-3
+LOW_PRECISION_TOLERANCE = 5e-2
+ABSOLUTE_FRACTION = 1e-5
+PROBE_EXAMPLES = 4
+
+
+def _low_precision(model: tf.keras.Model) -> bool:
+    return any(getattr(layer, "compute_dtype", None) in ("bfloat16", "float16")
+               for layer in model._flatten_layers(include_self=False, recursive=True))
+
+
+def _owners(engine) -> dict[int, str]:
+    return {k: layer.name for layer, _, indices in engine._plan for k in indices}
+
+
+def check_coverage(engine, x, y, loss_fn) -> None:
+    """Raises :class:`UnsupportedLayerError` unless the engine's per-example gradients of the
+    examples ``x, y`` (a few real ones, no padding) add up to their batch gradient (module doc)."""
+    if not hasattr(engine, "coverage_sums"):
+        return
+    x = tf.nest.map_structure(lambda t: tf.convert_to_tensor(t[:PROBE_EXAMPLES]), x)
+    y = tf.nest.map_structure(lambda t: tf.convert_to_tensor(t[:PROBE_EXAMPLES]), y)
+    valid = tf.ones(tf.shape(tf.nest.flatten(x)[0])[:1], tf.bool)
+    sums, batch_gradients = engine.coverage_sums(x, y, loss_fn, valid)
+    truths = [np.zeros(s.compact_shape) if g is None
+              else np.asarray(s.compact(tf.convert_to_tensor(g)), np.float64)
+              for s, g in zip(engine.selections, batch_gradients)]
+    scale = max((np.linalg.norm(t) for t in truths), default=0.0)
+    tolerance = LOW_PRECISION_TOLERANCE if _low_precision(engine.model) else FLOAT_TOLERANCE
+    owners = _owners(engine)
+    for k, (selection, ours, truth) in enumerate(zip(engine.selections, sums, truths)):
+        error = np.linalg.norm(np.asarray(ours, np.float64) - truth)
+        if not error <= tolerance * np.linalg.norm(truth) + ABSOLUTE_FRACTION * scale:
+            relative = error / max(np.linalg.norm(truth), 1e-30)
+            raise UnsupportedLayerError(
+                f"per-example gradients of variable {selection.variable.name!r} (layer "
+                f"{owners.get(k, '?')!r}) do not add up to its batch gradient (relative error {relative:.2g}): "
+                "the variable is used outside its layer's own call (by another layer, in a loop, or with "
+                "random ops inside the layer), so its per-example norms would be wrong; use a supported layer "
+                "(see the README's layer table) or engine='vectorized'")
