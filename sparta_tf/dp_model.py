@@ -325,7 +325,7 @@ class DPModel(tf.keras.Model):
             return sums
         if self._scorer is not None:
             result = engine(x, y, self._per_example_loss, valid)
-            sums = self._scorer.batch_statistic(result.grads, valid)
+            sums = self._scorer.batch_statistic(result.grads, result.valid)
         else:
             result = clipped_batch(engine, x, y, self._per_example_loss, valid, self.clip_norm)
             sums = result.sums

@@ -301,7 +301,7 @@ def prune_dp_snip(
         valid = tf.ones([len(tf.nest.flatten(xb)[0])], tf.bool)
         result = run(xb, yb, loss_fn, valid)
         connection_grads = [g * tf.convert_to_tensor(v)[None] for g, v in zip(result.grads, prunable)]
-        batch_sums, _ = clipped_sum(connection_grads, clip_norm, valid)
+        batch_sums, _ = clipped_sum(connection_grads, clip_norm, result.valid)
         sums = [total + part for total, part in zip(sums, batch_sums)]
     noise = gaussian_noise([s.shape for s in sums], noise_multiplier * clip_norm,
                            tf.constant(random_streams.resolve_seed(seed), tf.int64), tf.constant(0, tf.int64),
@@ -496,7 +496,7 @@ class SSGDModel(DPModel):
         valid = weights > 0
         result = self._get_engine()(x, y, self._per_example_loss, valid)
         grads = [tf.where(keep[None], g, tf.zeros_like(g)) for g, keep in zip(result.grads, self._step_keep)]
-        sums, _ = clipped_sum(grads, self.clip_norm, valid)
+        sums, _ = clipped_sum(grads, self.clip_norm, result.valid)
         self._update_metrics(y, result.predictions, result.losses, weights)
         return sums
 

@@ -36,6 +36,7 @@ from sparta_tf import clipping
 from sparta_tf.per_example.engines import (
     HookedEngine,
     PerExampleLoss,
+    RecordedPass,
     check_rows,
     per_example_sum,
     record_output_gradients,
@@ -84,18 +85,19 @@ class BookkeepingEngine(HookedEngine):
         (``sum_abs``), by the exact factorisation for Dense on 2-D input, else from one layer's
         per-example gradients at a time.
         """
-        recorded = record_output_gradients(self.model, self._layers, x, y, loss_fn, valid)
-        return self._statistic(*recorded, valid, clip_norm, groups)
+        return self._statistic(record_output_gradients(self.model, self._layers, x, y, loss_fn, valid),
+                               clip_norm, groups)
 
     def coverage_sums(self, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor):
         """``(sum_i g_i unclipped, the batch gradient of the same pass)`` per selection (compact;
         the batch gradient None where the loss does not depend on the variable), for
         :func:`sparta_tf.per_example.coverage.check_coverage`."""
-        *recorded, batch_gradients = record_output_gradients(
-            self.model, self._layers, x, y, loss_fn, valid, watch=[s.variable for s in self.selections])
-        return self._statistic(*recorded, valid, None, None).sums, batch_gradients
+        recorded = record_output_gradients(self.model, self._layers, x, y, loss_fn, valid,
+                                           watch=[s.variable for s in self.selections])
+        return self._statistic(recorded, None, None).sums, recorded.batch_gradients
 
-    def _statistic(self, calls, losses, predictions, valid, clip_norm, groups) -> ClippedBatch:
+    def _statistic(self, recorded: RecordedPass, clip_norm, groups) -> ClippedBatch:
+        calls, losses, predictions, valid = recorded.calls, recorded.losses, recorded.predictions, recorded.valid
         squared, direct_grads, table = self._squared_norms(calls, losses)
         self._remember(table)
         if squared is None:
@@ -266,6 +268,6 @@ def clipped_batch(engine, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor, clip_
     if isinstance(engine, BookkeepingEngine):
         return engine.clipped_sum(x, y, loss_fn, valid, clip_norm)
     result = engine(x, y, loss_fn, valid)
-    sums, norms = clipping.clipped_sum(result.grads, clip_norm, valid)
+    sums, norms = clipping.clipped_sum(result.grads, clip_norm, result.valid)
     sums = [_as_statistic(total, s) for total, s in zip(sums, engine.selections)]
     return ClippedBatch(sums, tf.square(norms), result.losses, result.predictions)

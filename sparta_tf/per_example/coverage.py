@@ -11,7 +11,7 @@ own call are not re-run exactly either.
 
 So before the first DP step, on a few real examples, the engine's per-example
 gradients summed without clipping must equal the batch gradient of the same
-forward pass, for every variable::
+forward pass (traced, like the step), for every variable::
 
     || sum_i g_i - dL/dW ||  <=  tol ||dL/dW||  +  atol
 
@@ -54,7 +54,9 @@ def check_coverage(engine, x, y, loss_fn) -> None:
     x = tf.nest.map_structure(lambda t: tf.convert_to_tensor(t[:PROBE_EXAMPLES]), x)
     y = tf.nest.map_structure(lambda t: tf.convert_to_tensor(t[:PROBE_EXAMPLES]), y)
     valid = tf.ones(tf.shape(tf.nest.flatten(x)[0])[:1], tf.bool)
-    sums, batch_gradients = engine.coverage_sums(x, y, loss_fn, valid)
+    # Traced, as the DP step is: a layer called inside a tf.while_loop is recorded once per step
+    # in eager mode but cannot be probed from outside the loop in a graph.
+    sums, batch_gradients = tf.function(lambda x, y: engine.coverage_sums(x, y, loss_fn, valid))(x, y)
     truths = [np.zeros(s.compact_shape) if g is None
               else np.asarray(s.compact(tf.convert_to_tensor(g)), np.float64)
               for s, g in zip(engine.selections, batch_gradients)]

@@ -46,6 +46,41 @@ class PerExampleGradients(NamedTuple):
     grads: list  # [B, *variable.shape] per variable
     losses: tf.Tensor  # [B]
     predictions: object  # model output structure
+    valid: tf.Tensor  # [B] the examples to clip and sum: real ones whose inputs are finite (finite_rows)
+
+
+class RecordedPass(NamedTuple):
+    """What :func:`record_output_gradients` returns."""
+
+    calls: dict  # {id(layer): [(RecordedCall, delta)]}
+    losses: tf.Tensor  # [B]
+    predictions: object
+    valid: tf.Tensor  # [B] real examples with finite inputs (finite_rows)
+    batch_gradients: list  # of the watched variables (None where unconnected); [] when none watched
+
+
+def finite_rows(x, valid: tf.Tensor):
+    """``(x, usable)``: ``usable = valid`` and every floating-point input of the example finite;
+    the inputs of examples that are not usable (padding, NaN or inf) set to zero.
+
+    An example that is not usable contributes exactly zero anyway; zeroing its inputs first keeps
+    its values out of every batched operation. Some lowerings mix rows of a batched op (XLA
+    expands a grouped or depthwise float64 convolution into a dense one with a zero-masked
+    filter, where ``0 * NaN = NaN`` reaches every example), so a non-finite row could otherwise
+    make other examples' norms non-finite and drop them: one example would change the others'
+    contributions."""
+    usable = valid
+    for t in tf.nest.flatten(x):
+        if t.dtype.is_floating:
+            usable = tf.logical_and(usable, tf.reduce_all(tf.math.is_finite(
+                tf.reshape(t, tf.stack([tf.shape(t)[0], -1]))), axis=1))
+
+    def zeroed(t):
+        if not t.dtype.is_floating:
+            return t
+        return tf.where(tf.reshape(usable, [-1] + [1] * (t.shape.rank - 1)), t, tf.zeros_like(t))
+
+    return tf.nest.map_structure(zeroed, x), usable
 
 
 def _owned_weights(layer) -> list[tf.Variable]:
@@ -145,18 +180,18 @@ class LayerwiseEngine(HookedEngine):
         return plan, None
 
     def __call__(self, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor) -> PerExampleGradients:
-        recorded = record_output_gradients(self.model, self._layers, x, y, loss_fn, valid)
-        return self._per_example(*recorded)
+        return self._per_example(record_output_gradients(self.model, self._layers, x, y, loss_fn, valid))
 
     def coverage_sums(self, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor):
         """``(sum_i g_i, the batch gradient of the same pass)`` per selection (see
         :func:`sparta_tf.per_example.coverage.check_coverage`)."""
-        *recorded, batch_gradients = record_output_gradients(
-            self.model, self._layers, x, y, loss_fn, valid, watch=[s.variable for s in self.selections])
-        result = self._per_example(*recorded)
-        return [tf.reduce_sum(g, axis=0) for g in result.grads], batch_gradients
+        recorded = record_output_gradients(self.model, self._layers, x, y, loss_fn, valid,
+                                           watch=[s.variable for s in self.selections])
+        result = self._per_example(recorded)
+        return [tf.reduce_sum(g, axis=0) for g in result.grads], recorded.batch_gradients
 
-    def _per_example(self, per_layer_calls, losses, predictions) -> PerExampleGradients:
+    def _per_example(self, recorded: RecordedPass) -> PerExampleGradients:
+        per_layer_calls, losses = recorded.calls, recorded.losses
         batch = tf.shape(losses)[0]
         grads: list = [None] * len(self.selections)
         for layer, rule, indices in self._plan:
@@ -176,7 +211,7 @@ class LayerwiseEngine(HookedEngine):
             if g is None else g
             for g, s in zip(grads, self.selections)
         ]
-        return PerExampleGradients(grads, losses, predictions)
+        return PerExampleGradients(grads, losses, recorded.predictions, recorded.valid)
 
 
 def per_example_sum(rows: tf.Tensor, batch: tf.Tensor) -> tf.Tensor:
@@ -200,16 +235,17 @@ def check_rows(layer, per_example: tf.Tensor, losses: tf.Tensor) -> None:
             "tf.keras.layers.TimeDistributed, or keep the batch axis first")
 
 
-def record_output_gradients(model, layers, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor, watch=()):
+def record_output_gradients(model, layers, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor, watch=()) -> RecordedPass:
     """One batched forward and one batched backward pass of ``sum_i valid_i L_i``.
 
-    Returns ``({id(layer): [(RecordedCall, delta)]}, losses [B], predictions)``, where
-    ``delta = [dL_1/dz_1, ..., dL_B/dz_B]`` at each call's probe point (no layer mixes
-    examples, so the gradient of the sum separates by example), in the accumulation dtype
-    (float32 for bfloat16 / float16 layers; :func:`sparta_tf.precision.accumulation_dtype`);
-    ``delta`` is None for a call the loss does not depend on. With ``watch`` (variables), also
-    returns their batch gradients of the same pass (None where unconnected) as a fourth item.
+    Returns the :class:`RecordedPass`: per layer its calls and ``delta = [dL_1/dz_1, ...,
+    dL_B/dz_B]`` at each call's probe point (no layer mixes examples, so the gradient of the sum
+    separates by example), in the accumulation dtype (float32 for bfloat16 / float16 layers;
+    :func:`sparta_tf.precision.accumulation_dtype`), None for a call the loss does not depend
+    on; the losses; the predictions; the usable examples (:func:`finite_rows`, whose zeroed
+    inputs the pass ran on). With ``watch`` (variables), also their batch gradients of the same pass.
     """
+    x, valid = finite_rows(x, valid)
     with tf.GradientTape(watch_accessed_variables=False, persistent=False) as tape:
         tape.watch(list(watch))
         with recording(tape, layers) as rec:
@@ -222,9 +258,7 @@ def record_output_gradients(model, layers, x, y, loss_fn: PerExampleLoss, valid:
     per_layer_calls: dict[int, list] = {}
     for call, delta in zip(rec.calls, deltas):
         per_layer_calls.setdefault(id(call.layer), []).append((call, _accumulation_delta(call.probe, delta)))
-    if watch:
-        return per_layer_calls, losses, predictions, variable_grads
-    return per_layer_calls, losses, predictions
+    return RecordedPass(per_layer_calls, losses, predictions, valid, list(variable_grads))
 
 
 def _accumulation_delta(probe, delta):
@@ -254,7 +288,7 @@ class VectorizedEngine:
         self.variables = [s.variable for s in self.selections]
 
     def __call__(self, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor) -> PerExampleGradients:
-        del valid  # padding is removed by the clipping step
+        x, valid = finite_rows(x, valid)  # padding is removed by the clipping step
 
         def one_example(example):
             x_i, y_i = tf.nest.map_structure(lambda t: t[None], example)
@@ -271,7 +305,7 @@ class VectorizedEngine:
 
         grads, losses, predictions = tf.vectorized_map(one_example, (x, y))
         grads = [s.compact(g, batch_dims=1) for s, g in zip(self.selections, grads)]
-        return PerExampleGradients(grads, losses, predictions)
+        return PerExampleGradients(grads, losses, predictions, valid)
 
 
 def as_selections(trainable) -> list[VariableSelection]:

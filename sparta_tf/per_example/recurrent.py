@@ -81,8 +81,9 @@ def _zeros_per_step(sequence: tf.Tensor, step_value: tf.Tensor) -> tf.Tensor:
     return tf.zeros(tf.concat([tf.shape(sequence)[:2], tail], 0), step_value.dtype)
 
 
-def _as_list(states) -> list:
-    return list(states) if tf.nest.is_nested(states) else [states]
+def _flat(states) -> list:
+    """A cell's states as a flat list (StackedRNNCells nests them per cell, and re-nests a flat list)."""
+    return tf.nest.flatten(states)
 
 
 class RecurrentRule(LayerRule):
@@ -109,10 +110,10 @@ class RecurrentRule(LayerRule):
         cell_kwargs = {}
         if "training" in inspect.signature(cell.call).parameters:
             cell_kwargs["training"] = arguments.get("training")
-        states = list(initial_state)
+        states = _flat(initial_state)
 
         first_output, first_states = cell(inputs[:, 0], states, **cell_kwargs)  # shapes only (pruned)
-        probes = [_zeros_per_step(inputs, t) for t in [first_output, *_as_list(first_states)]]
+        probes = [_zeros_per_step(inputs, t) for t in [first_output, *_flat(first_states)]]
         recording.tape.watch(probes)
         fed = [tf.reverse(p, [1]) for p in probes] if layer.go_backwards else probes  # step t sees probes[:, t]
 
@@ -120,7 +121,7 @@ class RecurrentRule(LayerRule):
             x_t, probes_t = step_inputs
             previous = list(previous)
             output, new_states = cell(x_t, previous, **cell_kwargs)
-            new_states = [s + p for s, p in zip(_as_list(new_states), probes_t[1:])]
+            new_states = [s + p for s, p in zip(_flat(new_states), probes_t[1:])]
             return (output + probes_t[0], x_t, *previous), new_states
 
         last, sequences, final_states = tf.keras.backend.rnn(
@@ -136,7 +137,7 @@ class RecurrentRule(LayerRule):
         else:
             output = last[0]
         if layer.return_state:
-            return [output, *_as_list(final_states)]
+            return [output, *tf.nest.pack_sequence_as(list(initial_state), _flat(final_states))]
         return output
 
     def per_example_grads(self, layer, call, delta, selections):
@@ -149,7 +150,7 @@ class RecurrentRule(LayerRule):
             with tf.GradientTape(watch_accessed_variables=False) as tape:
                 tape.watch(variables)
                 output, new_states = call.original_call(x_i, list(states_i), **call.kwargs)
-            grads = tape.gradient([output, *_as_list(new_states)], variables, output_gradients=delta_i,
+            grads = tape.gradient([output, *_flat(new_states)], variables, output_gradients=delta_i,
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
             return [to_accumulation(tf.convert_to_tensor(g)) for g in grads]
 

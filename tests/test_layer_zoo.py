@@ -1,0 +1,194 @@
+"""Every layer a user writes: the DP step's clipped sum is exact, or the model is refused in one line.
+
+For each model of :mod:`layer_zoo` (fused activations, masks, recurrent layers, wrappers, mixed
+precision, unknown dimensions), under ``engine="auto"`` and a materialising engine, jit off and on,
+traced with the batch and every dimension the model leaves open unknown:
+
+* the clipped sum equals the one-example tape reference (float64) at clip norms where every,
+  some and no example is clipped;
+* padding rows (NaN-filled) contribute exactly zero, and changing only the other rows of a batch
+  (padding, masks included) leaves one example's contribution bit-identical;
+* one example's contribution has norm at most ``C``.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import sparta_tf
+from layer_zoo import CASES, L, loss_fn, norms, reference_clipped_sum, reference_gradients
+from sparta_tf.per_example import make_engine
+from sparta_tf.per_example.bookkeeping import clipped_batch, make_clipping_engine
+from sparta_tf.per_example.errors import UnsupportedLayerError
+
+FLOAT_TOLERANCE = 1e-5  # relative to the step's largest coordinate (ghost norms: rounding margin below this)
+LOW_PRECISION_TOLERANCE = 3e-2  # the reference runs the model in bfloat16 / float16, ours sums in float32
+MATERIALISING = {"subclassed_add_weight": "vectorized"}  # the model's own weight: no leaf layer owns it
+
+
+def _engine(model, case_name: str, engine_name: str):
+    if engine_name == "auto":
+        return make_clipping_engine(model, model.trainable_variables, "auto")
+    return make_engine(model, model.trainable_variables, MATERIALISING.get(case_name, "layerwise"))
+
+
+def _step(case, engine, jit: bool):
+    def step(x, y, valid, clip_norm):
+        return clipped_batch(engine, x, y, loss_fn, valid, clip_norm).sums
+
+    signature = [case.signature(), tf.TensorSpec([None], tf.int64), tf.TensorSpec([None], tf.bool),
+                 tf.TensorSpec([], tf.float32)]
+    return tf.function(step, input_signature=signature, jit_compile=jit)
+
+
+def _flat(sums) -> list[np.ndarray]:
+    return [np.asarray(s, np.float64) for s in sums]
+
+
+@pytest.mark.parametrize("engine_name", ["auto", "materialising"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_clipped_sum_equals_the_one_example_reference(name, engine_name):
+    case = CASES[name]
+    tf.keras.utils.set_random_seed(0)
+    model = case.build()
+    x, y, valid = case.batch(seed=1)
+    reference = reference_gradients(model, x, y, valid)
+    example_norms = norms(reference)
+    engine = _engine(model, name, engine_name)
+    tolerance = LOW_PRECISION_TOLERANCE if case.low_precision else FLOAT_TOLERANCE
+    for jit in (False, True):
+        step = _step(case, engine, jit)
+        for clip_norm in (example_norms.min() / 2, np.median(example_norms), example_norms.max() * 2):
+            ours = _flat(step(x, y, valid, np.float32(clip_norm)))
+            expected = reference_clipped_sum(reference, clip_norm)
+            scale = max(float(np.max(np.abs(e))) for e in expected)
+            for variable, a, b in zip(model.trainable_variables, ours, expected):
+                error = float(np.max(np.abs(a - b), initial=0.0)) / scale
+                assert error <= tolerance, f"{variable.name} jit={jit} C={clip_norm:.3g}: {error:.2e}"
+
+        # Padding contributes exactly zero, and one example's contribution depends on its own row only.
+        single = np.arange(len(valid)) == 0
+        clip_norm = np.float32(example_norms[0] / 10)
+        first = _flat(step(x, y, single, clip_norm))
+        others_x, _, _ = case.batch(seed=2, padding_fill="values")
+        mixed = tf.nest.map_structure(lambda a, b: np.concatenate([a[:1], b[1:]]), x, others_x)
+        again = _flat(step(mixed, y, single, clip_norm))
+        for variable, a, b in zip(model.trainable_variables, first, again):
+            np.testing.assert_array_equal(a, b, err_msg=f"{variable.name} jit={jit}: depends on other rows")
+        assert np.sqrt(sum(float(np.sum(a * a)) for a in first)) <= clip_norm, f"jit={jit}: ||S|| > C"
+
+
+def _stateful_lstm():
+    inputs = tf.keras.Input((5, 3), batch_size=4)
+    return tf.keras.Model(inputs, L.Dense(3)(L.LSTM(4, stateful=True)(inputs)))
+
+
+class _ReadsAnotherLayersKernel(L.Layer):
+    def __init__(self, owner):
+        super().__init__()
+        self.owner = owner
+
+    def call(self, x):
+        return tf.matmul(x, self.owner.kernel)
+
+
+def _tied_kernel():
+    inputs = tf.keras.Input((4,))
+    owner = L.Dense(4)
+    return tf.keras.Model(inputs, L.Dense(3)(_ReadsAnotherLayersKernel(owner)(owner(inputs))))
+
+
+def _dense_in_a_loop():
+    class Loop(L.Layer):
+        def __init__(self):
+            super().__init__()
+            self.dense = L.Dense(4, activation="tanh")
+
+        def call(self, x):
+            return tf.while_loop(lambda i, h: i < 2, lambda i, h: (i + 1, self.dense(h)), (0, x))[1]
+
+    inputs = tf.keras.Input((4,))
+    return tf.keras.Model(inputs, L.Dense(3)(Loop()(inputs)))
+
+
+REFUSED = {
+    "stateful_lstm": (_stateful_lstm, r"recurrent layer 'lstm\w*' is stateful.*stateful=False"),
+    "lstm_dropout": (lambda: tf.keras.Sequential([tf.keras.Input((5, 3)), L.LSTM(4, dropout=0.2), L.Dense(3)]),
+                     r"dropout=0.2.*set dropout=0 and recurrent_dropout=0"),
+    "kernel_read_by_another_layer": (_tied_kernel, r"variable '\S*dense\w*/kernel:0' .*do not add up"),
+    "dense_called_in_a_while_loop": (_dense_in_a_loop, r"variable '\S*dense\w*/kernel:0' .*do not add up"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_what_no_rule_makes_exact_is_refused_before_the_first_step_in_one_line(name):
+    build, message = REFUSED[name]
+    tf.keras.utils.set_random_seed(0)
+    model = build()
+    dp = sparta_tf.DPModel(model, noise_multiplier=1.0, sample_rate=0.5, seed=0)
+    dp.compile(optimizer="sgd", loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    before = [v.numpy() for v in model.variables]
+    x = np.random.RandomState(0).randn(8, *model.input_shape[1:]).astype(np.float32)
+    with pytest.raises(UnsupportedLayerError, match=message) as info:
+        dp.fit(x, np.arange(8) % 3, epochs=1, verbose=0)
+    assert "\n" not in str(info.value)
+    for variable, value in zip(model.variables, before):
+        np.testing.assert_array_equal(variable.numpy(), value)  # refused before any step
+
+
+def test_recurrent_layers_are_refused_by_the_whole_model_vectorized_engine_in_one_line():
+    model = tf.keras.Sequential([tf.keras.Input((5, 3)), L.GRU(4), L.Dense(3)])
+    with pytest.raises(UnsupportedLayerError, match=r"engine='vectorized' .*recurrent layer 'gru\w*'.*engine='auto'"):
+        make_engine(model, model.trainable_variables, "vectorized")
+
+
+FIT_CASES = ["lstm", "bidirectional_lstm", "lstm_masked", "gru_reset_before_backwards", "time_distributed_conv2d",
+             "attention_masked", "embedding_unknown_length", "conv2d_valid_strides_relu", "mixed_bfloat16",
+             "mixed_float16", "float64"]
+
+
+@pytest.mark.parametrize("name", FIT_CASES)
+def test_one_fit_step_moves_every_weight_by_its_clipped_gradient(name):
+    """End to end through ``DPModel.fit`` on a dataset whose batch and open dimensions are unknown
+    (``from_generator``): with sigma = 0 and SGD(lr=1), one step changes the weights by exactly
+    ``-S / (q n)`` -- recurrent weights included (they used to stay put)."""
+    case = CASES[name]
+    tf.keras.utils.set_random_seed(0)
+    model = case.build()
+    x, y, valid = case.batch(seed=1)
+    x = tf.nest.map_structure(lambda t: t[: len(y)][valid], x)
+    y = y[valid]
+    expected = reference_clipped_sum(reference_gradients(model, x, y, np.ones(len(y), bool)), 1.0)
+    dataset = tf.data.Dataset.from_generator(lambda: iter([(x, y)]), output_signature=(
+        case.signature(), tf.TensorSpec([None], tf.int64)))
+    dp = sparta_tf.DPModel(model, noise_multiplier=0.0, clip_norm=1.0, sample_rate=0.5, dataset_size=2 * len(y))
+    dp.compile(optimizer=tf.keras.optimizers.SGD(1.0),
+               loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    before = [np.asarray(v.numpy(), np.float64) for v in model.trainable_variables]
+    dp.fit(dataset, epochs=1, steps_per_epoch=1, verbose=0)
+    tolerance = LOW_PRECISION_TOLERANCE if case.low_precision else FLOAT_TOLERANCE
+    scale = max(float(np.max(np.abs(e))) for e in expected) / len(y)
+    for variable, old, total in zip(model.trainable_variables, before, expected):
+        moved = np.asarray(variable.numpy(), np.float64) - old
+        error = float(np.max(np.abs(moved + total / len(y)))) / scale
+        assert error <= max(tolerance, 1e-4), f"{variable.name}: {error:.2e}"  # 1e-4: float32 weights
+
+
+def test_mixed_float16_policy_compiles_without_loss_scaling():
+    """Under the global ``mixed_float16`` policy Keras wraps the optimizer in a LossScaleOptimizer;
+    the DP step uses the optimizer inside it (no data-dependent loss scale) and trains."""
+    tf.keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = tf.keras.Sequential([tf.keras.Input((4,)), L.Dense(5, activation="relu"),
+                                     L.Dense(3, dtype="float32")])
+        dp = sparta_tf.DPModel(model, noise_multiplier=0.5, sample_rate=0.5, seed=0)
+        dp.compile(optimizer=tf.keras.optimizers.SGD(0.1),
+                   loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        assert "LossScale" in type(dp.optimizer).__name__
+        before = model.layers[0].kernel.numpy()
+        x = np.random.RandomState(0).randn(16, 4).astype(np.float32)
+        history = dp.fit(x, np.arange(16) % 3, epochs=1, verbose=0)
+        assert np.isfinite(history.history["loss"][-1])
+        assert not np.array_equal(before, model.layers[0].kernel.numpy())
+    finally:
+        tf.keras.mixed_precision.set_global_policy("float32")
