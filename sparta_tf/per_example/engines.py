@@ -69,7 +69,8 @@ def finite_rows(x, valid: tf.Tensor):
     filter, where ``0 * NaN = NaN`` reaches every example), so a non-finite row could otherwise
     make other examples' norms non-finite and drop them: one example would change the others'
     contributions."""
-    usable = valid
+    x = tf.nest.map_structure(tf.convert_to_tensor, x)
+    usable = tf.convert_to_tensor(valid)
     for t in tf.nest.flatten(x):
         if t.dtype.is_floating:
             usable = tf.logical_and(usable, tf.reduce_all(tf.math.is_finite(
