@@ -11,11 +11,13 @@ per-example loss to
 
 Two engines compute the same quantity:
 
-* :class:`LayerwiseEngine` ("book-keeping"): one batched forward and one
-  batched backward pass to the layer outputs, then a per-layer rule turns
-  layer inputs and output gradients into per-example weight gradients
+* :class:`LayerwiseEngine`: one batched forward and one batched backward pass
+  to the layer outputs, then a per-layer rule turns layer inputs and output
+  gradients into per-example weight gradients
   (:mod:`sparta_tf.per_example.layer_rules`). Used when every variable asked
-  for belongs to a layer that owns it directly.
+  for belongs to a layer that owns it directly, or to a recurrent layer's cell
+  (:mod:`sparta_tf.per_example.recurrent`); layers inside ``TimeDistributed``
+  have their per-row gradients summed per example.
 * :class:`VectorizedEngine`: ``tf.vectorized_map`` over examples of the
   gradient of a batch-of-one forward pass. Works for any Keras model.
 
@@ -31,9 +33,9 @@ from typing import Callable, NamedTuple, Sequence
 import tensorflow as tf
 
 from sparta_tf.per_example.errors import UnsupportedLayerError
-from sparta_tf.per_example.layer_rules import LayerRule, rule_for
+from sparta_tf.per_example.layer_rules import rule_for
 from sparta_tf.per_example.recording import install_hook, install_reshape_hook, recording
-from sparta_tf.per_example.recurrent import RECURRENT_RULE, cell_layers, check_recurrent_layer, is_recurrent
+from sparta_tf.per_example.recurrent import cell_layers, check_recurrent_layer, is_recurrent
 from sparta_tf.precision import accumulation_dtype, to_accumulation
 from sparta_tf.trainable import TrainableSet, VariableSelection
 

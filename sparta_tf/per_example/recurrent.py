@@ -106,6 +106,8 @@ class RecurrentRule(LayerRule):
             inputs = tf.transpose(inputs, [1, 0] + list(range(2, inputs.shape.rank)))
         mask = arguments.get("mask")
         mask = None if mask is None else tf.nest.flatten(mask)[0]
+        if mask is not None and layer.time_major:
+            mask = tf.transpose(mask)  # [T, B] for time-major inputs; the recurrence below is batch-major
         cell = layer.cell
         cell_kwargs = {}
         if "training" in inspect.signature(cell.call).parameters:
