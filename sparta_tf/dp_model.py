@@ -460,7 +460,7 @@ class DPModel(tf.keras.Model):
         engine = make_clipping_engine(self.model, everything, self.engine_name)  # refuses what it cannot plan
         probe_batch_mixing(self.model, x)
         if self._per_example_loss is not None:
-            check_coverage(engine, x, y, self._per_example_loss)
+            check_coverage(engine, x, y, self._per_example_loss, self.distribute_strategy)
         self._model_probed = True
 
     def _first_examples(self, dataset: tf.data.Dataset):

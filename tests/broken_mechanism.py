@@ -23,7 +23,8 @@ CLIP_USERS = ("sparta_tf.clipping", "sparta_tf.selection.scoring")  # ssgd clips
 
 
 def _zero_noise(shapes, stddev, seed, step, dtype=tf.float32, stream=None):
-    return [tf.zeros(shape, dtype) for shape in shapes]
+    dtypes = list(dtype) if isinstance(dtype, (list, tuple)) else [dtype] * len(shapes)
+    return [tf.zeros(shape, d) for shape, d in zip(shapes, dtypes)]
 
 
 def _no_clipping(squared_norms, clip_norm, valid):

@@ -46,20 +46,32 @@ def _owners(engine) -> dict[int, str]:
     return {k: layer.name for layer, _, indices in engine._plan for k in indices}
 
 
-def check_coverage(engine, x, y, loss_fn) -> None:
+def _traced_sums(engine, x, y, loss_fn, strategy):
+    """``(sum_i g_i, batch gradient)`` per selection from one traced pass, in a replica context of
+    ``strategy`` (mirrored variables are differentiated there) on the first replica's data."""
+
+    def computation(x, y):
+        valid = tf.ones(tf.shape(tf.nest.flatten(x)[0])[:1], tf.bool)
+        sums, batch_gradients = engine.coverage_sums(x, y, loss_fn, valid)
+        unconnected = [tf.zeros(s.variable.shape, s.variable.dtype) if g is None else tf.convert_to_tensor(g)
+                       for s, g in zip(engine.selections, batch_gradients)]
+        return sums, unconnected
+
+    # Traced, as the DP step is: a layer called inside a tf.while_loop is recorded once per step
+    # in eager mode but cannot be probed from outside the loop in a graph.
+    results = tf.function(lambda x, y: strategy.run(computation, args=(x, y)))(x, y)
+    return tf.nest.map_structure(lambda t: strategy.experimental_local_results(t)[0], results)
+
+
+def check_coverage(engine, x, y, loss_fn, strategy: tf.distribute.Strategy | None = None) -> None:
     """Raises :class:`UnsupportedLayerError` unless the engine's per-example gradients of the
     examples ``x, y`` (a few real ones, no padding) add up to their batch gradient (module doc)."""
     if not hasattr(engine, "coverage_sums"):
         return
     x = tf.nest.map_structure(lambda t: tf.convert_to_tensor(t[:PROBE_EXAMPLES]), x)
     y = tf.nest.map_structure(lambda t: tf.convert_to_tensor(t[:PROBE_EXAMPLES]), y)
-    valid = tf.ones(tf.shape(tf.nest.flatten(x)[0])[:1], tf.bool)
-    # Traced, as the DP step is: a layer called inside a tf.while_loop is recorded once per step
-    # in eager mode but cannot be probed from outside the loop in a graph.
-    sums, batch_gradients = tf.function(lambda x, y: engine.coverage_sums(x, y, loss_fn, valid))(x, y)
-    truths = [np.zeros(s.compact_shape) if g is None
-              else np.asarray(s.compact(tf.convert_to_tensor(g)), np.float64)
-              for s, g in zip(engine.selections, batch_gradients)]
+    sums, batch_gradients = _traced_sums(engine, x, y, loss_fn, strategy or tf.distribute.get_strategy())
+    truths = [np.asarray(s.compact(g), np.float64) for s, g in zip(engine.selections, batch_gradients)]
     scale = max((np.linalg.norm(t) for t in truths), default=0.0)
     tolerance = LOW_PRECISION_TOLERANCE if _low_precision(engine.model) else FLOAT_TOLERANCE
     owners = _owners(engine)
