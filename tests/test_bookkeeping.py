@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from sparta_tf import trainable as trainable_lib
 from sparta_tf.groups import row_groups
-from sparta_tf.per_example import ghost_rules
+from sparta_tf.per_example import ghost_rules, registry
 from sparta_tf.per_example.bookkeeping import BookkeepingEngine, clipped_batch, make_clipping_engine
 from sparta_tf.per_example.layer_rules import RecordedCall
 
@@ -221,14 +221,14 @@ def _tf_privacy_norms(computation, layer, args, delta_seed):
 
 @pytest.mark.parametrize("kind", ["dense", "dense_3d", "einsum_dense", "layer_norm", "embedding"])
 def test_our_norms_equal_tf_privacy_registry_functions(kind):
-    registry = pytest.importorskip("tensorflow_privacy.privacy.fast_gradient_clipping.registry_functions.dense")
+    tfp_dense = pytest.importorskip("tensorflow_privacy.privacy.fast_gradient_clipping.registry_functions.dense")
     from tensorflow_privacy.privacy.fast_gradient_clipping.registry_functions import (
         einsum_dense, embedding, layer_normalization)
 
     tf.random.set_seed(5)
     layer, inputs, computation = {
-        "dense": (L.Dense(4), tf.random.normal([6, 5]), registry.dense_layer_computation),
-        "dense_3d": (L.Dense(4), tf.random.normal([6, 3, 5]), registry.dense_layer_computation),
+        "dense": (L.Dense(4), tf.random.normal([6, 5]), tfp_dense.dense_layer_computation),
+        "dense_3d": (L.Dense(4), tf.random.normal([6, 3, 5]), tfp_dense.dense_layer_computation),
         "einsum_dense": (L.EinsumDense("abc,cd->abd", output_shape=(3, 4), bias_axes="d"),
                          tf.random.normal([6, 3, 5]), einsum_dense.einsum_layer_computation),
         "layer_norm": (L.LayerNormalization(), tf.random.normal([6, 5]),
@@ -238,7 +238,7 @@ def test_our_norms_equal_tf_privacy_registry_functions(kind):
     }[kind]
     layer(inputs)  # build
     theirs, delta = _tf_privacy_norms(computation, layer, (inputs,), 11)
-    rule = ghost_rules.ghost_rule_for(layer)
+    rule = registry.ghost_rule_for(layer)
     call = RecordedCall(layer, (inputs,), {}, None, type(layer).call.__get__(layer))
     selections = [trainable_lib.dense(v) for v in layer.trainable_variables]
     ours, _ = rule.squared_norms(layer, call, delta, selections)

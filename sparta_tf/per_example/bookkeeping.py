@@ -41,7 +41,8 @@ from sparta_tf.per_example.engines import (
     per_example_sum,
     record_output_gradients,
 )
-from sparta_tf.per_example.ghost_rules import NormMethod, _squared, ghost_rule_for, keep_examples
+from sparta_tf.per_example.ghost_rules import NormMethod, _squared, keep_examples
+from sparta_tf.per_example.registry import ghost_rule_for
 from sparta_tf.precision import accumulation_dtype, to_accumulation
 from sparta_tf.trainable import VariableSelection
 

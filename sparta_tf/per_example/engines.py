@@ -33,7 +33,7 @@ from typing import Callable, NamedTuple, Sequence
 import tensorflow as tf
 
 from sparta_tf.per_example.errors import UnsupportedLayerError
-from sparta_tf.per_example.layer_rules import rule_for
+from sparta_tf.per_example.registry import rule_for
 from sparta_tf.per_example.recording import install_hook, install_reshape_hook, recording
 from sparta_tf.per_example.recurrent import cell_layers, check_recurrent_layer, is_recurrent
 from sparta_tf.precision import accumulation_dtype, to_accumulation

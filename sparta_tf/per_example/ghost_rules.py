@@ -49,16 +49,13 @@ import tensorflow as tf
 from sparta_tf.per_example.layer_rules import (
     CONV2D_RULE,
     DENSE_RULE,
-    GROUP_NORM_RULE,
+    PRE_ACTIVATION_VJP_RULE,
     VJP_RULE,
-    GroupNormRule,
     LayerRule,
     _selected_rows,
     _sum_over_middle_axes,
-    rule_for,
 )
 from sparta_tf.per_example.patches import extract_patches
-from sparta_tf.per_example.recurrent import RECURRENT_RULE
 from sparta_tf.precision import to_accumulation
 
 Tensor = tf.Tensor
@@ -173,6 +170,10 @@ class GhostRule:
 
     reference: LayerRule = VJP_RULE
 
+    def __init__(self, reference: LayerRule | None = None):
+        if reference is not None:
+            self.reference = reference
+
     @property
     def probe_point(self) -> str:
         return self.reference.probe_point
@@ -186,7 +187,8 @@ class GhostRule:
         ``materialised[position]`` (compact form), so the engine sums them instead of recomputing."""
         grads = self.reference.per_example_grads(layer, call, delta, selections)
         _keep(materialised, enumerate(grads))
-        methods = [NormMethod(layer.name, s.variable.name, "per_layer_vjp", None, None) for s in selections]
+        method = self.reference.norm_method
+        methods = [NormMethod(layer.name, s.variable.name, method, None, None) for s in selections]
         return tf.add_n([_squared(g) for g in grads]), methods
 
     def abs_row_sums(self, layer, call, delta_c, keep, selection, group) -> Tensor:
@@ -203,14 +205,14 @@ class GhostRule:
 
 
 class LinearGhostRule(GhostRule):
-    """Dense (linear activation) and Dense-like EinsumDense: ``z_i = a_i W + b`` on ``[T, in]``."""
+    """Dense and Dense-like EinsumDense, probed before the activation: ``z_i = a_i W + b`` on ``[T, in]``."""
 
     reference = DENSE_RULE
 
     def __init__(self, einsum: "EinsumLayout | None" = None):
         self.einsum = einsum
         if einsum is not None:  # DenseRule's per-example gradients assume a Dense layer's shapes
-            self.reference = VJP_RULE
+            self.reference = PRE_ACTIVATION_VJP_RULE
 
     def _operands(self, layer, call, delta) -> tuple[Tensor, Tensor]:
         """``(a: [B, T, in], delta: [B, T, out])`` of the layer as a Dense map."""
@@ -292,9 +294,9 @@ class EinsumLayout(NamedTuple):
 
 def einsum_layout(layer: tf.keras.layers.EinsumDense) -> EinsumLayout | None:
     """The :class:`EinsumLayout` of ``layer``, or None when its equation is not Dense-like
-    (or its bias does not span every output unit, or it has a non-linear activation)."""
+    (or its bias does not span every output unit)."""
     match = re.fullmatch(r"([a-z]+),([a-z]+)->([a-z]+)", layer.equation.replace(" ", ""))
-    if match is None or getattr(layer, "activation", None) not in (None, tf.keras.activations.linear):
+    if match is None:
         return None
     inputs, kernel, output = match.groups()
     contracted = "".join(c for c in kernel if c in inputs and c not in output)
@@ -373,27 +375,6 @@ class Conv2DGhostRule(GhostRule):
         return tape.gradient(out, kernel, output_gradients=d)
 
 
-class GroupNormGhostRule(GhostRule):
-    """GroupNormalization: per-example ``[B, C]`` gradients are cheap; computed directly."""
-
-    reference = GROUP_NORM_RULE
-
-    def squared_norms(self, layer, call, delta, selections, materialised: dict | None = None):
-        grads = self.reference.per_example_grads(layer, call, delta, selections)
-        _keep(materialised, enumerate(grads))
-        methods = [NormMethod(layer.name, s.variable.name, "elementwise", None, None) for s in selections]
-        return tf.add_n([_squared(g) for g in grads]), methods
-
-    def weighted_sums(self, layer, call, delta_c, keep, selections):
-        inputs = keep_examples(tf.cast(call.inputs, delta_c.dtype), keep)
-        normalized = GroupNormRule._normalized(layer, inputs, delta_c.dtype)
-        sums = []
-        for selection in selections:
-            full = delta_c * normalized if selection.variable is layer.gamma else delta_c
-            sums.append(selection.compact(tf.reduce_sum(full, axis=list(range(full.shape.rank - 1)))))
-        return sums
-
-
 class EmbeddingGhostRule(GhostRule):
     """Embedding ``z_it = E[idx_it]``: ``g_i = sum_t e_{idx_it} delta_it^T`` (one-hot rows).
 
@@ -423,35 +404,3 @@ class EmbeddingGhostRule(GhostRule):
         batch = tf.shape(delta)[0]
         indices = tf.reshape(tf.cast(call.inputs, tf.int64), [batch, -1])
         return indices, tf.reshape(delta, [batch, -1, delta.shape[-1]])
-
-
-class RecurrentGhostRule(GhostRule):
-    """Recurrent layers: per-example gradients of the cell's weights, materialised
-    (:mod:`sparta_tf.per_example.recurrent`)."""
-
-    reference = RECURRENT_RULE
-
-
-FALLBACK_GHOST_RULE = GhostRule()
-RECURRENT_GHOST_RULE = RecurrentGhostRule()
-
-
-def ghost_rule_for(layer: tf.keras.layers.Layer) -> GhostRule:
-    """The book-keeping rule of ``layer`` (same probe point as :func:`layer_rules.rule_for`'s)."""
-    reference = rule_for(layer)
-    if reference is RECURRENT_RULE:
-        return RECURRENT_GHOST_RULE
-    if reference is DENSE_RULE:
-        return LinearGhostRule()
-    if reference is CONV2D_RULE:
-        return Conv2DGhostRule()
-    if reference is GROUP_NORM_RULE:
-        return GroupNormGhostRule()
-    if type(layer) is tf.keras.layers.Embedding and not layer.mask_zero:
-        return EmbeddingGhostRule()
-    if type(layer) is tf.keras.layers.EinsumDense:
-        layout = einsum_layout(layer)
-        if layout is not None:
-            return LinearGhostRule(layout)
-    return FALLBACK_GHOST_RULE
-

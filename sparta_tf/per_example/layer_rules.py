@@ -39,6 +39,7 @@ layers compute the whole per-example gradient and gather.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import tensorflow as tf
@@ -62,11 +63,16 @@ class LayerRule:
     """How to get per-example gradients of one layer's own variables.
 
     ``probe_point`` says where the recording forward pass adds its zero probe
-    (whose gradient is ``delta``): ``"output"`` (after the whole layer) or
-    ``"convolution"`` (after the convolution, before bias and activation).
+    (whose gradient is ``delta``): ``"output"`` (after the whole layer),
+    ``"pre_activation"`` (the output before the layer's fused ``activation=``:
+    the call runs with a linear activation and the activation is applied to the
+    probed output) or ``"convolution"`` (after the convolution, before bias and
+    activation). ``norm_method`` names the rule in the engine's cost table.
     """
 
     probe_point = "output"
+    norm_method = "per_layer_vjp"
+    compacts_rows = False  # variable_grad returns rows selections already compact (else: full shape)
 
     def record(self, recording, layer, original_call: Callable, args: tuple, kwargs: dict):
         """The hooked call inside a recording pass: the layer's output with zero probes added.
@@ -74,6 +80,10 @@ class LayerRule:
         A re-run of an output-probed layer goes through ``layer.__call__`` (outside recording
         passes the hook is inert), so that Keras casts its variables to the compute dtype as in
         the recorded pass (mixed precision)."""
+        if self.probe_point == "pre_activation":
+            with linear_activation(layer) as activation:
+                output = original_call(*args, **kwargs)
+            return activation(recording.probe(layer, args, kwargs, output, _pre_activation_call(layer)))
         output = original_call(*args, **kwargs)
         rerun = layer.__call__ if self.probe_point == "output" else original_call
         return recording.probe(layer, args, kwargs, output, rerun)
@@ -86,7 +96,7 @@ class LayerRule:
         selections: Sequence["VariableSelection"],
     ) -> list[Tensor]:
         """Per-example gradients ``[B, *compact_shape]`` of each selection."""
-        return [_finish(self.variable_grad(layer, call, delta, sel), sel) for sel in selections]
+        return [_finish(self.variable_grad(layer, call, delta, sel), sel, self.compacts_rows) for sel in selections]
 
     def variable_grad(self, layer, call: "RecordedCall", delta: Tensor, selection) -> Tensor:
         """Per-example gradients of one variable (rows already compact, else full shape)."""
@@ -98,6 +108,26 @@ class LayerRule:
         if selection.variable is getattr(layer, "bias", None) or selection.variable is getattr(layer, "beta", None):
             return _sum_over_middle_axes(delta)
         raise ValueError(f"{type(layer).__name__} rule cannot handle variable {selection.variable.name}")
+
+
+@contextlib.contextmanager
+def linear_activation(layer):
+    """Within the block ``layer`` (Dense, EinsumDense, a Conv) runs without its fused activation;
+    yields the activation, which the caller applies to the (probed) pre-activation output."""
+    activation = getattr(layer, "activation", None) or tf.keras.activations.linear
+    object.__setattr__(layer, "activation", tf.keras.activations.linear)
+    try:
+        yield activation
+    finally:
+        object.__setattr__(layer, "activation", activation)
+
+
+def _pre_activation_call(layer) -> Callable:
+    """``layer.__call__`` without the fused activation (for per-example re-runs)."""
+    def call(*args, **kwargs):
+        with linear_activation(layer):
+            return layer(*args, **kwargs)
+    return call
 
 
 class RecordedCall:
@@ -138,7 +168,11 @@ def _sum_over_middle_axes(t: Tensor) -> Tensor:
 
 
 class DenseRule(LayerRule):
-    """Dense with linear activation: ``dW_i = sum_t a_it^T delta_it``, ``db_i = sum_t delta_it``."""
+    """Dense, probed before its activation: ``dW_i = sum_t a_it^T delta_it``, ``db_i = sum_t delta_it``."""
+
+    probe_point = "pre_activation"
+    norm_method = "direct"
+    compacts_rows = True
 
     def variable_grad(self, layer, call, delta, selection):
         if selection.variable is not layer.kernel:
@@ -157,6 +191,8 @@ class Conv2DRule(LayerRule):
     """Conv2D (channels last, ``groups = 1``) via im2col patches and one batched matmul."""
 
     probe_point = "convolution"
+    norm_method = "direct"
+    compacts_rows = True
 
     def variable_grad(self, layer, call, delta, selection):
         if selection.variable is not layer.kernel:
@@ -269,31 +305,6 @@ def _kernel_grads_depthwise(layer, inputs: Tensor, delta: Tensor) -> Tensor:
     return tf.reshape(grads, [tf.shape(delta)[0], -1, delta.shape[-1]])
 
 
-class GroupNormRule(LayerRule):
-    """GroupNormalization: ``y = gamma x^ + beta`` with per-example, per-group ``x^``.
-
-    ``dL_i/dgamma = sum_t delta_it x^_it`` and ``dL_i/dbeta = sum_t delta_it``
-    (sums over spatial positions), with ``x^`` recomputed from the layer input
-    exactly as the layer normalises it.
-    """
-
-    def variable_grad(self, layer, call, delta, selection):
-        if selection.variable is layer.gamma:
-            return _sum_over_middle_axes(delta * self._normalized(layer, call.inputs, delta.dtype))
-        return self._bias_grad(layer, delta, selection)
-
-    @staticmethod
-    def _normalized(layer, inputs, dtype):
-        x = tf.cast(inputs, dtype)
-        shape = tf.shape(x)
-        channels = x.shape[-1]
-        grouped = tf.reshape(x, tf.concat([shape[:-1], [layer.groups, channels // layer.groups]], 0))
-        axes = list(range(1, grouped.shape.rank - 2)) + [grouped.shape.rank - 1]
-        mean, variance = tf.nn.moments(grouped, axes, keepdims=True)
-        normalized = tf.nn.batch_normalization(grouped, mean, variance, None, None, layer.epsilon)
-        return tf.reshape(normalized, shape)
-
-
 class VjpRule(LayerRule):
     """Any layer: per-example VJP of the layer's own call, vectorised over examples.
 
@@ -305,8 +316,12 @@ class VjpRule(LayerRule):
 
     ``delta`` arrives in the accumulation dtype (float32 for a bfloat16 / float16 layer); the
     re-run takes it back in the layer's output dtype (exact: it was that dtype), and its
-    gradients are returned in the accumulation dtype.
+    gradients are returned in the accumulation dtype. ``probe_point="pre_activation"`` re-runs the
+    layer without its fused activation (EinsumDense whose equation is not Dense-like).
     """
+
+    def __init__(self, probe_point: str = "output"):
+        self.probe_point = probe_point
 
     def per_example_grads(self, layer, call, delta, selections):
         variables = [sel.variable for sel in selections]
@@ -339,40 +354,14 @@ def _selected_rows(delta: Tensor, selection) -> Tensor:
     return delta
 
 
-def _finish(grads: Tensor, selection) -> Tensor:
-    """Per-example gradients in the selection's compact form (rows are already compact)."""
-    if selection.kind == "entries":
+def _finish(grads: Tensor, selection, rows_compact: bool) -> Tensor:
+    """Per-example gradients in the selection's compact form (``rows_compact``: rows already are)."""
+    if selection.kind == "entries" or (selection.kind == "rows" and not rows_compact):
         return selection.compact(grads, batch_dims=1)
     return grads
 
 
 DENSE_RULE = DenseRule()
 CONV2D_RULE = Conv2DRule()
-GROUP_NORM_RULE = GroupNormRule()
 VJP_RULE = VjpRule()
-
-
-def rule_for(layer: tf.keras.layers.Layer) -> LayerRule | None:
-    """The fastest rule that is exact for ``layer``, or None if none applies.
-
-    None means the layer's variables cannot be handled layer-wise (its call
-    takes non-tensor positional inputs or returns a structure), and the engine
-    falls back to whole-model ``tf.vectorized_map``.
-    """
-    from sparta_tf.per_example.recurrent import RECURRENT_RULE, is_recurrent  # recurrent imports this module
-
-    if is_recurrent(layer):
-        return RECURRENT_RULE
-    linear = getattr(layer, "activation", None) in (None, tf.keras.activations.linear)
-    if type(layer) is tf.keras.layers.Dense and linear:
-        return DENSE_RULE
-    if (
-        type(layer) is tf.keras.layers.Conv2D
-        and layer.groups == 1
-        and layer.data_format == "channels_last"
-        and layer.padding in ("same", "valid")
-    ):
-        return CONV2D_RULE
-    if type(layer) is tf.keras.layers.GroupNormalization and layer.axis in (-1, None) and layer.center and layer.scale:
-        return GROUP_NORM_RULE
-    return VJP_RULE
+PRE_ACTIVATION_VJP_RULE = VjpRule("pre_activation")

@@ -5,6 +5,7 @@
 kernel ``[kh, kw, c_in, c_out]`` reshaped to ``[kh*kw*c_in, c_out]``. Then
 ``conv(a, K)[b, h, w, :] = patches[b, h, w, :] @ reshape(K, [-1, c_out])`` and
 the per-example kernel gradient is ``patches_b^T @ delta_b``.
+:func:`extract_patches_nd` is the same for 1, 2 or 3 spatial axes.
 
 Built from ``tf.pad`` and strided slices (``tf.image.extract_patches`` gives
 the same values but has no XLA-friendly gradient-free fast path on every
@@ -52,15 +53,34 @@ def extract_patches(
 ) -> tf.Tensor:
     """``[B, H, W, C] -> [B, H', W', kh*kw*C]`` receptive fields, ``(kh, kw, C)`` order (H, W may be
     unknown when the step is traced)."""
-    (kh, kw), (sh, sw), (dh, dw) = kernel_size, strides, dilations
-    out_h, pad_h = _output_size_and_padding(static_or_dynamic(inputs, 1), kh, sh, dh, padding)
-    out_w, pad_w = _output_size_and_padding(static_or_dynamic(inputs, 2), kw, sw, dw, padding)
-    inputs = pad_like_convolution(inputs, pad_h, pad_w)
-    if (kh, kw, sh, sw) == (1, 1, 1, 1):
+    return extract_patches_nd(inputs, kernel_size, strides, dilations, padding)
+
+
+def extract_patches_nd(inputs: tf.Tensor, kernel_size, strides, dilations, padding: str) -> tf.Tensor:
+    """``[B, *S, C] -> [B, *S', prod(k)*C]`` receptive fields for ``len(kernel_size)`` spatial axes
+    ``S``, in ``(k_1, ..., k_n, C)`` order: a Keras kernel ``[*k, C, c_out]`` reshaped to
+    ``[prod(k)*C, c_out]`` multiplies them."""
+    spatial = len(kernel_size)
+    geometry = [_output_size_and_padding(static_or_dynamic(inputs, 1 + axis), kernel_size[axis], strides[axis],
+                                         dilations[axis], padding) for axis in range(spatial)]
+    if any(not (isinstance(p, int) and p == 0) for _, pads in geometry for p in pads):
+        inputs = tf.pad(inputs, [[0, 0]] + [list(pads) for _, pads in geometry] + [[0, 0]])
+    if all(k == 1 for k in kernel_size) and all(s == 1 for s in strides):
         return inputs
-    columns = [
-        inputs[:, i * dh : i * dh + (out_h - 1) * sh + 1 : sh, j * dw : j * dw + (out_w - 1) * sw + 1 : sw, :]
-        for i in range(kh)
-        for j in range(kw)
-    ]
+    columns = []
+    for offsets in _kernel_offsets(kernel_size):
+        window = [slice(None)]
+        for axis, offset in enumerate(offsets):
+            out, _ = geometry[axis]
+            start = offset * dilations[axis]
+            window.append(slice(start, start + (out - 1) * strides[axis] + 1, strides[axis]))
+        columns.append(inputs[tuple(window) + (slice(None),)])
     return tf.concat(columns, axis=-1) if len(columns) > 1 else columns[0]
+
+
+def _kernel_offsets(kernel_size) -> list[tuple[int, ...]]:
+    """Every kernel tap, in row-major order (the order of a Keras kernel's spatial axes)."""
+    offsets = [()]
+    for size in kernel_size:
+        offsets = [o + (i,) for o in offsets for i in range(size)]
+    return offsets
