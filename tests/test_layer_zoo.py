@@ -250,3 +250,39 @@ def test_the_coverage_check_accepts_a_mixed_precision_transformer(policy):
     engine = make_clipping_engine(model, model.trainable_variables, "auto")
     x = np.random.RandomState(0).rand(4, 32, 32, 3).astype(np.float32)
     check_coverage(engine, x, np.arange(4), loss_fn)  # raises UnsupportedLayerError when refused
+
+
+def _row_selections(model):
+    """Rows 0 and the last of every maskable kernel (SPARTA's sparse phase), every other variable whole."""
+    from sparta_tf import trainable as trainable_lib
+    from sparta_tf.groups import row_groups
+
+    groups = {id(g.variable): g for g in row_groups(model)}
+    return [trainable_lib.rows(groups[id(v)], [0, groups[id(v)].n_rows - 1])
+            if id(v) in groups and groups[id(v)].n_rows > 2 else trainable_lib.dense(v)
+            for v in model.trainable_variables]
+
+
+@pytest.mark.parametrize("engine_name", ["auto", "materialising"])
+@pytest.mark.parametrize("name", sorted(n for n in CASES if n != "subclassed_add_weight"))
+def test_clipped_sum_over_selected_rows_equals_the_one_example_reference(name, engine_name):
+    """Sparse selections (rows of the maskable kernels): norms and sums over the selected
+    coordinates only, against the reference restricted to them."""
+    case = CASES[name]
+    tf.keras.utils.set_random_seed(0)
+    model = case.build()
+    selections = _row_selections(model)
+    x, y, valid = case.batch(seed=1)
+    reference = [[np.asarray(s.compact(tf.constant(g)), np.float64) for s, g in zip(selections, grads)]
+                 for grads in reference_gradients(model, x, y, valid)]
+    clip_norm = float(np.median(norms(reference)))
+    engine = (make_clipping_engine(model, selections, "auto") if engine_name == "auto"
+              else make_engine(model, selections, "layerwise"))
+    ours = _flat(tf.function(lambda: clipped_batch(engine, x, y, loss_fn, valid, clip_norm).sums)())
+    expected = reference_clipped_sum(reference, clip_norm)
+    scale = max(float(np.max(np.abs(e))) for e in expected)
+    tolerance = LOW_PRECISION_TOLERANCE if case.low_precision else FLOAT_TOLERANCE
+    for selection, a, b in zip(selections, ours, expected):
+        assert a.shape == b.shape, selection.variable.name
+        error = float(np.max(np.abs(a - b), initial=0.0)) / scale
+        assert error <= tolerance, f"{selection.variable.name} ({selection.kind}): {error:.2e}"

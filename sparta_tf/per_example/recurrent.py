@@ -91,6 +91,7 @@ class RecurrentRule(LayerRule):
     ``probe = [p_output, *p_states]`` in processing order (reversed for ``go_backwards``)."""
 
     probe_point = "recurrent"
+    norm_method = "recurrent"
 
     def record(self, recording, layer, original_call, args, kwargs):
         arguments = _arguments(layer, args, kwargs)
