@@ -25,8 +25,9 @@ an untimed re-entry step per block), on the ``fit`` path with full batches of we
   tfp-plain  TF Privacy's ``DPModel`` without registry (per-example microbatches), no XLA
 
 Per variant: median step ms and its ratio to ``keras``; the peak RSS growth of a fresh
-subprocess running it (``VmHWM`` after the first step minus RSS before it, tracing included)
-and its ratio to keras's; for ``dp-full`` the engine's cost table summarised as variables per
+subprocess running it (the high-water mark of steps 2-4, reset after the first step so that
+tracing's transient peak is left out, minus the RSS before the first step; the first step's
+growth is in the JSON) and its ratio to keras's; for ``dp-full`` the engine's cost table summarised as variables per
 norm method. Results are cached per model in the JSON, so a killed run resumes; ``--readme``
 rewrites the README's speed table between its markers from the JSON.
 
@@ -223,8 +224,15 @@ def _tf_privacy():
     return make_dp_model_class, layer_registry, gradient_clipping_utils
 
 
+PLAIN_BUDGET_GIB = 2.0  # TF Privacy's plain DPModel holds B per-example gradients of every parameter
+
+
 def _tfp(model, spec, seed, ghost: bool):
     make_dp_model_class, layer_registry, utils = _tf_privacy()
+    needed = spec.batch * sum(int(np.prod(v.shape)) for v in model.trainable_variables) * 4 / 2**30
+    if not ghost and needed > PLAIN_BUDGET_GIB:
+        raise Unavailable(f"its per-example gradients would hold {needed:.1f} GiB (B x parameters x 4 bytes; "
+                          f"budget {PLAIN_BUDGET_GIB:g} GiB on this 24 GiB machine)")
     registry = layer_registry.make_default_layer_registry() if ghost else None
     if ghost and not utils.all_trainable_layers_are_registered(model, registry):
         unregistered = sorted({type(l).__name__ for l in model._flatten_layers(include_self=False)
@@ -326,9 +334,16 @@ def memory_child(name: str, variant: str, smoke: bool, seed: int) -> int:
     step, _ = VARIANTS[variant](_fresh(spec, seed), spec, seed)
     gc.collect()
     before = _status_kib("VmRSS")
+    step()  # traces, then runs
+    first = _status_kib("VmHWM")
+    try:  # reset the high-water mark to the current RSS: the next peak is the steps', not tracing's
+        pathlib.Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
     for _ in range(3):
         step()
-    print("MEMORY-RESULT " + json.dumps({"growth_mib": (_status_kib("VmHWM") - before) / 1024}), flush=True)
+    print("MEMORY-RESULT " + json.dumps({"growth_mib": (_status_kib("VmHWM") - before) / 1024,
+                                         "first_step_growth_mib": (first - before) / 1024}), flush=True)
     return 0
 
 
@@ -342,7 +357,9 @@ def measure_memory(name: str, variants: List[str], result: dict, smoke: bool, se
         process = subprocess.run(command, capture_output=True, text=True)
         line = next((ln for ln in process.stdout.splitlines() if ln.startswith("MEMORY-RESULT ")), None)
         if line:
-            entry["memory_growth_mib"] = json.loads(line.split(" ", 1)[1])["growth_mib"]
+            measured = json.loads(line.split(" ", 1)[1])
+            entry["memory_growth_mib"] = measured["growth_mib"]
+            entry["first_step_memory_growth_mib"] = measured["first_step_growth_mib"]
         else:
             entry["memory_note"] = (process.stderr.strip().splitlines() or ["?"])[-1][:300]
     keras = result["variants"].get("keras", {}).get("memory_growth_mib")

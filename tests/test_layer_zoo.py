@@ -286,3 +286,25 @@ def test_clipped_sum_over_selected_rows_equals_the_one_example_reference(name, e
         assert a.shape == b.shape, selection.variable.name
         error = float(np.max(np.abs(a - b), initial=0.0)) / scale
         assert error <= tolerance, f"{selection.variable.name} ({selection.kind}): {error:.2e}"
+
+
+def test_convolution_norms_over_chunks_of_the_batch_equal_the_whole_batch(monkeypatch):
+    """A layer whose per-example temporaries exceed the chunk budget computes its per-example
+    gradients a chunk of examples at a time (padded to whole chunks): the same clipped sum."""
+    from sparta_tf.per_example import chunking, ghost_rules
+
+    case = CASES["conv2d_valid_strides_relu"]
+    tf.keras.utils.set_random_seed(0)
+    model = case.build()
+    x, y, valid = case.batch(seed=1)
+    engine = make_clipping_engine(model, model.trainable_variables, "auto")
+    whole = _flat(tf.function(lambda: clipped_batch(engine, x, y, loss_fn, valid, 0.5).sums)())
+    per_example = 4 * 6 * 18  # float32 patches: 3x2 output positions of a 3x3 kernel on 2 channels
+    monkeypatch.setattr(chunking, "CHUNK_BYTES", 4 * per_example)  # chunks of 4 examples: 6 rows padded to 8
+    calls = []
+    monkeypatch.setattr(ghost_rules, "map_over_examples",
+                        lambda *args: calls.append(args[2]) or chunking.map_over_examples(*args))
+    chunked = _flat(tf.function(lambda: clipped_batch(engine, x, y, loss_fn, valid, 0.5).sums)())
+    assert calls == [4]
+    for a, b in zip(whole, chunked):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)

@@ -133,10 +133,16 @@ class BookkeepingEngine(HookedEngine):
     # ------------------------------------------------------------------ norms
 
     def _squared_norms(self, calls, losses):
-        """``([B] or None, {selection index: materialised per-example grads}, cost table)``."""
+        """``([B] or None, {selection index: materialised per-example grads}, cost table)``.
+
+        Layers are taken from the output back, each after the previous one's norms (a control
+        dependency): TensorFlow would otherwise run many layers' norms at once, with all their
+        temporaries alive (ResNet-20-GN at ``B = 128``: 1.34 GiB above the recording pass's working
+        set at once, 0.65 GiB one layer at a time), and each output gradient can be freed as soon as
+        its layer's norms (and materialised gradients) are done."""
         parts, direct_grads, table = [], {}, []
         batch = tf.shape(losses)[0]
-        for layer, rule, indices in self._plan:
+        for layer, rule, indices in reversed(self._plan):
             recorded = [(call, delta) for call, delta in calls.get(id(layer), []) if delta is not None]
             if not recorded:
                 continue
@@ -144,7 +150,8 @@ class BookkeepingEngine(HookedEngine):
             if len(recorded) == 1 and not self.is_grouped(layer):
                 call, delta = recorded[0]
                 materialised: dict = {}
-                norms, methods = rule.squared_norms(layer, call, delta, selections, materialised)
+                with tf.control_dependencies(parts[-1:]):  # one layer's temporaries at a time
+                    norms, methods = rule.squared_norms(layer, call, delta, selections, materialised)
                 check_rows(layer, norms, losses)
                 direct_grads.update({indices[position]: g for position, g in materialised.items()})
                 parts.append(norms)
