@@ -15,6 +15,8 @@ from typing import Callable
 import numpy as np
 import tensorflow as tf
 
+from sparta_tf.models import vit_tiny
+
 L = tf.keras.layers
 CLASSES = 3
 BATCH = 4  # real examples; two padding rows follow them
@@ -256,6 +258,8 @@ CASES: dict[str, Case] = {
     "frozen_layer": Case(lambda: _on((4,), _frozen), ((4,),)),
     "subclassed_add_weight": Case(_subclassed, ((4,),)),
     "two_inputs": Case(_two_inputs, ((5, 5, 2), (3,)), ("float", "float")),
+    "vit": Case(lambda: vit_tiny(num_classes=CLASSES, input_shape=(8, 8, 2), patch_size=4, dim=8, depth=1, heads=2,
+                                 mlp_dim=16), ((8, 8, 2),)),
     # precision
     "mixed_bfloat16": Case(_mixed("mixed_bfloat16"), ((6, 6, 2),), low_precision=True),
     "mixed_float16": Case(_mixed("mixed_float16"), ((6, 6, 2),), low_precision=True),

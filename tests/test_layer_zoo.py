@@ -308,3 +308,30 @@ def test_convolution_norms_over_chunks_of_the_batch_equal_the_whole_batch(monkey
     assert calls == [4]
     for a, b in zip(whole, chunked):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+# Layers of the speed benchmark's models that keep the per-layer VJP (README, "Layers"): exact, and
+# elementwise, so cheap; no rule matches them by class.
+VJP_BY_DESIGN = {"LayerScale": "ConvNeXt's per-channel scale, a keras.applications-internal class"}
+
+
+def test_no_model_of_the_speed_benchmark_takes_the_per_layer_vjp_fallback():
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    import zoo_speed
+    from sparta_tf.per_example.engines import LayerwiseEngine, as_selections
+    from sparta_tf.per_example.ghost_rules import GhostRule
+    from sparta_tf.per_example.layer_rules import VjpRule
+    from sparta_tf.per_example.registry import ghost_rule_for
+
+    for name, spec in zoo_speed.MODELS.items():
+        tf.keras.utils.set_random_seed(0)
+        model = spec.build()
+        plan, reason = LayerwiseEngine.plan_for(model, as_selections(model.trainable_variables), ghost_rule_for)
+        assert plan is not None, f"{name}: {reason}"
+        fallback = {type(layer).__name__ for layer, rule, _ in plan
+                    if type(rule) is GhostRule and isinstance(rule.reference, VjpRule)}
+        assert fallback <= set(VJP_BY_DESIGN), f"{name}: {sorted(fallback - set(VJP_BY_DESIGN))}"
+        tf.keras.backend.clear_session()

@@ -70,9 +70,8 @@ def _trunc_normal():
 class ClassToken(tf.keras.layers.Layer):
     """Prepends a learned token: ``[B, N, D] -> [B, N + 1, D]``, ``out[:, 0] = c``.
 
-    Owns its single weight ``token`` (shape ``[1, 1, D]``), so the layer-wise
-    per-example engine handles it with its generic VJP rule:
-    ``dL_i/dc = delta_i[0]``.
+    Owns its single weight ``token`` (shape ``[1, 1, D]``); its per-example
+    gradient is ``dL_i/dc = delta_i[0]`` (:mod:`sparta_tf.per_example.norm_rules`).
     """
 
     def __init__(self, initializer=None, **kwargs):

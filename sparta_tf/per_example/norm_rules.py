@@ -12,6 +12,8 @@ Their weights act elementwise on the layer's own input, so per-example gradients
   layer's axes, or per group with the mask's weights, and its epsilon); ``center`` / ``scale`` in
   any combination (an absent parameter is simply not a variable).
 * PReLU, ``y = relu(x) - alpha relu(-x)``: ``dL_i/dalpha = sum_{shared axes} -delta_i relu(-x_i)``.
+* The ViT's learned tokens (:mod:`sparta_tf.models.vit`): ``PositionEmbedding``, ``y = x + E``:
+  ``dL_i/dE = delta_i``; ``ClassToken``, ``y = [c, x]``: ``dL_i/dc = delta_i[0]``.
 """
 
 from __future__ import annotations
@@ -86,5 +88,20 @@ class PReLURule(LayerRule):
         return per_position
 
 
+class LearnedTokenRule(LayerRule):
+    """PositionEmbedding (``dL_i/dE = delta_i``) and ClassToken (``dL_i/dc = delta_i[0]``)."""
+
+    norm_method = "elementwise"
+
+    def __init__(self, first_token_only: bool):
+        self.first_token_only = first_token_only
+
+    def variable_grad(self, layer, call, delta, selection):
+        grads = delta[:, :1] if self.first_token_only else delta
+        return tf.reshape(grads, tf.concat([tf.shape(grads)[:1], selection.shape], 0))
+
+
 NORMALIZATION_RULE = NormalizationRule()
+CLASS_TOKEN_RULE = LearnedTokenRule(first_token_only=True)
+POSITION_EMBEDDING_RULE = LearnedTokenRule(first_token_only=False)
 PRELU_RULE = PReLURule()

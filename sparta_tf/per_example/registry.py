@@ -33,7 +33,13 @@ from sparta_tf.per_example.layer_rules import (
     VJP_RULE,
     LayerRule,
 )
-from sparta_tf.per_example.norm_rules import NORMALIZATION_RULE, PRELU_RULE
+from sparta_tf.models.vit import ClassToken, PositionEmbedding
+from sparta_tf.per_example.norm_rules import (
+    CLASS_TOKEN_RULE,
+    NORMALIZATION_RULE,
+    POSITION_EMBEDDING_RULE,
+    PRELU_RULE,
+)
 from sparta_tf.per_example.recurrent import RECURRENT_RULE, is_recurrent
 
 L = tf.keras.layers
@@ -70,6 +76,10 @@ def rule_for(layer: tf.keras.layers.Layer) -> LayerRule:
         return NORMALIZATION_RULE
     if kind is L.PReLU:
         return PRELU_RULE
+    if kind is ClassToken:
+        return CLASS_TOKEN_RULE
+    if kind is PositionEmbedding:
+        return POSITION_EMBEDDING_RULE
     return VJP_RULE
 
 
