@@ -48,17 +48,14 @@ from sparta_tf.per_example.patches import extract_patches_nd
 Tensor = tf.Tensor
 
 
-def _spatial(layer) -> int:
-    return len(layer.kernel_size)
-
-
 def _padding(layer) -> str:
     return "VALID" if layer.padding == "causal" else layer.padding.upper()  # causal: padded before the op
 
 
 def _flat_positions(t: Tensor) -> Tensor:
-    """``[B, *S, C] -> [B, T, C]``."""
-    return tf.reshape(t, tf.stack([tf.shape(t)[0], -1, tf.shape(t)[-1]]))
+    """``[B, *S, C] -> [B, T, C]`` (``C`` static where it is)."""
+    channels = t.shape[-1] if t.shape[-1] is not None else tf.shape(t)[-1]
+    return tf.reshape(t, tf.stack([tf.shape(t)[0], -1, channels]))
 
 
 def _positions(t: Tensor) -> int | None:
