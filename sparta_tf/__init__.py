@@ -8,6 +8,7 @@ from sparta_tf.masks import load_mask, save_mask
 from sparta_tf.methods import METHODS
 from sparta_tf.model_checks import NotPerExampleSafeError
 from sparta_tf.optim import MaskedOptimizer, cosine_with_warmup
+from sparta_tf.private_training import make_private
 from sparta_tf.privacy import (
     PoissonSampler,
     PrivacyLedger,
@@ -38,6 +39,7 @@ __all__ = [
     "cosine_with_warmup",
     "group_table",
     "load_mask",
+    "make_private",
     "parameter_table",
     "row_groups",
     "save_mask",

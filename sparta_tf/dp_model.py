@@ -161,8 +161,23 @@ class DPModel(tf.keras.Model):
         self._per_example_loss = None
         self._loss_tracker = tf.keras.metrics.Mean(name="loss")
         self._model_probed = False
+        self.private_run = None  # set by sparta_tf.make_private
 
     # ------------------------------------------------------------------ model
+
+    def attach_run(self, run) -> None:
+        """Makes ``fit`` run ``run``'s method and plan (:class:`sparta_tf.private_training.PrivateRun`)."""
+        self.private_run = run
+
+    @property
+    def plan(self):
+        """The run's :class:`~sparta_tf.privacy.plan.PrivacyPlan` (models from ``make_private``), else None."""
+        return None if self.private_run is None else self.private_run.plan
+
+    @property
+    def method(self):
+        """The :class:`~sparta_tf.methods.Method` ``fit`` runs (models from ``make_private``), else None."""
+        return None if self.private_run is None else self.private_run.method
 
     def call(self, inputs, training=None):
         return self.model(inputs, training=training)
@@ -482,21 +497,38 @@ class DPModel(tf.keras.Model):
         existing = [c for c in callbacks if isinstance(c, PrivacyCallback)]
         if existing or self.ledger is None:
             if existing:
+                self._check_caller_callback(existing[0])
                 self._check_ledger_covers_dp_step(existing[0])
             return existing[0] if existing else None
         own = self.privacy_callback
+        budget_mode = "strict" if self.private_run is None else self.private_run.budget_mode
         if own is None or own.ledger is not self.ledger or own.step_counter is not self.dp_step:
             own = PrivacyCallback(
                 self.ledger, self.noise_multiplier, self.sample_rate, steps_per_epoch,
-                step_counter=self.dp_step, on_budget_exhausted=on_budget_exhausted,
+                step_counter=self.dp_step, on_budget_exhausted=on_budget_exhausted, budget_mode=budget_mode,
             )
         else:
             own.flush()  # an interrupted fit's steps, under the values they ran with
             own.noise_multiplier, own.sample_rate = self.noise_multiplier, self.sample_rate
             own.steps_per_epoch = steps_per_epoch
             own.on_budget_exhausted = on_budget_exhausted
+            own.budget_mode = budget_mode
         self._check_ledger_covers_dp_step(own)
         return own
+
+    def _check_caller_callback(self, callback: PrivacyCallback) -> None:
+        """A caller's :class:`PrivacyCallback` records what this model's steps run with: the same
+        ``sigma`` and ``q`` (and the model's step counter), or epsilon would describe another mechanism."""
+        problems = []
+        if not math.isclose(callback.noise_multiplier, self.noise_multiplier, rel_tol=1e-12):
+            problems.append(f"noise_multiplier {callback.noise_multiplier:g} (the model's: {self.noise_multiplier:g})")
+        if not math.isclose(callback.sample_rate, self.sample_rate, rel_tol=1e-12):
+            problems.append(f"sample_rate {callback.sample_rate:g} (the model's: {self.sample_rate:g})")
+        if callback.step_counter is not None and callback.step_counter is not self.dp_step:
+            problems.append("a step_counter other than the model's dp_step")
+        if problems:
+            raise ValueError(f"the PrivacyCallback passed to fit records {' and '.join(problems)}; leave it out "
+                             "(the model charges its own ledger from the values it runs with) or make it agree")
 
     def _check_ledger_covers_dp_step(self, callback: PrivacyCallback) -> None:
         """``dp_step`` counts every DP step this model's weights have been through; the ledger must
@@ -518,11 +550,12 @@ class DPModel(tf.keras.Model):
         self,
         x=None,
         y=None,
-        epochs: int = 1,
+        epochs: int | None = None,
         verbose="auto",
         callbacks=None,
         steps_per_epoch: int | None = None,
         on_budget_exhausted=None,
+        initial_epoch: int = 0,
         **kwargs,
     ):
         """``keras.Model.fit`` with DP input and privacy bookkeeping.
@@ -532,7 +565,17 @@ class DPModel(tf.keras.Model):
         ``tf.data.Dataset`` is used as given (it must come from
         :class:`sparta_tf.privacy.PoissonSampler` for the accounting to hold).
         When the model has a ledger, ``epsilon`` is logged every epoch.
+
+        ``epochs``: default 1, or for a model from :func:`sparta_tf.make_private` the planned
+        epochs, whose ``fit`` also runs the method's phases (and with ``run_dir`` resumes a killed run;
+        see :mod:`sparta_tf.private_training`).
         """
+        callbacks = list(callbacks or [])
+        if self.private_run is not None:
+            epochs, initial_epoch, callbacks = self.private_run.before_fit(
+                self, x, y, epochs, initial_epoch, callbacks)
+        elif epochs is None:
+            epochs = 1
         if x is not None and not isinstance(x, tf.data.Dataset):
             if y is None:
                 raise ValueError("fit(x, y): labels y are required with array inputs")
@@ -547,7 +590,6 @@ class DPModel(tf.keras.Model):
             self._probe_model(*first)
             self._build_compiled_metrics(*first)
             x = distribute.for_fit(x, self.distribute_strategy)
-        callbacks = list(callbacks or [])
         privacy = self._privacy_callback(callbacks, steps_per_epoch, on_budget_exhausted)
         if privacy is not None and privacy not in callbacks:
             callbacks.insert(0, privacy)
@@ -557,7 +599,7 @@ class DPModel(tf.keras.Model):
             callbacks.append(tf.keras.callbacks.ProgbarLogger(count_mode="steps"))
         return super().fit(
             x, y, epochs=epochs, verbose=verbose, callbacks=callbacks,
-            steps_per_epoch=steps_per_epoch, **kwargs,
+            steps_per_epoch=steps_per_epoch, initial_epoch=initial_epoch, **kwargs,
         )
 
 

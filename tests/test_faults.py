@@ -13,7 +13,8 @@ from unittest import mock
 import pytest
 import yaml
 
-from trainers import checkpointing, cli, run
+from sparta_tf import checkpointing
+from trainers import cli, run
 from trainers.config import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -30,7 +30,7 @@ from sparta_tf.atomic_files import replace_atomically
 from sparta_tf.methods import Method, make_method
 from sparta_tf.privacy import PrivacyCallback, PrivacyLedger
 from sparta_tf.privacy.plan import PrivacyPlan, make_privacy_plan
-from trainers import checkpointing
+from sparta_tf import checkpointing
 from trainers.config import ConfigError, check_against_data
 from trainers.run_dir import RESULTS, RunDirectory, check_output_dir
 

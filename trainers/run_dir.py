@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 
-from trainers import checkpointing
+from sparta_tf import checkpointing
 from trainers.config import ConfigError, validate
 
 LOCK_FILE = ".lock"

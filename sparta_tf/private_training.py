@@ -1,0 +1,265 @@
+"""``make_private``: one call from a Keras model to a DP model whose ``fit`` runs a whole method.
+
+::
+
+    dp = sparta_tf.make_private(model, method="sparta", target_epsilon=4.0, delta=1e-5,
+                                epochs=15, batch_size=64, dataset_size=len(x), warmup_epochs=3)
+    dp.compile(optimizer, loss=..., metrics=["accuracy"])
+    dp.fit(x, y, validation_data=(x_test, y_test))        # every phase of the method, epochs from the plan
+
+What it computes once, before any data is touched, is the run's
+:class:`~sparta_tf.privacy.plan.PrivacyPlan` (the object ``sparta-train``
+prints in its dry run): ``q = min(1, batch_size / n)``, ``round(1/q)`` steps
+per epoch, the method's phases, and one noise multiplier ``sigma`` for every
+step of every phase, calibrated so that the composition of all of them (and
+of the mechanisms the method runs before training) stays within
+``(target_epsilon, delta)``. The DP model is built with exactly that ``sigma``
+and ``q``, and its ``fit`` charges its own ledger from the values it ran with
+(:class:`PrivateRun` holds no second copy).
+
+``fit`` of the returned model (:meth:`PrivateRun.before_fit`):
+
+1. runs the method's preparation (DP-FROST's partition selection, DP-SSGD's
+   pre-pruning) on the training arrays, charging its mechanisms;
+2. drives the method's phases with a :class:`~sparta_tf.callbacks.MethodCallback`
+   (warm-up, selection, sparse for SPARTA);
+3. with ``run_dir``: journals every step before it runs and checkpoints after
+   every epoch (:mod:`sparta_tf.checkpointing`). A process killed mid-``fit``
+   is resumed by running the same script again: the next ``fit`` restores the
+   last checkpoint and charges every step the killed process started after it,
+   so epsilon never under-counts (the budget then stops training early rather
+   than overspend).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import tensorflow as tf
+
+from sparta_tf import checkpointing
+from sparta_tf.methods import Method, make_method
+from sparta_tf.privacy.ledger import PrivacyLedger
+from sparta_tf.privacy.plan import PrivacyPlan, make_privacy_plan
+
+MASK_DIR = "mask"
+
+
+def plan_method(
+    method: Method,
+    *,
+    dataset_size: int,
+    batch_size: float,
+    epochs: int,
+    delta: float,
+    target_epsilon: float | None,
+    noise_multiplier: float | None = None,
+    accountant: str = "pld",
+    nonprivate_reasons: tuple[str, ...] | list[str] = (),
+) -> PrivacyPlan:
+    """The :class:`PrivacyPlan` of ``epochs`` epochs of ``method`` on ``dataset_size`` examples with
+    expected batch ``batch_size``. A given ``noise_multiplier`` that would spend more than
+    ``target_epsilon`` is refused (ValueError, one line)."""
+    n = int(dataset_size)
+    if n < 1:
+        raise ValueError(f"dataset_size={dataset_size!r}: need at least 1 private training example")
+    plan = make_privacy_plan(
+        n=n, expected_batch_size=batch_size, phases=method.phases(epochs), delta=delta,
+        target_epsilon=target_epsilon, accountant=accountant, noise_multiplier=noise_multiplier,
+        before_training=method.mechanisms_before_training(n, min(1.0, batch_size / n)),
+        training_share=method.training_share,
+        nonprivate_reasons=list(method.nonprivate_reasons()) + list(nonprivate_reasons),
+    )
+    if plan.private and target_epsilon is not None and plan.epsilon > target_epsilon * (1 + 1e-9):
+        raise ValueError(f"noise_multiplier={noise_multiplier} spends epsilon={plan.epsilon:.4g} over the planned "
+                         f"run, more than target_epsilon={target_epsilon:g}; raise it, or leave it None to "
+                         "calibrate it from the target")
+    return plan
+
+
+def make_private(
+    model: tf.keras.Model,
+    *,
+    method: str | Method = "sparta",
+    target_epsilon: float,
+    delta: float,
+    epochs: int,
+    batch_size: float,
+    dataset_size: int,
+    clip_norm: float = 1.0,
+    noise_multiplier: float | None = None,
+    accountant: str = "pld",
+    physical_batch_size: int | None = None,
+    sampling: str = "poisson",
+    seed: int | None = None,
+    engine: str = "auto",
+    jit_compile: Any = "auto",
+    run_dir: str | None = None,
+    **method_options: Any,
+):
+    """A DP model for ``model`` whose ``fit`` runs ``method`` within ``(target_epsilon, delta)``.
+
+    Args:
+      model: the Keras model to fine-tune (its weights are trained in place).
+      method: a name from :data:`sparta_tf.methods.METHODS` or a :class:`~sparta_tf.methods.Method`.
+      target_epsilon, delta: the privacy budget of the whole run (every phase, and what the method
+        runs before training).
+      epochs: epochs of the whole run (SPARTA: warm-up + selection + sparse).
+      batch_size: expected Poisson batch size ``q n``.
+      dataset_size: ``n``, the number of private training examples ``fit`` will get.
+      clip_norm: per-example L2 bound ``C``.
+      noise_multiplier: ``sigma``; None calibrates it from the target (a given one must fit it).
+      accountant: ``"pld"`` or ``"rdp"`` (dp-accounting).
+      physical_batch_size, sampling, seed, engine, jit_compile: as for :class:`~sparta_tf.DPModel`.
+      run_dir: a directory for the step journal, a checkpoint per epoch and the ledger; running
+        the same script again resumes a killed ``fit`` there. None: nothing written (except masks
+        when ``mask_dir`` is given).
+      **method_options: the method's options (``warmup_epochs``, ``density``, ... for sparta), as
+        :func:`sparta_tf.methods.make_method` takes them.
+
+    Returns the DP model (a :class:`~sparta_tf.DPModel`, or DP-SSGD's subclass) with ``.plan`` and
+    ``.method``. Raises ValueError (one line) for an option, budget or size that cannot work.
+    """
+    if run_dir is not None:
+        method_options.setdefault("mask_dir", os.path.join(run_dir, MASK_DIR))
+    if isinstance(method, Method):
+        if method_options:
+            raise ValueError("pass options to the Method itself, or pass the method by name with its options")
+    else:
+        method = make_method(method, **method_options)
+    method.check(model)
+    plan = plan_method(method, dataset_size=dataset_size, batch_size=batch_size, epochs=epochs, delta=delta,
+                       target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, accountant=accountant)
+    previous = checkpointing.latest(run_dir) if run_dir is not None else None
+    if previous is not None:
+        seed = previous[1]["seed"]  # the run's streams continue: the checkpoint also restores the noise seed
+    dp = method.make_dp_model(
+        model, noise_multiplier=plan.noise_multiplier, clip_norm=clip_norm, sample_rate=plan.sample_rate,
+        dataset_size=plan.n, physical_batch_size=physical_batch_size, sampling=sampling, delta=delta,
+        target_epsilon=target_epsilon, accountant=accountant, seed=seed, engine=engine, jit_compile=jit_compile,
+    )
+    dp.attach_run(PrivateRun(plan, method, run_dir))
+    return dp
+
+
+@dataclasses.dataclass
+class PrivateRun:
+    """What ``make_private`` attaches to a DP model: the plan, the method, and (optionally) the run
+    directory whose journal and checkpoints make a killed ``fit`` resumable."""
+
+    plan: PrivacyPlan
+    method: Method
+    run_dir: str | None = None
+    prepare_info: dict = dataclasses.field(default_factory=dict)
+    checkpoint: "EpochCheckpoint | None" = None
+    _started: bool = False
+    _fit_called: bool = False
+
+    @property
+    def budget_mode(self) -> str:
+        """A resumed run has charged the steps its killed process ran, so the whole plan may no longer
+        fit: it trains while the budget lasts and stops early instead of refusing to start."""
+        return "until_exhausted" if self.run_dir is not None else "strict"
+
+    def before_fit(self, dp, x, y, epochs: int | None, initial_epoch: int, callbacks: list) -> tuple[int, int, list]:
+        """The ``(epochs, initial_epoch, callbacks)`` of the method's ``fit`` on ``dp`` (module doc)."""
+        from sparta_tf.callbacks import MethodCallback  # late: callbacks imports the DP model
+
+        if self._fit_called:
+            again = ("run the script again to resume from run_dir" if self.run_dir is not None
+                     else "call make_private again for another run (the ledger keeps what ran)")
+            raise ValueError(f"this run's fit was called already (one fit runs all {self.plan.epochs} planned "
+                             f"epochs; epsilon so far {dp.ledger.epsilon():.4g}); {again}")
+        if epochs is not None and epochs != self.plan.epochs:
+            raise ValueError(f"fit(epochs={epochs}) but the plan is for {self.plan.epochs} epochs; leave epochs "
+                             "out, or make_private(..., epochs=...) to plan another length")
+        if initial_epoch:
+            raise ValueError("fit(initial_epoch=...) is chosen by the run itself (from run_dir's checkpoint); "
+                             "leave it out")
+        if any(isinstance(c, MethodCallback) for c in callbacks):
+            raise ValueError("make_private's model runs its method itself; remove the MethodCallback")
+        if dp.optimizer is None or dp.loss is None:
+            raise ValueError("compile the model returned by make_private (optimizer and loss) before fit")
+        previous = checkpointing.latest(self.run_dir) if self.run_dir is not None else None
+        first_epoch = previous[1]["epoch"] if previous else 0
+        if not self._started:
+            self._start(dp, x, y, first_epoch, fresh=previous is None)
+        method_callback = MethodCallback(self.method)
+        method_callback.begin(dp, self.plan.epochs, first_epoch)
+        if previous is not None:
+            restore_run(previous, dp, method_callback, self.plan, self.run_dir)
+        run_callbacks = [method_callback]
+        if self.run_dir is not None:
+            self.checkpoint = EpochCheckpoint(self.run_dir, dp)
+            run_callbacks += [checkpointing.StepJournal(self.run_dir), self.checkpoint]
+        self._fit_called = True  # a fit that raised is resumed through run_dir by a new process
+        return self.plan.epochs, first_epoch, run_callbacks + list(callbacks)
+
+    def _start(self, dp, x, y, first_epoch: int, fresh: bool) -> None:
+        """Once per process: charge what a killed run left in the journal, then the method's preparation."""
+        self._started = True
+        if self.run_dir is not None and fresh:
+            charge_steps_before_first_checkpoint(dp, self.plan, self.run_dir)
+            checkpointing.journal_before_training(self.run_dir, dp.ledger,
+                                                  self.plan.before_training_entries(releases_only=True))
+        if self.method.preparation is not None:
+            if isinstance(x, tf.data.Dataset) or y is None:
+                raise ValueError(f"method {self.method.name!r} {self.method.preparation}: give fit arrays "
+                                 "x, y (not a tf.data.Dataset)")
+            self.prepare_info = self.method.prepare(dp, x, y, tf.keras.losses.get(dp.loss), self.plan, first_epoch)
+
+
+def charge_steps_before_first_checkpoint(dp, plan: PrivacyPlan, run_dir: str) -> None:
+    """A run killed before its first checkpoint starts over; the steps and the mechanisms before
+    training it ran stay charged (:mod:`sparta_tf.checkpointing`)."""
+    runs = checkpointing.charge_interrupted_before_training(
+        run_dir, dp.ledger, plan.before_training_entries(releases_only=True), dp.distribute_strategy)
+    if runs:
+        print(f"== the mechanisms before training, run {runs} time(s) by the interrupted run(s), charged to the ledger")
+    lost = checkpointing.charge_interrupted_steps(run_dir, 0, dp.ledger, plan.noise_multiplier, plan.sample_rate,
+                                                  dp.distribute_strategy)
+    if lost:
+        dp.dp_step.assign(lost)  # fresh noise and batch keys; the journal keeps counting every step run
+        print(f"== {lost} step(s) of the interrupted run (before its first checkpoint) charged to the ledger")
+
+
+def restore_run(previous: tuple[str, dict], dp, method_callback, plan: PrivacyPlan, run_dir: str) -> None:
+    """Restores the last checkpoint into ``dp`` and charges the steps the killed run started after it."""
+    path, state = previous
+    epoch = state["epoch"]
+    dp.ledger = PrivacyLedger.from_json(state["ledger"])
+    dp.ledger.target_epsilon = plan.target_epsilon if dp.ledger.is_private else None
+    # Recreates the trainable set (and optimizer slots) of that epoch's phase; a run killed after its last
+    # epoch restores into the last phase and trains no more.
+    method_callback.on_epoch_begin(min(epoch, plan.epochs - 1))
+    checkpointing.restore(path, dp)
+    lost = checkpointing.charge_interrupted_steps(run_dir, int(dp.dp_step.numpy()), dp.ledger,
+                                                  plan.noise_multiplier, plan.sample_rate, dp.distribute_strategy)
+    checkpointing.update_ledger(path, dp.ledger)  # a second kill cannot lose the charge
+    print(f"== resuming after epoch {epoch} from {path}; {lost} step(s) of the interrupted epoch charged "
+          f"to the ledger (epsilon so far {dp.ledger.epsilon():.4g})")
+
+
+class EpochCheckpoint(tf.keras.callbacks.Callback):
+    """After every epoch: a resumable checkpoint and ``ledger.json`` in ``run_dir``; times the phases."""
+
+    def __init__(self, run_dir: str, dp):
+        super().__init__()
+        self.run_dir, self.dp = run_dir, dp
+        self.phase_seconds: dict[str, float] = {}
+        self._start = 0.0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        privacy = self.dp.privacy_callback
+        phase = (privacy.phase if privacy else None) or "train"
+        self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + time.perf_counter() - self._start
+        if privacy is not None:
+            privacy.flush()
+        checkpointing.save(self.run_dir, epoch + 1, self.dp, {"seed": self.dp.seed, "ledger": self.dp.ledger.to_json()})
+        self.dp.ledger.save(os.path.join(self.run_dir, checkpointing.LEDGER))

@@ -1,0 +1,165 @@
+"""``sparta_tf.make_private``: one entry point that plans, builds and runs every method (issue 43).
+
+* every method of :data:`sparta_tf.methods.METHODS` trains through it, and the
+  finished ledger records exactly the plan's events (the plan is the one the
+  CLI prints; the DP step charged it from the sigma and q it ran with);
+* a caller's ``PrivacyCallback`` that disagrees with the model's sigma or q is
+  refused; so are a fit of another length and a second fit;
+* a library user's process killed mid-``fit`` (SIGKILL) and run again with the
+  same ``run_dir`` resumes from the last checkpoint, and its ledger charges at
+  least every step the two processes ran (never fewer), at most one more.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import sparta_tf
+from sparta_tf.methods import METHODS
+from sparta_tf.privacy.callbacks import PrivacyCallback
+
+N, BATCH, EPOCHS = 64, 16, 3
+LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+OPTIONS = {"sparta": {"warmup_epochs": 1}, "dpsgd_grad": {"warmup_epochs": 1}, "oracle": {"warmup_epochs": 1},
+           "x_bitfit": {"full_epochs": 1}}
+
+
+def _model() -> tf.keras.Model:
+    tf.keras.utils.set_random_seed(0)
+    return tf.keras.Sequential([
+        tf.keras.Input((8,)),
+        tf.keras.layers.Dense(32, activation="relu", name="d1"),
+        tf.keras.layers.Dense(32, activation="relu", name="d2"),
+        tf.keras.layers.Dense(4, name="head"),
+    ])
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(N, 8)).astype(np.float32), rng.integers(0, 4, N)
+
+
+def _private(method: str, model=None, **kwargs):
+    options = dict(OPTIONS.get(method, {}), **kwargs)
+    dp = sparta_tf.make_private(model or _model(), method=method, target_epsilon=8.0, delta=1e-5, epochs=EPOCHS,
+                                batch_size=BATCH, dataset_size=N, seed=0, **options)
+    dp.compile(tf.keras.optimizers.SGD(0.5), loss=LOSS)
+    return dp
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_every_method_runs_its_plan(method, tmp_path):
+    model = _model()
+    before = [v.numpy().copy() for v in model.trainable_variables]
+    dp = _private(method, model, mask_dir=str(tmp_path / "mask"))
+    x, y = _data()
+    history = dp.fit(x, y, verbose=0)
+    assert len(history.history["loss"]) == EPOCHS
+    assert list(dp.ledger.entries) == dp.plan.events()
+    assert dp.ledger.is_private == (method != "oracle")
+    if dp.ledger.is_private:
+        assert dp.ledger.epsilon() <= 8.0 * (1 + 1e-9)
+    moved = [not np.array_equal(b, v.numpy()) for b, v in zip(before, model.trainable_variables)]
+    assert any(moved), f"{method}: no weight trained"
+    assert dp.method.name == method
+
+
+def test_a_privacy_callback_with_other_values_is_refused():
+    dp = _private("bitfit")
+    x, y = _data()
+    other = PrivacyCallback(dp.ledger, dp.noise_multiplier * 0.5, dp.sample_rate, step_counter=dp.dp_step)
+    with pytest.raises(ValueError, match="noise_multiplier .* leave it out"):
+        dp.fit(x, y, verbose=0, callbacks=[other])
+
+
+def test_a_plain_dp_model_refuses_a_disagreeing_privacy_callback():
+    dp = sparta_tf.DPModel(_model(), noise_multiplier=1.0, sample_rate=BATCH / N, dataset_size=N, delta=1e-5, seed=0)
+    dp.compile(tf.keras.optimizers.SGD(0.5), loss=LOSS)
+    x, y = _data()
+    other = PrivacyCallback(dp.ledger, 1.0, 0.5, step_counter=dp.dp_step)
+    with pytest.raises(ValueError, match="sample_rate 0.5"):
+        dp.fit(x, y, verbose=0, callbacks=[other])
+
+
+def test_fit_of_another_length_and_a_second_fit_are_refused():
+    dp = _private("bitfit")
+    x, y = _data()
+    with pytest.raises(ValueError, match="the plan is for 3 epochs"):
+        dp.fit(x, y, epochs=5, verbose=0)
+    dp.fit(x, y, verbose=0)
+    with pytest.raises(ValueError, match="fit was called already"):
+        dp.fit(x, y, verbose=0)
+
+
+def test_a_noise_multiplier_over_the_target_is_refused():
+    with pytest.raises(ValueError, match="spends epsilon=.* more than target_epsilon=1"):
+        sparta_tf.make_private(_model(), method="all", target_epsilon=1.0, delta=1e-5, epochs=EPOCHS,
+                               batch_size=BATCH, dataset_size=N, noise_multiplier=0.3)
+
+
+def test_unknown_option_is_one_line():
+    with pytest.raises(ValueError, match="has no option 'densty'"):
+        sparta_tf.make_private(_model(), method="sparta", target_epsilon=1.0, delta=1e-5, epochs=EPOCHS,
+                               batch_size=BATCH, dataset_size=N, densty=0.2)
+
+
+_SCRIPT = textwrap.dedent("""
+    import json, os, signal, sys
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    import numpy as np
+    import tensorflow as tf
+    import sparta_tf
+
+    run_dir, kill_at, counter = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+
+    class CountAndKill(tf.keras.callbacks.Callback):
+        # Appends one line per step that ran; SIGKILLs this process after step `kill_at` (global).
+        def on_train_batch_end(self, batch, logs=None):
+            with open(counter, "a") as f:
+                f.write("step\\n")
+            if int(self.model.dp_step.numpy()) == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    tf.keras.utils.set_random_seed(0)
+    model = tf.keras.Sequential([tf.keras.Input((8,)), tf.keras.layers.Dense(16, activation="relu"),
+                                 tf.keras.layers.Dense(4, name="head")])
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 8)).astype(np.float32), rng.integers(0, 4, 64)
+    dp = sparta_tf.make_private(model, method="sparta", target_epsilon=8.0, delta=1e-5, epochs=4, batch_size=16,
+                                dataset_size=64, warmup_epochs=1, density=0.5, run_dir=run_dir)
+    dp.compile(tf.keras.optimizers.SGD(0.1, momentum=0.9),
+               loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    dp.fit(x, y, verbose=0, callbacks=[CountAndKill()])
+    print(json.dumps({"steps": dp.ledger.steps, "epsilon": dp.ledger.epsilon(), "planned": dp.plan.steps}))
+""")
+
+
+def _run(script, *args):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    return subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=600)
+
+
+@pytest.mark.parametrize("kill_at", [2, 10])  # before the first checkpoint; in the selection epoch
+def test_a_killed_fit_resumes_without_under_counting(tmp_path, kill_at):
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT)
+    run_dir, counter = tmp_path / "run", tmp_path / "steps.txt"
+    killed = _run(script, run_dir, kill_at, counter)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    finished = _run(script, run_dir, -1, counter)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    result = json.loads(finished.stdout.strip().splitlines()[-1])
+    ran = len(counter.read_text().splitlines())  # every step either process ran
+    assert ran > result["planned"] - 4, "the resumed run did not continue training"
+    assert ran <= result["steps"] <= ran + 1  # no step uncharged; at most the one being journalled
+    assert result["epsilon"] <= 8.0 * (1 + 1e-9)
+    assert "resuming" in finished.stdout or kill_at < 4
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    assert sum(e["count"] for e in ledger["entries"]) == result["steps"]
