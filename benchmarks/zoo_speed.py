@@ -46,6 +46,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -285,7 +286,7 @@ def time_model(name: str, spec: ZooModel, variants: List[str], rounds: int, seed
             print(f"  {name} {variant:10s} skipped: {error}", flush=True)
             continue
         except Exception as error:  # noqa: BLE001 -- a variant's failure is a result, reported
-            entry.update(status="error", note=f"{type(error).__name__}: {str(error).splitlines()[0][:300]}")
+            entry.update(status="error", note=_error_line(error))
             print(f"  {name} {variant:10s} ERROR: {entry['note']}", flush=True)
             continue
         entry.update(status="ok", setup_s=round(time.perf_counter() - t0, 1), times_ms=[])
@@ -443,6 +444,14 @@ def update_readme(table: str) -> None:
 def _machine() -> str:
     return f"{os.cpu_count()} CPU cores, TensorFlow {tf.__version__}"
 
+
+
+def _error_line(error: Exception) -> str:
+    """One line for a failed variant: the innermost ``...Error: message`` line of a TensorFlow
+    "in user code" trace, else the first line of the message."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    inner = [line for line in lines if re.match(r"^[A-Za-z_.]*(Error|Exception): ", line)]
+    return (inner[-1] if inner else f"{type(error).__name__}: {lines[0] if lines else ''}")[:300]
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
