@@ -145,7 +145,7 @@ def config_tables() -> str:
     out.append(f"Top-level keys: {', '.join(f'`{s}`' for s in sections)}"
                + (f" (required: {required})." if required else "."))
     for section, fields in schema.items():
-        out.append(f"\n### `{section}`\n")
+        out.append(f"\n## `{section}`\n")
         if not fields:
             out.append(f"Free-form: the keys are checked by the {section} loader (see below).\n")
             continue
@@ -165,13 +165,13 @@ def config_tables() -> str:
                 users = [m for m, opts in method_options.items() if key in opts]
                 row += " " + ("every method" if key == "name" else ", ".join(users) or "-") + " |"
             out.append(row)
-    out.append("\n### Options per method\n")
+    out.append("\n## Options per method\n")
     out.append("| `method.name` | its options | `method.score` |")
     out.append("| --- | --- | --- |")
     for name, options in method_options.items():
         opts = ", ".join(f"`{o}`" for o in options) or "-"
         out.append(f"| `{name}` | {opts} | {' or '.join(f'`{s}`' for s in scores.get(name, ())) or '-'} |")
-    out.append("\n### `data` keys per source\n")
+    out.append("\n## `data` keys per source\n")
     out.append(data_keys_table())
     return "\n".join(out) + "\n"
 
