@@ -20,7 +20,7 @@ A block is runnable when the line right before its opening fence is the HTML com
   interpreter's environment, whose ``bin/`` is first on ``PATH`` (so ``sparta-train`` and
   ``.venv/bin/python`` are this environment's); keep them cheap.
 
-A failure prints ``FILE:LINE`` of the block (its opening fence), the exit status and the end of
+A block repeated verbatim on several pages runs once. A failure prints ``FILE:LINE`` of the block (its opening fence), the exit status and the end of
 its output, and the script exits 1. A marker that is not followed by a fenced block, or a
 runnable block in another language, is an error too.
 
@@ -195,6 +195,7 @@ def main(argv=None) -> int:
             print(f"{block.where}  {block.language}  ({len(block.code.splitlines())} lines)")
         return 0
     failures = []
+    results: dict[tuple, tuple[bool, str]] = {}  # a block repeated on several pages runs once
     for block in blocks:
         if args.check:
             problem = check_syntax(block)
@@ -202,9 +203,15 @@ def main(argv=None) -> int:
                 failures.append(block.where)
                 print(f"{block.where}: {block.language} block does not parse: {problem}", flush=True)
             continue
+        key = (block.language, block.code, block.exit_status)
         print(f"{block.where}: {block.language} ...", end=" ", flush=True)
-        passed, output, seconds = run_block(block)
-        print(f"{'ok' if passed else 'FAILED'} ({seconds:.0f} s)", flush=True)
+        if key in results:
+            passed, output = results[key]
+            print(f"{'ok' if passed else 'FAILED'} (the same block as above)", flush=True)
+        else:
+            passed, output, seconds = run_block(block)
+            results[key] = passed, output
+            print(f"{'ok' if passed else 'FAILED'} ({seconds:.0f} s)", flush=True)
         if not passed:
             failures.append(block.where)
             print(f"--- {block.where}: output (last {TAIL} characters) ---\n{output[-TAIL:]}\n---", flush=True)
