@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import copy
 import importlib
 import importlib.util
 import io
@@ -133,45 +134,91 @@ def data_keys_table() -> str:
     return head + "\n\n" + "\n".join(lines) + "\n"
 
 
-def config_tables() -> str:
-    """Markdown: one table per config section, then the method x option matrix."""
-    config = _config_module()
-    schema = config.SCHEMA
-    method_options = config.METHOD_OPTIONS
-    scores = getattr(config, "SCORES", {})
-    out = []
-    required = ", ".join(f"`{k}`" for k in getattr(config, "REQUIRED_TOP_LEVEL", ()))
-    sections = [s for s in getattr(config, "TOP_LEVEL", tuple(schema)) if s != "notes"]
-    out.append(f"Top-level keys: {', '.join(f'`{s}`' for s in sections)}"
-               + (f" (required: {required})." if required else "."))
-    for section, fields in schema.items():
-        out.append(f"\n## `{section}`\n")
-        if not fields:
-            out.append(f"Free-form: the keys are checked by the {section} loader (see below).\n")
-            continue
-        is_method = section == "method"
-        header = "| key | type | default | valid values |" + (" methods |" if is_method else "")
-        out.append(header)
-        out.append("| --- | --- | --- | --- |" + (" --- |" if is_method else ""))
-        for key, field in fields.items():
-            default = "required" if getattr(field, "required", False) else f"`{_yaml_value(field.default)}`"
-            rule = _rule(field)
-            if is_method and key == "score" and scores:
-                rule = "; ".join(f"{m}: {' or '.join(v)}" for m, v in scores.items())
-            if is_method and key == "name":
-                rule = ", ".join(method_options)
-            row = f"| `{section}.{key}` | {_types(field)} | {default} | {_cell(rule)} |"
-            if is_method:
-                users = [m for m, opts in method_options.items() if key in opts]
-                row += " " + ("every method" if key == "name" else ", ".join(users) or "-") + " |"
-            out.append(row)
-    out.append("\n## Options per method\n")
-    out.append("| `method.name` | its options | `method.score` |")
-    out.append("| --- | --- | --- |")
+_MINIMAL_CONFIG = {"data": {"source": "digits"}, "model": {"name": "resnet20_gn"}, "output_dir": "runs/x"}
+
+
+def _section_table(section: str, fields: dict) -> list[str]:
+    out = ["| key | type | default | valid values |", "| --- | --- | --- | --- |"]
+    for key, field in fields.items():
+        default = "required" if getattr(field, "required", False) else f"`{_yaml_value(field.default)}`"
+        out.append(f"| `{section}.{key}` | {_types(field)} | {default} | {_cell(_rule(field))} |")
+    return out
+
+
+def _method_section_from_spec(spec_module, default_name: str) -> list[str]:
+    """The ``method`` section from :mod:`sparta_tf.method_spec`: every method, its phases and options."""
+    methods = spec_module.METHODS
+    out = ["| key | type | default | valid values |", "| --- | --- | --- | --- |",
+           f"| `method.name` | string | `{default_name}` | {', '.join(methods)} |", "",
+           "The other keys of the section are the options of the method `method.name` names:", ""]
+    out += ["| `method.name` | what it trains | options |", "| --- | --- | --- |"]
+    for name, spec in methods.items():
+        options = ", ".join(f"`{o.name}`" for o in spec.options) or "-"
+        out.append(f"| [`{name}`](#{name}-options) | {_cell(spec.summary)} | {options} |")
+    for name, spec in methods.items():
+        out.append(f"\n### `{name}` {{#{name}-options}}\n")
+        out.append(_cell(spec.summary) + ("" if spec.private else " **Not differentially private.**"))
+        out.append("")
+        if spec.before_training:
+            out += [f"Before training: {_cell(spec.before_training)}.", ""]
+        out += ["| phase | epochs | trains |", "| --- | --- | --- |"]
+        out += [f"| `{p.name}` | {_cell(p.epochs)} | {_cell(p.trains)} |" for p in spec.phases]
+        if spec.options:
+            out += ["", "| option | type | default | valid values | meaning |", "| --- | --- | --- | --- | --- |"]
+            for option in spec.options:
+                kinds = dict.fromkeys(_TYPE_NAMES.get(t, t.__name__) for t in option.types if t is not type(None))
+                if "integer" in kinds and "number" in kinds:
+                    del kinds["integer"]
+                valid = str(option.valid) if option.valid is not None else ""
+                out.append(f"| `method.{option.name}` | {' or '.join(kinds)} | `{_yaml_value(option.default)}` | "
+                           f"{_cell(valid)} | {_cell(option.doc)} |")
+        else:
+            out += ["", "No options of its own."]
+    return out
+
+
+def _method_section_from_options(config) -> list[str]:
+    """The ``method`` section from ``trainers.config``'s ``SCHEMA["method"]`` and ``METHOD_OPTIONS``."""
+    method_options, scores = config.METHOD_OPTIONS, getattr(config, "SCORES", {})
+    out = ["| key | type | default | valid values | methods |", "| --- | --- | --- | --- | --- |"]
+    for key, field in config.SCHEMA["method"].items():
+        rule = _rule(field)
+        if key == "score" and scores:
+            rule = "; ".join(f"{m}: {' or '.join(v)}" for m, v in scores.items())
+        if key == "name":
+            rule = ", ".join(method_options)
+        users = "every method" if key == "name" else ", ".join(m for m, o in method_options.items() if key in o) or "-"
+        out.append(f"| `method.{key}` | {_types(field)} | `{_yaml_value(field.default)}` | {_cell(rule)} | {users} |")
+    out += ["\n### Options per method\n", "| `method.name` | its options | `method.score` |", "| --- | --- | --- |"]
     for name, options in method_options.items():
         opts = ", ".join(f"`{o}`" for o in options) or "-"
         out.append(f"| `{name}` | {opts} | {' or '.join(f'`{s}`' for s in scores.get(name, ())) or '-'} |")
-    out.append("\n## `data` keys per source\n")
+    return out
+
+
+def config_tables() -> str:
+    """Markdown: one section per config section (the method section per method), then the data keys."""
+    config = _config_module()
+    schema = config.SCHEMA
+    defaults = config.validate(copy.deepcopy(_MINIMAL_CONFIG))
+    spec_module = getattr(config, "method_spec", None)
+    sections = [s for s in getattr(config, "TOP_LEVEL", tuple(schema)) if s != "notes"]
+    required = ", ".join(f"`{k}`" for k in getattr(config, "REQUIRED_TOP_LEVEL", ()))
+    out = [f"Top-level keys: {', '.join(f'`{s}`' for s in sections)}" + (f" (required: {required})." if required else ".")]
+    for section in sections:
+        if section == "output_dir":
+            out += ["\n## `output_dir`\n", "Required: the run directory (a string path)."]
+            continue
+        out.append(f"\n## `{section}`\n")
+        if section == "method":
+            out += (_method_section_from_spec(spec_module, defaults["method"]["name"]) if spec_module is not None
+                    else _method_section_from_options(config))
+        elif not schema.get(section):
+            out.append(f"Free-form: the keys are checked by the {section} loader "
+                       f"([`{section}` keys](#{section}-keys)).")
+        else:
+            out += _section_table(section, schema[section])
+    out.append("\n## `data` keys {#data-keys}\n")
     out.append(data_keys_table())
     return "\n".join(out) + "\n"
 
