@@ -17,7 +17,7 @@ Resumable: each cell's report is stored in ``--out`` (JSON) as soon as it is
 done and is not recomputed; ``--report-only`` rewrites the Markdown table.
 The pre-trained model is cached in ``--work-dir``.
 
-    python benchmarks/audit.py --canary-seeds 0 1 2   # the README table, ~43 min on 2 shared CPU cores
+    python benchmarks/audit.py --canary-seeds 0 1 2   # the docs table (docs/audit.md), ~43 min on 2 shared CPU cores
     python benchmarks/audit.py --methods all --epsilons 1 --no-nonprivate   # one cell
     python benchmarks/audit.py --methods bitfit --epsilons 8 --no-nonprivate --canaries 40 --epochs 1 \
         --work-dir /tmp/w --out /tmp/audit-smoke                              # CI smoke, ~30 s

@@ -310,7 +310,7 @@ def test_convolution_norms_over_chunks_of_the_batch_equal_the_whole_batch(monkey
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
-# Layers of the speed benchmark's models that keep the per-layer VJP (README, "Layers"): exact, and
+# Layers of the speed benchmark's models that keep the per-layer VJP (docs/layers.md): exact, and
 # elementwise, so cheap; no rule matches them by class.
 VJP_BY_DESIGN = {"LayerScale": "ConvNeXt's per-channel scale, a keras.applications-internal class"}
 

@@ -93,4 +93,4 @@ def check_coverage(engine, x, y, loss_fn, strategy: tf.distribute.Strategy | Non
                 f"{owners.get(k, '?')!r}) do not add up to its batch gradient (relative error {relative:.2g}): "
                 "the variable is used outside its layer's own call (by another layer, in a loop, or with "
                 "random ops inside the layer), so its per-example norms would be wrong; use a supported layer "
-                "(see the README's layer table) or engine='vectorized'")
+                "(see the layer table in docs/layers.md) or engine='vectorized'")

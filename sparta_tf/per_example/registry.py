@@ -4,7 +4,7 @@
 gradients), :func:`ghost_rule_for` the book-keeping rule (norms and clipped sums, materialising only
 where that is the cheaper or the only way), with the same probe point. Classes are matched exactly
 (``type(layer) is ...``): a subclass may override ``call``, so it gets the generic per-example VJP
-of its own call, which is exact for any layer. README: "Layers: the rule each gets".
+of its own call, which is exact for any layer. The table per layer: docs/layers.md.
 """
 
 from __future__ import annotations
