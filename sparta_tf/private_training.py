@@ -105,15 +105,20 @@ def make_private(
     Args:
       model: the Keras model to fine-tune (its weights are trained in place).
       method: a name from :data:`sparta_tf.methods.METHODS` or a :class:`~sparta_tf.methods.Method`.
-      target_epsilon, delta: the privacy budget of the whole run (every phase, and what the method
-        runs before training).
+      target_epsilon: the privacy budget's epsilon for the whole run (every phase, and what the
+        method runs before training).
+      delta: the budget's delta.
       epochs: epochs of the whole run (SPARTA: warm-up + selection + sparse).
       batch_size: expected Poisson batch size ``q n``.
       dataset_size: ``n``, the number of private training examples ``fit`` will get.
       clip_norm: per-example L2 bound ``C``.
       noise_multiplier: ``sigma``; None calibrates it from the target (a given one must fit it).
       accountant: ``"pld"`` or ``"rdp"`` (dp-accounting).
-      physical_batch_size, sampling, seed, engine, jit_compile: as for :class:`~sparta_tf.DPModel`.
+      physical_batch_size: examples per micro-batch, as for :class:`~sparta_tf.DPModel`.
+      sampling: ``"poisson"`` (what the accountant assumes) or ``"shuffle"``.
+      seed: the run seed every random stream derives from (None: a secret one from the OS).
+      engine: the per-example engine (``"auto"``: book-keeping where it applies).
+      jit_compile: ``"auto"`` (XLA on GPU/TPU, off on CPU), True or False.
       run_dir: a directory for the step journal, a checkpoint per epoch and the ledger; running
         the same script again resumes a killed ``fit`` there. None: nothing written (except masks
         when ``mask_dir`` is given).
