@@ -53,6 +53,7 @@ MALFORMED = [
     ("method", [1, 2], "method must be a mapping"),
     ("method.nam", "sparta", "unknown key method.nam"),
     ("method.name", "lora", "method.name='lora' must be one of"),
+    ("method.name", ["sparta"], "method.name=['sparta'] must be one of"),
     ("method.density", 1.5, "method.density=1.5 must be in [0, 1]"),
     ("method.density", -0.1, "method.density=-0.1 must be in [0, 1]"),
     ("method.density", "high", "method.density='high' must be"),
