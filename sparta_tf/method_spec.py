@@ -324,6 +324,8 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                before_training="pre-pruning (dp_snip: one Gaussian release, charged)"),
 )}
 """Every method, by name."""
+DEFAULT_METHOD = "sparta"
+"""The method of a config that names none."""
 
 
 def method_spec(name: str) -> MethodSpec:

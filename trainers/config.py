@@ -303,7 +303,7 @@ def _validate_method(given: Any) -> tuple[dict, list[str]]:
     """
     if not isinstance(given, dict):
         raise ConfigError(f"method must be a mapping of keys, got {given!r}")
-    name = given.get("name", "sparta")
+    name = given.get("name", method_spec.DEFAULT_METHOD)
     if not isinstance(name, str) or name not in method_spec.METHODS:
         raise ConfigError(f"method.name={name!r} must be one of {', '.join(METHOD_NAMES)}")
     spec = method_spec.METHODS[name]

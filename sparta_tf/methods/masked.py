@@ -21,6 +21,7 @@ from sparta_tf.methods.sets import ALWAYS_TRAINABLE, role_set
 from sparta_tf.selection.topk import density_for, kept_count
 from sparta_tf.trainable import TrainableSet, VariableSelection
 
+
 class MaskedMethod(Method):
     """A method whose final trainable set is the DP-BitFit set plus a kernel mask."""
 
