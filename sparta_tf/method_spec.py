@@ -279,7 +279,8 @@ _FROST = (
            Interval(0, 1, True, True)),
     Option("frost_iterations", 5, INT, "T, the selection rounds (PSEL)", Interval(1)),
     Option("q_ps", 0.02, NUMBER, "Poisson rate of each selection round", Interval(0, 1, True, True)),
-    Option("nu", 5.0, NUMBER, "gap, in standard deviations, a partition's magnitude must clear", Interval(0, None, True)),
+    Option("nu", 5.0, NUMBER, "gap, in standard deviations, a partition's magnitude must clear",
+           Interval(0, None, True)),
     Option("gamma", 0.2, NUMBER, "most trainable parameters, as a fraction of |Theta|", Interval(0, 1, True, False)),
 )
 _SSGD = (

@@ -383,7 +383,8 @@ def _check_cross_field(config: dict) -> None:
     physical = training["physical_batch_size"]
     if physical is not None and physical < 1:
         raise ConfigError(f"training.physical_batch_size={physical} must be >= 1")
-    if privacy["noise_multiplier"] is not None and privacy["noise_multiplier"] == 0 and method_spec.METHODS[name].private:
+    private = method_spec.METHODS[name].private
+    if privacy["noise_multiplier"] is not None and privacy["noise_multiplier"] == 0 and private:
         raise ConfigError("privacy.noise_multiplier=0 gives no privacy; leave it null to calibrate it "
                           "from privacy.target_epsilon")
 
