@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import utility_analysis  # noqa: E402
 import utility_report  # noqa: E402
 from sparta_tf.atomic_files import write_atomic  # noqa: E402
-from trainers.config import METHOD_OPTIONS  # noqa: E402
+from trainers.config import method_spec  # noqa: E402  (sparta_tf.method_spec, without importing TensorFlow)
 
 METHODS = ("sparta", "all", "last", "bitfit", "mp", "random", "dpsgd_grad", "oracle", "x_bitfit",
            "dp_frost", "dp_ssgd", "nonprivate")
@@ -161,7 +161,8 @@ def base_config(track: str, profile: dict, data_dir: str, fashion_dir: str, work
 def cell_config(base: dict, method: str, epsilon: float, seed: int, lr: float, density: float, out: str) -> dict:
     config = copy.deepcopy(base)
     config["method"] = {"name": method}  # warm-up: the config's default, T0 = T / 5
-    if "density" in METHOD_OPTIONS.get(method, ()):  # "nonprivate" is the runner's own, not a method
+    spec = method_spec.METHODS.get(method)  # None for "nonprivate", the runner's own, not a method
+    if spec is not None and "density" in spec.option_names:
         config["method"]["density"] = density
     config["privacy"]["target_epsilon"] = epsilon
     config["training"].update({"learning_rate": lr, "head_learning_rate": 10 * lr, "seed": seed})

@@ -1,11 +1,19 @@
 """Named random streams: every random choice of a run, derived from one seed in one place.
 
 A run has one 63-bit seed ``s`` (secret: see below). Each mechanism or
-random choice draws from its own *stream*, named in :data:`STREAMS`, whose
-domain constant ``d`` separates it from every other stream::
+random choice draws from its own *stream*, registered in :data:`STREAMS`
+with a domain constant ``d`` that separates it from every other stream::
 
     key(name, t) = stateless_fold_in([s, d_name], t, alg="philox")   # TensorFlow, per step t
     rng(name)    = numpy.random.Generator(Philox(key=[s, d_name]))      # NumPy, one-shot choices
+
+(the streams of the data splits and the canaries use NumPy's default
+generator seeded with ``[s, d_name]`` instead, as before they were
+registered here, so that a seeded data set or audit is the one earlier
+versions drew). No module draws random numbers any other way: the data
+splits, the synthetic data, the augmentation layers and the audit canaries
+take their generators from here as the sampling and the noise do (a test
+checks that no other module builds a generator or defines a domain).
 
 Two streams never share a key because their domain constants differ (a
 test checks they are distinct), so e.g. DP-SNIP's noise and the noise of
@@ -17,15 +25,22 @@ membership of Poisson samples must stay unknown to an adversary: whoever
 knows ``s`` can recompute (and so remove) the noise or learn which examples
 were in which batch. Keep the seed with the private training checkpoints,
 never in exported models, logs or reports. The data-independent streams
-(random masks, random pre-pruning, gradient dropping, canary choice) need
-no secrecy but are derived the same way so that one seed reproduces a run.
+(random masks, random pre-pruning, gradient dropping, data splits,
+augmentation, canaries) need no secrecy but are derived the same way so
+that one seed reproduces a run.
 
 When no seed is given, a fresh one comes from the OS's cryptographic
-source (:func:`new_seed`).
+source (:func:`new_seed`). ``sparta-train`` then uses seed 0 for the data
+streams (splits, synthetic data, augmentation), so that runs of one config
+see one data set, and the fresh secret seed for everything else. Two
+options override the run seed for one public choice each, explicitly:
+the ``random`` method's ``seed`` (its mask) and ``sparta-audit
+--canary-seed`` (which examples become canaries).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import secrets
 from typing import Any
@@ -33,23 +48,44 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-#: Stream name -> domain constant (distinct 32-bit values; the historical
-#: constants of the sampling and noise streams are kept, so seeded runs
-#: reproduce their earlier batches and noise).
-STREAMS: dict[str, int] = {
-    "poisson_sampling": 0x706F6973,  # "pois": Poisson batch membership per DP step (secret)
-    "shuffle": 0x73687566,  # "shuf": fixed-size shuffled batches per epoch (secret)
-    "dp_sgd_noise": 0x5EED0015,  # Gaussian noise of every DP-SGD / selection step (secret)
-    "dp_snip_noise": 0x534E4950,  # "SNIP": DP-SNIP's one Gaussian release (secret)
-    "frost_sampling": 0x46525350,  # "FRSP": DP-FROST's Poisson samples X_t (secret)
-    "frost_noise": 0x46524E5A,  # "FRNZ": DP-FROST's noisy partition magnitudes (secret)
-    "random_mask": 0x524D534B,  # "RMSK": the random baseline's rows / entries (public)
-    "random_pruning": 0x5250524E,  # "RPRN": DP-SSGD's random pre-pruning (public)
-    "gradient_dropping": 0x5EEDD809,  # DP-SSGD's per-step coordinate dropping (public)
-    "canaries": 0x43414E41,  # "CANA": which audit canaries join the training set (public)
+
+@dataclasses.dataclass(frozen=True)
+class Stream:
+    """One registered stream: its ``domain`` constant, whether it must stay ``secret``, NumPy's
+    ``generator`` for it (``"philox"``, or ``"pcg64"`` for the streams kept as earlier versions drew
+    them), and what draws from it."""
+
+    domain: int
+    secret: bool
+    purpose: str
+    generator: str = "philox"
+
+
+#: Stream name -> :class:`Stream` (distinct 32-bit domains; the historical constants are kept, so seeded
+#: runs reproduce their earlier batches, noise, data splits and canaries).
+STREAMS: dict[str, Stream] = {
+    # -- secret: sampling and the noise of every mechanism
+    "poisson_sampling": Stream(0x706F6973, True, "Poisson batch membership per DP step"),  # "pois"
+    "shuffle": Stream(0x73687566, True, "fixed-size shuffled batches per epoch"),  # "shuf"
+    "dp_sgd_noise": Stream(0x5EED0015, True, "Gaussian noise of every DP-SGD step"),
+    "selection_noise": Stream(0x53454C4E, True, "Gaussian noise of the selection epoch's released scores"),  # "SELN"
+    "dp_snip_noise": Stream(0x534E4950, True, "DP-SNIP's one Gaussian release"),  # "SNIP"
+    "frost_sampling": Stream(0x46525350, True, "DP-FROST's Poisson samples X_t"),  # "FRSP"
+    "frost_noise": Stream(0x46524E5A, True, "DP-FROST's noisy partition magnitudes"),  # "FRNZ"
+    # -- public: data-independent choices
+    "random_mask": Stream(0x524D534B, False, "the random method's rows / entries"),  # "RMSK"
+    "random_pruning": Stream(0x5250524E, False, "DP-SSGD's random pre-pruning"),  # "RPRN"
+    "gradient_dropping": Stream(0x5EEDD809, False, "DP-SSGD's per-step coordinate dropping"),
+    "augmentation": Stream(0x4155474D, False, "the seeds of the augmentation layers (flip, shift)"),  # "AUGM"
+    "synthetic_data": Stream(0x5EED0001, False, "the synthetic data source's patterns and labels", "pcg64"),
+    "test_split": Stream(0x5EED0002, False, "the test split of a source without one", "pcg64"),
+    "limit_train": Stream(0x5EED0003, False, "the examples data.limit_train keeps", "pcg64"),
+    "limit_test": Stream(0x5EED0004, False, "the examples data.limit_test keeps", "pcg64"),
+    "val_split": Stream(0x5EED0005, False, "the validation split", "pcg64"),
+    "canaries": Stream(0x00CA4A21, False, "which audit canaries, their labels and coin flips", "pcg64"),
 }
 
-SECRET_STREAMS = ("poisson_sampling", "shuffle", "dp_sgd_noise", "dp_snip_noise", "frost_sampling", "frost_noise")
+SECRET_STREAMS = tuple(name for name, stream in STREAMS.items() if stream.secret)
 
 MAX_SEED = 2**63  # seeds live in [0, 2**63) so that they fit an int64
 
@@ -74,11 +110,16 @@ def resolve_seed(seed: Any) -> int:
     return new_seed() if seed is None else check_seed(seed)
 
 
-def domain(name: str) -> int:
-    """The domain constant of stream ``name`` (a ValueError for an unknown name)."""
+def stream(name: str) -> Stream:
+    """The registered stream ``name`` (a ValueError naming the known ones for an unknown name)."""
     if name not in STREAMS:
         raise ValueError(f"unknown random stream {name!r}; known streams: {sorted(STREAMS)}")
     return STREAMS[name]
+
+
+def domain(name: str) -> int:
+    """The domain constant of stream ``name`` (a ValueError for an unknown name)."""
+    return stream(name).domain
 
 
 def step_key(seed: int | tf.Tensor, name: str, step: int | tf.Tensor) -> tf.Tensor:
@@ -88,5 +129,14 @@ def step_key(seed: int | tf.Tensor, name: str, step: int | tf.Tensor) -> tf.Tens
 
 
 def numpy_rng(seed: int, name: str) -> np.random.Generator:
-    """A NumPy generator for stream ``name`` (one-shot choices: masks, pruning, canaries)."""
-    return np.random.Generator(np.random.Philox(key=[check_seed(seed), domain(name)]))
+    """A NumPy generator for stream ``name`` (one-shot choices: masks, pruning, data splits, canaries)."""
+    seed, registered = check_seed(seed), stream(name)
+    if registered.generator == "pcg64":
+        return np.random.default_rng([seed, registered.domain])
+    return np.random.Generator(np.random.Philox(key=[seed, registered.domain]))
+
+
+def int_seeds(seed: int, name: str, count: int) -> list[int]:
+    """``count`` seeds in ``[0, 2**31)`` for APIs that take an integer seed (Keras' random layers), drawn
+    from stream ``name``: distinct streams and distinct positions give independent seeds."""
+    return [int(v) for v in numpy_rng(seed, name).integers(0, 2**31, size=count)]

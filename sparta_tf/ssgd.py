@@ -89,7 +89,7 @@ from sparta_tf.clipping import clipped_sum
 from sparta_tf.dp_model import DPModel
 from sparta_tf.groups import parameter_table
 from sparta_tf.losses import per_example_loss_fn
-from sparta_tf import random_streams
+from sparta_tf import method_spec, random_streams
 from sparta_tf.noise import gaussian_noise
 from sparta_tf.optim.masked_optimizer import MaskedOptimizer, _element_indices
 from sparta_tf.per_example import make_engine
@@ -100,7 +100,7 @@ DROP_STREAM = "gradient_dropping"
 SNIP_NOISE_STREAM = "dp_snip_noise"
 PRUNING_STREAM = "random_pruning"
 PRUNE_ROLES = ("kernel", "head")
-DROP_MODES = ("random", "magnitude")
+DROP_MODES = method_spec.DROP_MODES
 
 KeepMasks = list  # list[tuple[tf.Variable, np.ndarray]]: (kernel, boolean keep mask of its shape)
 

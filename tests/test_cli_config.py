@@ -7,7 +7,7 @@ import sys
 import pytest
 import yaml
 
-from trainers.config import SCHEMA, ConfigError, apply_overrides, check_against_data, load_config, validate
+from trainers.config import ConfigError, apply_overrides, check_against_data, load_config, validate
 
 BASE = {
     "data": {"source": "synthetic"},
@@ -53,6 +53,7 @@ MALFORMED = [
     ("method", [1, 2], "method must be a mapping"),
     ("method.nam", "sparta", "unknown key method.nam"),
     ("method.name", "lora", "method.name='lora' must be one of"),
+    ("method.name", ["sparta"], "method.name=['sparta'] must be one of"),
     ("method.density", 1.5, "method.density=1.5 must be in [0, 1]"),
     ("method.density", -0.1, "method.density=-0.1 must be in [0, 1]"),
     ("method.density", "high", "method.density='high' must be"),
@@ -60,8 +61,9 @@ MALFORMED = [
     ("method.warmup_epochs", -1, "method.warmup_epochs=-1 must be >= 0"),
     ("method.warmup_epochs", 2.5, "method.warmup_epochs=2.5 must be an integer"),
     ("method.score", "max", "method.score='max' is not a score of sparta; use sum_abs or abs_sum"),
-    ("method.score", "signed", "is not a score of sparta"),
-    ("method.granularity", "block", "method.granularity='block' must be row or entry"),
+    ("method.score", 7, "method.score=7 must be a string or null"),
+    ("method.granularity", "block", "method.granularity='block' must be one of row, entry"),
+    ("method.seed", -1, "method.seed=-1 must be in [0, 2**63)"),
     ("method.density_overrides", {"conv*": 2}, "every density must be a number in [0, 1]"),
     ("privacy.target_epsilon", 0, "privacy.target_epsilon=0 must be > 0"),
     ("privacy.target_epsilon", -1, "privacy.target_epsilon=-1 must be > 0"),
@@ -126,21 +128,19 @@ def test_switching_method_drops_other_methods_options_with_a_note():
     assert validate(BASE)["notes"] == []
 
 
-def test_config_method_options_are_the_methods_own():
-    from sparta_tf.methods import METHODS
-    from trainers.config import METHOD_OPTIONS
+def test_a_value_only_another_method_takes_is_dropped_with_a_note():
+    """``score: signed`` is dpsgd_grad's; under sparta it falls back to sparta's default, with a note."""
+    config = validate(with_change("method", {"name": "sparta", "score": "signed", "granularity": "entry"}))
+    assert config["method"]["score"] == "sum_abs" and config["method"]["granularity"] == "entry"
+    assert config["notes"] == ["method.score='signed' does not apply to method sparta (its score is one of "
+                               "sum_abs, abs_sum); ignored, using 'sum_abs'"]
+    config = validate(with_change("method", {"name": "dpsgd_grad", "granularity": "row"}))
+    assert config["method"]["granularity"] == "entry" and "method.granularity='row'" in config["notes"][0]
 
-    assert set(METHOD_OPTIONS) == set(METHODS)
-    for name, cls in METHODS.items():
-        assert set(METHOD_OPTIONS[name]) == set(cls.options), name
-        assert set(METHOD_OPTIONS[name]) <= set(SCHEMA["method"]), name
 
-
-def test_config_warmup_default_is_the_methods_own():
-    from sparta_tf.methods.selection_epoch import default_warmup_epochs
-    from trainers.config import default_warmup_epochs as config_default
-
-    assert [config_default(epochs) for epochs in range(1, 60)] == [default_warmup_epochs(e) for e in range(1, 60)]
+def test_null_method_options_mean_the_methods_default():
+    config = validate(with_change("method", {"name": "mp", "granularity": None}))
+    assert config["method"]["granularity"] == "entry"
 
 
 def test_a_validated_config_validates_to_itself():

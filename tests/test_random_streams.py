@@ -1,5 +1,9 @@
 """Named random streams: one seed, one stream per mechanism, no two mechanisms share noise."""
 
+import glob
+import os
+import re
+from types import SimpleNamespace
 from unittest import mock
 
 import numpy as np
@@ -23,6 +27,15 @@ def _model():
     return tf.keras.Model(inputs, tf.keras.layers.Dense(3, name="head")(hidden))
 
 
+def _wide_model():
+    """Two maskable kernels with enough rows (32, 32) that two random halves practically never coincide."""
+    tf.keras.utils.set_random_seed(0)
+    inputs = tf.keras.Input((16,))
+    hidden = tf.keras.layers.Dense(32, activation="relu")(inputs)
+    hidden = tf.keras.layers.Dense(32, activation="relu")(hidden)
+    return tf.keras.Model(inputs, tf.keras.layers.Dense(3, name="head")(hidden))
+
+
 def _data():
     rng = np.random.default_rng(0)
     return rng.normal(size=(32, 6)).astype(np.float32), rng.integers(0, 3, size=32)
@@ -41,8 +54,11 @@ class _Recorder:
 
 
 def test_every_stream_has_its_own_domain_and_unknown_names_fail():
-    assert len(set(random_streams.STREAMS.values())) == len(random_streams.STREAMS)
+    domains = [stream.domain for stream in random_streams.STREAMS.values()]
+    assert len(set(domains)) == len(domains) and all(0 < d < 2**32 for d in domains)
     assert set(random_streams.SECRET_STREAMS) <= set(random_streams.STREAMS)
+    assert {"dp_sgd_noise", "selection_noise", "dp_snip_noise", "frost_noise", "poisson_sampling"} <= set(
+        random_streams.SECRET_STREAMS)
     with pytest.raises(ValueError, match="unknown random stream 'noize'"):
         random_streams.step_key(SEED, "noize", 0)
     keys = {tuple(random_streams.step_key(SEED, name, 0).numpy()) for name in random_streams.STREAMS}
@@ -97,3 +113,90 @@ def test_numpy_streams_are_reproducible_and_distinct():
     assert not np.allclose(a, random_streams.numpy_rng(SEED, "random_pruning").random(5))
     with pytest.raises(ValueError, match="seed must be in"):
         random_streams.numpy_rng(-1, "random_mask")
+
+
+def test_every_numpy_stream_of_one_seed_is_its_own_and_uncorrelated():
+    draws = {name: random_streams.numpy_rng(SEED, name).random(4000) for name in random_streams.STREAMS}
+    names = sorted(draws)
+    for i, a in enumerate(names):
+        np.testing.assert_array_equal(draws[a], random_streams.numpy_rng(SEED, a).random(4000))
+        for b in names[i + 1:]:
+            assert abs(np.corrcoef(draws[a], draws[b])[0, 1]) < 0.07, (a, b)  # 4.4 sigma of 1/sqrt(4000)
+    assert not np.allclose(draws["val_split"], random_streams.numpy_rng(SEED + 1, "val_split").random(4000))
+
+
+def test_the_data_and_canary_streams_draw_what_they_drew_before_the_registry():
+    """Seeded data splits and audits are those of earlier versions (the constants moved, the draws did not)."""
+    np.testing.assert_array_equal(random_streams.numpy_rng(7, "val_split").random(3),
+                                  np.random.default_rng([7, 0x5EED_0005]).random(3))
+    np.testing.assert_array_equal(random_streams.numpy_rng(7, "canaries").random(3),
+                                  np.random.default_rng([7, 0xCA_4A21]).random(3))
+
+
+def test_the_selection_scores_noise_has_its_own_stream():
+    """Regression: the selection epoch drew DP-SGD's stream under ``seed XOR constant``, outside the registry.
+    Its released noise is now the ``selection_noise`` stream's, independent of DP-SGD's noise at that step."""
+    from sparta_tf.groups import row_groups
+    from sparta_tf.selection.scoring import SelectionScorer
+
+    scorer = SelectionScorer(row_groups(_wide_model()), noise_multiplier=1.0, clip_norm=1.0, score="sum_abs",
+                             granularity="entry")
+    shapes = [tf.TensorShape(t.shape) for t in scorer.totals]
+    scorer.release([tf.zeros(shape) for shape in shapes], tf.constant(SEED, tf.int64), tf.constant(3, tf.int64))
+    released = np.concatenate([t.numpy().ravel() for t in scorer.totals])
+    expected = gaussian_noise(shapes, 1.0, SEED, 3, stream="selection_noise")
+    np.testing.assert_allclose(released, np.concatenate([z.numpy().ravel() for z in expected]), rtol=1e-6)
+    training = np.concatenate([z.numpy().ravel() for z in gaussian_noise(shapes, 1.0, SEED, 3)])
+    assert abs(np.corrcoef(released, training)[0, 1]) < 4 / np.sqrt(released.size)
+
+
+def test_the_random_methods_mask_follows_the_run_seed_unless_overridden():
+    """``random`` draws its mask from the run seed's ``random_mask`` stream: reproducible for one seed, another
+    mask for another seed; ``seed`` (an explicit override) fixes it across run seeds."""
+    from sparta_tf.methods import make_method
+
+    def rows(run_seed, **options):
+        method = make_method("random", density=0.5, verbose=0, **options)
+        method.start(SimpleNamespace(model=_wide_model(), seed=run_seed), epochs=1)
+        return [s.rows.tolist() for s in method.mask_selections]
+
+    assert rows(1) == rows(1)
+    assert rows(1) != rows(2)
+    assert rows(1, seed=5) == rows(2, seed=5) != rows(1)
+
+
+SOURCES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sparta_tf")
+# What builds a generator or a seed of its own: a domain constant, NumPy's generators or legacy global state,
+# TensorFlow's stateful random ops and generators, Python's random module, ad-hoc seed arithmetic.
+OWN_RANDOMNESS = re.compile(
+    r"_DOMAINS?\b\s*(:[^=]*)?=\s*[0-9{]|\bDOMAINS\b|0x5EED|default_rng\(|np\.random\.(?!Generator\b)[A-Za-z_]+\(|"
+    r"np\.random\.Generator\(|tf\.random\.(Generator|normal|uniform|shuffle|truncated_normal|categorical)\b|"
+    r"^\s*(import random|from random import)|seed\s*[+^]\s*\d|bitwise_xor\(.*seed")
+ALLOWED = {"random_streams.py"}  # the registry itself
+
+
+def test_no_module_draws_randomness_outside_the_registry():
+    """Every random choice goes through sparta_tf.random_streams: no other module defines a domain or builds a
+    generator (model_checks' ``tf.random.set_seed`` is a probe's fixed global seed, restored after)."""
+    offenders = []
+    for path in glob.glob(os.path.join(SOURCES, "**", "*.py"), recursive=True):
+        if os.path.basename(path) in ALLOWED:
+            continue
+        for number, line in enumerate(open(path, encoding="utf-8"), 1):
+            code = line.split("#")[0]
+            if OWN_RANDOMNESS.search(code) and not code.lstrip().startswith(('"', "'", "``")):
+                offenders.append(f"{os.path.relpath(path, SOURCES)}:{number}: {line.strip()}")
+    assert offenders == []
+
+
+def test_every_stream_a_module_names_is_registered():
+    """A stream name in a ``numpy_rng`` / ``step_key`` / ``int_seeds`` call or a ``*_STREAM`` constant is a key of
+    STREAMS: a typo fails here, not at the first draw of a long run."""
+    named = set()
+    for path in glob.glob(os.path.join(SOURCES, "**", "*.py"), recursive=True):
+        text = open(path, encoding="utf-8").read()
+        named |= set(re.findall(r"(?:numpy_rng|step_key|int_seeds)\([^)\n]*?,\s*\"(\w+)\"", text))
+        named |= set(re.findall(r"\b[A-Z_]*STREAM\s*=\s*\"(\w+)\"", text))
+        named |= set(re.findall(r"stream=\"(\w+)\"", text))
+    assert {"random_mask", "val_split", "canaries", "augmentation", "selection_noise"} <= named
+    assert named <= set(random_streams.STREAMS), named - set(random_streams.STREAMS)

@@ -48,7 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="number of canaries M (default: 1000, at most half the training set)")
     parser.add_argument("--canary-kind", default="mislabelled", choices=CANARY_KINDS,
                         help="mislabelled (default), clean or noise")
-    parser.add_argument("--canary-seed", type=int, default=0, help="seed of the canary stream (default 0)")
+    parser.add_argument("--canary-seed", type=int, default=None,
+                        help="seed of the canary stream, overriding the run's (default: training.seed, 0 when "
+                             "it is null, as for the data splits)")
     parser.add_argument("--score", default="loss", choices=SCORES,
                         help="canary score: loss (-loss of the trained model, default) or loss_drop (start - end)")
     parser.add_argument("--confidence", type=float, default=0.95, help="confidence of the bound (default 0.95)")
@@ -116,9 +118,12 @@ def _train_test_auc(model, dataset, canaries) -> float:
     return roc_auc(-members, -non_members)
 
 
-def run_audit(config: dict, canaries: int | None = None, kind: str = "mislabelled", seed: int = 0,
+def run_audit(config: dict, canaries: int | None = None, kind: str = "mislabelled", seed: int | None = None,
               confidence: float = 0.95, score: str = "loss") -> dict:
-    """Trains ``audit_config(config)`` with canaries and returns (and writes) the ``audit.json`` report."""
+    """Trains ``audit_config(config)`` with canaries and returns (and writes) the ``audit.json`` report.
+
+    ``seed``: of the ``canaries`` stream (:mod:`sparta_tf.random_streams`); None: the run's data seed
+    (``training.seed``, 0 when it is null: the seed of the data splits), a number: an explicit override."""
     import numpy as np
 
     check_arguments(canaries, kind, score, confidence)
@@ -127,6 +132,7 @@ def run_audit(config: dict, canaries: int | None = None, kind: str = "mislabelle
     from trainers import run
 
     config = audit_config(config)
+    seed = run._seed(config) if seed is None else seed  # the seed run.py gives the data streams
     output_dir = config["output_dir"]
     if os.path.exists(os.path.join(output_dir, AUDIT_JSON)) or os.path.exists(os.path.join(output_dir, run.RESULTS)):
         raise ConfigError(f"{output_dir} already holds an audit; pass --set output_dir=NEW_DIR "

@@ -11,10 +11,13 @@ vision settings where it has one):
 * ``data`` (required): the private data set, see :mod:`sparta_tf.data`.
 * ``pretrain``: non-private pre-training on public data before DP fine-tuning.
 * ``model`` (required): ``name`` and its arguments, see :mod:`sparta_tf.models.zoo`.
-* ``method``: ``name`` (one of :data:`METHOD_OPTIONS`: sparta, all, last,
+* ``method``: ``name`` (one of :data:`METHOD_NAMES`: sparta, all, last,
   bitfit, x_bitfit, mp, random, dpsgd_grad, oracle, dp_frost, dp_ssgd) and
-  its options. Switching ``method.name`` keeps the rest of the config valid:
-  an option given for another method is dropped with a one-line note
+  its options, as :mod:`sparta_tf.method_spec` defines them (the table the
+  library's methods use). Switching ``method.name`` keeps the rest of the
+  config valid: an option that does not apply to the method (another
+  method's option, or a value only another method accepts, e.g.
+  ``score: sum_abs`` for ``dpsgd_grad``) is dropped with a one-line note
   (``config["notes"]``), not refused.
 * ``privacy``: target epsilon, delta, clip norm, accountant, sampling.
 * ``training``: epochs, batch sizes, optimizer, learning rates, schedule, seed, XLA,
@@ -26,26 +29,45 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
+import importlib
+import importlib.util
+import os
 import re
+import sys
 from typing import Any, Callable
 
 import yaml
 
-_SELECTION = ("warmup_epochs", "score", "mask", "density", "granularity", "density_overrides")
-_MASK = ("density", "granularity", "density_overrides")
-METHOD_OPTIONS: dict[str, tuple[str, ...]] = {
-    "sparta": _SELECTION, "dpsgd_grad": _SELECTION, "oracle": _SELECTION,
-    "all": (), "last": (), "bitfit": (),
-    "x_bitfit": ("full_epochs", "bitfit_learning_rate_scale"),
-    "mp": _MASK, "random": _MASK + ("seed",),
-    "dp_frost": ("frost_magnitude", "frost_alpha", "r_eps", "frost_iterations", "q_ps", "nu", "gamma"),
-    "dp_ssgd": ("prune", "prune_rate", "drop_rate", "drop_mode", "snip_noise_multiplier", "synflow_iterations"),
-}
-"""The options of each method (``sparta_tf.methods.METHODS[name].options``, kept here so that
-the config is checked without importing TensorFlow; a test keeps the two equal)."""
-METHOD_NAMES = tuple(METHOD_OPTIONS)
-SCORES = {"sparta": ("sum_abs", "abs_sum"), "dpsgd_grad": ("signed",), "oracle": ("oracle",)}
+
+def _load_method_spec():
+    """:mod:`sparta_tf.method_spec`, the methods' table, without importing TensorFlow.
+
+    ``import sparta_tf.method_spec`` runs ``sparta_tf/__init__``, which imports
+    TensorFlow (seconds). The spec imports only the standard library, so when
+    ``sparta_tf`` is not imported yet its file is executed on its own and
+    registered under its own name: the library, once imported, uses this very
+    module object (no second copy of the table).
+    """
+    name = "sparta_tf.method_spec"
+    if name in sys.modules or "sparta_tf" in sys.modules:
+        return importlib.import_module(name)
+    package = importlib.util.find_spec("sparta_tf")  # a top-level find_spec imports nothing
+    if package is None or not package.submodule_search_locations:
+        raise ImportError("the sparta_tf package is not installed; pip install -e . from the repository")
+    path = os.path.join(list(package.submodule_search_locations)[0], "method_spec.py")
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+method_spec = _load_method_spec()
+METHOD_NAMES = tuple(method_spec.METHODS)
 
 
 class ConfigError(ValueError):
@@ -75,10 +97,6 @@ def _at_least_one(value):
     return None if value >= 1 else "must be >= 1"
 
 
-def _fraction(value):
-    return None if 0 <= value <= 1 else "must be in [0, 1]"
-
-
 def _open_fraction(value):
     return None if 0 < value < 1 else "must be in (0, 1)"
 
@@ -87,13 +105,6 @@ def _one_of(*choices):
     def check(value):
         return None if value in choices else f"must be one of {', '.join(map(str, choices))}"
     return check
-
-
-def _density_overrides(value):
-    for pattern, density in value.items():
-        if not isinstance(density, (int, float)) or isinstance(density, bool) or not 0 <= density <= 1:
-            return f"has {pattern!r}: {density!r}; every density must be a number in [0, 1]"
-    return None
 
 
 NUMBER = (int, float)
@@ -113,33 +124,6 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "optimizer": Field((str,), "adam", _one_of("adam", "sgd")),
         "augment": Field((bool,), True),
         "checkpoint": Field(OPTIONAL_STR, None),
-    },
-    "method": {
-        "name": Field((str,), "sparta", _one_of(*METHOD_NAMES)),
-        "density": Field(NUMBER, 0.2, _fraction),
-        "warmup_epochs": Field(OPTIONAL_INT, None, lambda v: None if v is None or v >= 0 else "must be >= 0"),
-        "score": Field(OPTIONAL_STR, None),
-        "granularity": Field(OPTIONAL_STR, None, lambda v: None if v in (None, "row", "entry") else "must be row or entry"),
-        "density_overrides": Field((dict,), {}, _density_overrides),
-        "mask": Field(OPTIONAL_STR, None),
-        "seed": Field((int,), 0),
-        "full_epochs": Field((int,), 1, _non_negative),
-        "bitfit_learning_rate_scale": Field(NUMBER, 5.0, _positive),
-        # DP-FROST (paper defaults): magnitude, alpha, budget ratio, PSEL rounds, rate, gap, unfreezing ratio
-        "frost_magnitude": Field((str,), "mgna", _one_of("mg", "mgn", "mgna")),
-        "frost_alpha": Field((int,), 1, _one_of(1, 2)),
-        "r_eps": Field(NUMBER, 0.9, _open_fraction),
-        "frost_iterations": Field((int,), 5, _at_least_one),
-        "q_ps": Field(NUMBER, 0.02, _open_fraction),
-        "nu": Field(NUMBER, 5.0, _positive),
-        "gamma": Field(NUMBER, 0.2, lambda v: None if 0 < v <= 1 else "must be in (0, 1]"),
-        # DP-SSGD: pre-pruning and gradient dropping
-        "prune": Field((str,), "random", _one_of("none", "random", "synflow", "dp_snip")),
-        "prune_rate": Field(NUMBER, 0.5, lambda v: None if 0 <= v < 1 else "must be in [0, 1)"),
-        "drop_rate": Field(NUMBER, 0.5, lambda v: None if 0 <= v < 1 else "must be in [0, 1)"),
-        "drop_mode": Field((str,), "random", _one_of("random", "magnitude")),
-        "snip_noise_multiplier": Field(NUMBER, 5.0, _positive),
-        "synflow_iterations": Field((int,), 100, _at_least_one),
     },
     "privacy": {
         "target_epsilon": Field(NUMBER, 8.0, _positive),
@@ -175,18 +159,10 @@ TOP_LEVEL = ("data", "model", "pretrain", "method", "privacy", "training", "expo
 REQUIRED_TOP_LEVEL = ("data", "model", "output_dir")
 
 
-def _type_name(types: tuple) -> str:
-    names = {int: "an integer", float: "a number", bool: "true/false", str: "a string", dict: "a mapping",
-             type(None): "null"}
-    return " or ".join(dict.fromkeys(names.get(t, t.__name__) for t in types))
-
-
 def _check_type(key: str, value: Any, field: Field) -> None:
-    ok = isinstance(value, field.types) and not (isinstance(value, bool) and bool not in field.types)
-    if not ok:
-        raise ConfigError(f"{key}={value!r} must be {_type_name(field.types)}")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{key}={value!r} must be a finite number")
+    problem = method_spec.type_problem(value, field.types)
+    if problem:
+        raise ConfigError(f"{key}={value!r} {problem}")
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -305,24 +281,64 @@ def validate(raw: dict) -> dict:
         raise ConfigError("data.source is required (synthetic, digits, npz, idx, folder, tar or tfds)")
     if "name" not in config["model"]:
         raise ConfigError("model.name is required (e.g. resnet20_gn)")
-    for section, fields in SCHEMA.items():
-        if section in ("data", "model"):
-            continue
-        config[section] = _validate_section(section, raw.get(section) or {}, fields)
-    config["notes"] = _keep_method_options(config["method"], raw.get("method") or {})
+    notes: list[str] = []
+    for section in ("pretrain", "method", "privacy", "training", "export"):
+        if section == "method":
+            config["method"], notes = _validate_method(raw.get("method") or {})
+        else:
+            config[section] = _validate_section(section, raw.get(section) or {}, SCHEMA[section])
+    config["notes"] = notes
     _check_cross_field(config)
     return config
 
 
-def _keep_method_options(method: dict, given: dict) -> list[str]:
-    """Drops the options that do not apply to ``method.name``; a note for each one the user gave."""
-    applicable = METHOD_OPTIONS[method["name"]]
-    notes = [f"method.{key}={given[key]!r} does not apply to method {method['name']}; ignored"
-             for key in given if key != "name" and key not in applicable]
-    for key in list(method):
-        if key != "name" and key not in applicable:
-            del method[key]
-    return notes
+def _validate_method(given: Any) -> tuple[dict, list[str]]:
+    """The ``method`` section: ``name`` and every option of that method (the given value or the default,
+    :mod:`sparta_tf.method_spec`), and a note for each given option that was dropped.
+
+    A given option is kept when it is valid for the method; dropped with a note when the method has no
+    such option or the value is valid only for another method's option of that name (``score: sum_abs``
+    once ``name`` is ``dpsgd_grad``), so that ``--set method.name=X`` works on any config; refused when
+    the key is no method's option or the value is valid for no method.
+    """
+    if not isinstance(given, dict):
+        raise ConfigError(f"method must be a mapping of keys, got {given!r}")
+    name = given.get("name", method_spec.DEFAULT_METHOD)
+    if not isinstance(name, str) or name not in method_spec.METHODS:
+        raise ConfigError(f"method.name={name!r} must be one of {', '.join(METHOD_NAMES)}")
+    spec = method_spec.METHODS[name]
+    notes = []
+    kept = {}
+    for key, value in given.items():
+        if key == "name":
+            continue
+        if key not in method_spec.ALL_OPTIONS:
+            raise ConfigError(f"unknown key method.{key}; valid keys: name, {', '.join(method_spec.ALL_OPTIONS)}")
+        note = _option_note(spec, key, value)
+        if note:
+            notes.append(note)
+        else:
+            kept[key] = value
+    try:
+        resolved = spec.resolve(kept)
+    except ValueError as error:  # unreachable: every kept value was checked; one line all the same
+        raise ConfigError(f"method.{error}") from None
+    return {"name": name, **resolved}, notes
+
+
+def _option_note(spec, key: str, value: Any) -> str | None:
+    """None when ``value`` is valid for ``spec``'s option ``key``; the note saying why it is dropped when
+    it is valid for another method's option ``key``; a ConfigError when it is valid for none."""
+    owners = method_spec.options_named(key)
+    own = next((option for owner, option in owners if owner is spec), None)
+    if own is not None and own.problem(value) is None:
+        return None
+    if not any(option.problem(value) is None for _, option in owners):
+        raise ConfigError(f"method.{key}={value!r} {(own or owners[0][1]).problem(value)}")
+    if own is None:
+        return f"method.{key}={value!r} does not apply to method {spec.name}; ignored"
+    return (f"method.{key}={value!r} does not apply to method {spec.name} (its {key} is {own.valid}); "
+            f"ignored, using {own.default!r}")
 
 
 def _validate_section(section: str, values: Any, fields: dict[str, Field]) -> dict:
@@ -345,32 +361,21 @@ def _validate_section(section: str, values: Any, fields: dict[str, Field]) -> di
     return result
 
 
-def default_warmup_epochs(epochs: int) -> int:
-    """``T0 = T / 5``, at least 1: ``sparta_tf.methods.selection_epoch.default_warmup_epochs``, kept
-    here so that the config is checked without importing TensorFlow (a test keeps the two equal)."""
-    return max(1, epochs // 5)
-
-
 def _check_cross_field(config: dict) -> None:
     method, training, privacy = config["method"], config["training"], config["privacy"]
     epochs, name = training["epochs"], method["name"]
     if "warmup_epochs" in method:
         if method["warmup_epochs"] is None:
-            method["warmup_epochs"] = default_warmup_epochs(epochs)
+            method["warmup_epochs"] = method_spec.default_warmup_epochs(epochs)
         warmup = method["warmup_epochs"]
         selection = 1 if method["mask"] is None else 0
         if warmup + selection >= epochs:
             raise ConfigError(f"method.warmup_epochs={warmup} must be < training.epochs - {selection} "
                               f"(={epochs - selection}): the warm-up{' + 1 selection epoch' if selection else ''} "
                               "must leave a sparse epoch")
-    if "score" in method and method["score"] is not None and method["score"] not in SCORES[name]:
-        raise ConfigError(f"method.score={method['score']!r} is not a score of {name}; use "
-                          f"{' or '.join(SCORES[name])} (or another method.name)")
     if name == "x_bitfit" and method["full_epochs"] >= epochs:
         raise ConfigError(f"method.full_epochs={method['full_epochs']} must be < training.epochs (={epochs}) "
                           "so that the bias-only phase runs")
-    if method.get("score") == "signed" and method.get("granularity") == "row":
-        raise ConfigError("method.granularity=row cannot be used with score signed; use entry")
     pretrain = config["pretrain"]
     if pretrain["enabled"] and pretrain["data"] is None and not pretrain["checkpoint"]:
         raise ConfigError("pretrain.enabled is true but there is neither pretrain.data (the public data set to "
@@ -378,7 +383,8 @@ def _check_cross_field(config: dict) -> None:
     physical = training["physical_batch_size"]
     if physical is not None and physical < 1:
         raise ConfigError(f"training.physical_batch_size={physical} must be >= 1")
-    if privacy["noise_multiplier"] is not None and privacy["noise_multiplier"] == 0 and name != "oracle":
+    private = method_spec.METHODS[name].private
+    if privacy["noise_multiplier"] is not None and privacy["noise_multiplier"] == 0 and private:
         raise ConfigError("privacy.noise_multiplier=0 gives no privacy; leave it null to calibrate it "
                           "from privacy.target_epsilon")
 

@@ -157,7 +157,7 @@ def build_private_model(config: dict, dataset, output_dir: str | None) -> tf.ker
 
 
 def build_method(config: dict, output_dir: str | None, model: tf.keras.Model) -> Method:
-    """The configured method (its options are the ``method`` section's, see ``METHOD_OPTIONS``), checked
+    """The configured method (its options are the ``method`` section's, see ``sparta_tf.method_spec``), checked
     against ``model`` (e.g. that ``method.mask`` belongs to it)."""
     training = config["training"]
     options = {k: v for k, v in config["method"].items() if k != "name"}

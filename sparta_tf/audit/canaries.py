@@ -2,9 +2,9 @@
 
 ``plant_canaries`` makes ``m`` canaries from a :class:`~sparta_tf.data.Dataset`
 and returns the data set to train on. The coin flips ``S_i ~ Bernoulli(1/2)``
-(i.i.d.), the choice of canaries and their labels all come from the canary
-stream ``numpy.random.default_rng([seed, CANARY_DOMAIN])``: a stream of its
-own, separate from the noise, sampling and data-split streams, so the
+(i.i.d.), the choice of canaries and their labels all come from the
+``canaries`` stream of ``seed`` (:mod:`sparta_tf.random_streams`): a stream of
+its own, separate from the noise, sampling and data-split streams, so the
 training mechanism never sees the coin flips except through the data set.
 
 Kinds (all keep the input shape and value range of ``x_train``):
@@ -31,17 +31,18 @@ import dataclasses
 
 import numpy as np
 
+from sparta_tf import random_streams
 from sparta_tf.data.dataset import Dataset
 
-__all__ = ["CANARY_DOMAIN", "CANARY_KINDS", "Canaries", "canary_rng", "plant_canaries"]
+__all__ = ["CANARY_KINDS", "Canaries", "canary_rng", "plant_canaries"]
 
-CANARY_DOMAIN = 0xCA_4A21  # separates the canary stream from data, sampling and noise streams
 CANARY_KINDS = ("mislabelled", "clean", "noise")
+CANARY_STREAM = "canaries"
 
 
 def canary_rng(seed: int) -> np.random.Generator:
     """The canary stream under ``seed``."""
-    return np.random.default_rng([int(seed), CANARY_DOMAIN])
+    return random_streams.numpy_rng(seed, CANARY_STREAM)
 
 
 @dataclasses.dataclass(frozen=True)

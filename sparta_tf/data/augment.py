@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from sparta_tf import random_streams
 from sparta_tf.data.errors import DataError
 
 __all__ = ["augment", "make_augmenter"]
@@ -36,20 +37,23 @@ def make_augmenter(*, flip: bool = True, max_shift: float = DEFAULT_MAX_SHIFT, s
     Shifts are whole pixels (nearest interpolation) up to ``max_shift`` of the
     image size, filled by reflection: the Keras equivalent of "pad and random
     crop". Turn ``flip`` off for data whose classes are not mirror-invariant
-    (digits, text). Two augmenters with the same ``seed`` produce the same
-    sequence of random draws; successive calls of one augmenter differ.
+    (digits, text). The layers' seeds come from the ``augmentation`` stream of
+    ``seed`` (:mod:`sparta_tf.random_streams`): two augmenters with the same
+    ``seed`` produce the same sequence of random draws; successive calls of one
+    augmenter differ.
     """
     import tensorflow as tf
 
     if not 0.0 <= max_shift < 1.0:
         raise DataError(f"max_shift must be in [0, 1), got {max_shift!r}; use e.g. 0.125")
+    flip_seed, shift_seed = random_streams.int_seeds(seed, "augmentation", 2)
     layers = []
     if flip:
-        layers.append(tf.keras.layers.RandomFlip("horizontal", seed=seed))
+        layers.append(tf.keras.layers.RandomFlip("horizontal", seed=flip_seed))
     if max_shift > 0:
         layers.append(
             tf.keras.layers.RandomTranslation(
-                max_shift, max_shift, fill_mode="reflect", interpolation="nearest", seed=seed + 1
+                max_shift, max_shift, fill_mode="reflect", interpolation="nearest", seed=shift_seed
             )
         )
     return tf.keras.Sequential(layers, name="augment")

@@ -1,7 +1,8 @@
 """``load_dataset``: spec -> source -> classes -> splits -> limits -> pixels -> Dataset.
 
 Order of operations (all index choices are seeded and stratified, see
-:mod:`sparta_tf.data.splits`):
+:mod:`sparta_tf.data.splits`; each from its own stream of the seed,
+:mod:`sparta_tf.random_streams`):
 
 1. the source lists its train (and test, if any) split;
 2. ``classes`` keeps the listed classes and relabels them ``0 .. k-1``;
@@ -22,6 +23,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
+from sparta_tf import random_streams
 from sparta_tf.data.dataset import Dataset
 from sparta_tf.data.errors import DataError, key_error
 from sparta_tf.data.images import convert_channels, resize_images, to_unit_float
@@ -29,7 +31,7 @@ from sparta_tf.data.normalize import channel_stats, fixed_stats, standardize
 from sparta_tf.data.raw import RawData, Split
 from sparta_tf.data.sources import SOURCES
 from sparta_tf.data.spec import ClassRef, DataSpec, parse_spec
-from sparta_tf.data.splits import fraction_count, rng_for, stratified_take
+from sparta_tf.data.splits import fraction_count, stratified_take
 
 __all__ = ["build_dataset", "load_dataset"]
 
@@ -79,7 +81,7 @@ def build_dataset(raw: RawData, spec: DataSpec, seed: int) -> Dataset:
     train = _limit(train, spec.limit_train, seed, "limit_train")
     test = _limit(test, spec.limit_test, seed, "limit_test")
     val_positions, train_positions = stratified_take(
-        train.y, fraction_count(len(train.y), spec.val_fraction), rng_for(seed, "val")
+        train.y, fraction_count(len(train.y), spec.val_fraction), random_streams.numpy_rng(seed, "val_split")
     )
     if len(train_positions) == 0:
         raise key_error("val_fraction", f"leaves no training examples out of {len(train.y)}",
@@ -105,8 +107,8 @@ def build_dataset(raw: RawData, spec: DataSpec, seed: int) -> Dataset:
 
 
 def _check_seed(seed: Any) -> int:
-    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or seed < 0:
-        raise DataError(f"seed must be a non-negative integer, got {seed!r}; pass e.g. seed=0")
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or not 0 <= seed < random_streams.MAX_SEED:
+        raise DataError(f"seed must be an integer in [0, 2**63), got {seed!r}; pass e.g. seed=0")
     return int(seed)
 
 
@@ -164,7 +166,7 @@ def _test_split(
                             "remove data.test_fraction")
         return train, _select(raw.test, kept)
     count = fraction_count(len(train.y), spec.effective_test_fraction)
-    test_positions, train_positions = stratified_take(train.y, count, rng_for(seed, "test"))
+    test_positions, train_positions = stratified_take(train.y, count, random_streams.numpy_rng(seed, "test_split"))
     if len(test_positions) == 0 or len(train_positions) == 0:
         raise key_error("test_fraction", f"{spec.effective_test_fraction} of {len(train.y)} examples "
                         "leaves the train or test split empty", "choose a fraction nearer 0.2")
@@ -174,7 +176,7 @@ def _test_split(
 def _limit(part: _Part, limit: Optional[int], seed: int, purpose: str) -> _Part:
     if limit is None or limit >= len(part.y):
         return part
-    taken, _ = stratified_take(part.y, limit, rng_for(seed, purpose))
+    taken, _ = stratified_take(part.y, limit, random_streams.numpy_rng(seed, purpose))
     return part.subset(taken)
 
 

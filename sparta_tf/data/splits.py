@@ -1,30 +1,17 @@
 """Deterministic, stratified index selection (validation/test splits and limits).
 
-All choices depend only on the labels, the integer ``seed`` and a per-purpose
-*domain* constant, through ``numpy.random.default_rng([seed, domain])``, so the
-same spec and seed give the same split on every machine, and changing
-``limit_train`` never changes the test split.
+All choices depend only on the labels and a generator of one of the data
+streams of :mod:`sparta_tf.random_streams` (``test_split``, ``limit_train``,
+``limit_test``, ``val_split``; one stream per purpose), so the same spec and
+seed give the same split on every machine, and changing ``limit_train``
+never changes the test split.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["DOMAINS", "fraction_count", "rng_for", "stratified_take"]
-
-DOMAINS: dict[str, int] = {
-    "synthetic": 0x5EED_0001,
-    "test": 0x5EED_0002,
-    "limit_train": 0x5EED_0003,
-    "limit_test": 0x5EED_0004,
-    "val": 0x5EED_0005,
-}
-"""Independent random streams derived from one seed, one per purpose."""
-
-
-def rng_for(seed: int, purpose: str) -> np.random.Generator:
-    """The generator for ``purpose`` (a key of :data:`DOMAINS`) under ``seed``."""
-    return np.random.default_rng([seed, DOMAINS[purpose]])
+__all__ = ["fraction_count", "stratified_take"]
 
 
 def fraction_count(total: int, fraction: float) -> int:

@@ -22,15 +22,18 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 
 def load_digits_split():
-    """(public x, y), (private train x, y), (private test x, y) from sklearn digits."""
+    """(public x, y), (private train x, y), (private test x, y) from sklearn digits; the test split is drawn
+    from the ``test_split`` stream of seed 0 (:mod:`sparta_tf.random_streams`), the same in every run."""
     import numpy as np
     from sklearn.datasets import load_digits
+
+    from sparta_tf import random_streams
 
     digits = load_digits()
     x = (digits.images / 16.0).astype("float32")[..., None]
     y = digits.target.astype("int32")
     public = y < 5
-    rng = np.random.default_rng(0)
+    rng = random_streams.numpy_rng(0, "test_split")
     private_idx = rng.permutation(np.flatnonzero(~public))
     test_idx, train_idx = private_idx[:200], private_idx[200:]
     return (x[public], y[public]), (x[train_idx], y[train_idx] - 5), (x[test_idx], y[test_idx] - 5)

@@ -21,7 +21,10 @@ method         trainable set                                how it is chosen (pr
 =============  ===========================================  ==========================================
 
 ``make_method(name, **options)`` builds one; :class:`sparta_tf.MethodCallback`
-drives it inside ``DPModel.fit`` and ``sparta-train`` plans and runs it.
+drives it inside ``DPModel.fit`` and ``sparta-train`` plans and runs it. Each
+method's options, defaults, valid values and phases are data, in
+:mod:`sparta_tf.method_spec` (TensorFlow-free; ``sparta-train``'s config
+checker reads the same table).
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def method_class(name: str) -> type[Method]:
 
 
 def make_method(name: str, **options: Any) -> Method:
-    """The method ``name`` with ``options`` (its own, see ``METHODS[name].options``, plus
+    """The method ``name`` with ``options`` (its own, see ``METHODS[name].spec``, plus
     ``head``, ``head_learning_rate_scale``, ``mask_dir``, ``verbose``)."""
     return method_class(name)(**options)
 

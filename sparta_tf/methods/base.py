@@ -32,7 +32,12 @@ something other than the named method.
 Options: every method takes ``head`` (the classifier layer or its name;
 default the layer named "head", else the last Dense),
 ``head_learning_rate_scale``, ``mask_dir`` (where masks are saved) and
-``verbose``, plus the options named in its :attr:`Method.options`.
+``verbose``, plus its own options. Those, with their defaults and valid
+values, are in the method's :class:`~sparta_tf.method_spec.MethodSpec`
+(:attr:`Method.spec`, from :data:`sparta_tf.method_spec.METHODS`, the table
+``sparta-train``'s config checker reads too): a subclass names its spec, and
+its ``name``, ``options`` and ``private`` follow from it; :meth:`Method.configure`
+receives every option, checked and defaulted.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from typing import Any, ClassVar, Sequence
 
 import tensorflow as tf
 
+from sparta_tf.method_spec import MethodSpec
 from sparta_tf.privacy.plan import Mechanism, TrainingPhase
 from sparta_tf.trainable import TrainableSet
 
@@ -50,23 +56,28 @@ COMMON_OPTIONS = ("head", "head_learning_rate_scale", "mask_dir", "verbose")
 
 
 class Method(abc.ABC):
-    """One fine-tuning method (see the module doc). Subclasses set ``name`` and ``options``."""
+    """One fine-tuning method (see the module doc). A concrete subclass sets ``spec``."""
 
+    spec: ClassVar[MethodSpec]
+    """The method's name, options (defaults, valid values), phases and privacy, as data."""
     name: ClassVar[str]
+    """``spec.name``."""
     options: ClassVar[tuple[str, ...]] = ()
-    """The method's own keyword options (``sparta-train``: keys of the ``method`` section)."""
+    """The method's own keyword options (``sparta-train``: keys of the ``method`` section): ``spec``'s."""
     private: ClassVar[bool] = True
-    """False for a method whose choices look at private data without noise (``oracle``)."""
+    """False for a method whose choices look at private data without noise (``oracle``): ``spec``'s."""
     dp_model_class: ClassVar[type | None] = None
     """The DP model class :meth:`make_dp_model` builds when a plain ``DPModel`` cannot run the method
     (DP-SSGD's ``SSGDModel``); None: any ``DPModel``."""
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "spec" in cls.__dict__:
+            cls.name, cls.options, cls.private = cls.spec.name, cls.spec.option_names, cls.spec.private
+
     def __init__(self, *, head=None, head_learning_rate_scale: float = 1.0, mask_dir: str | None = None,
                  verbose: int = 1, **options: Any):
-        unknown = sorted(set(options) - set(self.options))
-        if unknown:
-            accepted = ", ".join(self.options) or "none besides " + ", ".join(COMMON_OPTIONS)
-            raise ValueError(f"method {self.name!r} has no option {unknown[0]!r}; its options: {accepted}")
+        options = self.spec.resolve(options)  # a one-line ValueError for an unknown option or a bad value
         if not head_learning_rate_scale > 0:
             raise ValueError(f"head_learning_rate_scale={head_learning_rate_scale!r} must be > 0")
         self.head = head
@@ -77,7 +88,7 @@ class Method(abc.ABC):
         self.configure(**options)
 
     def configure(self, **options: Any) -> None:
-        """Validates and stores the method's own options (defaults for the missing ones)."""
+        """Stores the method's own options: every one of :attr:`spec`'s, checked, defaults filled in."""
 
     # ------------------------------------------------------------------ plan
 

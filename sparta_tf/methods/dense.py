@@ -20,6 +20,7 @@ from typing import ClassVar
 
 import tensorflow as tf
 
+from sparta_tf.method_spec import METHODS
 from sparta_tf.methods.base import Method, single_phase
 from sparta_tf.methods.sets import ALWAYS_TRAINABLE, bias_terms_set, role_set
 from sparta_tf.privacy.plan import TrainingPhase
@@ -39,17 +40,17 @@ class RoleMethod(Method):
 
 
 class All(RoleMethod):
-    name = "all"
+    spec = METHODS["all"]
     roles = ("kernel", "bias", "norm", "head", "other")
 
 
 class Last(RoleMethod):
-    name = "last"
+    spec = METHODS["last"]
     roles = ("norm", "head")
 
 
 class BitFit(RoleMethod):
-    name = "bitfit"
+    spec = METHODS["bitfit"]
     roles = ALWAYS_TRAINABLE
 
 
@@ -61,14 +62,9 @@ class XBitFit(Method):
     1e-3: 5). The bias phase computes no per-example weight gradient.
     """
 
-    name = "x_bitfit"
-    options = ("full_epochs", "bitfit_learning_rate_scale")
+    spec = METHODS["x_bitfit"]
 
-    def configure(self, full_epochs: int = 1, bitfit_learning_rate_scale: float = 5.0) -> None:
-        if full_epochs < 0:
-            raise ValueError(f"full_epochs={full_epochs} must be >= 0")
-        if not bitfit_learning_rate_scale > 0:
-            raise ValueError(f"bitfit_learning_rate_scale={bitfit_learning_rate_scale!r} must be > 0")
+    def configure(self, full_epochs: int, bitfit_learning_rate_scale: float) -> None:
         self.full_epochs = int(full_epochs)
         self.bitfit_learning_rate_scale = float(bitfit_learning_rate_scale)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from sparta_tf import masks
+from sparta_tf.method_spec import METHODS
 from sparta_tf.methods.base import Method, single_phase
 from sparta_tf.privacy.plan import Mechanism, TrainingPhase
 from sparta_tf.selection import frost
@@ -23,20 +24,10 @@ from sparta_tf.trainable import TrainableSet
 
 
 class DpFrost(Method):
-    name = "dp_frost"
-    options = ("frost_magnitude", "frost_alpha", "r_eps", "frost_iterations", "q_ps", "nu", "gamma")
+    spec = METHODS["dp_frost"]
 
-    def configure(self, frost_magnitude: str = frost.DEFAULT_METHOD, frost_alpha: int = frost.DEFAULT_ALPHA,
-                  r_eps: float = frost.DEFAULT_R_EPS, frost_iterations: int = frost.DEFAULT_T,
-                  q_ps: float = frost.DEFAULT_Q_PS, nu: float = frost.DEFAULT_NU, gamma: float = 0.2) -> None:
-        if not 0 < r_eps < 1:
-            raise ValueError(f"r_eps={r_eps!r} must be in (0, 1)")
-        if not 0 < q_ps < 1:
-            raise ValueError(f"q_ps={q_ps!r} must be in (0, 1)")
-        if not 0 < gamma <= 1:
-            raise ValueError(f"gamma={gamma!r} must be in (0, 1]")
-        if frost_iterations < 1:
-            raise ValueError(f"frost_iterations={frost_iterations!r} must be >= 1")
+    def configure(self, frost_magnitude: str, frost_alpha: int, r_eps: float, frost_iterations: int, q_ps: float,
+                  nu: float, gamma: float) -> None:
         self.frost_magnitude, self.frost_alpha = frost_magnitude, int(frost_alpha)
         self.r_eps, self.frost_iterations, self.q_ps = float(r_eps), int(frost_iterations), float(q_ps)
         self.nu, self.gamma = float(nu), float(gamma)

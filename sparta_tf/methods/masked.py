@@ -10,7 +10,7 @@ run reloads its own saved mask rather than choosing again.
 
 from __future__ import annotations
 
-from typing import ClassVar, Mapping
+from typing import Mapping
 
 import tensorflow as tf
 
@@ -18,27 +18,18 @@ from sparta_tf import masks
 from sparta_tf.groups import row_groups
 from sparta_tf.methods.base import Method
 from sparta_tf.methods.sets import ALWAYS_TRAINABLE, role_set
-from sparta_tf.selection.scoring import GRANULARITIES
-from sparta_tf.selection.topk import check_density, density_for, kept_count
+from sparta_tf.selection.topk import density_for, kept_count
 from sparta_tf.trainable import TrainableSet, VariableSelection
-
-MASK_OPTIONS = ("density", "granularity", "density_overrides")
 
 
 class MaskedMethod(Method):
     """A method whose final trainable set is the DP-BitFit set plus a kernel mask."""
 
-    default_granularity: ClassVar[str] = "row"
-
-    def configure_mask(self, density: float = 0.2, granularity: str | None = None,
-                       density_overrides: Mapping[str, float] | None = None) -> None:
-        self.density = check_density(density)
-        self.granularity = granularity or self.default_granularity
-        if self.granularity not in GRANULARITIES:
-            raise ValueError(f"granularity={self.granularity!r} is not one of {GRANULARITIES}")
-        self.density_overrides = dict(density_overrides or {})
-        for pattern, value in self.density_overrides.items():
-            check_density(value, f"density_overrides[{pattern!r}]")
+    def configure_mask(self, density: float, granularity: str, density_overrides: Mapping[str, float]) -> None:
+        """The mask options (the method's spec checked them and filled in its defaults)."""
+        self.density = float(density)
+        self.granularity = granularity
+        self.density_overrides = dict(density_overrides)
         self.mask_selections: list[VariableSelection] | None = None
 
     def masked_set(self, model: tf.keras.Model) -> TrainableSet:

@@ -27,7 +27,8 @@ from __future__ import annotations
 import tensorflow as tf
 
 from sparta_tf import masks
-from sparta_tf.methods.masked import MASK_OPTIONS, MaskedMethod
+from sparta_tf.method_spec import METHODS, default_warmup_epochs
+from sparta_tf.methods.masked import MaskedMethod
 from sparta_tf.methods.sets import warmup_set
 from sparta_tf.privacy.plan import Mechanism, TrainingPhase
 from sparta_tf.selection.scoring import check_score
@@ -37,25 +38,12 @@ from sparta_tf.trainable import TrainableSet
 WARMUP, SELECTION, SPARSE = "warmup", "selection", "sparse"
 
 
-def default_warmup_epochs(epochs: int) -> int:
-    """``T0 = T / 5`` (the paper's 10 of 50), at least 1."""
-    return max(1, epochs // 5)
-
-
 class SelectionEpochMethod(MaskedMethod):
-    options = ("warmup_epochs", "score", "mask") + MASK_OPTIONS
-    scores: tuple[str, ...]
-    """The scores the method accepts; the first is its default."""
+    """Warm-up, one selection epoch that releases a noisy score per row (or entry), then the sparse phase."""
 
-    def configure(self, warmup_epochs: int | None = None, score: str | None = None, mask: str | None = None,
-                  **options) -> None:
-        if warmup_epochs is not None and warmup_epochs < 0:
-            raise ValueError(f"warmup_epochs={warmup_epochs} must be >= 0")
+    def configure(self, warmup_epochs: int | None, score: str, mask: str | None, **options) -> None:
         self.warmup_epochs = warmup_epochs
-        self.score = score or self.scores[0]
-        if self.score not in self.scores:
-            raise ValueError(f"score={self.score!r} is not a score of method {self.name!r}; use one of "
-                             f"{', '.join(self.scores)}")
+        self.score = score
         self.mask_path = mask
         self.configure_mask(**options)
         check_score(self.score, self.granularity)
@@ -141,22 +129,16 @@ class SelectionEpochMethod(MaskedMethod):
 class Sparta(SelectionEpochMethod):
     """SPARTA (Makni et al., KDD 2025, Algorithm 1): private row scores, top rows per layer."""
 
-    name = "sparta"
-    scores = ("sum_abs", "abs_sum")
+    spec = METHODS["sparta"]
 
 
 class DpsgdGrad(SelectionEpochMethod):
     """The paper's Algorithm 2: entries of largest averaged noisy DP-SGD gradient."""
 
-    name = "dpsgd_grad"
-    scores = ("signed",)
-    default_granularity = "entry"
+    spec = METHODS["dpsgd_grad"]
 
 
 class Oracle(SelectionEpochMethod):
     """The paper's Algorithm 3: entries of largest exact ``|g|``. NOT differentially private."""
 
-    name = "oracle"
-    scores = ("oracle",)
-    default_granularity = "entry"
-    private = False
+    spec = METHODS["oracle"]

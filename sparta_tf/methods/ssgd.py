@@ -17,31 +17,23 @@ import numpy as np
 import tensorflow as tf
 
 from sparta_tf import masks, ssgd
+from sparta_tf.method_spec import METHODS
 from sparta_tf.methods.base import Method, single_phase
 from sparta_tf.privacy.plan import Mechanism, TrainingPhase
 from sparta_tf.trainable import TrainableSet, entries
 
-PRUNE_MODES = ("none", "random", "synflow", "dp_snip")
 SNIP_PHASE, SNIP_KIND = "pre-pruning", "dp_snip"
 
 
 class DpSsgd(Method):
-    name = "dp_ssgd"
-    options = ("prune", "prune_rate", "drop_rate", "drop_mode", "snip_noise_multiplier", "synflow_iterations")
+    spec = METHODS["dp_ssgd"]
     dp_model_class = ssgd.SSGDModel  # gradient dropping happens in SSGDModel's train step
 
-    def configure(self, prune: str = "random", prune_rate: float = 0.5, drop_rate: float = 0.5,
-                  drop_mode: str = "random", snip_noise_multiplier: float = 5.0, synflow_iterations: int = 100,
-                  ) -> None:
-        if prune not in PRUNE_MODES:
-            raise ValueError(f"prune={prune!r} is not one of {PRUNE_MODES}")
-        if drop_mode not in ssgd.DROP_MODES:
-            raise ValueError(f"drop_mode={drop_mode!r} is not one of {ssgd.DROP_MODES}")
-        if prune == "dp_snip" and not snip_noise_multiplier > 0:
-            raise ValueError(f"snip_noise_multiplier={snip_noise_multiplier!r} must be > 0")
+    def configure(self, prune: str, prune_rate: float, drop_rate: float, drop_mode: str,
+                  snip_noise_multiplier: float, synflow_iterations: int) -> None:
         self.prune = "none" if prune_rate == 0 else prune
-        self.prune_rate = ssgd._check_rate("prune_rate", prune_rate)
-        self.drop_rate = ssgd._check_rate("drop_rate", drop_rate)
+        self.prune_rate = float(prune_rate)
+        self.drop_rate = float(drop_rate)
         self.drop_mode = drop_mode
         self.snip_noise_multiplier = float(snip_noise_multiplier)
         self.synflow_iterations = int(synflow_iterations)

@@ -4,7 +4,10 @@
   entries (default) or rows of largest ``|W_pretrained|``. The pre-trained
   weights are public, so the mask costs nothing.
 * ``random``: per layer uniformly random rows (default) or entries, from
-  the ``"random_mask"`` stream of ``seed`` (the paper's "Random-Groups").
+  the ``"random_mask"`` stream of the run seed (the DP model's
+  :attr:`~sparta_tf.DPModel.seed`), or of ``seed`` when given: an explicit
+  override, e.g. to keep one mask across runs of different seeds (the
+  paper's "Random-Groups").
 
 Both train the DP-BitFit set plus the mask for all ``T`` epochs (one phase,
 named after the method). The mask is computed at the start of the fit from
@@ -18,53 +21,63 @@ import tensorflow as tf
 
 from sparta_tf import masks
 from sparta_tf.groups import row_groups
+from sparta_tf.method_spec import METHODS
 from sparta_tf.methods.base import single_phase
-from sparta_tf.methods.masked import MASK_OPTIONS, MaskedMethod
+from sparta_tf.methods.masked import MaskedMethod
 from sparta_tf.privacy.plan import TrainingPhase
 from sparta_tf.selection.static import magnitude_selections, random_selections
 from sparta_tf.trainable import TrainableSet
 
 
 class StaticMaskMethod(MaskedMethod):
+    """The DP-BitFit set plus a mask chosen at the start of the fit from the weights then (one phase)."""
+
     def phases(self, epochs: int) -> list[TrainingPhase]:
         return single_phase(self.name, epochs)
 
-    def choose_mask(self, model: tf.keras.Model) -> list:
+    def choose_mask(self, model: tf.keras.Model, run_seed: int) -> list:
+        """The mask for ``model``; ``run_seed``: the DP model's seed, for masks drawn at random."""
         raise NotImplementedError
 
-    def trainable_set(self, phase: TrainingPhase, model: tf.keras.Model) -> TrainableSet:
-        if self.mask_selections is None:
-            self.mask_selections = self.choose_mask(model)
-        return self.masked_set(model)
+    def trainable_set(self, phase: TrainingPhase, model: tf.keras.Model) -> TrainableSet | None:
+        return None if self.mask_selections is None else self.masked_set(model)
+
+    def planned_trainable(self, phase: TrainingPhase, model: tf.keras.Model) -> int | None:
+        if self.mask_selections is None:  # the kept count per layer does not depend on which are kept
+            return self.expected_masked_size(model)
+        return super().planned_trainable(phase, model)
 
     def start(self, dp, epochs: int, first_epoch: int = 0) -> None:
         if first_epoch and self.reload_own_mask(dp.model):
             return
-        self.mask_selections = self.choose_mask(dp.model)
+        self.mask_selections = self.choose_mask(dp.model, dp.seed)
         self.save_mask(dp.model, masks.MaskProvenance.public())
 
 
 class MagnitudePruning(StaticMaskMethod):
-    name = "mp"
-    options = MASK_OPTIONS
-    default_granularity = "entry"
+    """Per layer the entries (or rows) of largest pre-trained ``|W|`` (paper Alg. 4)."""
+
+    spec = METHODS["mp"]
 
     def configure(self, **options) -> None:
         self.configure_mask(**options)
 
-    def choose_mask(self, model: tf.keras.Model) -> list:
+    def choose_mask(self, model: tf.keras.Model, run_seed: int) -> list:
         groups = row_groups(model, self.head)
         return magnitude_selections(groups, self.density, self.granularity, self.density_overrides)
 
 
 class RandomMask(StaticMaskMethod):
-    name = "random"
-    options = MASK_OPTIONS + ("seed",)
+    """Per layer uniformly random rows (or entries): the ``"random_mask"`` stream of the run seed, or of
+    the ``seed`` option when given (an explicit override)."""
 
-    def configure(self, seed: int = 0, **options) -> None:
-        self.seed = int(seed)
+    spec = METHODS["random"]
+
+    def configure(self, seed: int | None, **options) -> None:
+        self.seed = seed
         self.configure_mask(**options)
 
-    def choose_mask(self, model: tf.keras.Model) -> list:
+    def choose_mask(self, model: tf.keras.Model, run_seed: int) -> list:
+        seed = run_seed if self.seed is None else self.seed
         groups = row_groups(model, self.head)
-        return random_selections(groups, self.density, self.granularity, self.seed, self.density_overrides)
+        return random_selections(groups, self.density, self.granularity, seed, self.density_overrides)

@@ -86,9 +86,9 @@ __all__ = [
 POISSON_STREAM = "poisson_sampling"
 SHUFFLE_STREAM = "shuffle"
 #: Domain constant of the Poisson sampling stream (see :mod:`sparta_tf.random_streams`).
-POISSON_DOMAIN: int = random_streams.STREAMS[POISSON_STREAM]
+POISSON_DOMAIN: int = random_streams.domain(POISSON_STREAM)
 #: Domain constant of the shuffled-batches stream.
-SHUFFLE_DOMAIN: int = random_streams.STREAMS[SHUFFLE_STREAM]
+SHUFFLE_DOMAIN: int = random_streams.domain(SHUFFLE_STREAM)
 
 #: ``dataset -> (n, q)`` for every dataset :meth:`PoissonSampler.dataset` returned (weak keys: it
 #: does not keep them alive). Any transformation (``map``, ``take``, ``batch``) makes a new

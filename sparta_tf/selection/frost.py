@@ -51,7 +51,7 @@ from typing import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from sparta_tf import random_streams
+from sparta_tf import method_spec, random_streams
 from sparta_tf import trainable as trainable_lib
 from sparta_tf.clipping import clipped_sum
 from sparta_tf.groups import parameter_table
@@ -61,19 +61,21 @@ from sparta_tf.noise import gaussian_noise
 from sparta_tf.privacy import accounting
 from sparta_tf.privacy.sampling import PoissonSampler
 
-METHODS = ("mg", "mgn", "mgna")
+METHODS = method_spec.FROST_MAGNITUDES
 SELECTION_PHASE = "frost_selection"
 SELECTION_KIND = "frost_selection"
 SAMPLING_STREAM = "frost_sampling"  # named random streams (sparta_tf.random_streams)
 NOISE_STREAM = "frost_noise"
 
-# Paper defaults (Section 5): MGNA, alpha = 1, r_eps = 0.9, T = 5, q_ps = 0.02, nu = 5, J = 1000.
-DEFAULT_METHOD = "mgna"
-DEFAULT_ALPHA = 1
-DEFAULT_R_EPS = 0.9
-DEFAULT_T = 5
-DEFAULT_Q_PS = 0.02
-DEFAULT_NU = 5.0
+# Paper defaults (Section 5): MGNA, alpha = 1, r_eps = 0.9, T = 5, q_ps = 0.02, nu = 5, J = 1000; the method's
+# options are the dp_frost method's (sparta_tf.method_spec), J (PGM-EST's iterations) is not an option.
+_OPTIONS = method_spec.METHODS["dp_frost"].defaults()
+DEFAULT_METHOD = _OPTIONS["frost_magnitude"]
+DEFAULT_ALPHA = _OPTIONS["frost_alpha"]
+DEFAULT_R_EPS = _OPTIONS["r_eps"]
+DEFAULT_T = _OPTIONS["frost_iterations"]
+DEFAULT_Q_PS = _OPTIONS["q_ps"]
+DEFAULT_NU = _OPTIONS["nu"]
 DEFAULT_J = 1000
 
 

@@ -39,12 +39,11 @@ import tensorflow as tf
 
 from sparta_tf.clipping import clip_factors, per_example_squared_norms
 from sparta_tf.groups import RowGroup
+from sparta_tf.method_spec import GRANULARITIES, SCORES
 from sparta_tf.noise import gaussian_noise
 from sparta_tf.trainable import VariableSelection
 
-SCORES = ("sum_abs", "abs_sum", "signed", "oracle")
-GRANULARITIES = ("row", "entry")
-SCORE_NOISE_DOMAIN = 0x5C0_12E5  # distinct from the training-noise stream
+SELECTION_NOISE_STREAM = "selection_noise"  # sparta_tf.random_streams: the released scores' noise
 
 
 def check_score(score: str, granularity: str) -> None:
@@ -136,8 +135,7 @@ class SelectionScorer(tf.Module):
         if self.score == "abs_sum":
             stats = [self._row_sums(g, tf.abs(s)) for g, s in zip(self.groups, stats)]
         if self.private:
-            score_seed = tf.bitwise.bitwise_xor(tf.cast(seed, tf.int64), tf.constant(SCORE_NOISE_DOMAIN, tf.int64))
-            noise = gaussian_noise([t.shape for t in self.totals], 1.0, score_seed, step)
+            noise = gaussian_noise([t.shape for t in self.totals], 1.0, seed, step, stream=SELECTION_NOISE_STREAM)
             stats = [s + z * self._noise_std(g) for g, s, z in zip(self.groups, stats, noise)]
         for total, s in zip(self.totals, stats):
             total.assign_add(s)

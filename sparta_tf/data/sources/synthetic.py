@@ -1,6 +1,7 @@
 """A learnable synthetic image data set, deterministic by seed.
 
-Class ``k`` has a fixed smooth random pattern ``P_k`` (drawn from the seed);
+Class ``k`` has a fixed smooth random pattern ``P_k`` (drawn from the seed's
+``synthetic_data`` stream, :mod:`sparta_tf.random_streams`);
 an example of class ``k`` is ``clip(0.5 + 0.25 * P_k + 0.1 * noise, 0, 1)``.
 Classes are balanced and separable by a linear model, so a few steps of
 training must beat chance; useful for smoke tests of the whole pipeline.
@@ -10,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from sparta_tf import random_streams
 from sparta_tf.data.raw import ArraySplit, RawData
 from sparta_tf.data.spec import DataSpec
-from sparta_tf.data.splits import rng_for
 
 __all__ = ["DEFAULT_CHANNELS", "DEFAULT_IMAGE_SIZE", "load_synthetic"]
 
@@ -24,7 +25,7 @@ NOISE_SCALE = 0.1
 
 def load_synthetic(spec: DataSpec, seed: int) -> RawData:
     """``spec.num_examples`` images of ``spec.num_classes`` classes (no test split: carved)."""
-    rng = rng_for(seed, "synthetic")
+    rng = random_streams.numpy_rng(seed, "synthetic_data")
     height, width = spec.image_size or DEFAULT_IMAGE_SIZE
     shape = (height, width, spec.channels or DEFAULT_CHANNELS)
     patterns = _smooth(rng.standard_normal((spec.num_classes, *shape)))
