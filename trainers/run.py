@@ -241,13 +241,15 @@ def dry_run(config: dict) -> PrivacyPlan:
 
 
 def strategy_line(name: str) -> str:
-    """The plan's line on where training runs; a malformed TF_CONFIG fails here (no connection made)."""
+    """The plan's line on where training runs; a malformed TF_CONFIG or ``$SPARTA_PEER_TIMEOUT_S`` fails
+    here (no connection made)."""
     if name != "multi_worker":
         return f"strategy {name}: one process"
     cluster = distribute.parse_tf_config(os.environ.get("TF_CONFIG"))
     role = "chief" if cluster.is_chief else "worker (writes to its scratch directory)"
     return (f"strategy multi_worker: {cluster.num_workers} workers from TF_CONFIG, this task "
-            f"{cluster.task_type}[{cluster.task_index}] = {role}")
+            f"{cluster.task_type}[{cluster.task_index}] = {role}; waits up to {distribute.peer_timeout_s():g} s "
+            "for its peers")
 
 
 def apply_process_settings(config: dict) -> None:
