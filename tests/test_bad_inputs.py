@@ -127,6 +127,10 @@ CASES = [
     ("sigma-negative", {"privacy.noise_multiplier": -1}, 2, "privacy.noise_multiplier=-1 must be >= 0"),
     ("sigma-zero", {"privacy.noise_multiplier": 0}, 2, "privacy.noise_multiplier=0 gives no privacy"),
     ("sigma-too-small", {"privacy.noise_multiplier": 0.1}, 2, "more than privacy.target_epsilon=8"),
+    ("sigma-too-small-rdp", {"privacy.noise_multiplier": 0.1, "privacy.accountant": "rdp"}, 2,
+     "more than privacy.target_epsilon=8"),
+    ("sigma-a-little-small", {"privacy.noise_multiplier": 0.65}, 2,  # past the one-step bound: the plan's epsilon
+     "privacy.noise_multiplier=0.65 spends epsilon="),
     ("accountant", {"privacy.accountant": "gdp"}, 2, "privacy.accountant='gdp' must be one of pld, rdp"),
     ("sampling", {"privacy.sampling": "fixed"}, 2, "privacy.sampling='fixed' must be one of"),
     ("privacy-unknown-key", {"privacy.epsilon": 2}, 2, "unknown key privacy.epsilon"),
@@ -345,3 +349,22 @@ def test_a_mask_of_another_model_is_refused_before_training(tmp_path, capsys):
     for args in (["--dry-run"], []):
         status, lines = _main(["--config", str(path)] + args, capsys)
         assert status == 2 and "was selected for another model" in lines[0], lines
+
+
+def test_a_hopeless_fixed_noise_multiplier_is_refused_in_seconds(tmp_path):
+    """Regression: privacy.noise_multiplier=0.01 was refused only after the PLD accountant's minutes of
+    work (a grid of millions of privacy-loss bins); one step's exact epsilon bounds the run's from below."""
+    import subprocess
+    import sys
+    import time
+
+    path, _ = _config(tmp_path, {"privacy.noise_multiplier": 0.01, "training.epochs": 15})
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "trainers", "--config", str(path), "--dry-run"], env=env,
+                            capture_output=True, text=True, timeout=150)
+    assert time.monotonic() - start < 120
+    lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("note:")]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
+    assert lines[0].startswith("config error: privacy.noise_multiplier=0.01 spends epsilon > ") and \
+        "(one step alone, at delta=0.0001) over the planned run, more than privacy.target_epsilon=8" in lines[0]

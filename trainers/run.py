@@ -29,7 +29,7 @@ from sparta_tf import determinism, distribute
 from sparta_tf.atomic_files import replace_atomically
 from sparta_tf.methods import Method, make_method
 from sparta_tf.privacy import PrivacyCallback, PrivacyLedger
-from sparta_tf.privacy.plan import PrivacyPlan, make_privacy_plan
+from sparta_tf.privacy.plan import FixedNoiseOverBudgetError, PrivacyPlan, make_privacy_plan
 from trainers import checkpointing
 from trainers.config import ConfigError, check_against_data
 from trainers.run_dir import RESULTS, RunDirectory, check_output_dir
@@ -186,12 +186,12 @@ def make_plan(config: dict, dataset, method: Method) -> PrivacyPlan:
             training_share=method.training_share,
             nonprivate_reasons=method.nonprivate_reasons() + dataset.nonprivate_reasons(),
         )
+    except FixedNoiseOverBudgetError as error:
+        raise ConfigError(f"privacy.noise_multiplier={privacy['noise_multiplier']} spends {error.spent} over the "
+                          f"planned run, more than privacy.target_epsilon={privacy['target_epsilon']:g}; raise it, "
+                          "or leave it null to calibrate it from the target") from None
     except ValueError as error:
         raise ConfigError(f"privacy: {error}") from None
-    if plan.private and plan.epsilon > privacy["target_epsilon"] * (1 + 1e-9):
-        raise ConfigError(f"privacy.noise_multiplier={privacy['noise_multiplier']} spends epsilon={plan.epsilon:.4g} "
-                          f"over the planned run, more than privacy.target_epsilon={privacy['target_epsilon']:g}; "
-                          "raise it, or leave it null to calibrate it from the target")
     return plan
 
 
