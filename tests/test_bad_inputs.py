@@ -368,3 +368,36 @@ def test_a_hopeless_fixed_noise_multiplier_is_refused_in_seconds(tmp_path):
     assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
     assert lines[0].startswith("config error: privacy.noise_multiplier=0.01 spends epsilon > ") and \
         "(one step alone, at delta=0.0001) over the planned run, more than privacy.target_epsilon=8" in lines[0]
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--epsilon", "-1"], "argument --epsilon: -1 must be > 0"),
+    (["--density", "2"], "argument --density: 2 must be in (0, 1]"),
+    (["--method", "nosuch"], "argument --method: invalid choice: 'nosuch'"),
+    (["--sample-rate", "0"], "argument --sample-rate: 0 must be in (0, 1]"),
+    (["--epochs", "2"], "sparta-example: error: --epochs 2 is too few for --method sparta; give at least 3"),
+])
+def test_sparta_example_bad_arguments_are_one_line(capsys, args, fragment):
+    from sparta_tf.examples import quickstart
+
+    with pytest.raises(SystemExit) as stop:
+        quickstart.main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and fragment in err[-1] and not [line for line in err if "Traceback" in line], err
+
+
+def test_sparta_example_offers_every_method_and_runs_dp_frost(capsys):
+    """Regression: --help did not list dp_frost and dp_ssgd, and --method dp_frost ended in an
+    AttributeError; the example runs a method as sparta-train does (plan, DP model, preparation, fit)."""
+    from sparta_tf.examples import quickstart
+    from sparta_tf.methods import METHODS
+
+    assert sorted(quickstart.METHOD_NAMES) == sorted(METHODS)
+    with pytest.raises(SystemExit):
+        quickstart.main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert all(name in help_text for name in METHODS), help_text
+    quickstart.main(["--method", "dp_frost", "--epochs", "3", "--pretrain-epochs", "1", "--seed", "0"])
+    out = capsys.readouterr().out
+    assert "before training: frost_selection" in out and "phase frost_selection: 5 x" in out
+    assert "== private test accuracy" in out
