@@ -152,6 +152,9 @@ CASES = [
     ("warmup-fraction", {"training.warmup_fraction": 1.0}, 2, "training.warmup_fraction=1.0 must be in [0, 1)"),
     ("weight-decay", {"training.weight_decay": -0.1}, 2, "training.weight_decay=-0.1 must be >= 0"),
     ("seed-text", {"training.seed": "abc"}, 2, "training.seed='abc' must be"),
+    ("seed-2**32", {"training.seed": 2**32}, 2, "training.seed=4294967296 must be in [0, 4294967295]"),
+    ("seed-negative", {"training.seed": -1}, 2, "training.seed=-1 must be in [0, 4294967295]"),
+    ("random-mask-seed-negative", {"method": {"name": "random", "seed": -1}}, 2, "method.seed=-1 must be in [0, 2**63)"),
     ("jit", {"training.jit_compile": "yes"}, 2, "training.jit_compile='yes' must be true, false or auto"),
     ("engine", {"training.engine": "fast"}, 2, "training.engine='fast' must be one of"),
     ("training-unknown-key", {"training.lr": 0.1}, 2, "unknown key training.lr"),
@@ -328,6 +331,7 @@ def test_config_file_problems(tmp_path, capsys):
     ("privacy.clip_norm=inf", "must be a finite number"),
     ("privacy.clip_norm=.inf", "must be a finite number"),
     ("training.learning_rate=nan", "must be a finite number"),
+    ("training.seed=4294967296", "training.seed=4294967296 must be in [0, 4294967295]"),
 ])
 def test_bad_set_values(tmp_path, capsys, override, fragment):
     path, _ = _config(tmp_path, {})

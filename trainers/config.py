@@ -89,6 +89,16 @@ def _one_of(*choices):
     return check
 
 
+SEED_LIMIT = 2**32
+"""Seeds are below this: NumPy's global seed (``tf.keras.utils.set_random_seed``) is 32-bit."""
+
+
+def _seed(value):
+    """training.seed: a 32-bit seed (the dry run and the run both refuse a larger one)."""
+    return None if 0 <= value < SEED_LIMIT else (f"must be in [0, {SEED_LIMIT - 1}] (NumPy's 32-bit seed range), "
+                                                 "or null for a secret seed")
+
+
 def _density_overrides(value):
     for pattern, density in value.items():
         if not isinstance(density, (int, float)) or isinstance(density, bool) or not 0 <= density <= 1:
@@ -122,7 +132,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "granularity": Field(OPTIONAL_STR, None, lambda v: None if v in (None, "row", "entry") else "must be row or entry"),
         "density_overrides": Field((dict,), {}, _density_overrides),
         "mask": Field(OPTIONAL_STR, None),
-        "seed": Field((int,), 0),
+        "seed": Field((int,), 0, lambda v: None if 0 <= v < 2**63 else "must be in [0, 2**63)"),
         "full_epochs": Field((int,), 1, _non_negative),
         "bitfit_learning_rate_scale": Field(NUMBER, 5.0, _positive),
         # DP-FROST (paper defaults): magnitude, alpha, budget ratio, PSEL rounds, rate, gap, unfreezing ratio
@@ -160,7 +170,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "schedule": Field((str,), "cosine", _one_of("cosine", "constant")),
         "warmup_fraction": Field(NUMBER, 0.02, lambda v: None if 0 <= v < 1 else "must be in [0, 1)"),
         "weight_decay": Field(NUMBER, 0.0, _non_negative),
-        "seed": Field(OPTIONAL_INT, None),
+        "seed": Field(OPTIONAL_INT, None, _seed),
         "jit_compile": Field((bool, str), "auto", lambda v: None if v in (True, False, "auto") else "must be true, false or auto"),
         "engine": Field((str,), "auto", _one_of("auto", "bookkeeping", "layerwise", "vectorized")),
         "strategy": Field((str,), "default", _one_of("default", "mirrored", "multi_worker")),
