@@ -184,6 +184,35 @@ def test_sigkill_mid_epoch_then_resume_never_undercounts(tmp_path):
     assert "resuming after epoch" in result.stdout
 
 
+def test_ctrl_c_mid_run_is_one_line_saying_how_to_resume(tmp_path):
+    """Regression: SIGINT ended the run with a KeyboardInterrupt traceback. It must print one line that
+    says the run stopped and how to continue it, exit 130, and --resume must then finish the run."""
+    out = tmp_path / "stopped"
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(tiny_config(out, "sparta", epochs=6, batch_size=12)))
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    process = subprocess.Popen([sys.executable, "-m", "trainers", "--config", str(path)], cwd=ROOT, env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal's
+    try:
+        assert _wait_for_mid_epoch_after_checkpoint(out, 10, time.time() + 240), "no checkpoint in time"
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert not (out / "results.json").exists(), "the run finished before it could be interrupted"
+    lines = [line for line in err.strip().splitlines() if not line.startswith(("note:", "WARNING:tensorflow"))]
+    assert process.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert lines == [f"interrupted: the run in {out} stopped (Ctrl-C); every step it started is charged to its "
+                     "ledger; continue it with the same command plus --resume"], err[-3000:]
+    resumed = subprocess.run([sys.executable, "-m", "trainers", "--config", str(path), "--resume"], cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert json.loads((out / "results.json").read_text())["epsilon"] <= 8.0 + 1e-6
+
+
 def test_one_process_owns_an_output_dir(tmp_path):
     from trainers.run_dir import RunDirectory
 
