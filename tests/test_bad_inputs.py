@@ -252,6 +252,8 @@ CASES = [
     ("output-dir-under-a-file", {"output_dir": lambda t: os.path.join(_a_file(t), "run")}, 2,
      "cannot be created"),
     ("output-dir-list", {"output_dir": ["a"]}, 2, "output_dir=['a'] must be a string path"),
+    ("output-dir-in-proc", {"output_dir": "/proc/sparta-run"}, 2,  # permission bits say yes, even to root
+     "output_dir /proc/sparta-run cannot be created in /proc"),
     ("export-version", {"export.version": 0}, 2, "export.version=0 must be >= 1"),
     ("unknown-section", {"optimizer": {"lr": 1}}, 2, "unknown section 'optimizer'"),
 ]
