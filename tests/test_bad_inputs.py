@@ -168,6 +168,11 @@ CASES = [
     ("score-unknown", {"method.score": "max"}, 2, "method.score='max' is not a score of sparta"),
     ("granularity", {"method.granularity": "column"}, 2, "method.granularity='column' must be row or entry"),
     ("density-overrides", {"method.density_overrides": {"conv*": 2}}, 2, "every density must be a number in"),
+    ("density-overrides-no-layer", {"method.density_overrides": {"dense_*": 0.5}}, 2,
+     "method.density_overrides pattern 'dense_*' matches no maskable layer"),
+    ("density-zero", {"method.density": 0}, 2, "method.density=0 keeps no kernel row or entry: method sparta would "
+     "train only the biases, norms and head after its selection epoch has spent epsilon; use method.name=bitfit"),
+    ("density-zero-mp", {"method": {"name": "mp", "density": 0}}, 2, "method.density=0 keeps no kernel row or entry"),
     ("x-bitfit-no-bias-phase", {"method": {"name": "x_bitfit", "full_epochs": 3}}, 2,
      "method.full_epochs=3 must be < training.epochs"),
     ("frost-r-eps", {"method": {"name": "dp_frost", "r_eps": 1.0}}, 2, "method.r_eps=1.0 must be in (0, 1)"),

@@ -379,6 +379,11 @@ def _check_cross_field(config: dict) -> None:
     if name == "x_bitfit" and method["full_epochs"] >= epochs:
         raise ConfigError(f"method.full_epochs={method['full_epochs']} must be < training.epochs (={epochs}) "
                           "so that the bias-only phase runs")
+    if "density" in method and method["density"] == 0 and method.get("mask") is None \
+            and not any(value > 0 for value in method["density_overrides"].values()):
+        spends = " after its selection epoch has spent epsilon" if "warmup_epochs" in method else ""
+        raise ConfigError(f"method.density=0 keeps no kernel row or entry: method {name} would train only the "
+                          f"biases, norms and head{spends}; use method.name=bitfit for that, or a density in (0, 1]")
     if method.get("score") == "signed" and method.get("granularity") == "row":
         raise ConfigError("method.granularity=row cannot be used with score signed; use entry")
     pretrain = config["pretrain"]

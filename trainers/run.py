@@ -168,6 +168,8 @@ def build_method(config: dict, output_dir: str | None, model: tf.keras.Model) ->
         method.check(model)
     except (ValueError, OSError) as error:
         message = str(error).splitlines()[0]
+        if message.startswith("density_overrides"):
+            raise ConfigError(f"method.{message}") from None
         key = "method.mask" if config["method"].get("mask") and "mask" in message else "method"
         raise ConfigError(f"{key}: {message}") from None
     return method
