@@ -213,6 +213,21 @@ def test_ctrl_c_mid_run_is_one_line_saying_how_to_resume(tmp_path):
     assert json.loads((out / "results.json").read_text())["epsilon"] <= 8.0 + 1e-6
 
 
+def test_the_dry_run_shows_the_shuffle_caveat_as_it_shows_the_seeds(tmp_path, capsys):
+    """Regression: the plan warned of a fixed seed but not of privacy.sampling=shuffle, whose batches the
+    accountant does not cover (the run's report said so only at the end)."""
+    config = validate(tiny_config(tmp_path / "dry", "bitfit", epochs=1))
+    run.dry_run(config)
+    assert "sampling=" not in capsys.readouterr().out
+    config["privacy"]["sampling"] = "shuffle"
+    run.dry_run(config)
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "WARNING" in line]
+    assert len(warnings) == 2 and run.SEED_CAVEAT in warnings[0], warnings
+    assert ("WARNING: batches are drawn with sampling='shuffle'; the accountant's guarantee assumes Poisson "
+            "sampling and does not cover fixed-size shuffled batches, so the planned epsilon is not a proven "
+            "guarantee for this run.") in warnings[1]
+
+
 def test_one_process_owns_an_output_dir(tmp_path):
     from trainers.run_dir import RunDirectory
 

@@ -92,7 +92,12 @@ def privacy_caveats(config: dict, dataset, private: bool) -> list[str]:
 
 
 def _warn_of_caveats(config: dict, dataset, private: bool) -> None:
-    for caveat in privacy_caveats(config, dataset, private):
+    """Prints the plan's caveats: :func:`privacy_caveats` and, for a private run, the sampling's (which
+    the ledger adds itself, so it is not recorded with the others)."""
+    from sparta_tf.privacy.ledger import sampling_caveat
+
+    sampling = sampling_caveat(config["privacy"]["sampling"], planned=True) if private else None
+    for caveat in privacy_caveats(config, dataset, private) + ([sampling] if sampling else []):
         print(f"  WARNING: {caveat}")
 
 
