@@ -107,6 +107,18 @@ def _garbage_keras(tmp):
     return str(path)
 
 
+def _rgb_keras(tmp):
+    """A saved model that takes 3-channel images (the private digits have 1)."""
+    import tensorflow as tf
+
+    inputs = tf.keras.Input((8, 8, 3))
+    outputs = tf.keras.layers.Dense(3)(tf.keras.layers.GlobalAveragePooling2D()(
+        tf.keras.layers.Conv2D(4, 3, padding="same")(inputs)))
+    path = tmp / "rgb.keras"
+    tf.keras.Model(inputs, outputs).save(path)
+    return str(path)
+
+
 # (id, changes {dotted key: value or a callable(tmp) -> value}, expected status, message fragment)
 CASES = [
     # privacy
@@ -251,6 +263,13 @@ CASES = [
     ("pretrain-on-private-data", {"pretrain": {"enabled": True, "data": {"source": "digits", "classes": [2, 3]}}}, 2,
      "pretrain.data reads the private data's examples"),
     ("pretrain-epochs", {"pretrain.epochs": 0}, 2, "pretrain.epochs=0 must be >= 1"),
+    ("pretrain-channels", {"pretrain": {"enabled": True, "data": {"source": "digits", "classes": [5, 6, 7],
+                                                                  "channels": 3}}}, 2,
+     "pretrain.data has 3 channel(s) but the private data has 1; set pretrain.data.channels"),
+    ("pretrain-data-unreadable", {"pretrain": {"enabled": True, "data": {"source": "npz", "path": _garbage}}}, 1,
+     "pretrain.data"),
+    ("pretrain-checkpoint-channels", {"pretrain": {"enabled": True, "checkpoint": _rgb_keras}}, 2,
+     "the input of pretrain.checkpoint has 3 channel(s) but the private data has 1"),
     ("pretrain-optimizer", {"pretrain.optimizer": "lamb"}, 2, "pretrain.optimizer='lamb' must be one of"),
     # outputs
     ("output-dir-is-a-file", {"output_dir": _a_file}, 2, "is a file"),
