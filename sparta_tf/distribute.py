@@ -14,8 +14,11 @@ What this module holds (the rest is ``DPModel``'s ordinary step):
 * :func:`parse_tf_config`: ``TF_CONFIG`` (TensorFlow's cluster convention)
   checked, with a one-line error naming the problem and the fix;
 * :func:`make_strategy`: ``default`` / ``mirrored`` / ``multi_worker``;
-* :func:`wait_for_peers`: every peer's port must accept a TCP connection
-  before ``deadline_s`` (a connect timeout, never a hang);
+* :func:`wait_for_peers`: every peer must answer on its port (a waiting
+  worker's greeting or a TensorFlow server) before ``deadline_s`` (connect
+  and read timeouts, never a hang), checked before TensorFlow's collective
+  set-up, which waits for the cluster without a deadline;
+  ``$SPARTA_PEER_TIMEOUT_S`` sets the deadline (120 s);
 * :func:`shared_seed`: the chief's seed broadcast to every worker (a secret
   seed drawn per worker would give different Poisson samples and noise);
 * :func:`largest_over_workers`: one number every worker agrees on (the steps a
@@ -29,10 +32,14 @@ What this module holds (the rest is ``DPModel``'s ordinary step):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import math
 import os
+import signal
 import socket
+import threading
 import time
 from typing import Any
 
@@ -128,34 +135,149 @@ def parse_tf_config(text: str | None) -> Cluster:
     return Cluster({k: list(v) for k, v in jobs.items() if v}, task["type"], task["index"])
 
 
+GREETING = b"sparta-tf worker waiting for its peers\n"
+"""What a worker's port answers while it waits for its peers (:func:`answering_on_own_port`)."""
+
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # + empty SETTINGS
+
+
+def _answers_as_peer(sock: socket.socket) -> bool:
+    """Whether the connected ``sock`` is a peer: a worker waiting in :func:`make_strategy` (it sends
+    :data:`GREETING`) or one whose TensorFlow server is up (gRPC: an HTTP/2 server answers the client
+    preface with a SETTINGS frame, type 4 on stream 0). Anything else (another service on that port)
+    would make TensorFlow's set-up wait for ever."""
+    data = b""
+    try:
+        sock.sendall(_HTTP2_PREFACE)
+        while len(data) < len(GREETING) and (GREETING.startswith(data) or len(data) < 9):
+            chunk = sock.recv(len(GREETING) - len(data))
+            if not chunk:
+                break
+            data += chunk
+    except OSError:  # a read timeout or a reset: judged on what came
+        pass
+    if data.startswith(GREETING):
+        return True
+    return len(data) >= 9 and data[3] == 0x04 and data[5:9] == b"\x00\x00\x00\x00"
+
+
 def wait_for_peers(cluster: Cluster, deadline_s: float = 120.0, connect_timeout_s: float = 2.0) -> None:
-    """Returns once every peer's port accepts a TCP connection; :class:`ClusterError` after ``deadline_s``.
+    """Returns once every peer answers (:func:`_answers_as_peer`); :class:`ClusterError` after ``deadline_s``.
 
     Workers start at different times, so a refused connection is retried
-    until the deadline; each attempt has a connect timeout, so an address
-    that drops packets cannot hang the start.
+    until the deadline; each attempt has a connect (and read) timeout, so an
+    address that drops packets cannot hang the start.
     """
     end = time.monotonic() + deadline_s
     for job, index, address in cluster.peers:
         host, port = _split_address(address, f"cluster.{job}[{index}]")
         while True:
             try:
-                with socket.create_connection((host, port), timeout=connect_timeout_s):
-                    break
+                with socket.create_connection((host, port), timeout=connect_timeout_s) as sock:
+                    if _answers_as_peer(sock):
+                        break
+                    problem = "its port answers, but not as a sparta-train worker or a TensorFlow server"
             except OSError as error:
-                if time.monotonic() >= end:
-                    raise ClusterError(
-                        f"cluster peer {job}[{index}] at {address} is unreachable after {deadline_s:g} s "
-                        f"({error.strerror or error}); start every task listed in TF_CONFIG or fix its address"
-                    ) from None
-                time.sleep(0.2)
+                problem = error.strerror or str(error)
+            if time.monotonic() >= end:
+                raise ClusterError(
+                    f"cluster peer {job}[{index}] at {address} is unreachable after {deadline_s:g} s "
+                    f"({problem}); start every task listed in TF_CONFIG or fix its address")
+            time.sleep(0.2)
 
 
-def make_strategy(name: str, peer_deadline_s: float = 120.0) -> tf.distribute.Strategy:
+PEER_TIMEOUT_ENV = "SPARTA_PEER_TIMEOUT_S"
+"""Environment variable: seconds a worker waits for its peers at start (default 120)."""
+
+DEFAULT_PEER_TIMEOUT_S = 120.0
+
+
+def peer_timeout_s() -> float:
+    """The peer deadline: ``$SPARTA_PEER_TIMEOUT_S`` (seconds > 0) or :data:`DEFAULT_PEER_TIMEOUT_S`."""
+    text = os.environ.get(PEER_TIMEOUT_ENV)
+    if not text:
+        return DEFAULT_PEER_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ClusterError(f"{PEER_TIMEOUT_ENV}={text!r} must be a number of seconds > 0; unset it for "
+                           f"{DEFAULT_PEER_TIMEOUT_S:g} s")
+    return value
+
+
+@contextlib.contextmanager
+def answering_on_own_port(cluster: Cluster):
+    """Answers :data:`GREETING` on this task's port for the duration (a thread accepts), so that peers
+    waiting in :func:`wait_for_peers` know this task is up before TensorFlow's server takes the port over.
+
+    A port already in use is a :class:`ClusterError`: TensorFlow's server could not start there either.
+    """
+    _, port = _split_address(cluster.address, f"cluster.{cluster.task_type}[{cluster.task_index}]")
+    try:
+        if socket.has_dualstack_ipv6():
+            server = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+        else:
+            server = socket.create_server(("", port))
+    except OSError as error:
+        raise ClusterError(f"TF_CONFIG: this task {cluster.task_type}[{cluster.task_index}] cannot listen on "
+                           f"{cluster.address} ({error.strerror or error}); stop what uses port {port} or give "
+                           "this task a free port") from None
+    server.settimeout(0.1)
+    stop = threading.Event()
+
+    def greet():
+        while not stop.is_set():
+            try:
+                connection, _ = server.accept()
+            except OSError:  # the accept timeout, or the socket closed
+                continue
+            with connection:
+                try:
+                    connection.settimeout(1.0)
+                    connection.sendall(GREETING)
+                    while connection.recv(256):  # the prober closes first: no TIME_WAIT on this port
+                        pass
+                except OSError:
+                    pass
+
+    greeter = threading.Thread(target=greet, name="sparta-peer-greeter", daemon=True)
+    greeter.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        greeter.join()
+        server.close()
+
+
+def _collective_strategy(options) -> tf.distribute.Strategy:
+    """``MultiWorkerMirroredStrategy(communication_options=options)``, with SIGTERM's default action back.
+
+    TensorFlow's collective set-up installs a SIGTERM handler of its own (its preemption notifier) that
+    only notes the signal, so a worker would ignore ``kill`` for the rest of the run, even when blocked
+    in a collective whose peer died; sparta-tf uses no preemption handling, so SIGTERM ends the process
+    again (like ``kill -9``: ``--resume`` continues the run). The set-up itself holds the interpreter
+    while it waits for the cluster, which :func:`wait_for_peers` makes short.
+    """
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    return strategy
+
+
+def make_strategy(name: str, peer_deadline_s: float | None = None) -> tf.distribute.Strategy:
     """The ``tf.distribute`` strategy ``name`` (one of :data:`STRATEGIES`).
 
     ``multi_worker`` reads ``TF_CONFIG``; call it before any other TensorFlow
-    op (TF's collectives are configured when the strategy is created).
+    op (TF's collectives are configured when the strategy is created). It
+    first waits (at most ``peer_deadline_s``, default :func:`peer_timeout_s`)
+    until every peer answers (:func:`wait_for_peers`), answering on its own
+    port meanwhile (:func:`answering_on_own_port`), so that a missing peer is
+    a one-line :class:`ClusterError` before TensorFlow's set-up starts: that
+    set-up waits for the cluster without a deadline, deaf to SIGTERM and
+    SIGINT. Afterwards SIGTERM ends the worker again (:func:`_collective_strategy`).
     """
     if name == "default":
         return tf.distribute.get_strategy()
@@ -164,11 +286,12 @@ def make_strategy(name: str, peer_deadline_s: float = 120.0) -> tf.distribute.St
     if name != "multi_worker":
         raise ValueError(f"strategy={name!r} is not one of {STRATEGIES}")
     cluster = parse_tf_config(os.environ.get("TF_CONFIG"))
+    deadline = peer_timeout_s() if peer_deadline_s is None else float(peer_deadline_s)
+    with answering_on_own_port(cluster):
+        wait_for_peers(cluster, deadline)
     options = tf.distribute.experimental.CommunicationOptions(
         implementation=tf.distribute.experimental.CommunicationImplementation.AUTO)
-    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
-    wait_for_peers(cluster, peer_deadline_s)  # after our own server is up, so peers can find us
-    return strategy
+    return _collective_strategy(options)
 
 
 def cluster_of(strategy: tf.distribute.Strategy) -> Cluster | None:

@@ -200,3 +200,34 @@ def test_calibration_is_memoised_per_arguments(monkeypatch):
     assert calibrate_noise_multiplier(3.1, DELTA, 0.07, 33) == sigma
     assert len(made) == calls
     assert calibrate_noise_multiplier(3.1, DELTA, 0.07, 34) > sigma  # more steps need more noise
+
+
+@pytest.mark.parametrize("sigma, q, delta", [(0.1, 0.13, 1e-4), (0.3, 0.1, 1e-5), (0.7, 1.0, 1e-5), (1.0, 0.1, 1e-5),
+                                             (2.0, 0.01, 1e-5), (5.0, 0.5, 1e-6)])
+def test_one_steps_epsilon_bounds_every_accountant_from_below_and_tightly(sigma, q, delta):
+    """The closed-form epsilon of one step's remove direction: below PLD and RDP for one step and for
+    any run containing it, within 1% of PLD's one-step estimate."""
+    bound = accounting.step_epsilon_lower_bound(sigma, q, delta)
+    one_step = compute_epsilon(sigma, q, 1, delta, "pld")
+    assert 0.99 * one_step <= bound <= one_step
+    assert bound <= compute_epsilon(sigma, q, 1, delta, "rdp")
+    assert bound <= compute_epsilon(sigma, q, 20, delta, "pld")
+    assert accounting.step_epsilon_lower_bound(0.0, q, delta) == math.inf
+
+
+def test_a_fixed_noise_multiplier_over_the_target_is_refused_before_the_pld_work():
+    import time
+
+    from sparta_tf.privacy.plan import FixedNoiseOverBudgetError, TrainingPhase, make_privacy_plan
+
+    start = time.monotonic()
+    with pytest.raises(FixedNoiseOverBudgetError, match=r"noise_multiplier=0.01 spends epsilon > \d+ \(one step"):
+        make_privacy_plan(n=645, expected_batch_size=64, phases=[TrainingPhase("train", 15)], delta=1e-4,
+                          target_epsilon=4.0, noise_multiplier=0.01)
+    assert time.monotonic() - start < 5  # PLD on this run: minutes
+    with pytest.raises(FixedNoiseOverBudgetError, match=r"noise_multiplier=0.6 spends epsilon=2\d\.\d+ over"):
+        make_privacy_plan(n=645, expected_batch_size=64, phases=[TrainingPhase("train", 15)], delta=1e-4,
+                          target_epsilon=4.0, noise_multiplier=0.6)
+    plan = make_privacy_plan(n=645, expected_batch_size=64, phases=[TrainingPhase("train", 15)], delta=1e-4,
+                             target_epsilon=4.0, noise_multiplier=1.5)
+    assert plan.epsilon <= 4.0

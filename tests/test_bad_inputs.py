@@ -107,6 +107,18 @@ def _garbage_keras(tmp):
     return str(path)
 
 
+def _rgb_keras(tmp):
+    """A saved model that takes 3-channel images (the private digits have 1)."""
+    import tensorflow as tf
+
+    inputs = tf.keras.Input((8, 8, 3))
+    outputs = tf.keras.layers.Dense(3)(tf.keras.layers.GlobalAveragePooling2D()(
+        tf.keras.layers.Conv2D(4, 3, padding="same")(inputs)))
+    path = tmp / "rgb.keras"
+    tf.keras.Model(inputs, outputs).save(path)
+    return str(path)
+
+
 # (id, changes {dotted key: value or a callable(tmp) -> value}, expected status, message fragment)
 CASES = [
     # privacy
@@ -127,6 +139,10 @@ CASES = [
     ("sigma-negative", {"privacy.noise_multiplier": -1}, 2, "privacy.noise_multiplier=-1 must be >= 0"),
     ("sigma-zero", {"privacy.noise_multiplier": 0}, 2, "privacy.noise_multiplier=0 gives no privacy"),
     ("sigma-too-small", {"privacy.noise_multiplier": 0.1}, 2, "more than privacy.target_epsilon=8"),
+    ("sigma-too-small-rdp", {"privacy.noise_multiplier": 0.1, "privacy.accountant": "rdp"}, 2,
+     "more than privacy.target_epsilon=8"),
+    ("sigma-a-little-small", {"privacy.noise_multiplier": 0.65}, 2,  # past the one-step bound: the plan's epsilon
+     "privacy.noise_multiplier=0.65 spends epsilon="),
     ("accountant", {"privacy.accountant": "gdp"}, 2, "privacy.accountant='gdp' must be one of pld, rdp"),
     ("sampling", {"privacy.sampling": "fixed"}, 2, "privacy.sampling='fixed' must be one of"),
     ("privacy-unknown-key", {"privacy.epsilon": 2}, 2, "unknown key privacy.epsilon"),
@@ -148,6 +164,9 @@ CASES = [
     ("warmup-fraction", {"training.warmup_fraction": 1.0}, 2, "training.warmup_fraction=1.0 must be in [0, 1)"),
     ("weight-decay", {"training.weight_decay": -0.1}, 2, "training.weight_decay=-0.1 must be >= 0"),
     ("seed-text", {"training.seed": "abc"}, 2, "training.seed='abc' must be"),
+    ("seed-2**32", {"training.seed": 2**32}, 2, "training.seed=4294967296 must be in [0, 4294967295]"),
+    ("seed-negative", {"training.seed": -1}, 2, "training.seed=-1 must be in [0, 4294967295]"),
+    ("random-mask-seed-negative", {"method": {"name": "random", "seed": -1}}, 2, "method.seed=-1 must be in [0, 2**63)"),
     ("jit", {"training.jit_compile": "yes"}, 2, "training.jit_compile='yes' must be true, false or auto"),
     ("engine", {"training.engine": "fast"}, 2, "training.engine='fast' must be one of"),
     ("training-unknown-key", {"training.lr": 0.1}, 2, "unknown key training.lr"),
@@ -160,6 +179,11 @@ CASES = [
     ("score-unknown", {"method.score": "max"}, 2, "method.score='max' is not a score of sparta"),
     ("granularity", {"method.granularity": "column"}, 2, "method.granularity='column' must be one of row, entry"),
     ("density-overrides", {"method.density_overrides": {"conv*": 2}}, 2, "every density must be a number in"),
+    ("density-overrides-no-layer", {"method.density_overrides": {"dense_*": 0.5}}, 2,
+     "method.density_overrides pattern 'dense_*' matches no maskable layer"),
+    ("density-zero", {"method.density": 0}, 2, "method.density=0 keeps no kernel row or entry: method sparta would "
+     "train only the biases, norms and head after its selection epoch has spent epsilon; use method.name=bitfit"),
+    ("density-zero-mp", {"method": {"name": "mp", "density": 0}}, 2, "method.density=0 keeps no kernel row or entry"),
     ("x-bitfit-no-bias-phase", {"method": {"name": "x_bitfit", "full_epochs": 3}}, 2,
      "method.full_epochs=3 must be < training.epochs"),
     ("frost-r-eps", {"method": {"name": "dp_frost", "r_eps": 1.0}}, 2, "method.r_eps=1.0 must be in (0, 1)"),
@@ -219,6 +243,10 @@ CASES = [
     ("tar-absolute-member", {"data": {"source": "tar", "path": _absolute_tar}}, 1,
      "has an absolute path or '..'"),
     ("tar-garbage", {"data": {"source": "tar", "path": _garbage_tar}}, 1, "cannot extract"),
+    ("synthetic-huge-images", {"data": {"source": "synthetic", "num_examples": 60, "num_classes": 3,
+                                        "image_size": [100000, 100000]}}, 1,
+     "data.image_size: [100000, 100000] for 60 synthetic images of 3 channel(s) needs"),
+    ("resize-huge", {"data.image_size": [100000, 100000]}, 1, "data.image_size: [100000, 100000] for"),
     ("tfds-offline", {"data": {"source": "tfds", "name": "mnist", "download": True, "data_dir": "TMP"}}, 1,
      "is unreachable (offline)"),
     ("tfds-not-prepared", {"data": {"source": "tfds", "name": "mnist", "data_dir": "TMP"}}, 1,
@@ -234,12 +262,21 @@ CASES = [
     ("pretrain-on-private-data", {"pretrain": {"enabled": True, "data": {"source": "digits", "classes": [2, 3]}}}, 2,
      "pretrain.data reads the private data's examples"),
     ("pretrain-epochs", {"pretrain.epochs": 0}, 2, "pretrain.epochs=0 must be >= 1"),
+    ("pretrain-channels", {"pretrain": {"enabled": True, "data": {"source": "digits", "classes": [5, 6, 7],
+                                                                  "channels": 3}}}, 2,
+     "pretrain.data has 3 channel(s) but the private data has 1; set pretrain.data.channels"),
+    ("pretrain-data-unreadable", {"pretrain": {"enabled": True, "data": {"source": "npz", "path": _garbage}}}, 1,
+     "pretrain.data"),
+    ("pretrain-checkpoint-channels", {"pretrain": {"enabled": True, "checkpoint": _rgb_keras}}, 2,
+     "the input of pretrain.checkpoint has 3 channel(s) but the private data has 1"),
     ("pretrain-optimizer", {"pretrain.optimizer": "lamb"}, 2, "pretrain.optimizer='lamb' must be one of"),
     # outputs
     ("output-dir-is-a-file", {"output_dir": _a_file}, 2, "is a file"),
     ("output-dir-under-a-file", {"output_dir": lambda t: os.path.join(_a_file(t), "run")}, 2,
      "cannot be created"),
     ("output-dir-list", {"output_dir": ["a"]}, 2, "output_dir=['a'] must be a string path"),
+    ("output-dir-in-proc", {"output_dir": "/proc/sparta-run"}, 2,  # permission bits say yes, even to root
+     "output_dir /proc/sparta-run cannot be created in /proc"),
     ("export-version", {"export.version": 0}, 2, "export.version=0 must be >= 1"),
     ("unknown-section", {"optimizer": {"lr": 1}}, 2, "unknown section 'optimizer'"),
 ]
@@ -323,6 +360,7 @@ def test_config_file_problems(tmp_path, capsys):
     ("privacy.clip_norm=inf", "must be a finite number"),
     ("privacy.clip_norm=.inf", "must be a finite number"),
     ("training.learning_rate=nan", "must be a finite number"),
+    ("training.seed=4294967296", "training.seed=4294967296 must be in [0, 4294967295]"),
 ])
 def test_bad_set_values(tmp_path, capsys, override, fragment):
     path, _ = _config(tmp_path, {})
@@ -344,3 +382,55 @@ def test_a_mask_of_another_model_is_refused_before_training(tmp_path, capsys):
     for args in (["--dry-run"], []):
         status, lines = _main(["--config", str(path)] + args, capsys)
         assert status == 2 and "was selected for another model" in lines[0], lines
+
+
+def test_a_hopeless_fixed_noise_multiplier_is_refused_in_seconds(tmp_path):
+    """Regression: privacy.noise_multiplier=0.01 was refused only after the PLD accountant's minutes of
+    work (a grid of millions of privacy-loss bins); one step's exact epsilon bounds the run's from below."""
+    import subprocess
+    import sys
+    import time
+
+    path, _ = _config(tmp_path, {"privacy.noise_multiplier": 0.01, "training.epochs": 15})
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "trainers", "--config", str(path), "--dry-run"], env=env,
+                            capture_output=True, text=True, timeout=150)
+    assert time.monotonic() - start < 120
+    lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("note:")]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
+    assert lines[0].startswith("config error: privacy.noise_multiplier=0.01 spends epsilon > ") and \
+        "(one step alone, at delta=0.0001) over the planned run, more than privacy.target_epsilon=8" in lines[0]
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--epsilon", "-1"], "argument --epsilon: -1 must be > 0"),
+    (["--density", "2"], "argument --density: 2 must be in (0, 1]"),
+    (["--method", "nosuch"], "argument --method: invalid choice: 'nosuch'"),
+    (["--sample-rate", "0"], "argument --sample-rate: 0 must be in (0, 1]"),
+    (["--epochs", "2"], "sparta-example: error: --epochs 2 is too few for --method sparta; give at least 3"),
+])
+def test_sparta_example_bad_arguments_are_one_line(capsys, args, fragment):
+    from sparta_tf.examples import quickstart
+
+    with pytest.raises(SystemExit) as stop:
+        quickstart.main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and fragment in err[-1] and not [line for line in err if "Traceback" in line], err
+
+
+def test_sparta_example_offers_every_method_and_runs_dp_frost(capsys):
+    """Regression: --help did not list dp_frost and dp_ssgd, and --method dp_frost ended in an
+    AttributeError; the example runs a method as sparta-train does (plan, DP model, preparation, fit)."""
+    from sparta_tf.examples import quickstart
+    from sparta_tf.methods import METHODS
+
+    assert sorted(quickstart.METHOD_NAMES) == sorted(METHODS)
+    with pytest.raises(SystemExit):
+        quickstart.main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert all(name in help_text for name in METHODS), help_text
+    quickstart.main(["--method", "dp_frost", "--epochs", "3", "--pretrain-epochs", "1", "--seed", "0"])
+    out = capsys.readouterr().out
+    assert "before training: frost_selection" in out and "phase frost_selection: 5 x" in out
+    assert "== private test accuracy" in out

@@ -184,6 +184,107 @@ def test_sigkill_mid_epoch_then_resume_never_undercounts(tmp_path):
     assert "resuming after epoch" in result.stdout
 
 
+def test_ctrl_c_mid_run_is_one_line_saying_how_to_resume(tmp_path):
+    """Regression: SIGINT ended the run with a KeyboardInterrupt traceback. It must print one line that
+    says the run stopped and how to continue it, exit 130, and --resume must then finish the run."""
+    out = tmp_path / "stopped"
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(tiny_config(out, "sparta", epochs=6, batch_size=12)))
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    process = subprocess.Popen([sys.executable, "-m", "trainers", "--config", str(path)], cwd=ROOT, env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal's
+    try:
+        assert _wait_for_mid_epoch_after_checkpoint(out, 10, time.time() + 240), "no checkpoint in time"
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert not (out / "results.json").exists(), "the run finished before it could be interrupted"
+    lines = [line for line in err.strip().splitlines() if not line.startswith(("note:", "WARNING:tensorflow"))]
+    assert process.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert lines == [f"interrupted: the run in {out} stopped (Ctrl-C); every step it started is charged to its "
+                     "ledger; continue it with the same command plus --resume"], err[-3000:]
+    resumed = subprocess.run([sys.executable, "-m", "trainers", "--config", str(path), "--resume"], cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert json.loads((out / "results.json").read_text())["epsilon"] <= 8.0 + 1e-6
+
+
+def test_the_dry_run_shows_the_shuffle_caveat_as_it_shows_the_seeds(tmp_path, capsys):
+    """Regression: the plan warned of a fixed seed but not of privacy.sampling=shuffle, whose batches the
+    accountant does not cover (the run's report said so only at the end)."""
+    config = validate(tiny_config(tmp_path / "dry", "bitfit", epochs=1))
+    run.dry_run(config)
+    assert "sampling=" not in capsys.readouterr().out
+    config["privacy"]["sampling"] = "shuffle"
+    run.dry_run(config)
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "WARNING" in line]
+    assert len(warnings) == 2 and run.SEED_CAVEAT in warnings[0], warnings
+    assert ("WARNING: batches are drawn with sampling='shuffle'; the accountant's guarantee assumes Poisson "
+            "sampling and does not cover fixed-size shuffled batches, so the planned epsilon is not a proven "
+            "guarantee for this run.") in warnings[1]
+
+
+def test_a_cached_pretrained_model_is_reused_only_under_its_configuration(tmp_path, capsys):
+    """Regression: a cached pretrained.keras made under another pre-training configuration (e.g. by a run
+    that then failed) was reused as it was."""
+    out = tmp_path / "run"
+    out.mkdir()
+    config = tiny_config(out, "bitfit")
+    config["pretrain"] = {"enabled": True, "epochs": 1, "augment": False, "batch_size": 32,
+                          "data": {"source": "synthetic", "num_examples": 48, "num_classes": 2}}
+    config = validate(config)
+    private = run.load_private_data(config)
+
+    def source():
+        return run.pretrained_source(config, str(out))[0]
+
+    assert source() == "data"
+    run.pretrain(config, str(out), private)
+    assert "non-private pre-training" in capsys.readouterr().out and source() == "cache"
+    run.pretrain(config, str(out), private)
+    assert "== pre-trained model:" in capsys.readouterr().out  # the same configuration: reused
+    config["pretrain"]["data"]["num_classes"] = 3
+    assert source() == "stale"
+    run.pretrain(config, str(out), private)
+    assert "made under another pre-training configuration; pre-training again" in capsys.readouterr().out
+    assert json.loads((out / "pretrained.json").read_text()) == run.pretraining_key(config)
+    (out / "pretrained.json").unlink()  # a cache of unknown making is not trusted either
+    assert source() == "stale"
+
+
+def test_a_corrected_config_in_the_output_dir_of_a_failed_run_pre_trains_again(tmp_path, capsys):
+    """Regression (through sparta-train): a run that pre-trained on 1-channel data, then failed, left its
+    pretrained.keras; the corrected 3-channel config run into the same output_dir reused it and failed
+    in Keras. The cache must be made again under the new configuration, and the run must finish."""
+    from trainers import cli
+
+    out = tmp_path / "run"
+
+    def write(channels, noise_multiplier):
+        config = tiny_config(out, "mp", epochs=2)
+        config["data"]["channels"] = channels
+        config["pretrain"] = {"enabled": True, "epochs": 1, "augment": False, "batch_size": 32,
+                              "data": {"source": "synthetic", "num_examples": 48, "num_classes": 2,
+                                       "channels": channels}}
+        config["privacy"]["noise_multiplier"] = noise_multiplier
+        config["export"] = {"enabled": False}
+        path = tmp_path / f"c{channels}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        return str(path)
+
+    assert cli.main(["--config", write(1, 0.1)]) == 2  # fails after pre-training: sigma misses the target
+    assert "more than privacy.target_epsilon=8" in capsys.readouterr().err
+    assert (out / "pretrained.keras").exists()
+    assert cli.main(["--config", write(3, None)]) == 0, capsys.readouterr().err[-2000:]
+    assert "made under another pre-training configuration; pre-training again" in capsys.readouterr().out
+    assert json.loads((out / "results.json").read_text())["epsilon"] <= 8.0 + 1e-6
+    assert json.loads((out / "pretrained.json").read_text())["pretrain"]["data"]["channels"] == 3
+
+
 def test_one_process_owns_an_output_dir(tmp_path):
     from trainers.run_dir import RunDirectory
 

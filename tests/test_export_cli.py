@@ -115,3 +115,16 @@ def test_check_export_cli_needs_a_finished_run(tmp_path, capsys):
     config.write_text(f"data: {{source: digits}}\nmodel: {{name: resnet20_gn}}\noutput_dir: {tmp_path / 'none'}\n")
     assert check_export.main(["--config", str(config)]) == 2
     assert "no finished run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", [b'{"method": "sparta", "test_accur', b"", b"\xff\xfe garbage", b"[1, 2]"])
+def test_check_export_cli_on_a_damaged_results_json_is_one_line(tmp_path, capsys, content):
+    """Regression: a truncated results.json (a run killed while writing it by an older version, a full
+    disk, a hand edit) gave a JSONDecodeError traceback."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "results.json").write_bytes(content)
+    config = tmp_path / "c.yaml"
+    config.write_text(f"data: {{source: digits}}\nmodel: {{name: resnet20_gn}}\noutput_dir: {tmp_path / 'run'}\n")
+    assert check_export.main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "results.json is not" in err[0] and "run sparta-train again" in err[0], err

@@ -74,6 +74,95 @@ def test_an_unreachable_peer_fails_fast_with_one_line():
     assert "\n" not in str(error.value)
 
 
+# ------------------------------------------------------- a peer that never joins, through the CLI
+
+CLI_CONFIG = {
+    "data": {"source": "digits", "classes": [0, 1, 2], "val_fraction": 0.1},
+    "model": {"name": "cifar_resnet_gn", "depth": 8, "width": 4},
+    "privacy": {"target_epsilon": 8.0, "delta": 1e-4},
+    "training": {"epochs": 3, "batch_size": 64, "seed": 0, "strategy": "multi_worker"},
+}
+
+
+def start_cli_worker(tmp_path, ports, index=0, deadline_s=3):
+    """``python -m trainers`` as worker ``index`` of a cluster on ``ports`` (its own process group)."""
+    import yaml
+
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(dict(CLI_CONFIG, output_dir=str(tmp_path / "run"))))
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), TF_CPP_MIN_LOG_LEVEL="3",
+               TF_CONFIG=tf_config(ports, index), SPARTA_PEER_TIMEOUT_S=str(deadline_s))
+    return subprocess.Popen([sys.executable, "-m", "trainers", "--config", str(path)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def finish(proc, timeout):
+    """(status, stderr lines without notes); the process group is killed if it outlives ``timeout``."""
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"the worker still ran after {timeout} s (a hang)")
+    return proc.returncode, [line for line in err.strip().splitlines() if not line.startswith("note:")]
+
+
+def test_cli_worker_whose_peer_never_comes_up_fails_in_one_line_after_the_deadline(tmp_path):
+    """Regression: TensorFlow's collective set-up waited for the missing peer without a deadline, printing
+    nothing and deaf to SIGTERM; the wait for the peers comes first and has one."""
+    ports = free_ports(2)  # nothing listens on ports[1]
+    start = time.monotonic()
+    status, lines = finish(start_cli_worker(tmp_path, ports, deadline_s=3), timeout=120)
+    assert status == 1 and len(lines) == 1, lines
+    assert lines[0].startswith(f"error: cluster peer worker[1] at 127.0.0.1:{ports[1]} is unreachable after 3 s "
+                               "(Connection refused); start every task listed in TF_CONFIG"), lines
+    assert time.monotonic() - start < 100
+
+
+def test_cli_worker_refuses_a_peer_port_held_by_something_else(tmp_path):
+    """A port that accepts connections but is neither a waiting worker nor a TensorFlow server (here a
+    bare listener) would make TensorFlow's set-up wait for ever."""
+    ports = free_ports(2)
+    with socket.create_server(("127.0.0.1", ports[1])):
+        status, lines = finish(start_cli_worker(tmp_path, ports, deadline_s=3), timeout=120)
+    assert status == 1 and len(lines) == 1, lines
+    assert "is unreachable after 3 s (its port answers, but not as a sparta-train worker" in lines[0], lines
+
+
+def test_a_waiting_cli_worker_answers_on_its_port_and_dies_on_sigterm(tmp_path):
+    ports = free_ports(2)
+    proc = start_cli_worker(tmp_path, ports, deadline_s=300)
+    try:
+        greeted, end = b"", time.monotonic() + 90
+        while time.monotonic() < end and not greeted.startswith(b"sparta-tf"):
+            try:
+                with socket.create_connection(("127.0.0.1", ports[0]), timeout=2) as sock:
+                    sock.settimeout(2)
+                    greeted = sock.recv(64)
+            except OSError:
+                time.sleep(0.2)
+        time.sleep(1)
+        proc.send_signal(signal.SIGTERM)
+        status, _ = finish(proc, timeout=20)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert greeted.startswith(b"sparta-tf worker waiting"), greeted
+    assert status == -signal.SIGTERM
+
+
+def test_the_peer_deadline_variable_is_checked_by_the_plan(monkeypatch):
+    from trainers.run import strategy_line
+
+    monkeypatch.setenv("TF_CONFIG", tf_config([1111, 2222], 0))
+    monkeypatch.setenv("SPARTA_PEER_TIMEOUT_S", "2.5")
+    assert strategy_line("multi_worker").endswith("= chief; waits up to 2.5 s for its peers")
+    monkeypatch.setenv("SPARTA_PEER_TIMEOUT_S", "soon")
+    with pytest.raises(ClusterError, match="SPARTA_PEER_TIMEOUT_S='soon' must be a number of seconds > 0"):
+        strategy_line("multi_worker")
+
+
 # ------------------------------------------------------------ two processes
 
 
@@ -272,7 +361,8 @@ def test_the_plan_shows_the_strategy_and_this_tasks_role(monkeypatch):
     assert strategy_line("mirrored") == "strategy mirrored: one process"
     monkeypatch.setenv("TF_CONFIG", tf_config([1111, 2222], 1))
     assert strategy_line("multi_worker") == ("strategy multi_worker: 2 workers from TF_CONFIG, this task worker[1] = "
-                                             "worker (writes to its scratch directory)")
+                                             "worker (writes to its scratch directory); waits up to 120 s for "
+                                             "its peers")
     monkeypatch.setenv("TF_CONFIG", "[]")
     with pytest.raises(ClusterError, match="no 'cluster' object"):
         strategy_line("multi_worker")

@@ -102,8 +102,16 @@ def finished_run(output_dir: str) -> dict:
     if not os.path.exists(path):
         raise ConfigError(f"no finished run in {output_dir} (no results.json); run sparta-train with "
                           "this config first")
-    with open(path) as f:
-        results = json.load(f)
+    try:
+        with open(path, "rb") as f:
+            results = json.loads(f.read().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        where = f" at char {error.pos}" if isinstance(error, json.JSONDecodeError) else ""
+        raise ConfigError(f"{path} is not a complete results.json (not JSON{where}: the run did not finish "
+                          "writing it); run sparta-train again with a new output_dir") from None
+    if not isinstance(results, dict) or "test_accuracy" not in results:
+        raise ConfigError(f"{path} is not a results.json written by sparta-train (no test_accuracy); run "
+                          "sparta-train again with a new output_dir")
     if not results.get("export_dir"):
         raise ConfigError(f"the run in {output_dir} exported nothing (export.enabled was false)")
     return results

@@ -5,7 +5,8 @@ exits with status 2 and one line naming the key and the fix. ``--dry-run``
 loads the data and builds the model, then prints the plan (n, q, steps,
 calibrated sigma, epsilon at the end of each phase, trainable parameters per
 phase) without training. ``--resume`` continues an interrupted run from its
-last complete checkpoint in ``output_dir``.
+last complete checkpoint in ``output_dir``. Ctrl-C stops a run with one line
+saying how to resume it (exit status 130).
 """
 
 from __future__ import annotations
@@ -38,7 +39,11 @@ def main(argv=None) -> int:
     for note in config["notes"]:
         print(f"note: {note}", file=sys.stderr)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    from trainers import run  # heavy: imports TensorFlow
+    try:
+        from trainers import run  # heavy: imports TensorFlow
+    except KeyboardInterrupt:
+        print(interrupted_line(config["output_dir"], args.dry_run), file=sys.stderr)
+        return INTERRUPTED
 
     try:
         if args.dry_run:
@@ -57,7 +62,22 @@ def main(argv=None) -> int:
                else "fix the file system problem, then run again with --resume")
         print(f"error: {error.strerror or error}{where}; {fix}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(interrupted_line(config["output_dir"], args.dry_run), file=sys.stderr)
+        return INTERRUPTED
     return 0
+
+
+INTERRUPTED = 130
+"""Exit status after Ctrl-C (SIGINT), the shell's 128 + 2."""
+
+
+def interrupted_line(output_dir: str, dry_run: bool) -> str:
+    """The one line Ctrl-C prints: what stopped and how to continue."""
+    if dry_run:
+        return "interrupted: the dry run stopped (Ctrl-C); it wrote nothing"
+    return (f"interrupted: the run in {output_dir} stopped (Ctrl-C); every step it started is charged to its "
+            "ledger; continue it with the same command plus --resume")
 
 
 if __name__ == "__main__":

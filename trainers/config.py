@@ -107,6 +107,16 @@ def _one_of(*choices):
     return check
 
 
+SEED_LIMIT = 2**32
+"""Seeds are below this: NumPy's global seed (``tf.keras.utils.set_random_seed``) is 32-bit."""
+
+
+def _seed(value):
+    """training.seed: a 32-bit seed (the dry run and the run both refuse a larger one)."""
+    return None if 0 <= value < SEED_LIMIT else (f"must be in [0, {SEED_LIMIT - 1}] (NumPy's 32-bit seed range), "
+                                                 "or null for a secret seed")
+
+
 NUMBER = (int, float)
 OPTIONAL_NUMBER = (int, float, type(None))
 OPTIONAL_INT = (int, type(None))
@@ -144,7 +154,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "schedule": Field((str,), "cosine", _one_of("cosine", "constant")),
         "warmup_fraction": Field(NUMBER, 0.02, lambda v: None if 0 <= v < 1 else "must be in [0, 1)"),
         "weight_decay": Field(NUMBER, 0.0, _non_negative),
-        "seed": Field(OPTIONAL_INT, None),
+        "seed": Field(OPTIONAL_INT, None, _seed),
         "jit_compile": Field((bool, str), "auto", lambda v: None if v in (True, False, "auto") else "must be true, false or auto"),
         "engine": Field((str,), "auto", _one_of("auto", "bookkeeping", "layerwise", "vectorized")),
         "strategy": Field((str,), "default", _one_of("default", "mirrored", "multi_worker")),
@@ -376,6 +386,11 @@ def _check_cross_field(config: dict) -> None:
     if name == "x_bitfit" and method["full_epochs"] >= epochs:
         raise ConfigError(f"method.full_epochs={method['full_epochs']} must be < training.epochs (={epochs}) "
                           "so that the bias-only phase runs")
+    if "density" in method and method["density"] == 0 and method.get("mask") is None \
+            and not any(value > 0 for value in method["density_overrides"].values()):
+        spends = " after its selection epoch has spent epsilon" if "warmup_epochs" in method else ""
+        raise ConfigError(f"method.density=0 keeps no kernel row or entry: method {name} would train only the "
+                          f"biases, norms and head{spends}; use method.name=bitfit for that, or a density in (0, 1]")
     pretrain = config["pretrain"]
     if pretrain["enabled"] and pretrain["data"] is None and not pretrain["checkpoint"]:
         raise ConfigError("pretrain.enabled is true but there is neither pretrain.data (the public data set to "

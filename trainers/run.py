@@ -8,7 +8,8 @@ prints and ``plan.json`` records), training is ``DPModel.fit`` with a
 
 Outputs in ``output_dir`` (owned by one process, :mod:`trainers.run_dir`):
 ``config.json`` (the validated config), ``pretrained.keras`` (when
-pre-training), ``plan.json``, ``ledger.json``, ``mask/`` (methods with a
+pre-training, with ``pretrained.json``: the configuration it was made
+under, :func:`pretraining_key`), ``plan.json``, ``ledger.json``, ``mask/`` (methods with a
 mask or a choice made before training), ``tensorboard/``, ``checkpoints/``
 (every epoch, resumable), ``results.json`` and ``export/<version>/`` (TF
 Serving SavedModel).
@@ -29,7 +30,7 @@ from sparta_tf import determinism, distribute
 from sparta_tf.atomic_files import replace_atomically
 from sparta_tf.methods import Method, make_method
 from sparta_tf.privacy import PrivacyCallback, PrivacyLedger
-from sparta_tf.privacy.plan import PrivacyPlan, make_privacy_plan
+from sparta_tf.privacy.plan import FixedNoiseOverBudgetError, PrivacyPlan, make_privacy_plan
 from sparta_tf import checkpointing
 from trainers.config import ConfigError, check_against_data
 from trainers.run_dir import RESULTS, RunDirectory, check_output_dir
@@ -92,7 +93,12 @@ def privacy_caveats(config: dict, dataset, private: bool) -> list[str]:
 
 
 def _warn_of_caveats(config: dict, dataset, private: bool) -> None:
-    for caveat in privacy_caveats(config, dataset, private):
+    """Prints the plan's caveats: :func:`privacy_caveats` and, for a private run, the sampling's (which
+    the ledger adds itself, so it is not recorded with the others)."""
+    from sparta_tf.privacy.ledger import sampling_caveat
+
+    sampling = sampling_caveat(config["privacy"]["sampling"], planned=True) if private else None
+    for caveat in privacy_caveats(config, dataset, private) + ([sampling] if sampling else []):
         print(f"  WARNING: {caveat}")
 
 
@@ -101,22 +107,88 @@ def _seed(config: dict) -> int:
     return 0 if seed is None else seed
 
 
-def pretrain(config: dict, output_dir: str) -> tf.keras.Model:
-    """Non-private pre-training on the public data (cached in ``pretrained.keras``)."""
-    from sparta_tf.data import load_dataset, make_augmenter
-    from sparta_tf.models.zoo import build_model
+PRETRAINED, PRETRAINED_KEY = "pretrained.keras", "pretrained.json"
 
-    from sparta_tf.data import DataError
 
-    spec = config["pretrain"]
-    path = spec["checkpoint"] or os.path.join(output_dir, "pretrained.keras")
-    if os.path.exists(path):
-        print(f"== pre-trained model: {path}")
-        return _load_pretrained(path, "pretrain.checkpoint" if spec["checkpoint"] else f"the cached {path}")
+def pretraining_key(config: dict) -> dict:
+    """What a pre-trained model depends on: the model section, the pretrain section (but its checkpoint)
+    and the seed; ``pretrained.json`` records it next to the cached ``pretrained.keras``."""
+    spec = {k: v for k, v in config["pretrain"].items() if k != "checkpoint"}
+    return json.loads(json.dumps({"model": config["model"], "pretrain": spec, "seed": _seed(config)}))
+
+
+def pretrained_source(config: dict, output_dir: str) -> tuple[str, str]:
+    """Where the run's pre-trained model comes from: ``("checkpoint", path)`` (pretrain.checkpoint, when it
+    exists), ``("cache", path)`` (``output_dir/pretrained.keras`` made under this config's
+    :func:`pretraining_key`) or ``("data", path to write)``: pre-training on pretrain.data. A cache made
+    under another configuration (or without a key) is never reused."""
+    checkpoint = config["pretrain"]["checkpoint"]
+    if checkpoint:
+        return ("checkpoint" if os.path.exists(checkpoint) else "data"), checkpoint
+    path = os.path.join(output_dir, PRETRAINED)
+    if not os.path.exists(path):
+        return "data", path
     try:
-        public = load_dataset(spec["data"], seed=_seed(config))
+        with open(os.path.join(output_dir, PRETRAINED_KEY)) as f:
+            key = json.load(f)
+    except (OSError, ValueError):
+        key = None
+    return ("cache" if key == pretraining_key(config) else "stale"), path
+
+
+def _check_channels(have: int, private, what: str, fix: str) -> None:
+    channels = private.input_shape[-1]
+    if have != channels:
+        raise ConfigError(f"{what} has {have} channel(s) but the private data has {channels}; {fix}")
+
+
+def _loaded_pretrained(source: str, path: str, private) -> tf.keras.Model:
+    what = "pretrain.checkpoint" if source == "checkpoint" else f"the cached {path}"
+    model = _load_pretrained(path, what)
+    _check_channels(model.input_shape[-1], private, f"the input of {what}",
+                    "pre-train on data with the private data's channels")
+    return model
+
+
+def _public_data(config: dict, private):
+    from sparta_tf.data import DataError, load_dataset
+
+    try:
+        public = load_dataset(config["pretrain"]["data"], seed=_seed(config))
     except DataError as error:
         raise error.under("pretrain.data") from None
+    _check_channels(public.input_shape[-1], private, "pretrain.data",
+                    "set pretrain.data.channels (or data.channels) so that they agree")
+    return public
+
+
+def check_pretraining(config: dict, private, output_dir: str) -> None:
+    """The dry run's view of :func:`pretrain`: the model it would load, or the public data it would
+    pre-train on, must take the private data's channels (loads, trains nothing)."""
+    if not config["pretrain"]["enabled"]:
+        return
+    source, path = pretrained_source(config, output_dir)
+    if source in ("checkpoint", "cache"):
+        _loaded_pretrained(source, path, private)
+    else:
+        _public_data(config, private)
+
+
+def pretrain(config: dict, output_dir: str, private) -> tf.keras.Model:
+    """The pre-trained model: loaded (pretrain.checkpoint, or the cache ``pretrained.keras`` made under
+    this configuration) or pre-trained non-privately on the public data and cached with its key; the
+    public data (or the loaded model) must have the ``private`` data's channels."""
+    from sparta_tf.data import make_augmenter
+    from sparta_tf.models.zoo import build_model
+
+    spec = config["pretrain"]
+    source, path = pretrained_source(config, output_dir)
+    if source in ("checkpoint", "cache"):
+        print(f"== pre-trained model: {path}")
+        return _loaded_pretrained(source, path, private)
+    if source == "stale":
+        print(f"== {path} was made under another pre-training configuration; pre-training again")
+    public = _public_data(config, private)
     print(f"== non-private pre-training on public data {public.name} (n={len(public.x_train)})")
     model = build_model(config["model"], public.num_classes, public.input_shape)
     optimizer = (tf.keras.optimizers.Adam(spec["learning_rate"]) if spec["optimizer"] == "adam"
@@ -128,7 +200,12 @@ def pretrain(config: dict, output_dir: str) -> tf.keras.Model:
     trainer.compile(optimizer, loss=LOSS, metrics=["accuracy"])
     trainer.fit(public.x_train, public.y_train, epochs=spec["epochs"], batch_size=spec["batch_size"],
                 validation_data=(public.x_test, public.y_test), verbose=2)
+    key_path = os.path.join(output_dir, PRETRAINED_KEY)
+    if not spec["checkpoint"] and os.path.exists(key_path):
+        os.remove(key_path)  # never a key next to a model it was not made for, even if killed in between
     replace_atomically(path, model.save, suffix=".keras")  # Keras picks the format by the suffix
+    if not spec["checkpoint"]:
+        checkpointing.write_atomic(key_path, json.dumps(pretraining_key(config), indent=1))
     return model
 
 
@@ -144,13 +221,16 @@ def _load_pretrained(path: str, what: str) -> tf.keras.Model:
 def build_private_model(config: dict, dataset, output_dir: str | None) -> tf.keras.Model:
     """The model DP fine-tuning starts from: pre-trained with a fresh head, or built from the zoo
     (``output_dir=None``: the dry run, which builds without pre-training)."""
+    from sparta_tf.data import DataError
     from sparta_tf.models.convert import with_fresh_head
     from sparta_tf.models.zoo import build_model
 
     try:
         if config["pretrain"]["enabled"] and output_dir is not None:
-            return with_fresh_head(pretrain(config, output_dir), dataset.num_classes)
+            return with_fresh_head(pretrain(config, output_dir, dataset), dataset.num_classes)
         return build_model(config["model"], dataset.num_classes, dataset.input_shape)
+    except (ConfigError, DataError):
+        raise  # already one line naming the key (as the dry run reports it)
     except (ValueError, TypeError) as error:
         message = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise ConfigError(message if message.startswith(("model", "pretrain")) else f"model: {message}") from None
@@ -168,6 +248,8 @@ def build_method(config: dict, output_dir: str | None, model: tf.keras.Model) ->
         method.check(model)
     except (ValueError, OSError) as error:
         message = str(error).splitlines()[0]
+        if message.startswith("density_overrides"):
+            raise ConfigError(f"method.{message}") from None
         key = "method.mask" if config["method"].get("mask") and "mask" in message else "method"
         raise ConfigError(f"{key}: {message}") from None
     return method
@@ -186,12 +268,12 @@ def make_plan(config: dict, dataset, method: Method) -> PrivacyPlan:
             training_share=method.training_share,
             nonprivate_reasons=method.nonprivate_reasons() + dataset.nonprivate_reasons(),
         )
+    except FixedNoiseOverBudgetError as error:
+        raise ConfigError(f"privacy.noise_multiplier={privacy['noise_multiplier']} spends {error.spent} over the "
+                          f"planned run, more than privacy.target_epsilon={privacy['target_epsilon']:g}; raise it, "
+                          "or leave it null to calibrate it from the target") from None
     except ValueError as error:
         raise ConfigError(f"privacy: {error}") from None
-    if plan.private and plan.epsilon > privacy["target_epsilon"] * (1 + 1e-9):
-        raise ConfigError(f"privacy.noise_multiplier={privacy['noise_multiplier']} spends epsilon={plan.epsilon:.4g} "
-                          f"over the planned run, more than privacy.target_epsilon={privacy['target_epsilon']:g}; "
-                          "raise it, or leave it null to calibrate it from the target")
     return plan
 
 
@@ -231,6 +313,7 @@ def dry_run(config: dict) -> PrivacyPlan:
     plan; writes nothing. It fails exactly when the run would fail before its first step."""
     preflight(config)
     dataset = load_private_data(config)
+    check_pretraining(config, dataset, config["output_dir"])
     model = build_private_model(config, dataset, None)
     method = build_method(config, None, model)
     plan = make_plan(config, dataset, method)
@@ -241,13 +324,15 @@ def dry_run(config: dict) -> PrivacyPlan:
 
 
 def strategy_line(name: str) -> str:
-    """The plan's line on where training runs; a malformed TF_CONFIG fails here (no connection made)."""
+    """The plan's line on where training runs; a malformed TF_CONFIG or ``$SPARTA_PEER_TIMEOUT_S`` fails
+    here (no connection made)."""
     if name != "multi_worker":
         return f"strategy {name}: one process"
     cluster = distribute.parse_tf_config(os.environ.get("TF_CONFIG"))
     role = "chief" if cluster.is_chief else "worker (writes to its scratch directory)"
     return (f"strategy multi_worker: {cluster.num_workers} workers from TF_CONFIG, this task "
-            f"{cluster.task_type}[{cluster.task_index}] = {role}")
+            f"{cluster.task_type}[{cluster.task_index}] = {role}; waits up to {distribute.peer_timeout_s():g} s "
+            "for its peers")
 
 
 def apply_process_settings(config: dict) -> None:

@@ -18,6 +18,7 @@ import glob
 import json
 import os
 import shutil
+import tempfile
 
 from sparta_tf import checkpointing
 from trainers.config import ConfigError, validate
@@ -32,7 +33,11 @@ and ``mask/*.tmp-*`` are the names versions before ``replace_atomically`` used).
 
 
 def check_output_dir(path: str) -> None:
-    """A ConfigError unless ``path`` is, or can be created as, a writable directory (creates nothing)."""
+    """A ConfigError unless ``path`` is, or can be created as, a writable directory (leaves nothing behind).
+
+    Permission bits do not tell everything (root may write anywhere by them, yet ``/proc`` or a read-only
+    mount refuse), so the deepest existing directory is tried: a probe directory is made in it and removed.
+    """
     target = os.path.abspath(path)
     existing = target
     while not os.path.exists(existing):
@@ -40,8 +45,14 @@ def check_output_dir(path: str) -> None:
     if not os.path.isdir(existing):
         where = "is a file" if existing == target else f"cannot be created: {existing} is a file"
         raise ConfigError(f"output_dir {path} {where}; choose a directory path")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        where = "is not writable" if existing == target else f"cannot be created in {existing} (not writable)"
+    problem = None if os.access(existing, os.W_OK | os.X_OK) else "not writable"
+    if problem is None:
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".sparta-probe-", dir=existing))
+        except OSError as error:
+            problem = f"not writable: making a directory there fails with {error.strerror or error}"
+    if problem is not None:
+        where = f"is {problem}" if existing == target else f"cannot be created in {existing} ({problem})"
         raise ConfigError(f"output_dir {path} {where}; choose a writable path")
 
 

@@ -7,6 +7,7 @@ from typing import Optional
 import numpy as np
 
 from sparta_tf.data.errors import DataError
+from sparta_tf.data.memory import check_fits_in_memory
 
 __all__ = ["convert_channels", "resize_images", "to_unit_float"]
 
@@ -52,9 +53,13 @@ def convert_channels(x: np.ndarray, channels: Optional[int], what: str) -> np.nd
 
 
 def resize_images(x: np.ndarray, size: Optional[tuple[int, int]]) -> np.ndarray:
-    """Bilinear ``tf.image.resize`` to ``size`` (no-op when already that size)."""
+    """Bilinear ``tf.image.resize`` to ``size`` (no-op when already that size); a :class:`DataError` when the
+    resized images would not fit in memory (:func:`~sparta_tf.data.memory.check_fits_in_memory`)."""
     if size is None or tuple(x.shape[1:3]) == tuple(size):
         return x
+    check_fits_in_memory(4.0 * len(x) * size[0] * size[1] * x.shape[-1], "image_size",
+                         f"{list(size)} for {len(x)} images of {x.shape[-1]} channel(s)",
+                         "use a smaller data.image_size, or fewer examples (data.limit_train / data.limit_test)")
     import tensorflow as tf
 
     out = np.empty((len(x), *size, x.shape[-1]), dtype=np.float32)

@@ -3,13 +3,14 @@
 A sparse method trains biases + norms + head (:data:`ALWAYS_TRAINABLE`)
 plus, in every maskable kernel, the rows or entries its mask keeps (a
 ``density`` fraction per layer, at least one; ``density_overrides`` per layer
-name pattern). The mask is saved to ``mask_dir`` (``mask.npz/json/md``) with
+name pattern, each of which must match a maskable layer). The mask is saved to ``mask_dir`` (``mask.npz/json/md``) with
 its privacy provenance (:class:`sparta_tf.masks.MaskProvenance`); a resumed
 run reloads its own saved mask rather than choosing again.
 """
 
 from __future__ import annotations
 
+import fnmatch
 from typing import Mapping
 
 import tensorflow as tf
@@ -21,6 +22,8 @@ from sparta_tf.methods.sets import ALWAYS_TRAINABLE, role_set
 from sparta_tf.selection.topk import density_for, kept_count
 from sparta_tf.trainable import TrainableSet, VariableSelection
 
+MAX_LISTED_LAYERS = 8
+
 
 class MaskedMethod(Method):
     """A method whose final trainable set is the DP-BitFit set plus a kernel mask."""
@@ -31,6 +34,20 @@ class MaskedMethod(Method):
         self.granularity = granularity
         self.density_overrides = dict(density_overrides)
         self.mask_selections: list[VariableSelection] | None = None
+
+    def check(self, model: tf.keras.Model) -> None:
+        """Refuses a ``density_overrides`` pattern that matches no maskable layer of ``model`` (it would
+        change nothing, silently): one line naming the pattern and the layers there are."""
+        super().check(model)
+        if not self.density_overrides:
+            return
+        groups = row_groups(model, self.head)
+        for pattern in self.density_overrides:
+            if not any(fnmatch.fnmatchcase(g.layer, pattern) or fnmatch.fnmatchcase(g.name, pattern) for g in groups):
+                layers = list(dict.fromkeys(g.layer for g in groups))
+                shown = ", ".join(layers[:MAX_LISTED_LAYERS]) + (", ..." if len(layers) > MAX_LISTED_LAYERS else "")
+                raise ValueError(f"density_overrides pattern {pattern!r} matches no maskable layer (fnmatch on the "
+                                 f"layer or variable name); the model's are: {shown}; fix or remove the pattern")
 
     def masked_set(self, model: tf.keras.Model) -> TrainableSet:
         """The DP-BitFit set plus the mask (which must be known)."""

@@ -94,6 +94,7 @@ class SelectionEpochMethod(MaskedMethod):
     # ------------------------------------------------------------------ run
 
     def check(self, model: tf.keras.Model) -> None:
+        super().check(model)
         if self.mask_path is not None:
             masks.load_mask(self.mask_path, model)  # refuses a damaged mask or one of another model
 

@@ -111,6 +111,18 @@ def _appended(entries: tuple[LedgerEntry, ...], new: LedgerEntry) -> tuple[Ledge
     return entries + (new,)
 
 
+def sampling_caveat(sampling: str, planned: bool = False) -> str | None:
+    """What the guarantee does not cover when batches are drawn with ``sampling`` (None for Poisson
+    sampling, which the accountant assumes): the ledger's report says it, and with ``planned`` the
+    dry-run plan, before the run."""
+    if sampling == POISSON:
+        return None
+    drawn, epsilon = ("are", "the planned epsilon") if planned else ("were", "the epsilon above")
+    return (f"batches {drawn} drawn with sampling={sampling!r}; the accountant's guarantee assumes "
+            f"Poisson sampling and does not cover fixed-size shuffled batches, so {epsilon} is "
+            "not a proven guarantee for this run.")
+
+
 class PrivacyLedger:
     """Records mechanism runs and reports the epsilon they spend.
 
@@ -313,10 +325,7 @@ class PrivacyLedger:
 
     def caveats(self) -> list[str]:
         """What keeps the epsilon above from being a proven guarantee for this run (empty: nothing)."""
-        own = [] if self.covered_by_accountant else [
-            f"batches were drawn with sampling={self.sampling!r}; the accountant's guarantee assumes "
-            "Poisson sampling and does not cover fixed-size shuffled batches, so the epsilon above is "
-            "not a proven guarantee for this run."]
+        own = [] if self.covered_by_accountant else [sampling_caveat(self.sampling)]
         return own + list(self._caveats)
 
     def _epsilon_line(self) -> str:

@@ -175,19 +175,32 @@ def make_privacy_plan(
     training_share: float = 1.0,
     nonprivate_reasons: Sequence[str] = (),
 ) -> PrivacyPlan:
-    """Calibrates every noise multiplier of a run and the epsilon after each phase (module doc)."""
+    """Calibrates every noise multiplier of a run and the epsilon after each phase (module doc).
+
+    A given ``noise_multiplier`` with a ``target_epsilon`` must meet it: :class:`FixedNoiseOverBudgetError`
+    otherwise, at once (before the per-phase PLD work, which takes minutes at ``sigma = 0.01``) when one
+    step alone spends more than the target.
+    """
     if n < 1:
         raise ValueError(f"n={n} private training examples: need at least 1")
     q = min(1.0, expected_batch_size / n)
     per_epoch = steps_per_epoch(q)
     epochs = sum(p.epochs for p in phases)
     training = tuple((q, p.epochs * per_epoch) for p in phases if p.epochs)
+    given = noise_multiplier is not None and target_epsilon is not None and not nonprivate_reasons
     if noise_multiplier is None:
         if target_epsilon is None:
             raise ValueError("give a target epsilon or a noise multiplier")
         known = () if training_share < 1 else _known(before_training)
         noise_multiplier = accounting.calibrate_composition(
             known, training, training_share * target_epsilon, delta, accountant)
+    if given:
+        steps = [(noise_multiplier, q)] if training else []
+        steps += [(sigma, rate) for sigma, rate, _ in _known(before_training)]
+        bound = max((accounting.step_epsilon_lower_bound(s, rate, delta) for s, rate in steps), default=0.0)
+        if bound > target_epsilon:
+            raise FixedNoiseOverBudgetError(noise_multiplier, target_epsilon,
+                                            f"epsilon > {bound:.4g} (one step alone, at delta={delta:g})")
     before = tuple(_calibrated_before(before_training, noise_multiplier, training, target_epsilon, delta, accountant))
     ledger = PrivacyLedger(delta, accountant=accountant)
     for reason in nonprivate_reasons:
@@ -200,8 +213,22 @@ def make_privacy_plan(
         steps = phase.epochs * per_epoch
         ledger.record(noise_multiplier, q, steps, DEFAULT_KIND, phase.name)
         planned.append(PlannedPhase(phase.name, phase.epochs, steps, phase.updates, ledger.epsilon()))
-    return PrivacyPlan(n, q, per_epoch, epochs, float(noise_multiplier), delta, target_epsilon, accountant,
+    plan = PrivacyPlan(n, q, per_epoch, epochs, float(noise_multiplier), delta, target_epsilon, accountant,
                        before, tuple(planned), tuple(nonprivate_reasons))
+    if given and plan.epsilon > target_epsilon * (1 + 1e-9):
+        raise FixedNoiseOverBudgetError(noise_multiplier, target_epsilon, f"epsilon={plan.epsilon:.4g}")
+    return plan
+
+
+class FixedNoiseOverBudgetError(accounting.PrivacyBudgetExceededError):
+    """A given noise multiplier spends more than the target epsilon over the planned run. ``spent`` says
+    how much: the plan's epsilon, or (found in microseconds, before any PLD work) a lower bound from one
+    step alone (:func:`~sparta_tf.privacy.accounting.step_epsilon_lower_bound`)."""
+
+    def __init__(self, noise_multiplier: float, target_epsilon: float, spent: str):
+        self.noise_multiplier, self.target_epsilon, self.spent = noise_multiplier, target_epsilon, spent
+        super().__init__(f"noise_multiplier={noise_multiplier:g} spends {spent} over the planned run, more than "
+                         f"target_epsilon={target_epsilon:g}; raise it, or give none to calibrate it from the target")
 
 
 def _known(mechanisms: Sequence[Mechanism]) -> tuple:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from sparta_tf import random_streams
+from sparta_tf.data.memory import check_fits_in_memory
 from sparta_tf.data.raw import ArraySplit, RawData
 from sparta_tf.data.spec import DataSpec
 
@@ -21,6 +22,8 @@ DEFAULT_IMAGE_SIZE = (8, 8)
 DEFAULT_CHANNELS = 3
 PATTERN_SCALE = 0.25
 NOISE_SCALE = 0.1
+GENERATION_BYTES = 20
+"""Bytes per pixel value while generating: float64 noise and sum, then the float32 images."""
 
 
 def load_synthetic(spec: DataSpec, seed: int) -> RawData:
@@ -28,6 +31,10 @@ def load_synthetic(spec: DataSpec, seed: int) -> RawData:
     rng = random_streams.numpy_rng(seed, "synthetic_data")
     height, width = spec.image_size or DEFAULT_IMAGE_SIZE
     shape = (height, width, spec.channels or DEFAULT_CHANNELS)
+    values = float(spec.num_examples + spec.num_classes) * height * width * shape[2]
+    check_fits_in_memory(values * GENERATION_BYTES, "image_size",
+                         f"{list(spec.image_size or DEFAULT_IMAGE_SIZE)} for {spec.num_examples} synthetic images of "
+                         f"{shape[2]} channel(s)", "use a smaller data.image_size or data.num_examples")
     patterns = _smooth(rng.standard_normal((spec.num_classes, *shape)))
     labels = rng.permutation(np.arange(spec.num_examples) % spec.num_classes).astype(np.int64)
     noise = rng.standard_normal((spec.num_examples, *shape))
