@@ -1,6 +1,12 @@
 """sparta-tf: differentially private (sparse) fine-tuning for TensorFlow/Keras."""
 
-from sparta_tf import keras2  # noqa: F401  (first: Keras 2 behind tf.keras on every TensorFlow)
+import os as _os
+
+# TensorFlow's C++ start-up chatter (CUDA probes, oneDNN notes) off unless the user set a level: the CLI
+# scripts (sparta-example, ...) import this package before their own code runs.
+_os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+from sparta_tf import keras2  # noqa: E402,F401  (first: Keras 2 behind tf.keras on every TensorFlow)
 from sparta_tf.callbacks import MethodCallback, NonFiniteGuard, NonFiniteTrainingError, SpartaCallback
 from sparta_tf.dp_model import DPModel
 from sparta_tf.groups import group_table, parameter_table, row_groups
