@@ -40,7 +40,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from sparta_tf import checkpointing
+from sparta_tf import checkpointing, distribute
 from sparta_tf.methods import Method, make_method
 from sparta_tf.privacy.ledger import PrivacyLedger
 from sparta_tf.privacy.plan import PrivacyPlan, make_privacy_plan
@@ -62,22 +62,17 @@ def plan_method(
 ) -> PrivacyPlan:
     """The :class:`PrivacyPlan` of ``epochs`` epochs of ``method`` on ``dataset_size`` examples with
     expected batch ``batch_size``. A given ``noise_multiplier`` that would spend more than
-    ``target_epsilon`` is refused (ValueError, one line)."""
+    ``target_epsilon`` is refused (:class:`~sparta_tf.privacy.plan.FixedNoiseOverBudgetError`, one line)."""
     n = int(dataset_size)
     if n < 1:
         raise ValueError(f"dataset_size={dataset_size!r}: need at least 1 private training example")
-    plan = make_privacy_plan(
+    return make_privacy_plan(
         n=n, expected_batch_size=batch_size, phases=method.phases(epochs), delta=delta,
         target_epsilon=target_epsilon, accountant=accountant, noise_multiplier=noise_multiplier,
         before_training=method.mechanisms_before_training(n, min(1.0, batch_size / n)),
         training_share=method.training_share,
         nonprivate_reasons=list(method.nonprivate_reasons()) + list(nonprivate_reasons),
     )
-    if plan.private and target_epsilon is not None and plan.epsilon > target_epsilon * (1 + 1e-9):
-        raise ValueError(f"noise_multiplier={noise_multiplier} spends epsilon={plan.epsilon:.4g} over the planned "
-                         f"run, more than target_epsilon={target_epsilon:g}; raise it, or leave it None to "
-                         "calibrate it from the target")
-    return plan
 
 
 def make_private(
@@ -138,13 +133,23 @@ def make_private(
     method.check(model)
     plan = plan_method(method, dataset_size=dataset_size, batch_size=batch_size, epochs=epochs, delta=delta,
                        target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, accountant=accountant)
+    return private_model(model, method, plan, run_dir=run_dir, clip_norm=clip_norm,
+                         physical_batch_size=physical_batch_size, sampling=sampling, seed=seed, engine=engine,
+                         jit_compile=jit_compile)
+
+
+def private_model(model: tf.keras.Model, method: Method, plan: PrivacyPlan, *, run_dir: str | None = None,
+                  seed: int | None = None, **dp_options: Any):
+    """The DP model of ``method`` built with ``plan``'s ``sigma``, ``q``, ``n`` and budget, its ``fit``
+    running the plan (:class:`PrivateRun`); ``dp_options``: the other :class:`~sparta_tf.DPModel`
+    arguments. A ``run_dir`` holding a checkpoint continues that run's seed (the checkpoint also
+    restores the noise seed)."""
     previous = checkpointing.latest(run_dir) if run_dir is not None else None
     if previous is not None:
-        seed = previous[1]["seed"]  # the run's streams continue: the checkpoint also restores the noise seed
+        seed = previous[1]["seed"]
     dp = method.make_dp_model(
-        model, noise_multiplier=plan.noise_multiplier, clip_norm=clip_norm, sample_rate=plan.sample_rate,
-        dataset_size=plan.n, physical_batch_size=physical_batch_size, sampling=sampling, delta=delta,
-        target_epsilon=target_epsilon, accountant=accountant, seed=seed, engine=engine, jit_compile=jit_compile,
+        model, noise_multiplier=plan.noise_multiplier, sample_rate=plan.sample_rate, dataset_size=plan.n,
+        delta=plan.delta, target_epsilon=plan.target_epsilon, accountant=plan.accountant, seed=seed, **dp_options,
     )
     dp.attach_run(PrivateRun(plan, method, run_dir))
     return dp
@@ -190,18 +195,21 @@ class PrivateRun:
             raise ValueError("compile the model returned by make_private (optimizer and loss) before fit")
         previous = checkpointing.latest(self.run_dir) if self.run_dir is not None else None
         first_epoch = previous[1]["epoch"] if previous else 0
+        distribute.check_same_checkpoint(dp.distribute_strategy, first_epoch if previous else None)
         if not self._started:
             self._start(dp, x, y, first_epoch, fresh=previous is None)
         method_callback = MethodCallback(self.method)
         method_callback.begin(dp, self.plan.epochs, first_epoch)
         if previous is not None:
             restore_run(previous, dp, method_callback, self.plan, self.run_dir)
-        run_callbacks = [method_callback]
-        if self.run_dir is not None:
-            self.checkpoint = EpochCheckpoint(self.run_dir, dp)
-            run_callbacks += [checkpointing.StepJournal(self.run_dir), self.checkpoint]
+        distribute.check_same_step(dp.distribute_strategy, int(dp.dp_step.numpy()))
         self._fit_called = True  # a fit that raised is resumed through run_dir by a new process
-        return self.plan.epochs, first_epoch, run_callbacks + list(callbacks)
+        if self.run_dir is None:
+            return self.plan.epochs, first_epoch, [method_callback] + list(callbacks)
+        # The checkpoint last: a callback that stops the epoch (a non-finite guard) runs before it is saved.
+        self.checkpoint = EpochCheckpoint(self.run_dir, dp)
+        journal = checkpointing.StepJournal(self.run_dir)
+        return self.plan.epochs, first_epoch, [method_callback, journal] + list(callbacks) + [self.checkpoint]
 
     def _start(self, dp, x, y, first_epoch: int, fresh: bool) -> None:
         """Once per process: charge what a killed run left in the journal, then the method's preparation."""

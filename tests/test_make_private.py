@@ -98,7 +98,7 @@ def test_fit_of_another_length_and_a_second_fit_are_refused():
 
 
 def test_a_noise_multiplier_over_the_target_is_refused():
-    with pytest.raises(ValueError, match="spends epsilon=.* more than target_epsilon=1"):
+    with pytest.raises(ValueError, match="noise_multiplier=0.3 spends .* more than target_epsilon=1"):
         sparta_tf.make_private(_model(), method="all", target_epsilon=1.0, delta=1e-5, epochs=EPOCHS,
                                batch_size=BATCH, dataset_size=N, noise_multiplier=0.3)
 

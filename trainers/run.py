@@ -26,12 +26,11 @@ import numpy as np
 import tensorflow as tf
 
 import sparta_tf
-from sparta_tf import determinism, distribute
+from sparta_tf import checkpointing, determinism, distribute
 from sparta_tf.atomic_files import replace_atomically
 from sparta_tf.methods import Method, make_method
-from sparta_tf.privacy import PrivacyCallback, PrivacyLedger
-from sparta_tf.privacy.plan import FixedNoiseOverBudgetError, PrivacyPlan, make_privacy_plan
-from sparta_tf import checkpointing
+from sparta_tf.private_training import plan_method, private_model
+from sparta_tf.privacy.plan import FixedNoiseOverBudgetError, PrivacyPlan
 from trainers.config import ConfigError, check_against_data
 from trainers.run_dir import RESULTS, RunDirectory, check_output_dir
 
@@ -258,15 +257,11 @@ def build_method(config: dict, output_dir: str | None, model: tf.keras.Model) ->
 def make_plan(config: dict, dataset, method: Method) -> PrivacyPlan:
     """The run's :class:`PrivacyPlan`: the method's phases and mechanisms, the data's privacy status."""
     privacy, training = config["privacy"], config["training"]
-    n = len(dataset.x_train)
     try:
-        plan = make_privacy_plan(
-            n=n, expected_batch_size=training["batch_size"], phases=method.phases(training["epochs"]),
+        plan = plan_method(
+            method, dataset_size=len(dataset.x_train), batch_size=training["batch_size"], epochs=training["epochs"],
             delta=privacy["delta"], target_epsilon=privacy["target_epsilon"], accountant=privacy["accountant"],
-            noise_multiplier=privacy["noise_multiplier"],
-            before_training=method.mechanisms_before_training(n, min(1.0, training["batch_size"] / n)),
-            training_share=method.training_share,
-            nonprivate_reasons=method.nonprivate_reasons() + dataset.nonprivate_reasons(),
+            noise_multiplier=privacy["noise_multiplier"], nonprivate_reasons=dataset.nonprivate_reasons(),
         )
     except FixedNoiseOverBudgetError as error:
         raise ConfigError(f"privacy.noise_multiplier={privacy['noise_multiplier']} spends {error.spent} over the "
@@ -381,44 +376,27 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
     checkpointing.write_atomic(os.path.join(output_dir, "plan.json"), json.dumps(plan.to_json(), indent=1))
 
     privacy, training = config["privacy"], config["training"]
-    seed = previous[1]["seed"] if previous else training["seed"]
-    dp = method.make_dp_model(
-        model, noise_multiplier=plan.noise_multiplier, clip_norm=privacy["clip_norm"],
-        sample_rate=plan.sample_rate, dataset_size=plan.n, physical_batch_size=training["physical_batch_size"],
-        sampling=privacy["sampling"], delta=privacy["delta"], target_epsilon=privacy["target_epsilon"],
-        accountant=privacy["accountant"], seed=seed, engine=training["engine"], jit_compile=training["jit_compile"],
-    )
+    dp = private_model(model, method, plan, run_dir=output_dir, seed=training["seed"], clip_norm=privacy["clip_norm"],
+                       physical_batch_size=training["physical_batch_size"], sampling=privacy["sampling"],
+                       engine=training["engine"], jit_compile=training["jit_compile"])
     dp.compile(make_optimizer(config, plan.update_steps), loss=LOSS, metrics=["accuracy"])
-    callback = sparta_tf.MethodCallback(method)
-    initial_epoch = previous[1]["epoch"] if previous else 0
-    distribute.check_same_checkpoint(dp.distribute_strategy, previous[1]["epoch"] if previous else None)
     if previous is None:
         for reason in dataset.nonprivate_reasons():
             dp.ledger.record_nonprivate(reason)
         for caveat in privacy_caveats(config, dataset, plan.private):
             dp.ledger.record_caveat(caveat)  # in the ledger, so a mask chosen now carries it too
-        _charge_steps_before_first_checkpoint(dp, plan, output_dir)
-        checkpointing.journal_before_training(output_dir, dp.ledger, plan.before_training_entries(releases_only=True))
-    method_info = method.prepare(dp, dataset.x_train, dataset.y_train, LOSS, plan, initial_epoch)
-    callback.begin(dp, plan.epochs, initial_epoch)
-    if previous is not None:
-        _restore(previous, dp, callback, plan, output_dir)
-    distribute.check_same_step(dp.distribute_strategy, int(dp.dp_step.numpy()))
-    ledger_path = os.path.join(output_dir, "ledger.json")
-    privacy_callback = PrivacyCallback(dp.ledger, plan.noise_multiplier, plan.sample_rate, plan.steps_per_epoch,
-                                       step_counter=dp.dp_step, budget_mode="until_exhausted",
-                                       on_budget_exhausted=lambda: dp.ledger.save(ledger_path))
-    saver = _EpochCheckpoint(output_dir, dp)
-    callbacks = [privacy_callback, callback, checkpointing.StepJournal(output_dir), sparta_tf.NonFiniteGuard(), saver,
-                 tf.keras.callbacks.TensorBoard(os.path.join(output_dir, "tensorboard"))]
+    ledger_path = os.path.join(output_dir, checkpointing.LEDGER)
+    callbacks = [sparta_tf.NonFiniteGuard(), tf.keras.callbacks.TensorBoard(os.path.join(output_dir, "tensorboard"))]
     callbacks += hooks.callbacks() if hooks is not None else []
     start = time.perf_counter()
-    history = dp.fit(dataset.x_train, dataset.y_train, epochs=plan.epochs, initial_epoch=initial_epoch,
+    history = dp.fit(dataset.x_train, dataset.y_train,
                      validation_data=(dataset.x_val, dataset.y_val) if len(dataset.x_val) else None,
-                     callbacks=callbacks, verbose=1 if sys.stdout.isatty() else 2)
+                     callbacks=callbacks, verbose=1 if sys.stdout.isatty() else 2,
+                     on_budget_exhausted=lambda: dp.ledger.save(ledger_path))
     timings["train_s"] = time.perf_counter() - start
     dp.ledger.save(ledger_path)
-    results = _results(config, dp, plan, dataset, saver.phase_seconds, timings, history) | method_info
+    run = dp.private_run
+    results = _results(config, dp, plan, dataset, run.checkpoint.phase_seconds, timings, history) | run.prepare_info
     if config["export"]["enabled"]:
         from sparta_tf.export import export_for_serving
 
@@ -432,58 +410,6 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
     print(f"== test accuracy {results['test_accuracy']:.4f} at {spent} "
           f"(delta {privacy['delta']:g}); results in {os.path.join(output_dir, RESULTS)}")
     return results
-
-
-def _charge_steps_before_first_checkpoint(dp, plan: PrivacyPlan, output_dir: str) -> None:
-    """A resumed run killed before its first checkpoint starts over; the steps it ran stay charged."""
-    runs = checkpointing.charge_interrupted_before_training(
-        output_dir, dp.ledger, plan.before_training_entries(releases_only=True), dp.distribute_strategy)
-    if runs:
-        print(f"== the mechanisms before training, run {runs} time(s) by the interrupted run(s), charged to the ledger")
-    lost = checkpointing.charge_interrupted_steps(output_dir, 0, dp.ledger, plan.noise_multiplier, plan.sample_rate,
-                                                  dp.distribute_strategy)
-    if lost:
-        dp.dp_step.assign(lost)  # fresh noise and batch keys; the journal keeps counting every step run
-        print(f"== {lost} step(s) of the interrupted run (before its first checkpoint) charged to the ledger")
-
-
-def _restore(previous, dp, callback, plan: PrivacyPlan, output_dir: str) -> None:
-    """Restores the last checkpoint and charges the steps the killed run started after it."""
-    path, state = previous
-    epoch = state["epoch"]
-    dp.ledger = PrivacyLedger.from_json(state["ledger"])
-    dp.ledger.target_epsilon = plan.target_epsilon if dp.ledger.is_private else None
-    # Recreates the trainable set (and optimizer slots) of that epoch's phase; a run killed after its last
-    # epoch (during export) restores into the last phase and trains no more.
-    callback.on_epoch_begin(min(epoch, plan.epochs - 1))
-    checkpointing.restore(path, dp)
-    lost = checkpointing.charge_interrupted_steps(output_dir, int(dp.dp_step.numpy()), dp.ledger,
-                                                  plan.noise_multiplier, plan.sample_rate, dp.distribute_strategy)
-    checkpointing.update_ledger(path, dp.ledger)  # a second kill cannot lose the charge
-    print(f"== resuming after epoch {epoch} from {path}; {lost} step(s) of the interrupted epoch charged "
-          f"to the ledger (epsilon so far {dp.ledger.epsilon():.4g})")
-
-
-class _EpochCheckpoint(tf.keras.callbacks.Callback):
-    """Saves a resumable checkpoint and the ledger after every epoch; times phases."""
-
-    def __init__(self, output_dir: str, dp):
-        super().__init__()
-        self.output_dir, self.dp = output_dir, dp
-        self.phase_seconds: dict[str, float] = {}
-        self._start = 0.0
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._start = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-        phase = self.dp.privacy_callback.phase if self.dp.privacy_callback else None
-        phase = phase or "train"
-        self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + time.perf_counter() - self._start
-        if self.dp.privacy_callback is not None:
-            self.dp.privacy_callback.flush()
-        checkpointing.save(self.output_dir, epoch + 1, self.dp, {"seed": self.dp.seed, "ledger": self.dp.ledger.to_json()})
-        self.dp.ledger.save(os.path.join(self.output_dir, "ledger.json"))
 
 
 def _results(config, dp, plan: PrivacyPlan, dataset, phase_seconds, timings, history) -> dict:
