@@ -47,15 +47,27 @@ from typing import Sequence
 import tensorflow as tf
 
 from sparta_tf.losses import per_example_loss_fn
-from sparta_tf import distribute, random_streams
+from sparta_tf import distribute
+from sparta_tf.dp_step import (
+    KEEP_ALL,
+    ClippedSum,
+    ExpectedBatchNormalisation,
+    GaussianNoise,
+    GradientFilter,
+    GradientRelease,
+    MicroBatches,
+    Release,
+    ScoreRelease,
+    StepParts,
+    all_reduce_sum,
+    choose_engine,
+)
 from sparta_tf.masks import is_mask_charge
 from sparta_tf.model_checks import PROBE_EXAMPLES, probe_batch_mixing, reject_batch_mixing_layers
-from sparta_tf.noise import gaussian_noise
 from sparta_tf.optim.masked_optimizer import MaskedOptimizer
-from sparta_tf.per_example import make_engine
-from sparta_tf.per_example.bookkeeping import BookkeepingEngine, clipped_batch, make_clipping_engine
+from sparta_tf.per_example.bookkeeping import BookkeepingEngine, make_clipping_engine
 from sparta_tf.per_example.coverage import check_coverage
-from sparta_tf.precision import accumulation_dtype, require_ieee_float32_matmuls
+from sparta_tf.precision import require_ieee_float32_matmuls
 from sparta_tf.privacy.accounting import check_delta_for_dataset, check_noise_multiplier, check_sample_rate
 from sparta_tf.privacy.callbacks import PrivacyCallback
 from sparta_tf.privacy.ledger import PrivacyLedger
@@ -155,7 +167,8 @@ class DPModel(tf.keras.Model):
             check_delta_for_dataset(self.ledger.delta, dataset_size)
         self._trainable_set: TrainableSet | None = None
         self._masked_optimizer: MaskedOptimizer | None = None
-        self._scorer = None
+        self._release: Release | None = None  # None: DP-SGD's gradient release
+        self._gradient_filter: GradientFilter = KEEP_ALL
         self.privacy_callback: PrivacyCallback | None = None
         self._engine = None
         self._per_example_loss = None
@@ -234,19 +247,16 @@ class DPModel(tf.keras.Model):
         self._retrace()
 
     def begin_scoring(self, scorer) -> None:
-        """From the next step on, steps release mask scores to ``scorer`` instead of updating weights.
-        A scorer that is not private (``score="oracle"``: unclipped, noiseless) marks the ledger."""
+        """From the next step on, steps release mask scores to ``scorer`` instead of updating weights
+        (``set_release(ScoreRelease(scorer, ...))``). A scorer that is not private (``score="oracle"``:
+        unclipped, noiseless) marks the ledger."""
         if not scorer.private and self.ledger is not None:
             self.ledger.record_nonprivate(f"selection scores {scorer.score!r}: unclipped, noiseless gradients")
-        self._scorer = scorer
-        self._engine = None
-        self._retrace()
+        self.set_release(ScoreRelease(scorer, self._noise_seed))
 
     def end_scoring(self) -> None:
         """Back to DP-SGD updates of the trainable set."""
-        self._scorer = None
-        self._engine = None
-        self._retrace()
+        self.set_release(None)
 
     def _retrace(self) -> None:
         """Drops the traced step; rebuilds it at once inside a running ``fit``."""
@@ -293,9 +303,24 @@ class DPModel(tf.keras.Model):
 
     # ------------------------------------------------------------- train step
 
-    def _step_selections(self):
-        """What per-example gradients are needed for: the scorer's kernels or the trainable set."""
-        return self._scorer.selections if self._scorer is not None else self.trainable_set.selections
+    def set_release(self, release: Release | None) -> None:
+        """What the following steps release (:mod:`sparta_tf.dp_step.release`): e.g. a
+        :class:`~sparta_tf.dp_step.ScoreRelease` during a selection epoch; None: the noisy
+        gradient to the optimizer (DP-SGD), from the model's current ``sigma, C, q, n``."""
+        self._release = release
+        self._engine = None
+        self._retrace()
+
+    def set_gradient_filter(self, gradient_filter: GradientFilter | None) -> None:
+        """The coordinates ``I_s`` each DP-SGD step trains within the trainable set
+        (:mod:`sparta_tf.dp_step.keep`), e.g. DP-SSGD's gradient dropping; None: all of them."""
+        self._gradient_filter = KEEP_ALL if gradient_filter is None else gradient_filter
+        self._engine = None
+        self._retrace()
+
+    @property
+    def gradient_filter(self) -> GradientFilter:
+        return self._gradient_filter
 
     def engine_cost_table(self) -> list:
         """Per selected variable, how the book-keeping engine computes its per-example norms
@@ -303,21 +328,17 @@ class DPModel(tf.keras.Model):
         before the first step or with a materialising engine."""
         return self._engine.cost_table() if isinstance(self._engine, BookkeepingEngine) else []
 
-    def _needs_per_example_gradients(self) -> bool:
-        """True when the step uses per-example gradients themselves, not only clipped sums."""
-        return self._scorer is not None and not self._scorer.bookkeeping_statistic
+    def _make_engine(self):
+        """The per-example engine of the current release and filter (:func:`choose_engine`)."""
+        release = self._release or self._gradient_release()
+        materialise = release.needs_per_example_gradients() or self._gradient_filter.needs_per_example_gradients
+        return choose_engine(self.model, release.selections(self.trainable_set), self.engine_name, materialise)
 
-    def _get_engine(self):
-        """Book-keeping by default for DP steps and selection statistics (see
-        :mod:`sparta_tf.per_example.bookkeeping`); a materialising engine where the step needs
-        per-example gradients themselves (entry-wise ``sum_abs`` scores, DP-SSGD's dropping)."""
-        if self._engine is None:
-            if self._needs_per_example_gradients():
-                name = "auto" if self.engine_name == "bookkeeping" else self.engine_name
-                self._engine = make_engine(self.model, self._step_selections(), name)
-            else:
-                self._engine = make_clipping_engine(self.model, self._step_selections(), self.engine_name)
-        return self._engine
+    def make_train_function(self, force: bool = False):
+        """Keras' ``make_train_function``, with the step's engine built first (eagerly, not while tracing)."""
+        if self._engine is None or force:
+            self._engine = self._make_engine()
+        return super().make_train_function(force=force)
 
     def _micro_batch_size(self) -> int | None:
         if self.physical_batch_size is None:
@@ -330,64 +351,23 @@ class DPModel(tf.keras.Model):
             )
         return self.physical_batch_size // replicas
 
-    def _micro_batch_sum(self, x, y, weights):
-        valid = weights > 0
-        engine = self._get_engine()
-        if self._scorer is not None and isinstance(engine, BookkeepingEngine):
-            sums, losses, predictions = self._scorer.batch_statistic_bookkeeping(
-                engine, x, y, self._per_example_loss, valid)
-            self._update_metrics(y, predictions, losses, weights)
-            return sums
-        if self._scorer is not None:
-            result = engine(x, y, self._per_example_loss, valid)
-            sums = self._scorer.batch_statistic(result.grads, result.valid)
-        else:
-            result = clipped_batch(engine, x, y, self._per_example_loss, valid, self.clip_norm)
-            sums = result.sums
-        self._update_metrics(y, result.predictions, result.losses, weights)
-        return sums
-
-    def _clipped_sum(self, x, y, weights):
-        """Sum over all micro-batches of the element of the clipped per-example gradients
-        (or, while scoring, of the scorer's batch statistic)."""
-        micro = self._micro_batch_size()
-        if micro is None:
-            return self._micro_batch_sum(x, y, weights)
-        total = tf.shape(weights)[0]
-        tf.debugging.assert_equal(
-            total % micro, 0,
-            message="batch length is not a multiple of the physical batch size; feed "
-            "batches from sparta_tf.privacy.PoissonSampler with the same physical_batch_size",
+    def _gradient_release(self) -> GradientRelease:
+        """DP-SGD's release from the model's current ``sigma, C, q, n`` and optimizer."""
+        return GradientRelease(
+            ClippedSum(self.clip_norm), GaussianNoise(self.noise_multiplier, self.clip_norm, self._noise_seed),
+            ExpectedBatchNormalisation(self.sample_rate, self.dataset_size), self._masked_optimizer,
         )
 
-        def micro_batch(t, i):
-            return tf.reshape(t, tf.concat([[-1, micro], tf.shape(t)[1:]], 0))[i]
-
-        def body(i, sums):
-            part = tf.nest.map_structure(lambda t: micro_batch(t, i), (x, y, weights))
-            new = self._micro_batch_sum(*part)
-            return i + 1, [a + b for a, b in zip(sums, new)]
-
-        zeros = [tf.zeros(s.shape, s.dtype) for s in self._statistic_specs()]
-        _, sums = tf.while_loop(lambda i, _: i < total // micro, body, (tf.constant(0), zeros))
-        return sums
-
-    def _statistic_specs(self) -> list[tf.TensorSpec]:
-        """Shapes of the per-step sums: compact gradients, or the scorer's statistics."""
-        if self._scorer is not None:
-            return [tf.TensorSpec(shape, tf.float32) for shape in self._scorer.statistic_shapes()]
-        return [tf.TensorSpec(s.compact_shape, accumulation_dtype(s.variable.dtype)) for s in self.trainable_set]
-
-    def _noisy_mean(self, sums):
-        """``(S + N(0, sigma^2 C^2)) / (q n)``, identical on every replica; the noise is drawn in the
-        dtype of the sums (float32, float64 for a float64 model), before any cast to a variable's dtype."""
-        if self.dataset_size is None:
-            raise ValueError("dataset_size is unknown: pass DPModel(dataset_size=n) or fit arrays")
-        std = self.noise_multiplier * self.clip_norm
-        noise = gaussian_noise([s.shape for s in sums], std, self._noise_seed, self.dp_step,
-                               dtype=[s.dtype for s in sums])
-        expected_batch = self.sample_rate * self.dataset_size
-        return [(s + z) / expected_batch for s, z in zip(sums, noise)]
+    def step_parts(self) -> StepParts:
+        """The parts a step traced now runs with (:mod:`sparta_tf.dp_step`); configuration only."""
+        release = self._release or self._gradient_release()
+        return StepParts(
+            engine=self._engine if self._engine is not None else self._make_engine(),
+            gradient_filter=self._gradient_filter if release.uses_gradient_filter else KEEP_ALL,
+            micro_batches=MicroBatches(self._micro_batch_size()),
+            release=release,
+            trainable_set=self.trainable_set,
+        )
 
     def train_step(self, data):
         require_ieee_float32_matmuls()
@@ -399,14 +379,16 @@ class DPModel(tf.keras.Model):
         x, y, weights = tf.keras.utils.unpack_x_y_sample_weight(data)
         if weights is None:
             weights = tf.ones(tf.shape(tf.nest.flatten(x)[0])[:1], tf.float32)
-        sums = self._clipped_sum(x, y, weights)
-        context = tf.distribute.get_replica_context()
-        if context is not None and context.num_replicas_in_sync > 1:
-            sums = context.all_reduce(tf.distribute.ReduceOp.SUM, sums)
-        if self._scorer is not None:
-            self._scorer.release(sums, self._noise_seed, self.dp_step)
-        else:
-            self._masked_optimizer.apply(self._noisy_mean(sums))
+        parts = self.step_parts()
+        keep = parts.keep_masks(self.dp_step)
+
+        def statistic(x, y, weights):
+            result = parts.release.statistic(parts.engine, x, y, self._per_example_loss, weights > 0, keep)
+            self._update_metrics(y, result.predictions, result.losses, weights)
+            return result.sums
+
+        sums = parts.micro_batches.sum(statistic, x, y, weights, parts.release.statistic_specs(self.trainable_set))
+        parts.release.release(all_reduce_sum(sums), self.dp_step, keep)
         self.dp_step.assign_add(1)
         return self.get_metrics_result()
 
