@@ -24,6 +24,20 @@ class MicroBatches:
     def __init__(self, size: int | None):
         self.size = size
 
+    @classmethod
+    def per_replica(cls, physical_batch_size: int | None) -> MicroBatches:
+        """Micro-batches of ``P / R`` rows on each of the ``R`` replicas in sync (``P``: the global
+        physical batch size; a ValueError unless ``R`` divides it)."""
+        if physical_batch_size is None:
+            return cls(None)
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        if physical_batch_size % replicas:
+            raise ValueError(
+                f"physical_batch_size={physical_batch_size} is not divisible by the "
+                f"{replicas} replicas; use a multiple of {replicas}"
+            )
+        return cls(physical_batch_size // replicas)
+
     def sum(self, statistic: Statistic, x, y, weights: tf.Tensor, specs: Sequence[tf.TensorSpec]) -> list:
         """``statistic(x, y, weights)`` summed over the micro-batches; ``specs``: its outputs' shapes."""
         if self.size is None:

@@ -46,8 +46,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from sparta_tf.losses import per_example_loss_fn
-from sparta_tf import distribute
+from sparta_tf.dp_model import fit_inputs, ledger_callback
 from sparta_tf.dp_step import (
     KEEP_ALL,
     ClippedSum,
@@ -62,22 +61,15 @@ from sparta_tf.dp_step import (
     all_reduce_sum,
     choose_engine,
 )
-from sparta_tf.masks import is_mask_charge
-from sparta_tf.model_checks import PROBE_EXAMPLES, probe_batch_mixing, reject_batch_mixing_layers
+from sparta_tf import distribute
+from sparta_tf.losses import per_example_loss_fn
+from sparta_tf.model_checks import reject_batch_mixing_layers
 from sparta_tf.optim.masked_optimizer import MaskedOptimizer
-from sparta_tf.per_example.bookkeeping import BookkeepingEngine, make_clipping_engine
-from sparta_tf.per_example.coverage import check_coverage
+from sparta_tf.per_example.bookkeeping import BookkeepingEngine
 from sparta_tf.precision import require_ieee_float32_matmuls
 from sparta_tf.privacy.accounting import check_delta_for_dataset, check_noise_multiplier, check_sample_rate
 from sparta_tf.privacy.callbacks import PrivacyCallback
 from sparta_tf.privacy.ledger import PrivacyLedger
-from sparta_tf.privacy.sampling import (
-    PoissonSampler,
-    default_physical_batch_size,
-    poisson_provenance,
-    shuffled_dataset,
-    shuffled_steps_per_epoch,
-)
 from sparta_tf.trainable import TrainableSet
 from sparta_tf.xla import JitCompile, resolve_jit_compile
 
@@ -340,17 +332,6 @@ class DPModel(tf.keras.Model):
             self._engine = self._make_engine()
         return super().make_train_function(force=force)
 
-    def _micro_batch_size(self) -> int | None:
-        if self.physical_batch_size is None:
-            return None
-        replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        if self.physical_batch_size % replicas:
-            raise ValueError(
-                f"physical_batch_size={self.physical_batch_size} is not divisible by the "
-                f"{replicas} replicas; use a multiple of {replicas}"
-            )
-        return self.physical_batch_size // replicas
-
     def _gradient_release(self) -> GradientRelease:
         """DP-SGD's release from the model's current ``sigma, C, q, n`` and optimizer."""
         return GradientRelease(
@@ -364,7 +345,7 @@ class DPModel(tf.keras.Model):
         return StepParts(
             engine=self._engine if self._engine is not None else self._make_engine(),
             gradient_filter=self._gradient_filter if release.uses_gradient_filter else KEEP_ALL,
-            micro_batches=MicroBatches(self._micro_batch_size()),
+            micro_batches=MicroBatches.per_replica(self.physical_batch_size),
             release=release,
             trainable_set=self.trainable_set,
         )
@@ -393,140 +374,6 @@ class DPModel(tf.keras.Model):
         return self.get_metrics_result()
 
     # -------------------------------------------------------------------- fit
-
-    def _input_pipeline(self, x, y, initial_step: int):
-        """(dataset, steps_per_epoch) for in-memory arrays, Poisson or shuffled."""
-        n = len(tf.nest.flatten(x)[0])
-        if self.dataset_size is None:
-            if self.ledger is not None:
-                check_delta_for_dataset(self.ledger.delta, n)
-            self.dataset_size = n
-        elif self.dataset_size != n:
-            raise ValueError(f"dataset_size={self.dataset_size} but fit got {n} examples; they must agree")
-        if self.sampling == "shuffle":
-            batch = max(1, round(self.sample_rate * n))
-            dataset = shuffled_dataset(x, y, batch, seed=self._seed, start_step=initial_step)
-            return dataset, shuffled_steps_per_epoch(n, batch)
-        replicas = self.distribute_strategy.num_replicas_in_sync
-        if self.physical_batch_size is None:
-            self.physical_batch_size = default_physical_batch_size(n, self.sample_rate, multiple_of=replicas)
-        sampler = PoissonSampler(n, self.sample_rate, self.physical_batch_size, seed=self._seed)
-        return sampler.dataset(x, y, start_step=initial_step), sampler.steps_per_epoch
-
-    def _check_dataset_provenance(self, dataset: tf.data.Dataset) -> None:
-        """Records a ledger caveat unless ``dataset`` is, unchanged, what ``PoissonSampler(n, q)
-        .dataset`` made for this model's ``n`` and ``q``: the ledger charges Poisson sampling at
-        ``q``, which a hand-made or transformed dataset (fixed batches, another rate) need not be."""
-        if self.ledger is None or not self.ledger.covered_by_accountant:
-            return  # no accounting, or the ledger already says its sampling is not Poisson
-        made = poisson_provenance(dataset)
-        expected = (self.dataset_size, self.sample_rate)
-        if made is not None and made[1] == self.sample_rate and self.dataset_size in (None, made[0]):
-            return
-        what = ("a tf.data.Dataset that PoissonSampler did not make (or one transformed after it)" if made is None
-                else f"the dataset of PoissonSampler(n={made[0]}, sample_rate={made[1]:g})")
-        self.ledger.record_caveat(
-            f"fit got {what}, but the ledger charges Poisson sampling of "
-            f"{'the' if expected[0] is None else f'n={expected[0]}'} examples at "
-            f"q={expected[1]:g}; the guarantee holds only if its batches are exactly that; feed arrays to fit, "
-            "or PoissonSampler(n, q, ...).dataset(x, y) unchanged")
-
-    def _build_compiled_metrics(self, x, y) -> None:
-        """Creates the compiled metrics (and their variables) eagerly, before the step is traced.
-
-        Keras builds them inside the first call of the traced step; a
-        ``tf.function`` whose first trace creates variables is traced a second
-        time, which for a DP step (per-example gradients, micro-batch loop) costs
-        seconds per phase. Built from the model's output on a few real examples
-        ``x`` (shapes that the data has, so any valid model runs) and their
-        labels ``y``; no metric state is updated.
-        """
-        if self.compiled_metrics is None or self.compiled_metrics.built or y is None:
-            return
-        with self.distribute_strategy.scope():
-            self.compiled_metrics.build(self.model(x, training=False), y)
-
-    def _probe_model(self, x, y) -> None:
-        """Before the first DP step, on a few real examples ``x, y`` (no padding), once per model:
-        :func:`probe_batch_mixing` (training mode keeps examples apart) and
-        :func:`~sparta_tf.per_example.coverage.check_coverage` (every trainable variable is seen,
-        exactly, by the engine's per-example rules). Both refuse the model with one line."""
-        if self._model_probed:
-            return
-        everything = TrainableSet.of_variables(self.model.trainable_variables)
-        engine = make_clipping_engine(self.model, everything, self.engine_name)  # refuses what it cannot plan
-        probe_batch_mixing(self.model, x)
-        if self._per_example_loss is not None:
-            check_coverage(engine, x, y, self._per_example_loss, self.distribute_strategy)
-        self._model_probed = True
-
-    def _first_examples(self, dataset: tf.data.Dataset):
-        """``(x, y)``: the real examples (weight 1) of ``dataset``'s first element."""
-        x, y, weights = tf.keras.utils.unpack_x_y_sample_weight(next(iter(dataset.take(1))))
-        if weights is None:
-            return x, y
-        rows = tf.where(tf.reshape(weights, [-1]) > 0)[:, 0]
-        pick = lambda t: tf.gather(t, rows)  # noqa: E731
-        return tf.nest.map_structure(pick, x), (None if y is None else tf.nest.map_structure(pick, y))
-
-    def _privacy_callback(self, callbacks, steps_per_epoch, on_budget_exhausted):
-        """The caller's :class:`PrivacyCallback`, else this model's own, one for every ``fit``.
-
-        One callback for the model's life: it counts ``dp_step`` from its last record, so the
-        steps of a ``fit`` that ended in an exception (no ``on_epoch_end`` / ``on_train_end``)
-        are recorded when the next ``fit`` begins, with the values in force when they ran.
-        """
-        existing = [c for c in callbacks if isinstance(c, PrivacyCallback)]
-        if existing or self.ledger is None:
-            if existing:
-                self._check_caller_callback(existing[0])
-                self._check_ledger_covers_dp_step(existing[0])
-            return existing[0] if existing else None
-        own = self.privacy_callback
-        budget_mode = "strict" if self.private_run is None else self.private_run.budget_mode
-        if own is None or own.ledger is not self.ledger or own.step_counter is not self.dp_step:
-            own = PrivacyCallback(
-                self.ledger, self.noise_multiplier, self.sample_rate, steps_per_epoch,
-                step_counter=self.dp_step, on_budget_exhausted=on_budget_exhausted, budget_mode=budget_mode,
-            )
-        else:
-            own.flush()  # an interrupted fit's steps, under the values they ran with
-            own.noise_multiplier, own.sample_rate = self.noise_multiplier, self.sample_rate
-            own.steps_per_epoch = steps_per_epoch
-            own.on_budget_exhausted = on_budget_exhausted
-            own.budget_mode = budget_mode
-        self._check_ledger_covers_dp_step(own)
-        return own
-
-    def _check_caller_callback(self, callback: PrivacyCallback) -> None:
-        """A caller's :class:`PrivacyCallback` records what this model's steps run with: the same
-        ``sigma`` and ``q`` (and the model's step counter), or epsilon would describe another mechanism."""
-        problems = []
-        if not math.isclose(callback.noise_multiplier, self.noise_multiplier, rel_tol=1e-12):
-            problems.append(f"noise_multiplier {callback.noise_multiplier:g} (the model's: {self.noise_multiplier:g})")
-        if not math.isclose(callback.sample_rate, self.sample_rate, rel_tol=1e-12):
-            problems.append(f"sample_rate {callback.sample_rate:g} (the model's: {self.sample_rate:g})")
-        if callback.step_counter is not None and callback.step_counter is not self.dp_step:
-            problems.append("a step_counter other than the model's dp_step")
-        if problems:
-            raise ValueError(f"the PrivacyCallback passed to fit records {' and '.join(problems)}; leave it out "
-                             "(the model charges its own ledger from the values it runs with) or make it agree")
-
-    def _check_ledger_covers_dp_step(self, callback: PrivacyCallback) -> None:
-        """``dp_step`` counts every DP step this model's weights have been through; the ledger must
-        hold at least as many (recorded or pending), or epsilon would leave steps out: e.g. after
-        ``checkpoint_state()`` was restored into a new DPModel whose ledger starts empty."""
-        if callback.ledger is not self.ledger or callback.step_counter is not self.dp_step:
-            return
-        recorded = sum(entry.count for entry in self.ledger.entries
-                       if entry.kind == callback.kind and not is_mask_charge(entry))
-        ran = int(self.dp_step.numpy())
-        if recorded + callback.pending_steps() < ran:
-            raise ValueError(
-                f"dp_step is {ran} but the privacy ledger records {recorded} DP steps: restore the ledger "
-                "saved with the checkpoint (dp_model.ledger = PrivacyLedger.from_json(...)) before fit, "
-                "or epsilon would leave the other steps out"
-            )
 
     def fit(
         self,
@@ -558,21 +405,8 @@ class DPModel(tf.keras.Model):
                 self, x, y, epochs, initial_epoch, callbacks)
         elif epochs is None:
             epochs = 1
-        if x is not None and not isinstance(x, tf.data.Dataset):
-            if y is None:
-                raise ValueError("fit(x, y): labels y are required with array inputs")
-            first = _first_rows(x), _first_rows(y)
-            x, steps_per_epoch = self._input_pipeline(x, y, int(self.dp_step.numpy()))
-            y = None
-        elif isinstance(x, tf.data.Dataset):
-            self._check_dataset_provenance(x)
-            x = x.map(_checked_padding_mask)
-            first = self._first_examples(x)
-        if isinstance(x, tf.data.Dataset):
-            self._probe_model(*first)
-            self._build_compiled_metrics(*first)
-            x = distribute.for_fit(x, self.distribute_strategy)
-        privacy = self._privacy_callback(callbacks, steps_per_epoch, on_budget_exhausted)
+        x, y, steps_per_epoch = fit_inputs.prepare(self, x, y, steps_per_epoch)
+        privacy = ledger_callback.privacy_callback(self, callbacks, steps_per_epoch, on_budget_exhausted)
         if privacy is not None and privacy not in callbacks:
             callbacks.insert(0, privacy)
         self.privacy_callback = privacy
@@ -583,25 +417,6 @@ class DPModel(tf.keras.Model):
             x, y, epochs=epochs, verbose=verbose, callbacks=callbacks,
             steps_per_epoch=steps_per_epoch, initial_epoch=initial_epoch, **kwargs,
         )
-
-
-def _first_rows(t, rows: int = PROBE_EXAMPLES):
-    """The first ``rows`` examples of arrays or tensors (any structure)."""
-    return tf.nest.map_structure(lambda a: tf.convert_to_tensor(a[:rows]), t)
-
-
-def _checked_padding_mask(*element):
-    """A dataset element ``(x, y, w)`` whose ``w`` is refused unless every weight is 0 or 1."""
-    x, y, weights = tf.keras.utils.unpack_x_y_sample_weight(element)
-    if weights is None:
-        return element
-    weights = tf.convert_to_tensor(weights)
-    tf.debugging.assert_equal(
-        tf.reduce_all(tf.logical_or(tf.equal(weights, 0), tf.equal(weights, 1))), True,
-        message="DPModel: sample_weight is the 0/1 padding mask of Poisson batches, not a weighting; "
-        "weights other than 0 and 1 would change an example's clipped contribution",
-    )
-    return x, y, weights
 
 
 def _all_weighted(metrics, weighted_metrics):
