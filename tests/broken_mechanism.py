@@ -18,7 +18,7 @@ import importlib
 
 import tensorflow as tf
 
-NOISE_USERS = ("sparta_tf.dp_model", "sparta_tf.selection.scoring", "sparta_tf.ssgd")
+NOISE_USERS = ("sparta_tf.dp_step.noise", "sparta_tf.selection.scoring", "sparta_tf.ssgd.pruning")
 CLIP_USERS = ("sparta_tf.clipping", "sparta_tf.selection.scoring")  # ssgd clips through sparta_tf.clipping
 
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import sparta_tf.dp_model as dp_model_module
-import sparta_tf.ssgd as ssgd_module
+import sparta_tf.dp_step.noise as dp_step_noise_module
+import sparta_tf.ssgd.pruning as pruning_module
 from sparta_tf import DPModel, random_streams
 from sparta_tf.noise import gaussian_noise
 from sparta_tf.privacy.ledger import PrivacyLedger
@@ -69,8 +69,8 @@ def test_dp_snip_noise_is_independent_of_dp_sgd_step_zero_noise():
     """Regression: with one explicit seed, DP-SNIP drew the same standard normals as DP-SGD step 0."""
     x, y = _data()
     snip, sgd = _Recorder(), _Recorder()
-    with mock.patch.object(ssgd_module, "gaussian_noise", snip):
-        ssgd_module.prune_dp_snip(_model(), x, y, "sparse_categorical_crossentropy", 0.5, noise_multiplier=1.0,
+    with mock.patch.object(pruning_module, "gaussian_noise", snip):
+        pruning_module.prune_dp_snip(_model(), x, y, "sparse_categorical_crossentropy", 0.5, noise_multiplier=1.0,
                                   clip_norm=1.0, sample_rate=1.0, ledger=PrivacyLedger(1e-5), seed=SEED,
                                   apply=False)
     model = _model()
@@ -78,7 +78,7 @@ def test_dp_snip_noise_is_independent_of_dp_sgd_step_zero_noise():
     dp.set_dp_variables([model.layers[1].kernel, model.get_layer("head").kernel])  # the pruned kernels
     dp.compile(tf.keras.optimizers.SGD(0.1), loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                run_eagerly=True)
-    with mock.patch.object(dp_model_module, "gaussian_noise", sgd):
+    with mock.patch.object(dp_step_noise_module, "gaussian_noise", sgd):
         dp.fit(x, y, epochs=1, steps_per_epoch=1, verbose=0)
     snip_noise, step_zero_noise = np.concatenate(snip.draws[0]), np.concatenate(sgd.draws[0])
     assert snip_noise.shape == step_zero_noise.shape == (6 * 8 + 8 * 3,)

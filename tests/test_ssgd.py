@@ -192,11 +192,8 @@ def test_noisy_gradient_is_zero_outside_kept_indices():
     model = _model()
     dp = _ssgd(model, prune_random(model, 0.5, seed=2), drop_rate=0.7)
     keep = dp.keep_masks_for_step(0)
-    dp._step_keep = keep
-    try:
-        noisy = dp._noisy_mean([tf.zeros(s.compact_shape) for s in dp.trainable_set])
-    finally:
-        dp._step_keep = None
+    release = dp.step_parts().release
+    noisy = release.noisy_gradient([tf.zeros(s.compact_shape) for s in dp.trainable_set], dp.dp_step, keep)
     for g, k in zip(noisy, keep):
         g, k = g.numpy(), k.numpy()
         assert np.all(g[~k] == 0) and np.all(g[k] != 0)

@@ -22,6 +22,12 @@ then ``W[s] <- W[s] - d_s``: dense selections with ``assign_sub``; row and
 entry selections with ``scatter_nd_sub`` at their coordinates (an in-place
 scatter, so frozen coordinates are never written).
 
+With a step's keep mask ``1_s`` (a gradient filter that drops coordinates, e.g. DP-SSGD's
+gradient dropping; see :mod:`sparta_tf.dp_step.keep`), dropped coordinates move neither their
+weight nor their state: ``d_s <- 1_s (.) d_s`` and ``m_s, v_s`` keep their old values outside
+``1_s``, so a dropped coordinate is exactly as if the step had not happened for it, with
+momentum too.
+
 Optimizer state (``m_s``, ``v_s``) has the compact shape: it exists only for
 trainable coordinates. When the trainable set changes (SPARTA's phases), the
 state of selections that stay identical is kept and new selections start
@@ -157,25 +163,29 @@ class MaskedOptimizer(tf.Module):
 
     # ------------------------------------------------------------------ apply
 
-    def apply(self, grads: Sequence[tf.Tensor]) -> None:
-        """One update with ``grads[k]`` the compact gradient of selection ``k``."""
+    def apply(self, grads: Sequence[tf.Tensor], keep: Sequence[tf.Tensor] | None = None) -> None:
+        """One update with ``grads[k]`` the compact gradient of selection ``k``; ``keep[k]`` (boolean,
+        compact shape), when given, the coordinates this step updates (see the module doc)."""
         if len(grads) != len(self._selections):
             raise ValueError(f"{len(grads)} gradients for {len(self._selections)} selections; call build() first")
         context = tf.distribute.get_replica_context()
         if context is None:
-            self._apply_cross_replica(tf.distribute.get_strategy(), grads)
+            self._apply_cross_replica(tf.distribute.get_strategy(), grads, keep)
         else:
-            context.merge_call(self._apply_cross_replica, args=(grads,))
+            context.merge_call(self._apply_cross_replica, args=(grads, keep))
 
-    def _apply_cross_replica(self, strategy, grads):
+    def _apply_cross_replica(self, strategy, grads, keep=None):
         lr = self.learning_rate()
         step = tf.cast(self.keras_optimizer.iterations + 1, tf.float32)
-        for selection, key, grad in zip(self._selections, self._keys, grads):
+        masks = [None] * len(grads) if keep is None else list(keep)
+        for selection, key, grad, mask in zip(self._selections, self._keys, grads, masks):
             slots = self.slots[key]
             scaled_lr = lr * selection.learning_rate_scale
-            strategy.extended.update(
-                selection.variable, self._update_fn(selection), args=(grad, scaled_lr, step, *slots), group=False
-            )
+            if mask is None:
+                update, args = self._update_fn(selection), (grad, scaled_lr, step, *slots)
+            else:
+                update, args = self._kept_update_fn(selection), (grad, mask, scaled_lr, step, *slots)
+            strategy.extended.update(selection.variable, update, args=args, group=False)
         self.keras_optimizer.iterations.assign_add(1)
 
     def _update_fn(self, selection: VariableSelection):
@@ -185,17 +195,35 @@ class MaskedOptimizer(tf.Module):
             grad = tf.cast(tf.convert_to_tensor(grad), variable.dtype)  # the noisy release, post-processed
             lr = tf.cast(lr, variable.dtype)
             step = tf.cast(step, variable.dtype)
-            decrement = self._decrement(grad, lr, step, slots)
-            weight_decay = getattr(self.keras_optimizer, "weight_decay", None)
-            if weight_decay:
-                current = variable if element_indices is None else tf.gather_nd(variable, element_indices)
-                current = tf.reshape(current, tf.shape(decrement))
-                decrement += lr * weight_decay * current
-            if element_indices is None:
-                return variable.assign_sub(decrement)
-            return variable.scatter_nd_sub(element_indices, tf.reshape(decrement, [-1]))
+            decrement = self._decayed_decrement(variable, element_indices, grad, lr, step, slots)
+            return _subtract(variable, element_indices, decrement)
 
         return update
+
+    def _kept_update_fn(self, selection: VariableSelection):
+        """The update of :meth:`_update_fn` on the kept coordinates only (weights and state)."""
+        element_indices = _element_indices(selection)
+
+        def update(variable, grad, keep, lr, step, *slots):
+            grad = tf.convert_to_tensor(grad)
+            keep = tf.convert_to_tensor(keep)
+            before = [tf.identity(s.read_value()) for s in slots]
+            decrement = self._decayed_decrement(variable, element_indices, grad, lr, step, slots)
+            decrement = tf.where(keep, decrement, tf.zeros_like(decrement))
+            for slot, old in zip(slots, before):
+                slot.assign(tf.where(keep, slot.read_value(), old))
+            return _subtract(variable, element_indices, decrement)
+
+        return update
+
+    def _decayed_decrement(self, variable, element_indices, grad, lr, step, slots):
+        """``d_s`` (:meth:`_decrement`) plus decoupled weight decay ``lr wd W_s``."""
+        decrement = self._decrement(grad, lr, step, slots)
+        weight_decay = getattr(self.keras_optimizer, "weight_decay", None)
+        if weight_decay:
+            current = variable if element_indices is None else tf.gather_nd(variable, element_indices)
+            decrement += lr * weight_decay * tf.reshape(current, tf.shape(decrement))
+        return decrement
 
     def _decrement(self, grad, lr, step, slots):
         opt = self.keras_optimizer
@@ -213,6 +241,13 @@ class MaskedOptimizer(tf.Module):
         if opt.nesterov:
             return -(mu * momentum_slot - lr * grad)
         return -tf.identity(momentum_slot)
+
+
+def _subtract(variable, element_indices, decrement):
+    """``W[s] <- W[s] - d_s``: ``assign_sub`` for a dense selection, else an in-place scatter."""
+    if element_indices is None:
+        return variable.assign_sub(decrement)
+    return variable.scatter_nd_sub(element_indices, tf.reshape(decrement, [-1]))
 
 
 def _element_indices(selection: VariableSelection) -> tf.Tensor | None:

@@ -1,0 +1,147 @@
+"""What ``DPModel.fit`` feeds the DP step, and the checks before its first step.
+
+* arrays ``x, y`` of ``n`` examples become Poisson samples at rate ``q`` padded to a multiple of
+  the physical batch size (:class:`~sparta_tf.privacy.sampling.PoissonSampler`, ``round(1/q)``
+  steps per epoch, resumed at the model's ``dp_step``), or fixed-size shuffled batches of
+  ``round(q n)`` (``sampling="shuffle"``, which the ledger says the accountant does not cover);
+* a ``tf.data.Dataset`` is used as given, with its weights checked to be the 0/1 padding mask
+  and a ledger caveat unless it is, unchanged, ``PoissonSampler(n, q).dataset``;
+* before the first step, on a few real examples: the model keeps examples apart in training mode
+  and the engine's per-example rules see every trainable variable
+  (:mod:`sparta_tf.model_checks`, :mod:`sparta_tf.per_example.coverage`).
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from sparta_tf import distribute
+from sparta_tf.model_checks import PROBE_EXAMPLES, probe_batch_mixing
+from sparta_tf.per_example.bookkeeping import make_clipping_engine
+from sparta_tf.per_example.coverage import check_coverage
+from sparta_tf.privacy.accounting import check_delta_for_dataset
+from sparta_tf.privacy.sampling import (
+    PoissonSampler,
+    default_physical_batch_size,
+    poisson_provenance,
+    shuffled_dataset,
+    shuffled_steps_per_epoch,
+)
+from sparta_tf.trainable import TrainableSet
+
+
+def prepare(dp, x, y, steps_per_epoch: int | None):
+    """``(x, y, steps_per_epoch)`` for Keras' ``fit``: arrays become the Poisson (or shuffled)
+    dataset of :func:`input_pipeline` from the model's ``dp_step``; a dataset has its padding mask
+    checked (:func:`checked_padding_mask`) and its provenance compared with the ledger's charge. Then,
+    once per model, the model is probed on a few real examples and the compiled metrics built."""
+    if x is not None and not isinstance(x, tf.data.Dataset):
+        if y is None:
+            raise ValueError("fit(x, y): labels y are required with array inputs")
+        first = first_rows(x), first_rows(y)
+        x, steps_per_epoch = input_pipeline(dp, x, y, int(dp.dp_step.numpy()))
+        y = None
+    elif isinstance(x, tf.data.Dataset):
+        check_dataset_provenance(dp, x)
+        x = x.map(checked_padding_mask)
+        first = first_examples(x)
+    if isinstance(x, tf.data.Dataset):
+        probe_model(dp, *first)
+        build_compiled_metrics(dp, *first)
+        x = distribute.for_fit(x, dp.distribute_strategy)
+    return x, y, steps_per_epoch
+
+
+def input_pipeline(dp, x, y, initial_step: int):
+    """(dataset, steps_per_epoch) for in-memory arrays, Poisson or shuffled."""
+    n = len(tf.nest.flatten(x)[0])
+    if dp.dataset_size is None:
+        if dp.ledger is not None:
+            check_delta_for_dataset(dp.ledger.delta, n)
+        dp.dataset_size = n
+    elif dp.dataset_size != n:
+        raise ValueError(f"dataset_size={dp.dataset_size} but fit got {n} examples; they must agree")
+    if dp.sampling == "shuffle":
+        batch = max(1, round(dp.sample_rate * n))
+        dataset = shuffled_dataset(x, y, batch, seed=dp._seed, start_step=initial_step)
+        return dataset, shuffled_steps_per_epoch(n, batch)
+    replicas = dp.distribute_strategy.num_replicas_in_sync
+    if dp.physical_batch_size is None:
+        dp.physical_batch_size = default_physical_batch_size(n, dp.sample_rate, multiple_of=replicas)
+    sampler = PoissonSampler(n, dp.sample_rate, dp.physical_batch_size, seed=dp._seed)
+    return sampler.dataset(x, y, start_step=initial_step), sampler.steps_per_epoch
+
+def check_dataset_provenance(dp, dataset: tf.data.Dataset) -> None:
+    """Records a ledger caveat unless ``dataset`` is, unchanged, what ``PoissonSampler(n, q)
+    .dataset`` made for this model's ``n`` and ``q``: the ledger charges Poisson sampling at
+    ``q``, which a hand-made or transformed dataset (fixed batches, another rate) need not be."""
+    if dp.ledger is None or not dp.ledger.covered_by_accountant:
+        return  # no accounting, or the ledger already says its sampling is not Poisson
+    made = poisson_provenance(dataset)
+    expected = (dp.dataset_size, dp.sample_rate)
+    if made is not None and made[1] == dp.sample_rate and dp.dataset_size in (None, made[0]):
+        return
+    what = ("a tf.data.Dataset that PoissonSampler did not make (or one transformed after it)" if made is None
+            else f"the dataset of PoissonSampler(n={made[0]}, sample_rate={made[1]:g})")
+    dp.ledger.record_caveat(
+        f"fit got {what}, but the ledger charges Poisson sampling of "
+        f"{'the' if expected[0] is None else f'n={expected[0]}'} examples at "
+        f"q={expected[1]:g}; the guarantee holds only if its batches are exactly that; feed arrays to fit, "
+        "or PoissonSampler(n, q, ...).dataset(x, y) unchanged")
+
+def build_compiled_metrics(dp, x, y) -> None:
+    """Creates the compiled metrics (and their variables) eagerly, before the step is traced.
+
+    Keras builds them inside the first call of the traced step; a
+    ``tf.function`` whose first trace creates variables is traced a second
+    time, which for a DP step (per-example gradients, micro-batch loop) costs
+    seconds per phase. Built from the model's output on a few real examples
+    ``x`` (shapes that the data has, so any valid model runs) and their
+    labels ``y``; no metric state is updated.
+    """
+    if dp.compiled_metrics is None or dp.compiled_metrics.built or y is None:
+        return
+    with dp.distribute_strategy.scope():
+        dp.compiled_metrics.build(dp.model(x, training=False), y)
+
+def probe_model(dp, x, y) -> None:
+    """Before the first DP step, on a few real examples ``x, y`` (no padding), once per model:
+    :func:`probe_batch_mixing` (training mode keeps examples apart) and
+    :func:`~sparta_tf.per_example.coverage.check_coverage` (every trainable variable is seen,
+    exactly, by the engine's per-example rules). Both refuse the model with one line."""
+    if dp._model_probed:
+        return
+    everything = TrainableSet.of_variables(dp.model.trainable_variables)
+    engine = make_clipping_engine(dp.model, everything, dp.engine_name)  # refuses what it cannot plan
+    probe_batch_mixing(dp.model, x)
+    if dp._per_example_loss is not None:
+        check_coverage(engine, x, y, dp._per_example_loss, dp.distribute_strategy)
+    dp._model_probed = True
+
+def first_examples(dataset: tf.data.Dataset):
+    """``(x, y)``: the real examples (weight 1) of ``dataset``'s first element."""
+    x, y, weights = tf.keras.utils.unpack_x_y_sample_weight(next(iter(dataset.take(1))))
+    if weights is None:
+        return x, y
+    rows = tf.where(tf.reshape(weights, [-1]) > 0)[:, 0]
+    pick = lambda t: tf.gather(t, rows)  # noqa: E731
+    return tf.nest.map_structure(pick, x), (None if y is None else tf.nest.map_structure(pick, y))
+
+
+def first_rows(t, rows: int = PROBE_EXAMPLES):
+    """The first ``rows`` examples of arrays or tensors (any structure)."""
+    return tf.nest.map_structure(lambda a: tf.convert_to_tensor(a[:rows]), t)
+
+
+def checked_padding_mask(*element):
+    """A dataset element ``(x, y, w)`` whose ``w`` is refused unless every weight is 0 or 1."""
+    x, y, weights = tf.keras.utils.unpack_x_y_sample_weight(element)
+    if weights is None:
+        return element
+    weights = tf.convert_to_tensor(weights)
+    tf.debugging.assert_equal(
+        tf.reduce_all(tf.logical_or(tf.equal(weights, 0), tf.equal(weights, 1))), True,
+        message="DPModel: sample_weight is the 0/1 padding mask of Poisson batches, not a weighting; "
+        "weights other than 0 and 1 would change an example's clipped contribution",
+    )
+    return x, y, weights
