@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from sparta_tf.privacy import accounting
 from sparta_tf.privacy.ledger import PrivacyLedger
-from sparta_tf.selection import frost
+from sparta_tf.selection import frost, pgm
 
 
 # ----------------------------------------------------------------- mechanisms
@@ -74,7 +74,7 @@ def test_pgm_est_beats_single_shot_estimate():
     for _ in range(60):
         v = rng.uniform(0.5, 3.0, size=m)
         obs, deltas, remaining = _simulate(rng, v, sigma, q)
-        est, lam = frost.pgm_est(obs, deltas, q_ps=q, iterations=1000)
+        est, lam = pgm.pgm_est(obs, deltas, q_ps=q, iterations=1000)
         single = obs[0] / q
         err_mle.append(np.mean((est[remaining] - v[remaining]) ** 2))
         err_single.append(np.mean((single[remaining] - v[remaining]) ** 2))
@@ -83,13 +83,13 @@ def test_pgm_est_beats_single_shot_estimate():
 
 def test_pgm_est_first_round_and_fixed_point():
     obs = np.array([[0.02, 0.04, 0.06]])
-    v, lam = frost.pgm_est(obs, [1.0], q_ps=0.02)
+    v, lam = pgm.pgm_est(obs, [1.0], q_ps=0.02)
     np.testing.assert_allclose(v, [1.0, 2.0, 3.0])
     # Noise-free rank-one data: exact recovery, lambda_2 recovered.
     v_true = np.array([1.0, 2.0, 3.0, 4.0])
     obs = np.stack([0.02 * v_true, 0.05 * v_true])
     obs[1, 3] = np.nan
-    v, lam = frost.pgm_est(obs, [1.0, 0.5], q_ps=0.02)
+    v, lam = pgm.pgm_est(obs, [1.0, 0.5], q_ps=0.02)
     np.testing.assert_allclose(v, v_true, rtol=1e-6)
     np.testing.assert_allclose(lam, [0.02, 0.05], rtol=1e-6)
 
@@ -105,8 +105,8 @@ def test_pgm_variance_matches_lemma_6_empirically():
     ests = []
     for _ in range(2000):
         obs = lam[:, None] * v[None] + rng.normal(size=(3, m)) * sigma * np.array(deltas)[:, None]
-        ests.append(frost.pgm_given_lambdas(np.where(observed, obs, np.nan), deltas, lam))
-    predicted = frost.pgm_variance(sigma, lam, deltas, observed)
+        ests.append(pgm.pgm_given_lambdas(np.where(observed, obs, np.nan), deltas, lam))
+    predicted = pgm.pgm_variance(sigma, lam, deltas, observed)
     empirical = np.var(np.stack(ests), axis=0)
     np.testing.assert_allclose(empirical / predicted, 1.0, atol=0.15)
     assert predicted[0] > predicted[-1]

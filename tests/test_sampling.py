@@ -15,10 +15,9 @@ from sparta_tf.privacy.sampling import (
     PoissonSampler,
     default_physical_batch_size,
     poisson_dataset,
-    shuffled_dataset,
-    shuffled_steps_per_epoch,
     steps_per_epoch,
 )
+from sparta_tf.privacy.shuffling import shuffled_dataset, shuffled_steps_per_epoch
 
 Z = 5.0  # z-score bound for the statistical tests (two-sided p ~ 6e-7)
 

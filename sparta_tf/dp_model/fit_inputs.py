@@ -24,9 +24,8 @@ from sparta_tf.privacy.sampling import (
     PoissonSampler,
     default_physical_batch_size,
     poisson_provenance,
-    shuffled_dataset,
-    shuffled_steps_per_epoch,
 )
+from sparta_tf.privacy.shuffling import shuffled_dataset, shuffled_steps_per_epoch
 from sparta_tf.trainable import TrainableSet
 
 

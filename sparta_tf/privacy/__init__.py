@@ -1,4 +1,4 @@
-"""Privacy accounting (dp-accounting), the privacy ledger and Poisson sampling."""
+"""Privacy accounting (dp-accounting), the privacy ledger, Poisson sampling (and shuffled batches)."""
 
 from sparta_tf.privacy.accounting import (
     ACCOUNTANTS,
@@ -16,10 +16,9 @@ from sparta_tf.privacy.sampling import (
     PoissonSampler,
     default_physical_batch_size,
     poisson_dataset,
-    shuffled_dataset,
-    shuffled_steps_per_epoch,
     steps_per_epoch,
 )
+from sparta_tf.privacy.shuffling import shuffled_dataset, shuffled_steps_per_epoch
 
 __all__ = [
     "ACCOUNTANTS",

@@ -47,7 +47,7 @@ checkpoint). The randomness of global step ``t`` is::
 yields exactly the batches an uninterrupted run yields from step ``t`` on,
 and the draw is the same on CPU and GPU. Other mechanisms that sample
 (DP-FROST's selection rounds) pass their own ``stream``;
-:func:`shuffled_dataset` uses the ``"shuffle"`` stream.
+:func:`sparta_tf.privacy.shuffling.shuffled_dataset` uses the ``"shuffle"`` stream.
 
 **Keep the seed secret.** Privacy amplification by subsampling assumes the
 adversary does not know which examples were in which batch; anyone who knows
@@ -66,29 +66,30 @@ import numbers
 import weakref
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 
 from sparta_tf import random_streams
+from sparta_tf.privacy.array_inputs import (
+    check_positive_int,
+    check_sample_rate,
+    check_start_step,
+    gather_rows,
+    num_examples,
+    to_host_tensors,
+)
 
 __all__ = [
     "POISSON_DOMAIN",
-    "SHUFFLE_DOMAIN",
     "PoissonSampler",
     "default_physical_batch_size",
     "poisson_dataset",
     "poisson_provenance",
-    "shuffled_dataset",
-    "shuffled_steps_per_epoch",
     "steps_per_epoch",
 ]
 
 POISSON_STREAM = "poisson_sampling"
-SHUFFLE_STREAM = "shuffle"
 #: Domain constant of the Poisson sampling stream (see :mod:`sparta_tf.random_streams`).
 POISSON_DOMAIN: int = random_streams.domain(POISSON_STREAM)
-#: Domain constant of the shuffled-batches stream.
-SHUFFLE_DOMAIN: int = random_streams.domain(SHUFFLE_STREAM)
 
 #: ``dataset -> (n, q)`` for every dataset :meth:`PoissonSampler.dataset` returned (weak keys: it
 #: does not keep them alive). Any transformation (``map``, ``take``, ``batch``) makes a new
@@ -104,103 +105,6 @@ def poisson_provenance(dataset: tf.data.Dataset) -> tuple[int, float] | None:
 
 
 # --------------------------------------------------------------------------
-# Validation helpers
-# --------------------------------------------------------------------------
-
-
-def _check_sample_rate(sample_rate: Any) -> float:
-    if isinstance(sample_rate, bool) or not isinstance(sample_rate, numbers.Real):
-        raise ValueError(
-            f"sample_rate must be a real number in (0, 1], got {sample_rate!r}; "
-            "pass e.g. expected_batch_size / n."
-        )
-    q = float(sample_rate)
-    if not (0.0 < q <= 1.0):  # also rejects nan
-        raise ValueError(
-            f"sample_rate must be in (0, 1], got {sample_rate!r}; "
-            "pass e.g. expected_batch_size / n."
-        )
-    return q
-
-
-def _check_positive_int(value: Any, name: str, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}; {fix}.")
-    return int(value)
-
-
-def _check_start_step(start_step: Any) -> int:
-    if (
-        isinstance(start_step, bool)
-        or not isinstance(start_step, numbers.Integral)
-        or start_step < 0
-    ):
-        raise ValueError(
-            f"start_step must be an integer >= 0, got {start_step!r}; pass the "
-            "number of logical steps already taken (e.g. optimizer.iterations)."
-        )
-    return int(start_step)
-
-
-def _leading_dim(leaf: Any) -> int | None:
-    shape = getattr(leaf, "shape", None)
-    if shape is None:
-        shape = np.shape(leaf)
-    if len(shape) == 0:
-        return None
-    dim = shape[0]
-    return None if dim is None else int(dim)
-
-
-def _num_examples(x: Any, y: Any) -> int:
-    """Number of examples shared by every leaf of ``x`` and ``y``."""
-    sizes = {}
-    for name, nest in (("x", x), ("y", y)):
-        leaves = tf.nest.flatten(nest)
-        if not leaves or any(leaf is None for leaf in leaves):
-            raise ValueError(
-                f"{name} must be an array, tensor or nest of them, got {nest!r}; "
-                "pass in-memory data with examples along axis 0."
-            )
-        for leaf in leaves:
-            dim = _leading_dim(leaf)
-            if dim is None:
-                raise ValueError(
-                    f"every leaf of {name} needs a known leading (example) axis, got "
-                    f"shape {getattr(leaf, 'shape', np.shape(leaf))}; reshape to [n, ...]."
-                )
-            sizes.setdefault(name, set()).add(dim)
-    if len(sizes["x"]) > 1:
-        raise ValueError(
-            f"leaves of x have different lengths {sorted(sizes['x'])}; "
-            "give every feature the same number of examples."
-        )
-    if len(sizes["y"]) > 1:
-        raise ValueError(
-            f"leaves of y have different lengths {sorted(sizes['y'])}; "
-            "give every label array the same number of examples."
-        )
-    (n_x,), (n_y,) = sizes["x"], sizes["y"]
-    if n_x != n_y:
-        raise ValueError(
-            f"x has {n_x} examples but y has {n_y}; pass one label per example."
-        )
-    if n_x == 0:
-        raise ValueError("x and y have 0 examples; pass a non-empty data set.")
-    return n_x
-
-
-def _to_host_tensors(nest: Any) -> Any:
-    """Converts every leaf to a tensor on the host CPU (where tf.data runs)."""
-    with tf.device("/cpu:0"):
-        return tf.nest.map_structure(tf.convert_to_tensor, nest)
-
-
-def _gather(nest: Any, indices: tf.Tensor) -> Any:
-    return tf.nest.map_structure(lambda a: tf.gather(a, indices, axis=0), nest)
-
-
-# --------------------------------------------------------------------------
 # Sizes
 # --------------------------------------------------------------------------
 
@@ -211,7 +115,7 @@ def steps_per_epoch(sample_rate: float) -> int:
     An "epoch" of Poisson sampling is ``1 / q`` steps, so that each example is
     expected to be used once. Uses Python's :func:`round` (halves to even).
     """
-    q = _check_sample_rate(sample_rate)
+    q = check_sample_rate(sample_rate)
     return max(1, round(1.0 / q))
 
 
@@ -241,9 +145,9 @@ def default_physical_batch_size(
     Returns:
       ``P >= 1``, a multiple of ``multiple_of``.
     """
-    n = _check_positive_int(n, "n", "pass the number of training examples")
-    q = _check_sample_rate(sample_rate)
-    multiple_of = _check_positive_int(
+    n = check_positive_int(n, "n", "pass the number of training examples")
+    q = check_sample_rate(sample_rate)
+    multiple_of = check_positive_int(
         multiple_of, "multiple_of", "pass e.g. strategy.num_replicas_in_sync"
     )
     if not (isinstance(num_std, numbers.Real) and num_std >= 0):
@@ -287,11 +191,11 @@ class PoissonSampler:
         seed: int | None = None,
         stream: str = POISSON_STREAM,
     ) -> None:
-        self.n: int = _check_positive_int(n, "n", "pass the number of training examples")
-        self.sample_rate: float = _check_sample_rate(sample_rate)
+        self.n: int = check_positive_int(n, "n", "pass the number of training examples")
+        self.sample_rate: float = check_sample_rate(sample_rate)
         if physical_batch_size is None:
             physical_batch_size = default_physical_batch_size(self.n, self.sample_rate)
-        self.physical_batch_size: int = _check_positive_int(
+        self.physical_batch_size: int = check_positive_int(
             physical_batch_size,
             "physical_batch_size",
             "pass e.g. default_physical_batch_size(n, sample_rate)",
@@ -350,18 +254,18 @@ class PoissonSampler:
         ``y`` are arrays/tensors or nests of them with ``n`` examples on
         axis 0.
         """
-        n = _num_examples(x, y)
+        n = num_examples(x, y)
         if n != self.n:
             raise ValueError(
                 f"the sampler was built for n={self.n} examples but x/y have {n}; "
                 "build the PoissonSampler with n=len(x)."
             )
-        start_step = _check_start_step(start_step)
-        x_t, y_t = _to_host_tensors(x), _to_host_tensors(y)
+        start_step = check_start_step(start_step)
+        x_t, y_t = to_host_tensors(x), to_host_tensors(y)
 
         def element(t: tf.Tensor) -> tuple[Any, Any, tf.Tensor]:
             indices, weights = self.padded_indices(t)
-            return _gather(x_t, indices), _gather(y_t, indices), weights
+            return gather_rows(x_t, indices), gather_rows(y_t, indices), weights
 
         ds = tf.data.Dataset.counter(start_step, dtype=tf.int64).map(element).prefetch(tf.data.AUTOTUNE)
         _POISSON_DATASETS[ds] = (self.n, self.sample_rate)
@@ -383,89 +287,12 @@ def poisson_dataset(
     cannot be recovered, so the run cannot be resumed exactly: build a
     :class:`PoissonSampler` and store its ``.seed`` when you need that.
     """
-    sample_rate = _check_sample_rate(sample_rate)
-    physical_batch_size = _check_positive_int(
+    sample_rate = check_sample_rate(sample_rate)
+    physical_batch_size = check_positive_int(
         physical_batch_size,
         "physical_batch_size",
         "pass e.g. default_physical_batch_size(n, sample_rate)",
     )
-    n = _num_examples(x, y)
+    n = num_examples(x, y)
     sampler = PoissonSampler(n, sample_rate, physical_batch_size, seed)
     return sampler.dataset(x, y, start_step=start_step)
-
-
-# --------------------------------------------------------------------------
-# Shuffled fixed-size batches (NOT covered by the accountant)
-# --------------------------------------------------------------------------
-
-
-def shuffled_steps_per_epoch(n: int, batch_size: int, drop_remainder: bool = False) -> int:
-    """Steps per epoch of :func:`shuffled_dataset`: ``ceil(n / B)`` (``floor`` if dropping)."""
-    n = _check_positive_int(n, "n", "pass the number of training examples")
-    b = _check_positive_int(batch_size, "batch_size", "pass a positive batch size")
-    if drop_remainder:
-        if b > n:
-            raise ValueError(
-                f"batch_size={b} > n={n} with drop_remainder=True leaves no batch; "
-                "lower batch_size or set drop_remainder=False."
-            )
-        return n // b
-    return -(-n // b)
-
-
-def shuffled_dataset(
-    x: Any,
-    y: Any,
-    batch_size: int,
-    seed: int | None = None,
-    drop_remainder: bool = False,
-    start_step: int = 0,
-) -> tf.data.Dataset:
-    """Fixed-size shuffled batches: the explicit NON-Poisson option.
-
-    **Privacy warning:** the accountant's guarantee assumes Poisson sampling
-    (each example joins each step independently with probability ``q``). It
-    does NOT cover this option; runs that use it must be reported as not
-    covered by the accountant (shuffling without replacement has no matching
-    amplification analysis here and can give a weaker guarantee).
-
-    Each epoch draws a fresh permutation of the ``n`` examples
-    (``stateless_shuffle`` keyed by the ``"shuffle"`` stream at ``epoch``) and
-    cuts it into ``shuffled_steps_per_epoch(n, B, drop_remainder)`` batches,
-    so every example is used exactly once per epoch. Elements are
-    ``(x_batch, y_batch, sample_weight)`` with static leading dimension ``B``:
-    weights are 1.0, and the last partial batch is padded to ``B`` with
-    weight-0.0 copies of example 0 (with ``drop_remainder=True`` the
-    ``n mod B`` examples left over are skipped this epoch instead). The
-    dataset repeats forever; element ``j`` is global step
-    ``start_step + j``, so resuming reproduces the uninterrupted run.
-    """
-    n = _num_examples(x, y)
-    b = _check_positive_int(batch_size, "batch_size", "pass a positive batch size")
-    steps = shuffled_steps_per_epoch(n, b, drop_remainder)
-    seed = random_streams.resolve_seed(seed)
-    start_step = _check_start_step(start_step)
-    x_t, y_t = _to_host_tensors(x), _to_host_tensors(y)
-    padded_len = steps * b
-
-    def epoch_batches(epoch: tf.Tensor) -> tf.data.Dataset:
-        perm = tf.random.experimental.stateless_shuffle(
-            tf.range(n, dtype=tf.int64),
-            seed=random_streams.step_key(seed, SHUFFLE_STREAM, epoch),
-            alg="philox",
-        )
-        if drop_remainder:
-            indices, weights = perm[:padded_len], tf.ones([padded_len], tf.float32)
-        else:
-            indices = tf.pad(perm, [[0, padded_len - n]])
-            weights = tf.sequence_mask(n, padded_len, dtype=tf.float32)
-        return tf.data.Dataset.from_tensor_slices(
-            (tf.reshape(indices, [steps, b]), tf.reshape(weights, [steps, b]))
-        )
-
-    def element(indices: tf.Tensor, weights: tf.Tensor) -> tuple[Any, Any, tf.Tensor]:
-        return _gather(x_t, indices), _gather(y_t, indices), weights
-
-    ds = tf.data.Dataset.counter(start_step // steps, dtype=tf.int64)
-    ds = ds.flat_map(epoch_batches).skip(start_step % steps)
-    return ds.map(element).prefetch(tf.data.AUTOTUNE)

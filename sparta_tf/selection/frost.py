@@ -29,7 +29,8 @@ with freezing model parameTers", see the paper text) before DP-SGD training:
    Delta_j^2)`` for ``P_i in R_{j-1}``, alternate
    ``v_i = sum_j v~_{j,i} lambda_j / Delta_j^2 / sum_j lambda_j^2 / Delta_j^2``
    (Lemma 5) and ``lambda_j = sum_i v~_{j,i} v_i / sum_i v_i^2`` (Lemma 4);
-   ``Var(v_i) = sigma^2 / sum_{j} lambda_j^2 / Delta_j^2`` (Lemma 6).
+   ``Var(v_i) = sigma^2 / sum_{j} lambda_j^2 / Delta_j^2`` (Lemma 6);
+   :mod:`sparta_tf.selection.pgm`.
 
 4. **PSEL** (Algorithm 4): ``T`` rounds on fresh Poisson samples; each round
    re-estimates ``v``, sets ``mu_thres`` to the largest ``v`` of the partitions
@@ -60,6 +61,7 @@ from sparta_tf.per_example.engines import make_engine
 from sparta_tf.noise import gaussian_noise
 from sparta_tf.privacy import accounting
 from sparta_tf.privacy.sampling import PoissonSampler
+from sparta_tf.selection.pgm import DEFAULT_J, pgm_est, pgm_variance
 
 METHODS = method_spec.FROST_MAGNITUDES
 SELECTION_PHASE = "frost_selection"
@@ -76,7 +78,6 @@ DEFAULT_R_EPS = _OPTIONS["r_eps"]
 DEFAULT_T = _OPTIONS["frost_iterations"]
 DEFAULT_Q_PS = _OPTIONS["q_ps"]
 DEFAULT_NU = _OPTIONS["nu"]
-DEFAULT_J = 1000
 
 
 # --------------------------------------------------------------------------
@@ -182,81 +183,6 @@ def noisy_partition_magnitudes(
     """DP-MG / DP-MGN / DP-MGNA: ``mu_R(X) + N(0, sigma^2 Delta^2 I)``; returns (noisy mu, Delta)."""
     mu, delta = partition_magnitudes(grads, method, alpha, clip)
     return mu + rng.normal(0.0, noise_multiplier * delta, size=mu.shape), delta
-
-
-# --------------------------------------------------------------------------
-# PGM-EST (Lemmas 4-6).
-# --------------------------------------------------------------------------
-
-
-def pgm_est(
-    observations: np.ndarray,
-    deltas: Sequence[float],
-    q_ps: float = DEFAULT_Q_PS,
-    iterations: int = DEFAULT_J,
-    tol: float = 1e-12,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Alternating MLE of the true PGMs ``v`` and the scales ``lambda``.
-
-    ``observations``: ``[t, M]``, ``v~_{j,i}`` or NaN where ``P_i`` was not in
-    ``R_{j-1}``. ``deltas``: ``Delta_1..Delta_t``. Model: ``v~_{j,i} =
-    lambda_j v_i + N(0, sigma^2 Delta_j^2)``, ``lambda_1 = q_ps`` fixed (it
-    fixes the scale; Lemma 5 "given lambda_1 = q_ps"). For ``t = 1`` returns
-    ``v~_1 / q_ps``. Otherwise ``lambda_2..t`` start at 1 and ``iterations``
-    (``J``) rounds alternate Lemma 5 (``v``) and Lemma 4 (``lambda_j``, j >= 2),
-    stopping early when ``v`` changes by at most ``tol`` (relative).
-    Returns ``(v [M], lambdas [t])``.
-    """
-    obs = np.atleast_2d(np.asarray(observations, np.float64))
-    t, m = obs.shape
-    seen = np.isfinite(obs)
-    if not seen[0].all():
-        raise ValueError("every partition is observed in the first PSEL iteration (R_0 = S)")
-    vt = np.where(seen, obs, 0.0)
-    lam = np.ones(t)
-    lam[0] = q_ps
-    v = vt[0] / q_ps
-    if t == 1:
-        return v, lam
-    for _ in range(int(iterations)):
-        v_new = pgm_given_lambdas(obs, deltas, lam)
-        # Lemma 4 (j >= 2): lambda_j = sum_{i in R_{j-1}} v~_{j,i} v_i / sum_{i in R_{j-1}} v_i^2
-        # (the common 1 / Delta_j^2 cancels).
-        vv = np.sum(seen[1:] * vt[1:] * v_new[None], axis=1)
-        v2 = np.sum(seen[1:] * (v_new**2)[None], axis=1)
-        lam[1:] = np.where(v2 > 0, vv / np.where(v2 > 0, v2, 1.0), lam[1:])
-        done = np.max(np.abs(v_new - v)) <= tol * max(np.max(np.abs(v_new)), 1e-300)
-        v = v_new
-        if done:
-            break
-    return pgm_given_lambdas(obs, deltas, lam), lam  # final v consistent with the final lambdas
-
-
-def pgm_given_lambdas(observations: np.ndarray, deltas: Sequence[float], lambdas: Sequence[float]) -> np.ndarray:
-    """Lemma 5: ``v_i = sum_{j in T_i} v~_{j,i} lambda_j / Delta_j^2 / sum_{j in T_i} lambda_j^2 / Delta_j^2``.
-
-    ``T_i = {j : P_i in R_{j-1}}`` (the finite entries of column ``i``).
-    """
-    obs = np.atleast_2d(np.asarray(observations, np.float64))
-    seen = np.isfinite(obs)
-    lam = np.asarray(lambdas, np.float64)[: obs.shape[0]]
-    w = 1.0 / np.asarray(deltas, np.float64)[: obs.shape[0]] ** 2
-    num = np.sum(np.where(seen, obs, 0.0) * (lam * w)[:, None], axis=0)
-    den = np.sum(seen * (lam**2 * w)[:, None], axis=0)
-    return num / den
-
-
-def pgm_variance(
-    noise_multiplier: float, lambdas: np.ndarray, deltas: Sequence[float], observed: np.ndarray
-) -> np.ndarray:
-    """Lemma 6: ``Var(v_i) = sigma^2 / sum_{j in T_i} lambda_j^2 / Delta_j^2``.
-
-    ``observed``: bool ``[t, M]`` (``P_i in R_{j-1}``); for ``P_i in R_{t-1}`` the
-    sum runs over all ``j <= t`` as in the lemma.
-    """
-    lam = np.asarray(lambdas, np.float64)
-    w = lam**2 / np.asarray(deltas, np.float64)[: len(lam)] ** 2
-    return noise_multiplier**2 / np.sum(np.asarray(observed)[: len(lam)] * w[:, None], axis=0)
 
 
 # --------------------------------------------------------------------------
