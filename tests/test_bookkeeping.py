@@ -289,8 +289,8 @@ def test_dp_model_uses_the_bookkeeping_engine_by_default_and_shows_its_choices()
     assert methods[model.layers[0].kernel.name] == "rank_one"
 
 
-def test_the_engine_can_be_built_while_a_step_is_traced():
-    """DPModel builds its engine lazily inside the traced train step (EinsumDense layouts included)."""
+def test_the_engine_is_built_before_the_step_is_traced():
+    """DPModel builds its engine just before the train step is traced (EinsumDense layouts included)."""
     from sparta_tf import DPModel
 
     model = _mha_model()
