@@ -6,7 +6,6 @@ no export and no checkpoint behind."""
 import copy
 import gzip
 import io
-import json
 import os
 import pathlib
 import tarfile
@@ -411,7 +410,7 @@ def test_a_hopeless_fixed_noise_multiplier_is_refused_in_seconds(tmp_path):
     (["--epochs", "2"], "sparta-example: error: --epochs 2 is too few for --method sparta; give at least 3"),
 ])
 def test_sparta_example_bad_arguments_are_one_line(capsys, args, fragment):
-    from sparta_tf.examples import quickstart
+    from trainers import example as quickstart
 
     with pytest.raises(SystemExit) as stop:
         quickstart.main(args)
@@ -422,7 +421,7 @@ def test_sparta_example_bad_arguments_are_one_line(capsys, args, fragment):
 def test_sparta_example_offers_every_method_and_runs_dp_frost(capsys):
     """Regression: --help did not list dp_frost and dp_ssgd, and --method dp_frost ended in an
     AttributeError; the example runs a method as sparta-train does (plan, DP model, preparation, fit)."""
-    from sparta_tf.examples import quickstart
+    from trainers import example as quickstart
     from sparta_tf.methods import METHODS
 
     assert sorted(quickstart.METHOD_NAMES) == sorted(METHODS)

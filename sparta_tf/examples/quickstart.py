@@ -13,19 +13,15 @@ Bundled data only (scikit-learn's 8x8 digits, no network):
    sampling, PLD accountant);
 3. prints epsilon spent per epoch, the privacy report and test accuracy.
 
-Run: ``sparta-example`` or ``python -m sparta_tf.examples.quickstart``.
+Run: ``sparta-example`` (its arguments: :mod:`trainers.example`).
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-
-from sparta_tf import method_spec  # noqa: E402  (after the log level: the package imports TensorFlow)
 
 
 def load_digits_split():
@@ -61,65 +57,6 @@ def build_model(num_classes: int):
     return tf.keras.Model(inputs, outputs), features
 
 
-METHOD_NAMES = tuple(method_spec.METHODS)
-"""Every method, from the TensorFlow-free spec :mod:`sparta_tf.method_spec`."""
-
-
-def _number(low: float, high: float, *, low_open: bool = True, high_open: bool = False, kind=float,
-            interval: str | None = None):
-    """An argparse type: a finite ``kind`` in the interval from ``low`` to ``high`` (open or closed ends)."""
-    interval = interval or f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-        inside = (low < value if low_open else low <= value) and (value < high if high_open else value <= high)
-        if not (math.isfinite(value) and inside):
-            raise argparse.ArgumentTypeError(f"{text} must be {interval}")
-        return value
-
-    return parse
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="sparta-example", description=__doc__.splitlines()[0])
-    positive = _number(0, math.inf, high_open=True, interval="> 0")
-    parser.add_argument("--epsilon", type=positive, default=4.0,
-                        help="target epsilon of the whole run, > 0 (default 4)")
-    parser.add_argument("--delta", type=_number(0, 1, high_open=True, interval="in (0, 1)"), default=1e-5, help="delta in (0, 1)")
-    count = _number(1, math.inf, low_open=False, kind=int, interval="an integer >= 1")
-    parser.add_argument("--epochs", type=count, default=15,
-                        help="DP fine-tuning epochs (sparta and its kin need at least 3)")
-    parser.add_argument("--pretrain-epochs", type=count, default=15,
-                        help="non-private pre-training epochs on the public digits")
-    parser.add_argument("--sample-rate", type=_number(0, 1, interval="in (0, 1]"), default=0.1,
-                        help="Poisson rate q in (0, 1]")
-    parser.add_argument("--method", default="sparta", choices=METHOD_NAMES, metavar="METHOD",
-                        help=f"one of {', '.join(METHOD_NAMES)} (default sparta; docs/methods.md)")
-    parser.add_argument("--lr", type=positive, default=0.05,
-                        help="learning rate of the backbone")
-    parser.add_argument("--head-lr", type=positive, default=0.5,
-                        help="learning rate of the fresh head (paper: 10x)")
-    parser.add_argument("--density", type=_number(0, 1, interval="in (0, 1]"), default=0.2,
-                        help="fraction of rows kept per layer, in (0, 1] (sparta, dpsgd_grad, oracle, mp, random)")
-    parser.add_argument("--seed", type=_number(0, 2**63, low_open=False, high_open=True, kind=int,
-                                               interval="an integer in [0, 2**63)"), default=None,
-                        help="seed for reproducible runs (default: secret)")
-    return parser.parse_args(argv)
-
-
-def main(argv=None) -> None:
-    """Runs the example; a bad argument is one line (argparse's), and so is a method that cannot run."""
-    args = parse_args(argv)
-    try:
-        run(args)
-    except ValueError as error:
-        print(f"sparta-example: error: {str(error).splitlines()[0]}", file=sys.stderr)
-        raise SystemExit(2) from None
-
-
 def _fits(method, epochs: int) -> bool:
     try:
         method.phases(epochs)
@@ -129,12 +66,12 @@ def _fits(method, epochs: int) -> bool:
 
 
 def run(args: argparse.Namespace) -> None:
-    """Pre-training, then DP fine-tuning by ``args.method`` as ``sparta-train`` runs a method: its privacy
-    plan (mechanisms before training included), its DP model, its preparation, then ``fit``."""
+    """Pre-training, then DP fine-tuning by ``args.method`` through :func:`sparta_tf.make_private` (the
+    method's privacy plan, mechanisms before training included, its DP model, its preparation, ``fit``)."""
     import tensorflow as tf
 
-    from sparta_tf import MethodCallback, methods
-    from sparta_tf.privacy.plan import make_privacy_plan
+    import sparta_tf
+    from sparta_tf import methods
 
     method_options = methods.method_class(args.method).options
     options = {"density": args.density} if "density" in method_options else {}
@@ -157,23 +94,14 @@ def run(args: argparse.Namespace) -> None:
     print(f"== 2. DP fine-tuning ({args.method}) on private digits 5-9 (fresh head)")
     inputs = tf.keras.Input((8, 8, 1))
     model = tf.keras.Model(inputs, tf.keras.layers.Dense(5, name="head")(features(inputs)))
-    n, q = len(private[0]), args.sample_rate
-    plan = make_privacy_plan(
-        n=n, expected_batch_size=q * n, phases=method.phases(args.epochs), delta=args.delta,
-        target_epsilon=args.epsilon, before_training=method.mechanisms_before_training(n, q),
-        training_share=method.training_share, nonprivate_reasons=method.nonprivate_reasons())
-    print(plan.describe())
-    dp_model = method.make_dp_model(model, noise_multiplier=plan.noise_multiplier, clip_norm=1.0,
-                                    sample_rate=plan.sample_rate, dataset_size=n, delta=args.delta,
-                                    target_epsilon=args.epsilon, seed=args.seed)
+    n = len(private[0])
+    dp_model = sparta_tf.make_private(model, method=method, target_epsilon=args.epsilon, delta=args.delta,
+                                      epochs=args.epochs, batch_size=args.sample_rate * n, dataset_size=n,
+                                      clip_norm=1.0, seed=args.seed)
+    print(dp_model.plan.describe())
     dp_model.compile(tf.keras.optimizers.SGD(args.lr, momentum=0.9), loss=loss, metrics=["accuracy"])
-    method.prepare(dp_model, *private, loss, plan)  # DP-FROST's selection, DP-SSGD's pruning; else nothing
-    dp_model.fit(*private, epochs=args.epochs, validation_data=test, callbacks=[MethodCallback(method)], verbose=2)
+    dp_model.fit(*private, validation_data=test, verbose=2)
 
     accuracy = dp_model.evaluate(*test, verbose=0)[1]
     print(dp_model.ledger.report())
     print(f"== private test accuracy {accuracy:.3f} at epsilon={dp_model.ledger.epsilon():.3f}, delta={args.delta}")
-
-
-if __name__ == "__main__":
-    main()
