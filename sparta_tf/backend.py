@@ -128,3 +128,12 @@ def tf_variable(variable) -> tf.Variable:
 def learning_rate(optimizer) -> object:
     """The optimizer's learning rate as given: a float, variable or ``LearningRateSchedule``."""
     return optimizer._learning_rate  # the same (private) attribute on Keras 2 and Keras 3
+
+
+def owned_variables(layer) -> list:
+    """The variables ``layer`` created itself (trainable first), not those of its sublayers:
+    ``_trainable_weights`` / ``_non_trainable_weights`` on Keras 2, ``_trainable_variables`` /
+    ``_non_trainable_variables`` on Keras 3."""
+    if KERAS3:
+        return list(getattr(layer, "_trainable_variables", ())) + list(getattr(layer, "_non_trainable_variables", ()))
+    return list(layer._trainable_weights) + list(layer._non_trainable_weights)

@@ -47,7 +47,7 @@ from typing import Sequence
 import tensorflow as tf
 
 from sparta_tf.losses import per_example_loss_fn
-from sparta_tf import distribute, random_streams
+from sparta_tf import distribute, keras_trainer, random_streams
 from sparta_tf.masks import is_mask_charge
 from sparta_tf.model_checks import PROBE_EXAMPLES, probe_batch_mixing, reject_batch_mixing_layers
 from sparta_tf.noise import gaussian_noise
@@ -250,19 +250,16 @@ class DPModel(tf.keras.Model):
 
     def _retrace(self) -> None:
         """Drops the traced step; rebuilds it at once inside a running ``fit``."""
-        self.train_function = None
-        if getattr(self, "_is_compiled", False):
-            self.make_train_function(force=True)
+        keras_trainer.retrace(self)
 
     @property
     def metrics(self):
         """The mean per-example loss over real examples, then the compiled metrics."""
-        compiled = self.compiled_metrics.metrics if self.compiled_metrics is not None else []
-        return [self._loss_tracker] + list(compiled)
+        return [self._loss_tracker] + keras_trainer.compiled_metrics(self)
 
     def _update_metrics(self, y, predictions, losses, weights):
         self._loss_tracker.update_state(losses, sample_weight=weights)
-        self.compiled_metrics.update_state(y, predictions, weights)
+        keras_trainer.update_compiled_metrics(self, y, predictions, weights)
 
     def test_step(self, data):
         x, y, weights = tf.keras.utils.unpack_x_y_sample_weight(data)
@@ -459,10 +456,10 @@ class DPModel(tf.keras.Model):
         ``x`` (shapes that the data has, so any valid model runs) and their
         labels ``y``; no metric state is updated.
         """
-        if self.compiled_metrics is None or self.compiled_metrics.built or y is None:
+        if y is None:
             return
         with self.distribute_strategy.scope():
-            self.compiled_metrics.build(self.model(x, training=False), y)
+            keras_trainer.build_compiled_metrics(self, lambda: self.model(x, training=False), y)
 
     def _probe_model(self, x, y) -> None:
         """Before the first DP step, on a few real examples ``x, y`` (no padding), once per model:
@@ -596,7 +593,7 @@ class DPModel(tf.keras.Model):
         self.privacy_callback = privacy
         if verbose != 0 and not any(isinstance(c, tf.keras.callbacks.ProgbarLogger) for c in callbacks):
             # After the privacy callback, so that the progbar shows epsilon.
-            callbacks.append(tf.keras.callbacks.ProgbarLogger(count_mode="steps"))
+            callbacks.append(keras_trainer.step_progress_bar())
         return super().fit(
             x, y, epochs=epochs, verbose=verbose, callbacks=callbacks,
             steps_per_epoch=steps_per_epoch, initial_epoch=initial_epoch, **kwargs,

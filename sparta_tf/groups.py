@@ -35,6 +35,7 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
+from sparta_tf.backend import owned_variables
 from sparta_tf.model_checks import is_batch_normalization
 
 ROLES = ("kernel", "bias", "norm", "head", "other")
@@ -118,7 +119,7 @@ def find_head(model: tf.keras.Model) -> tf.keras.layers.Layer | None:
 def _leaf_layers(model: tf.keras.Model) -> list[tf.keras.layers.Layer]:
     layers = []
     for module in model._flatten_layers(include_self=False, recursive=True):
-        if module._trainable_weights or module._non_trainable_weights:
+        if owned_variables(module):
             layers.append(module)
     return layers
 

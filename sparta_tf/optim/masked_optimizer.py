@@ -20,7 +20,10 @@ float or a Keras schedule evaluated at the step) times the selection's
 
 then ``W[s] <- W[s] - d_s``: dense selections with ``assign_sub``; row and
 entry selections with ``scatter_nd_sub`` at their coordinates (an in-place
-scatter, so frozen coordinates are never written).
+scatter, so frozen coordinates are never written). On Keras 3 the update goes to
+the ``tf.Variable`` inside the ``keras.Variable`` (:func:`sparta_tf.backend.tf_variable`),
+which has ``scatter_nd_sub``; the Keras 3 optimizer is read for its hyper-parameters
+only, as on Keras 2.
 
 Optimizer state (``m_s``, ``v_s``) has the compact shape: it exists only for
 trainable coordinates. When the trainable set changes (SPARTA's phases), the
@@ -42,6 +45,7 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
+from sparta_tf.backend import learning_rate, tf_variable, variable_key
 from sparta_tf.trainable import TrainableSet, VariableSelection
 
 LearningRateSchedule = tf.keras.optimizers.schedules.LearningRateSchedule
@@ -92,7 +96,7 @@ def _selection_key(selection: VariableSelection) -> str:
     """Stable name of a selection's optimizer state (same across processes)."""
     indices = selection.flat_indices
     digest = 0 if indices is None else zlib.crc32(np.ascontiguousarray(indices).tobytes())
-    name = selection.variable.name.replace("/", "_").replace(":", "_")
+    name = variable_key(selection.variable).replace("/", "_").replace(":", "_")
     return f"{name}__{selection.kind}_{selection.size}_{digest:08x}"
 
 
@@ -150,7 +154,7 @@ class MaskedOptimizer(tf.Module):
 
     def learning_rate(self) -> tf.Tensor:
         """The learning rate of the current step (schedules evaluated at ``iterations``)."""
-        lr = self.keras_optimizer._learning_rate
+        lr = learning_rate(self.keras_optimizer)
         if isinstance(lr, LearningRateSchedule):
             return tf.cast(lr(self.keras_optimizer.iterations), tf.float32)
         return tf.cast(tf.convert_to_tensor(lr), tf.float32)
@@ -174,7 +178,8 @@ class MaskedOptimizer(tf.Module):
             slots = self.slots[key]
             scaled_lr = lr * selection.learning_rate_scale
             strategy.extended.update(
-                selection.variable, self._update_fn(selection), args=(grad, scaled_lr, step, *slots), group=False
+                tf_variable(selection.variable), self._update_fn(selection), args=(grad, scaled_lr, step, *slots),
+                group=False
             )
         self.keras_optimizer.iterations.assign_add(1)
 
