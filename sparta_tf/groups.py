@@ -184,7 +184,7 @@ def parameter_table(model: tf.keras.Model, head: str | tf.keras.layers.Layer | N
     trainable = {id(v) for v in model.trainable_variables}
     table = []
     for layer in _leaf_layers(model):
-        for variable in layer._trainable_weights:
+        for variable in owned_variables(layer):  # the non-trainable ones are skipped below
             if id(variable) not in trainable:
                 continue
             role = _role(layer, variable, head)
