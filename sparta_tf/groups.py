@@ -35,7 +35,7 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
-from sparta_tf.backend import owned_variables
+from sparta_tf.backend import owned_variables, variable_key
 from sparta_tf.model_checks import is_batch_normalization
 
 ROLES = ("kernel", "bias", "norm", "head", "other")
@@ -75,7 +75,7 @@ class RowGroup:
 
     @property
     def name(self) -> str:
-        return self.variable.name
+        return variable_key(self.variable)
 
     @property
     def shape(self) -> tuple[int, ...]:

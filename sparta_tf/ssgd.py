@@ -85,6 +85,7 @@ import numpy as np
 import tensorflow as tf
 
 from sparta_tf import trainable as trainable_lib
+from sparta_tf.backend import tf_variable
 from sparta_tf.clipping import clipped_sum
 from sparta_tf.dp_model import DPModel
 from sparta_tf.groups import parameter_table
@@ -361,7 +362,7 @@ class DroppingOptimizer(MaskedOptimizer):
         for selection, key, grad, keep in zip(self._selections, self._keys, grads, masks):
             slots = self.slots[key]
             strategy.extended.update(
-                selection.variable, self._dropped_update_fn(selection),
+                tf_variable(selection.variable), self._dropped_update_fn(selection),
                 args=(grad, keep, lr * selection.learning_rate_scale, step, *slots), group=False,
             )
         self.keras_optimizer.iterations.assign_add(1)
