@@ -11,7 +11,9 @@ Two small models written the usual way, a Dense MLP and a Conv2D + GroupNorm net
   every other coordinate stays bit-identical; the ledger charges every step;
 * the noise on a trainable coordinate has std ``lr sigma C / (q n)``, and is zero elsewhere;
 * the masked optimizer equals Keras' own SGD (momentum) / Adam on whole variables;
-* ``checkpoint_state`` round-trips through ``tf.train.Checkpoint``.
+* ``checkpoint_state`` round-trips through ``tf.train.Checkpoint``;
+* SPARTA's three phases through ``SpartaCallback`` (warm-up on the always-trainable set, a selection
+  epoch that writes no weight, the sparse phase on the selected rows), and DP-BiTFiT's bias set.
 """
 
 import numpy as np
@@ -19,9 +21,12 @@ import pytest
 import tensorflow as tf
 
 from layer_zoo import loss_fn, norms, reference_clipped_sum, reference_gradients
+import sparta_tf as st
 from sparta_tf import backend, trainable
+from sparta_tf.groups import parameter_table
 from sparta_tf.dp_model import DPModel
 from sparta_tf.groups import row_groups
+from sparta_tf.methods.sets import bias_terms_set
 from sparta_tf.optim.masked_optimizer import MaskedOptimizer
 from sparta_tf.per_example import make_engine
 from sparta_tf.per_example.bookkeeping import clipped_batch, make_clipping_engine
@@ -239,3 +244,61 @@ def test_checkpoint_state_round_trips(tmp_path):
     for k in dp._masked_optimizer.slots:
         for a, b in zip(dp._masked_optimizer.slots[k], restored._masked_optimizer.slots[k]):
             np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_sparta_three_phases_freeze_unselected_coordinates(tmp_path):
+    model = conv_gn()
+    x, y, _ = batch("conv_gn", real=64, seed=5)
+    q, epochs, warmup = 0.25, 4, 1
+    dp = DPModel(model, noise_multiplier=0.8, sample_rate=q, delta=1e-5, seed=0)
+    dp.compile(tf.keras.optimizers.SGD(0.05, momentum=0.9), loss=LOSS)
+    callback = st.SpartaCallback(warmup_epochs=warmup, density=0.5, mask_dir=str(tmp_path), verbose=0)
+    after_warmup = {}
+
+    class AfterWarmup(tf.keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == warmup - 1:
+                after_warmup.update(weights_by_key(model))
+            if epoch == warmup:  # the selection epoch wrote no weight
+                for variable in model.weights:
+                    np.testing.assert_array_equal(variable.numpy(), after_warmup[key(variable)], err_msg=key(variable))
+
+    before = weights_by_key(model)
+    dp.fit(x, y, epochs=epochs, callbacks=[callback, AfterWarmup()], verbose=0)
+    steps = round(1 / q)
+    phases = {}
+    for entry in dp.ledger.entries:
+        phases[entry.phase] = phases.get(entry.phase, 0) + entry.count
+    assert phases == {"warmup": steps, "selection": steps, "sparse": (epochs - warmup - 1) * steps}
+    mask = {key(s.variable): s for s in callback.mask_selections}
+    assert mask and (tmp_path / "mask.npz").exists()
+    for info in parameter_table(model):
+        name = key(info.variable)
+        old, new = before[name], info.variable.numpy()
+        if info.group is None:
+            assert not np.array_equal(old, new), f"{name} ({info.role}) should train"
+            continue
+        trained = mask[name].dense_mask()
+        assert 0 < trained.sum() < trained.size
+        np.testing.assert_array_equal(old[~trained], new[~trained], err_msg=f"frozen coordinates of {name}")
+        assert not np.array_equal(old[trained], new[trained])
+
+
+def test_bias_terms_set_is_the_biases_and_norm_offsets():
+    model = conv_gn()
+    names = {"/".join(key(v).split(":")[0].split("/")[-2:]) for v in bias_terms_set(model).variables}
+    assert names == {"conv/bias", "gn/beta", "hidden/bias", "head/bias"}
+
+
+def test_make_private_runs_sparta_on_the_mlp_within_its_plan():
+    model = mlp()
+    x, y, _ = batch("mlp", real=64, seed=6)
+    before = weights_by_key(model)
+    dp = st.make_private(model, method="sparta", target_epsilon=8.0, delta=1e-5, epochs=3, batch_size=16,
+                         dataset_size=64, seed=0, warmup_epochs=1, density=0.5)
+    dp.compile(tf.keras.optimizers.SGD(0.5, momentum=0.9), loss=LOSS)
+    history = dp.fit(x, y, verbose=0)
+    assert len(history.history["loss"]) == 3
+    assert list(dp.ledger.entries) == dp.plan.events()
+    assert dp.ledger.is_private and dp.ledger.epsilon() <= 8.0 * (1 + 1e-9)
+    assert any(not np.array_equal(before[key(v)], v.numpy()) for v in model.weights)
