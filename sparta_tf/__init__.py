@@ -13,7 +13,7 @@ import os as _os
 # scripts (sparta-example, ...) import this package before their own code runs.
 _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-from sparta_tf import keras2  # noqa: E402,F401  (first: Keras 2 behind tf.keras on every TensorFlow)
+from sparta_tf import backend  # noqa: E402,F401  (first: picks and checks the Keras behind tf.keras)
 from sparta_tf.callbacks import MethodCallback, NonFiniteGuard, SpartaCallback
 from sparta_tf.dp_model import DPModel
 from sparta_tf.groups import group_table, row_groups

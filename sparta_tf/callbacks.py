@@ -77,7 +77,7 @@ class MethodCallback(tf.keras.callbacks.Callback):
         ``method.make_dp_model``, DP-FROST and pruning DP-SSGD need
         ``method.prepare(dp, x, y, loss, plan)`` before ``fit``.
         """
-        self.model = dp
+        self.set_model(dp)
         self._epochs = epochs
         self.method.check_ready(dp)  # refuses a DP model the method was not built or prepared for
         self.method.phases(epochs)  # refuses a schedule that does not fit

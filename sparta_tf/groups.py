@@ -35,6 +35,7 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
+from sparta_tf.backend import owned_variables, variable_key
 from sparta_tf.model_checks import is_batch_normalization
 
 ROLES = ("kernel", "bias", "norm", "head", "other")
@@ -74,7 +75,7 @@ class RowGroup:
 
     @property
     def name(self) -> str:
-        return self.variable.name
+        return variable_key(self.variable)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -118,7 +119,7 @@ def find_head(model: tf.keras.Model) -> tf.keras.layers.Layer | None:
 def _leaf_layers(model: tf.keras.Model) -> list[tf.keras.layers.Layer]:
     layers = []
     for module in model._flatten_layers(include_self=False, recursive=True):
-        if module._trainable_weights or module._non_trainable_weights:
+        if owned_variables(module):
             layers.append(module)
     return layers
 
@@ -183,7 +184,7 @@ def parameter_table(model: tf.keras.Model, head: str | tf.keras.layers.Layer | N
     trainable = {id(v) for v in model.trainable_variables}
     table = []
     for layer in _leaf_layers(model):
-        for variable in layer._trainable_weights:
+        for variable in owned_variables(layer):  # the non-trainable ones are skipped below
             if id(variable) not in trainable:
                 continue
             role = _role(layer, variable, head)

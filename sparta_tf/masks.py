@@ -43,6 +43,7 @@ import numpy as np
 import tensorflow as tf
 
 from sparta_tf import trainable
+from sparta_tf.backend import variable_key
 from sparta_tf.atomic_files import replace_atomically, write_atomic
 from sparta_tf.groups import parameter_table, row_groups
 from sparta_tf.privacy.ledger import LedgerEntry
@@ -121,7 +122,7 @@ class MaskProvenance:
 
 def model_fingerprint(model: tf.keras.Model) -> dict[str, list[int]]:
     """``{kernel variable name: shape}`` of every maskable kernel: what a mask must match."""
-    return {g.variable.name: g.variable.shape.as_list() for g in row_groups(model)}
+    return {variable_key(g.variable): g.variable.shape.as_list() for g in row_groups(model)}
 
 
 def mask_summary(selections: Sequence[VariableSelection], model: tf.keras.Model) -> list[dict[str, Any]]:
@@ -139,7 +140,7 @@ def mask_summary(selections: Sequence[VariableSelection], model: tf.keras.Model)
         else:
             kept = info.group.n_rows if sel.kind == "dense" else len(sel.rows)
             total, unit = info.group.n_rows, "rows"
-        rows.append({"layer": info.layer, "variable": info.variable.name, "unit": unit,
+        rows.append({"layer": info.layer, "variable": variable_key(info.variable), "unit": unit,
                      "kept": int(kept), "total": int(total), "fraction": kept / total})
     return rows
 
@@ -161,7 +162,7 @@ def save_mask(directory: str, selections: Sequence[VariableSelection], model: tf
     free labels (method, score, density, granularity).
     """
     meta = dict(meta, privacy=provenance.to_json(), model=model_fingerprint(model))
-    names = [sel.variable.name for sel in selections]
+    names = [variable_key(sel.variable) for sel in selections]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ValueError(f"variables {duplicates} share a name, so a saved mask could not tell them apart; "
@@ -169,11 +170,11 @@ def save_mask(directory: str, selections: Sequence[VariableSelection], model: tf
     arrays = {}
     for sel in selections:
         if sel.kind == "rows":
-            arrays[f"{sel.variable.name}::rows"] = sel.rows
+            arrays[f"{variable_key(sel.variable)}::rows"] = sel.rows
         elif sel.kind == "entries":
-            arrays[f"{sel.variable.name}::entries"] = sel.entries
+            arrays[f"{variable_key(sel.variable)}::entries"] = sel.entries
         else:
-            arrays[f"{sel.variable.name}::dense"] = np.zeros(0, np.int64)
+            arrays[f"{variable_key(sel.variable)}::dense"] = np.zeros(0, np.int64)
     arrays[_META_KEY] = np.array(json.dumps(meta))
     summary = mask_summary(selections, model)
     npz_path = os.path.join(directory, MASK_FILE)
@@ -230,7 +231,7 @@ def load_mask(path: str, model: tf.keras.Model) -> tuple[list[VariableSelection]
     recorded for a model with other maskable kernels is refused.
     """
     path = mask_file(path)
-    by_name = {info.variable.name: info for info in parameter_table(model)}
+    by_name = {variable_key(info.variable): info for info in parameter_table(model)}
     arrays, meta = _read(path)
     _check_model(meta, model, path)
     selections = []
@@ -248,17 +249,17 @@ def _selection(info, kind: str, values: np.ndarray, path: str):
     """The selection stored under ``<variable>::<kind>``, checked against the variable."""
     if kind == "rows":
         if info.group is None or values.size and (values.min() < 0 or values.max() >= info.group.n_rows):
-            raise ValueError(f"mask {path}: rows of {info.variable.name} do not fit this model")
+            raise ValueError(f"mask {path}: rows of {variable_key(info.variable)} do not fit this model")
         return trainable.rows(info.group, values)
     if kind == "entries":
         if values.size and (values.min() < 0 or values.max() >= info.size):
-            raise ValueError(f"mask {path}: entries of {info.variable.name} do not fit this model")
+            raise ValueError(f"mask {path}: entries of {variable_key(info.variable)} do not fit this model")
         mask = np.zeros(info.size, dtype=bool)
         mask[values] = True
         return trainable.entries(info.variable, mask.reshape(info.variable.shape))
     if kind == "dense":
         return trainable.dense(info.variable)
-    raise ValueError(f"mask {path}: unknown selection kind {kind!r} for {info.variable.name}")
+    raise ValueError(f"mask {path}: unknown selection kind {kind!r} for {variable_key(info.variable)}")
 
 
 def _check_model(meta: dict[str, Any], model: tf.keras.Model, path: str) -> None:

@@ -26,6 +26,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import tensorflow as tf
 
+from sparta_tf.backend import variable_key
 from sparta_tf.groups import RowGroup
 
 KINDS = ("dense", "rows", "entries")
@@ -117,7 +118,8 @@ def entries(variable: tf.Variable, mask: np.ndarray, learning_rate_scale: float 
     """Coordinates where boolean ``mask`` (the variable's shape) is True (None when empty)."""
     mask = np.asarray(mask, dtype=bool)
     if mask.shape != tuple(variable.shape.as_list()):
-        raise ValueError(f"mask shape {mask.shape} != variable shape {tuple(variable.shape.as_list())} ({variable.name})")
+        raise ValueError(f"mask shape {mask.shape} != variable shape {tuple(variable.shape.as_list())} "
+                         f"({variable_key(variable)})")
     flat = np.flatnonzero(mask.reshape(-1)).astype(np.int64)
     if flat.size == 0:
         return None
@@ -134,7 +136,7 @@ class TrainableSet:
         seen = set()
         for s in self.selections:
             if id(s.variable) in seen:
-                raise ValueError(f"variable {s.variable.name} selected twice")
+                raise ValueError(f"variable {variable_key(s.variable)} selected twice")
             seen.add(id(s.variable))
         if not self.selections:
             raise ValueError("the trainable set is empty: select at least one variable")
@@ -171,7 +173,7 @@ class TrainableSet:
 
     def signature(self) -> tuple:
         """Hashable description (kinds, sizes): equal signatures share traced graphs."""
-        return tuple((s.variable.name, s.kind, s.size) for s in self.selections)
+        return tuple((variable_key(s.variable), s.kind, s.size) for s in self.selections)
 
     def union(self, other: "TrainableSet") -> "TrainableSet":
         """This set plus the selections of ``other`` whose variables are not in it yet."""

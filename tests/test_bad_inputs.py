@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
-from sparta_tf.keras2 import keras_version
+from sparta_tf.backend import keras_version
 from trainers import cli
 
 BASE = {

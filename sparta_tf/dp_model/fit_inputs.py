@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from sparta_tf import distribute
+from sparta_tf import distribute, keras_trainer
 from sparta_tf.model_checks import PROBE_EXAMPLES, probe_batch_mixing
 from sparta_tf.per_example.bookkeeping import make_clipping_engine
 from sparta_tf.per_example.coverage import check_coverage
@@ -98,10 +98,10 @@ def build_compiled_metrics(dp, x, y) -> None:
     ``x`` (shapes that the data has, so any valid model runs) and their
     labels ``y``; no metric state is updated.
     """
-    if dp.compiled_metrics is None or dp.compiled_metrics.built or y is None:
+    if y is None:
         return
     with dp.distribute_strategy.scope():
-        dp.compiled_metrics.build(dp.model(x, training=False), y)
+        keras_trainer.build_compiled_metrics(dp, lambda: dp.model(x, training=False), y)
 
 def probe_model(dp, x, y) -> None:
     """Before the first DP step, on a few real examples ``x, y`` (no padding), once per model:

@@ -61,7 +61,7 @@ from sparta_tf.dp_step import (
     all_reduce_sum,
     choose_engine,
 )
-from sparta_tf import distribute
+from sparta_tf import distribute, keras_trainer
 from sparta_tf.losses import per_example_loss_fn
 from sparta_tf.model_checks import reject_batch_mixing_layers
 from sparta_tf.optim.masked_optimizer import MaskedOptimizer
@@ -252,19 +252,16 @@ class DPModel(tf.keras.Model):
 
     def _retrace(self) -> None:
         """Drops the traced step; rebuilds it at once inside a running ``fit``."""
-        self.train_function = None
-        if getattr(self, "_is_compiled", False):
-            self.make_train_function(force=True)
+        keras_trainer.retrace(self)
 
     @property
     def metrics(self):
         """The mean per-example loss over real examples, then the compiled metrics."""
-        compiled = self.compiled_metrics.metrics if self.compiled_metrics is not None else []
-        return [self._loss_tracker] + list(compiled)
+        return [self._loss_tracker] + keras_trainer.compiled_metrics(self)
 
     def _update_metrics(self, y, predictions, losses, weights):
         self._loss_tracker.update_state(losses, sample_weight=weights)
-        self.compiled_metrics.update_state(y, predictions, weights)
+        keras_trainer.update_compiled_metrics(self, y, predictions, weights)
 
     def test_step(self, data):
         x, y, weights = tf.keras.utils.unpack_x_y_sample_weight(data)
@@ -412,7 +409,7 @@ class DPModel(tf.keras.Model):
         self.privacy_callback = privacy
         if verbose != 0 and not any(isinstance(c, tf.keras.callbacks.ProgbarLogger) for c in callbacks):
             # After the privacy callback, so that the progbar shows epsilon.
-            callbacks.append(tf.keras.callbacks.ProgbarLogger(count_mode="steps"))
+            callbacks.append(keras_trainer.step_progress_bar())
         return super().fit(
             x, y, epochs=epochs, verbose=verbose, callbacks=callbacks,
             steps_per_epoch=steps_per_epoch, initial_epoch=initial_epoch, **kwargs,

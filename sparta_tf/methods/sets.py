@@ -13,6 +13,7 @@ from typing import Sequence
 import tensorflow as tf
 
 from sparta_tf import trainable
+from sparta_tf.backend import variable_key
 from sparta_tf.groups import parameter_table
 from sparta_tf.trainable import TrainableSet, VariableSelection
 
@@ -52,7 +53,7 @@ def bias_terms_set(model: tf.keras.Model, head=None, learning_rate_scale: float 
     selections = []
     for p in parameter_table(model, head):
         is_offset = p.role == "norm" and p.variable is getattr(_layer_of(model, p.layer), "beta", None)
-        is_bias = p.role in ("bias", "head") and p.variable.name.endswith("bias:0")
+        is_bias = p.role in ("bias", "head") and variable_key(p.variable).split(":")[0].endswith("bias")
         if is_bias or is_offset:
             selections.append(trainable.dense(p.variable, learning_rate_scale))
     return TrainableSet(selections)

@@ -105,7 +105,7 @@ def _from_function(fn: Callable, **fixed) -> Callable[[dict, int, tuple], tf.ker
 
 
 def _keras_cv_models():
-    from sparta_tf.keras2 import keras_version
+    from sparta_tf.backend import keras_version
 
     if not keras_version().startswith("2.15"):
         raise ValueError(f"model.name=keras_cv needs keras-cv 0.9 on Keras 2.15 (the TF 2.15 line, Python 3.11); "

@@ -20,7 +20,10 @@ float or a Keras schedule evaluated at the step) times the selection's
 
 then ``W[s] <- W[s] - d_s``: dense selections with ``assign_sub``; row and
 entry selections with ``scatter_nd_sub`` at their coordinates (an in-place
-scatter, so frozen coordinates are never written).
+scatter, so frozen coordinates are never written). On Keras 3 the update goes to
+the ``tf.Variable`` inside the ``keras.Variable`` (:func:`sparta_tf.backend.tf_variable`),
+which has ``scatter_nd_sub``; the Keras 3 optimizer is read for its hyper-parameters
+only, as on Keras 2.
 
 With a step's keep mask ``1_s`` (a gradient filter that drops coordinates, e.g. DP-SSGD's
 gradient dropping; see :mod:`sparta_tf.dp_step.keep`), dropped coordinates move neither their
@@ -48,6 +51,7 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
+from sparta_tf.backend import learning_rate, tf_variable, variable_key
 from sparta_tf.trainable import TrainableSet, VariableSelection
 
 LearningRateSchedule = tf.keras.optimizers.schedules.LearningRateSchedule
@@ -98,7 +102,7 @@ def _selection_key(selection: VariableSelection) -> str:
     """Stable name of a selection's optimizer state (same across processes)."""
     indices = selection.flat_indices
     digest = 0 if indices is None else zlib.crc32(np.ascontiguousarray(indices).tobytes())
-    name = selection.variable.name.replace("/", "_").replace(":", "_")
+    name = variable_key(selection.variable).replace("/", "_").replace(":", "_")
     return f"{name}__{selection.kind}_{selection.size}_{digest:08x}"
 
 
@@ -156,7 +160,7 @@ class MaskedOptimizer(tf.Module):
 
     def learning_rate(self) -> tf.Tensor:
         """The learning rate of the current step (schedules evaluated at ``iterations``)."""
-        lr = self.keras_optimizer._learning_rate
+        lr = learning_rate(self.keras_optimizer)
         if isinstance(lr, LearningRateSchedule):
             return tf.cast(lr(self.keras_optimizer.iterations), tf.float32)
         return tf.cast(tf.convert_to_tensor(lr), tf.float32)
@@ -185,7 +189,7 @@ class MaskedOptimizer(tf.Module):
                 update, args = self._update_fn(selection), (grad, scaled_lr, step, *slots)
             else:
                 update, args = self._kept_update_fn(selection), (grad, mask, scaled_lr, step, *slots)
-            strategy.extended.update(selection.variable, update, args=args, group=False)
+            strategy.extended.update(tf_variable(selection.variable), update, args=args, group=False)
         self.keras_optimizer.iterations.assign_add(1)
 
     def _update_fn(self, selection: VariableSelection):

@@ -32,6 +32,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import tensorflow as tf
 
+from sparta_tf.backend import owned_variables, tf_variable
 from sparta_tf.per_example.errors import UnsupportedLayerError
 from sparta_tf.per_example.registry import rule_for
 from sparta_tf.per_example.recording import install_hook, install_reshape_hook, recording
@@ -87,7 +88,7 @@ def finite_rows(x, valid: tf.Tensor):
 
 
 def _owned_weights(layer) -> list[tf.Variable]:
-    return list(layer._trainable_weights) + list(layer._non_trainable_weights)
+    return owned_variables(layer)
 
 
 def _units(model: tf.keras.Model) -> list[tuple[tf.keras.layers.Layer, list[tf.Variable]]]:
@@ -249,6 +250,7 @@ def record_output_gradients(model, layers, x, y, loss_fn: PerExampleLoss, valid:
     inputs the pass ran on). With ``watch`` (variables), also their batch gradients of the same pass.
     """
     x, valid = finite_rows(x, valid)
+    watch = [tf_variable(v) for v in watch]
     with tf.GradientTape(watch_accessed_variables=False, persistent=False) as tape:
         tape.watch(list(watch))
         with recording(tape, layers) as rec:
@@ -288,7 +290,7 @@ class VectorizedEngine:
                 "or 'layerwise'")
         self.model = model
         self.selections = list(selections)
-        self.variables = [s.variable for s in self.selections]
+        self.variables = [tf_variable(s.variable) for s in self.selections]
 
     def __call__(self, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor) -> PerExampleGradients:
         x, valid = finite_rows(x, valid)  # padding is removed by the clipping step

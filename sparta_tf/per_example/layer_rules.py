@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import tensorflow as tf
 
+from sparta_tf.backend import tf_variable
 from sparta_tf.per_example.arguments import split_arguments
 from sparta_tf.per_example.patches import (
     _output_size_and_padding,
@@ -324,7 +325,7 @@ class VjpRule(LayerRule):
         self.probe_point = probe_point
 
     def per_example_grads(self, layer, call, delta, selections):
-        variables = [sel.variable for sel in selections]
+        variables = [tf_variable(sel.variable) for sel in selections]
         first = tf.nest.flatten(delta)[0]
         split = split_arguments(layer.name, call.args, call.kwargs, first.shape[0], tf.shape(first)[0])
         output_delta = delta if call.probe is None else tf.nest.map_structure(

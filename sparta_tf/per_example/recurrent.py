@@ -36,6 +36,7 @@ import inspect
 
 import tensorflow as tf
 
+from sparta_tf.backend import tf_variable
 from sparta_tf.per_example.errors import UnsupportedLayerError
 from sparta_tf.per_example.layer_rules import LayerRule, RecordedCall
 from sparta_tf.precision import to_accumulation
@@ -144,7 +145,7 @@ class RecurrentRule(LayerRule):
         return output
 
     def per_example_grads(self, layer, call, delta, selections):
-        variables = [s.variable for s in selections]
+        variables = [tf_variable(s.variable) for s in selections]
         x_sequence, state_sequences = call.args
         delta = [tf.cast(d, p.dtype) for d, p in zip(delta, call.probe)]
 

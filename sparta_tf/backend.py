@@ -1,0 +1,139 @@
+"""Which Keras ``tf.keras`` is, and the few Keras 2 / Keras 3 differences the library needs.
+
+Imported by ``sparta_tf`` before anything else touches ``tf.keras``. Two lines
+are supported (docs/versions.md):
+
+* **Keras 2**: ``tf.keras`` of TF 2.15 (built in), or the ``tf-keras`` package on
+  TF >= 2.16 (``TF_USE_LEGACY_KERAS=1``). The whole library runs here.
+* **Keras 3** (experimental) with the TensorFlow backend: ``tf.keras`` of TF >= 2.16
+  without ``TF_USE_LEGACY_KERAS``. :data:`KERAS3` is True; the parts that run on it
+  are listed in docs/versions.md, the others refuse with :class:`Keras2OnlyError`.
+
+Choosing the line: when ``tf-keras`` is installed (the default install on Python
+3.12/3.13 while Keras 3 is experimental) and the user has not set
+``TF_USE_LEGACY_KERAS``, this module sets it to 1 before ``tf.keras`` is
+resolved, so an installed ``tf-keras`` means Keras 2. ``TF_USE_LEGACY_KERAS=0``,
+an environment without ``tf-keras``, or a process that resolved ``tf.keras`` to
+Keras 3 before importing ``sparta_tf`` gives the Keras 3 line. Any other Keras
+(Keras 3 with a non-TensorFlow backend, Keras older than 2.15 or 3.10) gets one
+line, :class:`UnsupportedKerasError`, naming the supported versions.
+
+The helpers paper over the API differences the library uses:
+
+=====================  ================================  =====================================
+helper                 Keras 2                           Keras 3
+=====================  ================================  =====================================
+:func:`variable_key`   ``v.name`` (``"dense/kernel:0"``)  ``v.path`` (``"dense/kernel"``)
+:func:`tf_variable`    ``v`` (a ``tf.Variable``)          ``v.value`` (the ``tf.Variable`` inside)
+:func:`learning_rate`  ``opt._learning_rate``             ``opt._learning_rate`` (same name)
+=====================  ================================  =====================================
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+if importlib.util.find_spec("tf_keras") is not None:  # tf-keras installed: the Keras 2 line unless the user said 0
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # (TF 2.15 has Keras 2 built in; tf-keras absent)
+
+import tensorflow as tf  # noqa: E402  (after the variable, on purpose)
+
+MIN_KERAS3 = (3, 10)  # what TensorFlow 2.21 requires; 3.15.1 is the version tested (requirements/keras3.txt)
+
+SUPPORTED = ("Keras 2 (TensorFlow 2.15, or tf-keras 2.x with TF_USE_LEGACY_KERAS=1) or, experimentally, "
+             f"Keras >= {MIN_KERAS3[0]}.{MIN_KERAS3[1]} with the TensorFlow backend (TensorFlow >= 2.16)")
+
+
+class UnsupportedKerasError(ImportError):
+    """``tf.keras`` is a Keras sparta-tf does not run on (see :data:`SUPPORTED`)."""
+
+
+class Keras2OnlyError(NotImplementedError):
+    """A part of sparta-tf that does not run on Keras 3 yet was asked for on Keras 3."""
+
+
+def keras_version() -> str:
+    """The version of the Keras behind ``tf.keras``."""
+    version = getattr(tf.keras, "__version__", None)
+    if version is None and getattr(tf.keras, "__name__", "").startswith("tf_keras"):
+        import tf_keras
+
+        version = tf_keras.__version__
+    if version is None:
+        import keras
+
+        version = keras.__version__
+    return str(version)
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    parts = (version.split(".") + ["0", "0"])[:2]
+    return tuple(int("".join(c for c in p if c.isdigit()) or 0) for p in parts)  # type: ignore[return-value]
+
+
+def keras_backend() -> str:
+    """``"tensorflow"`` on Keras 2; Keras 3's configured backend otherwise."""
+    backend = getattr(tf.keras, "backend", None)
+    name = getattr(backend, "backend", None)
+    return name() if callable(name) else "tensorflow"
+
+
+def check_supported(version: str | None = None, backend: str | None = None) -> bool:
+    """True for Keras 3, False for Keras 2; raises :class:`UnsupportedKerasError` (one line) otherwise."""
+    version = keras_version() if version is None else version
+    backend = keras_backend() if backend is None else backend
+    major_minor = _major_minor(version)
+    if major_minor[0] == 2 and major_minor >= (2, 15):
+        return False
+    if major_minor[0] == 3 and major_minor >= MIN_KERAS3 and backend == "tensorflow":
+        return True
+    fix = ("set KERAS_BACKEND=tensorflow" if major_minor[0] == 3 and major_minor >= MIN_KERAS3
+           else "pip install -r requirements/keras3.txt (or tf-keras matching your TensorFlow)")
+    raise UnsupportedKerasError(f"sparta-tf runs on {SUPPORTED}; this is Keras {version} with the {backend} backend "
+                                f"(TensorFlow {tf.__version__}): {fix}")
+
+
+KERAS3: bool = check_supported()
+"""True when ``tf.keras`` is Keras 3 (the experimental line), False on Keras 2."""
+
+
+def require_keras2(feature: str) -> None:
+    """Raises :class:`Keras2OnlyError` (one line, with the fix) when ``feature`` is asked for on Keras 3."""
+    if KERAS3:
+        raise Keras2OnlyError(
+            f"{feature} runs on Keras 2 only so far (tf.keras is Keras {keras_version()}): pip install "
+            f"tf-keras=={tf.__version__.split('-')[0]} and set TF_USE_LEGACY_KERAS=1 before importing tensorflow"
+        )
+
+
+def variable_key(variable) -> str:
+    """A variable's unique name: ``name`` on Keras 2 (``"dense/kernel:0"``), ``path`` on Keras 3
+    (``"dense/kernel"``; Keras 3's ``name`` is the short ``"kernel"``)."""
+    path = getattr(variable, "path", None) if KERAS3 else None
+    return str(path) if path is not None else variable.name
+
+
+def tf_variable(variable) -> tf.Variable:
+    """The ``tf.Variable`` holding ``variable``'s value: itself on Keras 2, ``variable.value`` for a
+    Keras 3 ``keras.Variable`` (which has no ``scatter_nd_sub``). Writes through it write the variable."""
+    if isinstance(variable, tf.Variable):
+        return variable
+    value = getattr(variable, "value", None)
+    if isinstance(value, tf.Variable):
+        return value
+    raise TypeError(f"{type(variable).__name__} is not a TensorFlow or Keras variable")
+
+
+def learning_rate(optimizer) -> object:
+    """The optimizer's learning rate as given: a float, variable or ``LearningRateSchedule``."""
+    return optimizer._learning_rate  # the same (private) attribute on Keras 2 and Keras 3
+
+
+def owned_variables(layer) -> list:
+    """The variables ``layer`` created itself (trainable first), not those of its sublayers:
+    ``_trainable_weights`` / ``_non_trainable_weights`` on Keras 2, ``_trainable_variables`` /
+    ``_non_trainable_variables`` on Keras 3."""
+    if KERAS3:
+        return list(getattr(layer, "_trainable_variables", ())) + list(getattr(layer, "_non_trainable_variables", ()))
+    return list(layer._trainable_weights) + list(layer._non_trainable_weights)

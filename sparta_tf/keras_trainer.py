@@ -1,0 +1,80 @@
+"""The Keras ``Model`` training API where Keras 2 and Keras 3 differ, for :class:`~sparta_tf.dp_model.DPModel`.
+
+A ``DPModel`` overrides ``train_step`` / ``test_step`` and keeps its own loss
+tracker, so it touches the compiled metrics, the traced step and the progress
+bar directly. The names differ between the lines:
+
+=======================  =====================================  ===========================================
+what                     Keras 2                                Keras 3
+=======================  =====================================  ===========================================
+compiled metrics         ``model.compiled_metrics`` (a list in  ``model._compile_metrics`` (one metric whose
+                         ``.metrics``)                          ``result()`` is a dict), None until compiled
+build them eagerly       ``.build(y_pred, y_true)``             ``.build(y_true, y_pred)``
+compiled?                ``model._is_compiled``                 ``model.compiled``
+progress bar             ``ProgbarLogger(count_mode="steps")``  ``ProgbarLogger()`` (counts steps)
+=======================  =====================================  ===========================================
+
+Keras 3's ``fit`` makes the train function once per call, so a step retraced
+inside a running ``fit`` (a phase boundary) is rebuilt at once on both lines.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import tensorflow as tf
+
+from sparta_tf.backend import KERAS3
+
+
+def _compiled(model: tf.keras.Model):
+    """The compiled-metrics container, or None (not compiled, or nothing to compile)."""
+    return getattr(model, "_compile_metrics", None) if KERAS3 else model.compiled_metrics
+
+
+def compiled_metrics(model: tf.keras.Model) -> list:
+    """The metrics ``compile`` created (Keras 3: the one container metric, whose result is a dict)."""
+    container = _compiled(model)
+    if container is None:
+        return []
+    return [container] if KERAS3 else list(container.metrics)
+
+
+def update_compiled_metrics(model: tf.keras.Model, y, predictions, sample_weight) -> None:
+    """Updates the compiled metrics with a batch (``sample_weight``: the 0/1 padding mask)."""
+    container = _compiled(model)
+    if container is not None:
+        container.update_state(y, predictions, sample_weight)
+
+
+def build_compiled_metrics(model: tf.keras.Model, predict: Callable[[], object], y) -> None:
+    """Creates the compiled metrics' variables now (no state updated) from ``predict()`` (the model's
+    output on a few examples) and their labels ``y``, unless already built."""
+    container = _compiled(model)
+    if container is None or container.built:
+        return
+    predictions = predict()
+    if KERAS3:
+        container.build(y, predictions)
+    else:
+        container.build(predictions, y)
+
+
+def is_compiled(model: tf.keras.Model) -> bool:
+    """Whether ``compile`` has run on ``model``."""
+    return bool(getattr(model, "compiled", False)) if KERAS3 else bool(getattr(model, "_is_compiled", False))
+
+
+def retrace(model: tf.keras.Model) -> None:
+    """Drops ``model``'s traced train step; rebuilds it at once when compiled (inside a running ``fit``,
+    whose loop calls ``model.train_function`` directly)."""
+    model.train_function = None
+    if is_compiled(model):
+        model.make_train_function(force=True)
+
+
+def step_progress_bar() -> tf.keras.callbacks.Callback:
+    """A progress bar that counts steps (not examples)."""
+    if KERAS3:
+        return tf.keras.callbacks.ProgbarLogger()
+    return tf.keras.callbacks.ProgbarLogger(count_mode="steps")
