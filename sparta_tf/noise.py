@@ -28,7 +28,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from sparta_tf.random_streams import new_seed, step_key  # noqa: F401  (new_seed: re-exported)
+from sparta_tf.random_streams import step_key  # noqa: F401  (new_seed: re-exported)
 
 DP_SGD_NOISE = "dp_sgd_noise"
 

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import abc
 import weakref
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import tensorflow as tf
 
