@@ -23,26 +23,19 @@ import tensorflow as tf
 import sparta_tf
 from sparta_tf.methods import METHODS
 from sparta_tf.privacy.callbacks import PrivacyCallback
+from small_mlp import LOSS, small_data, small_mlp
 
 N, BATCH, EPOCHS = 64, 16, 3
-LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 OPTIONS = {"sparta": {"warmup_epochs": 1}, "dpsgd_grad": {"warmup_epochs": 1}, "oracle": {"warmup_epochs": 1},
            "x_bitfit": {"full_epochs": 1}}
 
 
 def _model() -> tf.keras.Model:
-    tf.keras.utils.set_random_seed(0)
-    return tf.keras.Sequential([
-        tf.keras.Input((8,)),
-        tf.keras.layers.Dense(32, activation="relu", name="d1"),
-        tf.keras.layers.Dense(32, activation="relu", name="d2"),
-        tf.keras.layers.Dense(4, name="head"),
-    ])
+    return small_mlp()
 
 
 def _data():
-    rng = np.random.default_rng(0)
-    return rng.normal(size=(N, 8)).astype(np.float32), rng.integers(0, 4, N)
+    return small_data(N)
 
 
 def _private(method: str, model=None, **kwargs):

@@ -15,24 +15,17 @@ import sparta_tf
 from sparta_tf import ssgd
 from sparta_tf.methods import make_method
 from sparta_tf.privacy.plan import make_privacy_plan
+from small_mlp import LOSS, small_data, small_mlp
 
 N, BATCH, EPOCHS = 64, 16, 2
-LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
 def _model() -> tf.keras.Model:
-    tf.keras.utils.set_random_seed(0)
-    return tf.keras.Sequential([
-        tf.keras.Input((8,)),
-        tf.keras.layers.Dense(32, activation="relu", name="d1"),
-        tf.keras.layers.Dense(32, activation="relu", name="d2"),
-        tf.keras.layers.Dense(4, name="head"),
-    ])
+    return small_mlp()
 
 
 def _data():
-    rng = np.random.default_rng(0)
-    return rng.normal(size=(N, 8)).astype(np.float32), rng.integers(0, 4, N)
+    return small_data(N)
 
 
 def _plan(method):
