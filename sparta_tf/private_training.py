@@ -151,7 +151,7 @@ def private_model(model: tf.keras.Model, method: Method, plan: PrivacyPlan, *, r
         model, noise_multiplier=plan.noise_multiplier, sample_rate=plan.sample_rate, dataset_size=plan.n,
         delta=plan.delta, target_epsilon=plan.target_epsilon, accountant=plan.accountant, seed=seed, **dp_options,
     )
-    dp.attach_run(PrivateRun(plan, method, run_dir))
+    dp.attach_run(PrivateRun(plan, method, run_dir, previous))
     return dp
 
 
@@ -163,6 +163,9 @@ class PrivateRun:
     plan: PrivacyPlan
     method: Method
     run_dir: str | None = None
+    previous: tuple[str, dict] | None = None
+    """``(checkpoint dir, state)``: the newest readable checkpoint in ``run_dir`` when the run was built
+    (the run resumes from it), or None for a fresh run."""
     prepare_info: dict = dataclasses.field(default_factory=dict)
     checkpoint: "EpochCheckpoint | None" = None
     _started: bool = False
@@ -193,7 +196,7 @@ class PrivateRun:
             raise ValueError("make_private's model runs its method itself; remove the MethodCallback")
         if dp.optimizer is None or dp.loss is None:
             raise ValueError("compile the model returned by make_private (optimizer and loss) before fit")
-        previous = checkpointing.latest(self.run_dir) if self.run_dir is not None else None
+        previous = self.previous
         first_epoch = previous[1]["epoch"] if previous else 0
         distribute.check_same_checkpoint(dp.distribute_strategy, first_epoch if previous else None)
         if not self._started:

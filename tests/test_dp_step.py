@@ -9,6 +9,7 @@ from sparta_tf.dp_model import DPModel
 from sparta_tf.losses import per_example_loss_fn
 from sparta_tf.model_checks import NotPerExampleSafeError
 from sparta_tf.per_example import make_engine
+from small_models import conv_gn_model
 
 L = tf.keras.layers
 LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -16,13 +17,7 @@ PER_EXAMPLE_LOSS = per_example_loss_fn(LOSS)
 
 
 def small_model(seed=0):
-    tf.keras.utils.set_random_seed(seed)
-    inputs = L.Input((6, 6, 2))
-    h = L.Conv2D(4, 3, padding="same", activation="relu", name="conv")(inputs)
-    h = L.GroupNormalization(2, name="gn")(h)
-    h = L.GlobalAveragePooling2D()(h)
-    h = L.Dense(5, activation="relu", name="hidden")(h)
-    return tf.keras.Model(inputs, L.Dense(3, name="head")(h))
+    return conv_gn_model(seed)
 
 
 def unnormalised_model(seed=0):

@@ -21,6 +21,7 @@ import pytest
 import tensorflow as tf
 
 from layer_zoo import loss_fn, norms, reference_clipped_sum, reference_gradients
+from small_models import conv_gn_model
 import sparta_tf as st
 from sparta_tf import backend, trainable
 from sparta_tf.groups import parameter_table
@@ -47,13 +48,7 @@ def mlp(seed: int = 0) -> tf.keras.Model:
 
 
 def conv_gn(seed: int = 0) -> tf.keras.Model:
-    tf.keras.utils.set_random_seed(seed)
-    inputs = L.Input((6, 6, 2))
-    h = L.Conv2D(4, 3, padding="same", activation="relu", name="conv")(inputs)
-    h = L.GroupNormalization(2, name="gn")(h)
-    h = L.GlobalAveragePooling2D()(h)
-    h = L.Dense(5, activation="relu", name="hidden")(h)
-    return tf.keras.Model(inputs, L.Dense(CLASSES, name="head")(h))
+    return conv_gn_model(seed, CLASSES)
 
 
 MODELS = {"mlp": (mlp, (10,)), "conv_gn": (conv_gn, (6, 6, 2))}

@@ -23,7 +23,7 @@ import tensorflow as tf
 import sparta_tf
 from sparta_tf.methods import METHODS
 from sparta_tf.privacy.callbacks import PrivacyCallback
-from small_mlp import LOSS, small_data, small_mlp
+from small_models import LOSS, small_data, small_mlp
 
 N, BATCH, EPOCHS = 64, 16, 3
 OPTIONS = {"sparta": {"warmup_epochs": 1}, "dpsgd_grad": {"warmup_epochs": 1}, "oracle": {"warmup_epochs": 1},

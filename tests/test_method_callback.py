@@ -15,7 +15,7 @@ import sparta_tf
 from sparta_tf import ssgd
 from sparta_tf.methods import make_method
 from sparta_tf.privacy.plan import make_privacy_plan
-from small_mlp import LOSS, small_data, small_mlp
+from small_models import LOSS, small_data, small_mlp
 
 N, BATCH, EPOCHS = 64, 16, 2
 

@@ -355,9 +355,6 @@ def train(config: dict, resume: bool = False, hooks=None) -> dict:
 
 def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
     output_dir = run_dir.path
-    previous = checkpointing.latest(output_dir) if run_dir.resume else None
-    if run_dir.resume and previous is None:
-        print(f"== --resume: no checkpoint in {output_dir}, starting from scratch")
     run_dir.write_config()
     tf.keras.utils.set_random_seed(_seed(config))
     timings = {}
@@ -380,7 +377,9 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
                        physical_batch_size=training["physical_batch_size"], sampling=privacy["sampling"],
                        engine=training["engine"], jit_compile=training["jit_compile"])
     dp.compile(make_optimizer(config, plan.update_steps), loss=LOSS, metrics=["accuracy"])
-    if previous is None:
+    if dp.private_run.previous is None:  # a fresh run (RunDirectory refuses a checkpoint without --resume)
+        if run_dir.resume:
+            print(f"== --resume: no checkpoint in {output_dir}, starting from scratch")
         for reason in dataset.nonprivate_reasons():
             dp.ledger.record_nonprivate(reason)
         for caveat in privacy_caveats(config, dataset, plan.private):

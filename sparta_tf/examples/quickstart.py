@@ -19,9 +19,6 @@ Run: ``sparta-example`` (its arguments: :mod:`trainers.example`).
 from __future__ import annotations
 
 import argparse
-import os
-
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 
 def load_digits_split():
