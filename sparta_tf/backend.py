@@ -1,22 +1,17 @@
 """Which Keras ``tf.keras`` is, and the few Keras 2 / Keras 3 differences the library needs.
 
-Imported by ``sparta_tf`` before anything else touches ``tf.keras``. Two lines
-are supported (docs/versions.md):
+Imported by ``sparta_tf`` before anything else touches ``tf.keras``. It does not
+choose the Keras: ``tf.keras`` is whatever TensorFlow resolves it to, and the
+library runs on both lines it supports (docs/versions.md):
 
-* **Keras 2**: ``tf.keras`` of TF 2.15 (built in), or the ``tf-keras`` package on
-  TF >= 2.16 (``TF_USE_LEGACY_KERAS=1``). The whole library runs here.
-* **Keras 3** (experimental) with the TensorFlow backend: ``tf.keras`` of TF >= 2.16
-  without ``TF_USE_LEGACY_KERAS``. :data:`KERAS3` is True; the parts that run on it
-  are listed in docs/versions.md, the others refuse with :class:`Keras2OnlyError`.
+* **Keras 3** with the TensorFlow backend: ``tf.keras`` of TF >= 2.16 (the default
+  of ``pip install tensorflow``; Python 3.12/3.13's install). :data:`KERAS3` is True.
+* **Keras 2**: ``tf.keras`` of TF 2.15 (built in; Python 3.11's install), or the
+  ``tf-keras`` package on TF >= 2.16 when the user sets ``TF_USE_LEGACY_KERAS=1``
+  before TensorFlow is imported (TensorFlow's own switch).
 
-Choosing the line: when ``tf-keras`` is installed (the default install on Python
-3.12/3.13 while Keras 3 is experimental) and the user has not set
-``TF_USE_LEGACY_KERAS``, this module sets it to 1 before ``tf.keras`` is
-resolved, so an installed ``tf-keras`` means Keras 2. ``TF_USE_LEGACY_KERAS=0``,
-an environment without ``tf-keras``, or a process that resolved ``tf.keras`` to
-Keras 3 before importing ``sparta_tf`` gives the Keras 3 line. Any other Keras
-(Keras 3 with a non-TensorFlow backend, Keras older than 2.15 or 3.10) gets one
-line, :class:`UnsupportedKerasError`, naming the supported versions.
+Any other Keras (Keras 3 with a non-TensorFlow backend, Keras older than 2.15 or
+3.10) gets one line, :class:`UnsupportedKerasError`, naming the supported versions.
 
 The helpers paper over the API differences the library uses:
 
@@ -31,18 +26,12 @@ helper                 Keras 2                           Keras 3
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
-if importlib.util.find_spec("tf_keras") is not None:  # tf-keras installed: the Keras 2 line unless the user said 0
-    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # (TF 2.15 has Keras 2 built in; tf-keras absent)
-
-import tensorflow as tf  # noqa: E402  (after the variable, on purpose)
+import tensorflow as tf
 
 MIN_KERAS3 = (3, 10)  # what TensorFlow 2.21 requires; 3.15.1 is the version tested (requirements/keras3.txt)
 
-SUPPORTED = ("Keras 2 (TensorFlow 2.15, or tf-keras 2.x with TF_USE_LEGACY_KERAS=1) or, experimentally, "
-             f"Keras >= {MIN_KERAS3[0]}.{MIN_KERAS3[1]} with the TensorFlow backend (TensorFlow >= 2.16)")
+SUPPORTED = (f"Keras >= {MIN_KERAS3[0]}.{MIN_KERAS3[1]} with the TensorFlow backend (TensorFlow >= 2.16) or "
+             "Keras 2 (TensorFlow 2.15, or tf-keras 2.x with TF_USE_LEGACY_KERAS=1)")
 
 
 class UnsupportedKerasError(ImportError):
@@ -95,7 +84,7 @@ def check_supported(version: str | None = None, backend: str | None = None) -> b
 
 
 KERAS3: bool = check_supported()
-"""True when ``tf.keras`` is Keras 3 (the experimental line), False on Keras 2."""
+"""True when ``tf.keras`` is Keras 3, False on Keras 2."""
 
 
 def require_keras2(feature: str) -> None:

@@ -3,7 +3,14 @@
 import numpy as np
 import tensorflow as tf
 
+from sparta_tf.backend import variable_key
+
 LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def variable_name(variable) -> str:
+    """A variable's unique name on either Keras line, without Keras 2's ``:0`` (``"conv1/kernel"``)."""
+    return variable_key(variable).split(":")[0]
 
 
 def small_mlp() -> tf.keras.Model:

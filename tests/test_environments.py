@@ -1,4 +1,5 @@
-"""Two supported lines: pyproject's markers pick them per Python (the Keras 2 set-up is tests/test_keras2.py's)."""
+"""The supported lines: pyproject's markers pick TF 2.15 + Keras 2 (Python 3.11) or TF 2.21 + Keras 3
+(3.12/3.13); requirements/ pins the opt-in ones (the Keras detection is tests/test_keras2.py's)."""
 
 import pathlib
 import tomllib
@@ -33,11 +34,11 @@ def test_python_311_gets_the_tf215_line_with_tf_privacy_in_the_test_extra():
 
 
 @pytest.mark.parametrize("python", ["3.12", "3.13"])
-def test_python_312_and_313_get_the_tf221_line_without_tf_privacy_or_keras_cv(python):
+def test_python_312_and_313_get_tf221_with_keras3_without_tf_keras_tf_privacy_or_keras_cv(python):
     core = _selected(PROJECT["dependencies"], python)
-    assert core["tensorflow"] == "==2.21.0" and core["tf-keras"] == "==2.21.0"
-    assert core["dp-accounting"] == "==0.6.0"
-    assert "keras-cv" not in core and "keras" not in core
+    assert core["tensorflow"] == "==2.21.0" and core["keras"].startswith("==3.")
+    assert "keras-hub" in core and core["dp-accounting"] == "==0.6.0"
+    assert "keras-cv" not in core and "tf-keras" not in core
     for extra in ("test", "benchmark"):
         assert "tensorflow-privacy" not in _selected(PROJECT["optional-dependencies"][extra], python)
 
@@ -49,12 +50,22 @@ def test_requires_python_admits_311_to_313_only():
     assert [v for v in ("3.10", "3.11", "3.12", "3.13", "3.14") if v in allowed] == ["3.11", "3.12", "3.13"]
 
 
-def test_requirements_file_of_the_tf221_line_matches_the_py312_markers():
+def _pins(name: str) -> dict[str, str]:
     pins = {}
-    for line in (ROOT / "requirements" / "tf-2.21.txt").read_text().splitlines():
+    for line in (ROOT / "requirements" / name).read_text().splitlines():
         line = line.split("#", 1)[0].strip()
         if line:
             req = Requirement(line)
             pins[req.name] = str(req.specifier)
+    return pins
+
+
+def test_requirements_file_of_the_keras3_line_matches_the_py312_markers():
     test_extra = _selected(PROJECT["optional-dependencies"]["test"], "3.12")
-    assert pins == {**_selected(PROJECT["dependencies"], "3.12"), **test_extra}
+    assert _pins("keras3.txt") == {**_selected(PROJECT["dependencies"], "3.12"), **test_extra}
+
+
+def test_requirements_file_of_the_tf_keras_line_is_the_py312_line_with_tf_keras_for_keras3():
+    line = {k: v for k, v in _selected(PROJECT["dependencies"], "3.12").items() if k not in ("keras", "keras-hub")}
+    test_extra = _selected(PROJECT["optional-dependencies"]["test"], "3.12")
+    assert _pins("tf-2.21.txt") == {**line, "tf-keras": "==2.21.0", **test_extra}

@@ -13,6 +13,7 @@ from sparta_tf.groups import parameter_table, row_groups
 from sparta_tf.masks import MaskProvenance
 from sparta_tf.selection import SelectionScorer, kept_count
 from sparta_tf.trainable import VariableSelection
+from small_models import variable_name as key
 
 XENT = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 PLANTED = (2, 5, 11)
@@ -107,17 +108,17 @@ def test_per_layer_density_and_overrides():
     x, y = _conv_data()
     selector = st.SpartaSelector(model, density=0.3, density_overrides={"fc": 0.5, "conv2/*": 0.0})
     selections = selector.select_epoch(dp_model(model, sigma=1.0), x, y)
-    kept = {s.variable.name: (len(s.rows) if s.kind == "rows" else s.group.n_rows) for s in selections}
-    assert kept["conv1/kernel:0"] == kept_count(8, 0.3) == 2
-    assert kept["fc/kernel:0"] == 6
-    assert "conv2/kernel:0" not in kept  # density 0: no row of conv2 is trained
+    kept = {key(s.variable): (len(s.rows) if s.kind == "rows" else s.group.n_rows) for s in selections}
+    assert kept["conv1/kernel"] == kept_count(8, 0.3) == 2
+    assert kept["fc/kernel"] == 6
+    assert "conv2/kernel" not in kept  # density 0: no row of conv2 is trained
     assert kept_count(10, 0.01) == 1  # at least one row when density > 0
 
 
 def test_three_phase_fit_freezes_unselected_coordinates_and_counts_T_epochs(tmp_path):
     model = _conv_model()
     x, y = _conv_data()
-    before = {v.name: v.numpy().copy() for v in model.trainable_variables}
+    before = {key(v): v.numpy().copy() for v in model.trainable_variables}
     dp = dp_model(model, sigma=0.8, delta=1e-5)
     epochs, warmup = 4, 1
     callback = st.SpartaCallback(warmup_epochs=warmup, density=0.25, mask_dir=str(tmp_path), verbose=0)
@@ -130,25 +131,25 @@ def test_three_phase_fit_freezes_unselected_coordinates_and_counts_T_epochs(tmp_
         phases[entry.phase] = phases.get(entry.phase, 0) + entry.count
     assert phases == {"warmup": steps_per_epoch, "selection": steps_per_epoch, "sparse": 2 * steps_per_epoch}
 
-    mask = {s.variable.name: s for s in callback.mask_selections}
+    mask = {key(s.variable): s for s in callback.mask_selections}
     for info in parameter_table(model):
-        old, new = before[info.variable.name], info.variable.numpy()
+        old, new = before[key(info.variable)], info.variable.numpy()
         if info.group is None:
-            assert not np.array_equal(old, new), f"{info.variable.name} ({info.role}) should train"
+            assert not np.array_equal(old, new), f"{key(info.variable)} ({info.role}) should train"
             continue
-        sel = mask[info.variable.name]
+        sel = mask[key(info.variable)]
         trained = sel.dense_mask()
-        assert np.array_equal(old[~trained], new[~trained]), f"frozen coordinates of {info.variable.name} moved"
+        assert np.array_equal(old[~trained], new[~trained]), f"frozen coordinates of {key(info.variable)} moved"
         assert not np.array_equal(old[trained], new[trained])
     assert os.path.exists(tmp_path / "mask.npz")
 
 
 def test_trainable_set_of_every_method():
     model = _conv_model()
-    roles = {v.name: p.role for p in parameter_table(model) for v in [p.variable]}
+    roles = {key(v): p.role for p in parameter_table(model) for v in [p.variable]}
 
     def roles_of(trainable_set):
-        return sorted({roles[s.variable.name] for s in trainable_set})
+        return sorted({roles[key(s.variable)] for s in trainable_set})
 
     assert roles_of(methods.trainable_set(model, "all")) == ["bias", "head", "kernel", "norm"]
     assert roles_of(methods.trainable_set(model, "last")) == ["head", "norm"]
@@ -233,7 +234,7 @@ def test_mask_save_load_round_trip(tmp_path):
     loaded, meta = st.load_mask(str(tmp_path), model)
     assert {k: meta[k] for k in ("method", "density")} == {"method": "sparta", "density": 0.2}
     assert MaskProvenance.from_meta(meta, "m") == MaskProvenance.public()
-    assert [(s.variable.name, s.kind) for s in loaded] == [(s.variable.name, s.kind) for s in selections]
+    assert [(key(s.variable), s.kind) for s in loaded] == [(key(s.variable), s.kind) for s in selections]
     assert np.array_equal(loaded[0].rows, [1, 4])
     assert np.array_equal(loaded[1].entries, selections[1].entries)
     summary = json.loads((tmp_path / "mask.json").read_text())
@@ -257,8 +258,8 @@ def test_loaded_mask_skips_selection(tmp_path):
     callback = st.SpartaCallback(warmup_epochs=1, mask=str(tmp_path), verbose=0)
     dp.fit(x, y, epochs=2, callbacks=[callback], verbose=0)
     assert {e.phase for e in dp.ledger.entries} == {"warmup", "sparse"}
-    assert {s.variable.name: s.rows.tolist() for s in callback.mask_selections if s.kind == "rows"} == {
-        s.variable.name: [0] for s in mask
+    assert {key(s.variable): s.rows.tolist() for s in callback.mask_selections if s.kind == "rows"} == {
+        key(s.variable): [0] for s in mask
     }
 
 
@@ -339,19 +340,19 @@ def test_x_bitfit_switches_from_all_to_bias_terms_at_epoch_x():
     x, y = _conv_data()
     dp = dp_model(model, sigma=0.5, delta=1e-5)
     callback = st.MethodCallback("x_bitfit", full_epochs=1, verbose=0)
-    before = {v.name: v.numpy().copy() for v in model.trainable_variables}
+    before = {key(v): v.numpy().copy() for v in model.trainable_variables}
     dp.fit(x, y, epochs=1, callbacks=[callback], verbose=0)
     assert {e.phase for e in dp.ledger.entries} == {"full"}
-    assert all(not np.array_equal(before[v.name], v.numpy()) for v in model.trainable_variables)
-    after_full = {v.name: v.numpy().copy() for v in model.trainable_variables}
+    assert all(not np.array_equal(before[key(v)], v.numpy()) for v in model.trainable_variables)
+    after_full = {key(v): v.numpy().copy() for v in model.trainable_variables}
     dp.fit(x, y, epochs=3, initial_epoch=1, callbacks=[callback], verbose=0)
     phases = [e.phase for e in dp.ledger.entries]
     assert phases == ["full", "bias_terms"]
-    trained = {s.variable.name for s in dp.trainable_set}
-    assert trained == {"conv1/bias:0", "gn1/beta:0", "fc/bias:0", "head/bias:0"}
+    trained = {key(s.variable) for s in dp.trainable_set}
+    assert trained == {"conv1/bias", "gn1/beta", "fc/bias", "head/bias"}
     for v in model.trainable_variables:
-        moved = not np.array_equal(after_full[v.name], v.numpy())
-        assert moved == (v.name in trained), v.name
+        moved = not np.array_equal(after_full[key(v)], v.numpy())
+        assert moved == (key(v) in trained), key(v)
 
 
 def test_bias_only_step_computes_no_per_example_weight_gradients():

@@ -403,6 +403,8 @@ class DPModel(tf.keras.Model):
         elif epochs is None:
             epochs = 1
         x, y, steps_per_epoch = fit_inputs.prepare(self, x, y, steps_per_epoch)
+        if isinstance(x, tf.data.Dataset):
+            kwargs.setdefault("shuffle", False)  # the batches are the sampler's (Keras 3 warns on shuffle=True)
         privacy = ledger_callback.privacy_callback(self, callbacks, steps_per_epoch, on_budget_exhausted)
         if privacy is not None and privacy not in callbacks:
             callbacks.insert(0, privacy)

@@ -153,8 +153,8 @@ def _input_ones(model: tf.keras.Model, input_shape) -> tf.Tensor:
 def _linearised(model: tf.keras.Model):
     """Layers with an ``activation`` attribute and their current activations."""
     saved = []
-    for layer in model.submodules:
-        if isinstance(layer, tf.keras.layers.Layer) and hasattr(layer, "activation") and callable(layer.activation):
+    for layer in model._flatten_layers(include_self=False, recursive=True):  # Keras 3 models have no .submodules
+        if hasattr(layer, "activation") and callable(layer.activation):
             saved.append((layer, layer.activation))
     return saved
 

@@ -1,5 +1,5 @@
-"""Which Keras tf.keras is (sparta_tf.backend): Keras 2 where tf-keras or TF 2.15 gives it, Keras 3 otherwise,
-one line for anything else; the helpers behind the Keras 2 / Keras 3 differences."""
+"""Which Keras tf.keras is (sparta_tf.backend): whatever TensorFlow resolves (importing sparta_tf changes
+nothing), one line for anything unsupported; the helpers behind the Keras 2 / Keras 3 differences."""
 
 import importlib.util
 import os
@@ -22,14 +22,26 @@ def _python(code: str, **env):
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=300)
 
 
-@pytest.mark.skipif(not (NEW_LINE or TF_215), reason="neither tf-keras nor TF 2.15: tf.keras is Keras 3 here")
-def test_tf_keras_is_keras_2_once_sparta_tf_is_imported():
-    done = _python("import sparta_tf, tensorflow as tf; from sparta_tf.backend import keras_version, KERAS3; "
-                   "print(keras_version()); print(KERAS3); print(type(tf.keras.layers.Dense(2)).__module__)")
+@pytest.mark.skipif(not TF_215, reason="TF >= 2.16: tf.keras is Keras 2 only with tf-keras and TF_USE_LEGACY_KERAS=1")
+def test_tf_215_is_the_keras_2_line():
+    done = _python("import sparta_tf; from sparta_tf.backend import keras_version, KERAS3; "
+                   "print(keras_version(), KERAS3)")
     assert done.returncode == 0, done.stderr[-2000:]
-    version, keras3, module = done.stdout.split()[-3:]
-    assert version.startswith("2.") and keras3 == "False"
-    assert module.startswith("tf_keras" if NEW_LINE else "keras.src")
+    version, keras3 = done.stdout.split()[-2:]
+    assert version.startswith("2.15") and keras3 == "False"
+
+
+@pytest.mark.skipif(not NEW_LINE, reason="tf-keras is not installed: TF_USE_LEGACY_KERAS has nothing to switch to")
+@pytest.mark.parametrize("legacy, keras3", [(None, "True"), ("1", "False"), ("0", "True")])
+def test_importing_sparta_tf_keeps_the_keras_tensorflow_chose(legacy, keras3):
+    """With tf-keras installed, TensorFlow's switch alone picks the Keras; sparta_tf follows it."""
+    code = ("import sparta_tf, os, tensorflow as tf; from sparta_tf.backend import KERAS3; "
+            "print(KERAS3, os.environ.get('TF_USE_LEGACY_KERAS', '-'), type(tf.keras.layers.Dense(2)).__module__)")
+    done = _python(code, **({} if legacy is None else {"TF_USE_LEGACY_KERAS": legacy}))
+    assert done.returncode == 0, done.stderr[-2000:]
+    found, variable, module = done.stdout.split()[-3:]
+    assert found == keras3 and variable == (legacy or "-")  # the environment is left as it was
+    assert module.startswith("keras.src" if keras3 == "True" else "tf_keras")
 
 
 @pytest.mark.parametrize("version, name, keras3", [
@@ -49,17 +61,14 @@ def test_other_kerases_get_one_line_naming_the_supported_versions(version, name,
     with pytest.raises(backend.UnsupportedKerasError) as error:
         backend.check_supported(version, name)
     message = str(error.value)
-    assert "\n" not in message and message.startswith("sparta-tf runs on Keras 2 (TensorFlow 2.15")
+    assert "\n" not in message and message.startswith("sparta-tf runs on Keras >= 3.10 with the TensorFlow backend")
     assert f"this is Keras {version} with the {name} backend" in message and fix in message
 
 
-@pytest.mark.skipif(not NEW_LINE, reason="TF 2.15 has Keras 2 built in: Keras 3 cannot be active there")
-@pytest.mark.parametrize("code, env", [
-    ("import tensorflow as tf; tf.keras.layers.Dense; import sparta_tf", {}),  # TF first, Keras 3 resolved
-    ("import sparta_tf", {"TF_USE_LEGACY_KERAS": "0"}),  # the user asked for Keras 3
-])
-def test_a_process_with_keras_3_active_runs_on_the_keras_3_line(code, env):
-    done = _python(code + "; print(sparta_tf.backend.KERAS3, sparta_tf.backend.keras_version())", **env)
+@pytest.mark.skipif(TF_215, reason="TF 2.15 has Keras 2 built in: Keras 3 cannot be active there")
+def test_a_process_with_keras_3_active_runs_on_the_keras_3_line():
+    done = _python("import tensorflow as tf; tf.keras.layers.Dense; import sparta_tf; "
+                   "print(sparta_tf.backend.KERAS3, sparta_tf.backend.keras_version())")
     assert done.returncode == 0, done.stderr[-2000:]
     keras3, version = done.stdout.split()[-2:]
     assert keras3 == "True" and version.startswith("3.")
