@@ -20,13 +20,14 @@ line, :class:`UnsupportedKerasError`, naming the supported versions.
 
 The helpers paper over the API differences the library uses:
 
-=====================  ================================  =====================================
-helper                 Keras 2                           Keras 3
-=====================  ================================  =====================================
-:func:`variable_key`   ``v.name`` (``"dense/kernel:0"``)  ``v.path`` (``"dense/kernel"``)
-:func:`tf_variable`    ``v`` (a ``tf.Variable``)          ``v.value`` (the ``tf.Variable`` inside)
-:func:`learning_rate`  ``opt._learning_rate``             ``opt._learning_rate`` (same name)
-=====================  ================================  =====================================
+========================  =================================  ========================================
+helper                    Keras 2                            Keras 3
+========================  =================================  ========================================
+:func:`variable_key`      ``v.name`` (``"dense/kernel:0"``)  ``v.path`` (``"dense/kernel"``)
+:func:`tf_variable`       ``v`` (a ``tf.Variable``)          ``v.value`` (the ``tf.Variable`` inside)
+:func:`learning_rate`     ``opt._learning_rate``             ``opt._learning_rate`` (same name)
+:func:`depthwise_kernel`  ``depthwise_kernel``               ``kernel`` (DepthwiseConv2D)
+========================  =================================  ========================================
 """
 
 from __future__ import annotations
@@ -137,3 +138,11 @@ def owned_variables(layer) -> list:
     if KERAS3:
         return list(getattr(layer, "_trainable_variables", ())) + list(getattr(layer, "_non_trainable_variables", ()))
     return list(layer._trainable_weights) + list(layer._non_trainable_weights)
+
+
+def depthwise_kernel(layer):
+    """The depthwise kernel ``[kh, kw, c, multiplier]`` of a DepthwiseConv2D or SeparableConv layer:
+    ``depthwise_kernel`` on Keras 2 (both layers) and on Keras 3's SeparableConv; Keras 3's
+    DepthwiseConv2D calls it ``kernel``."""
+    kernel = getattr(layer, "depthwise_kernel", None)
+    return layer.kernel if kernel is None else kernel
