@@ -15,13 +15,15 @@ Any other Keras (Keras 3 with a non-TensorFlow backend, Keras older than 2.15 or
 
 The helpers paper over the API differences the library uses:
 
-=====================  ================================  =====================================
-helper                 Keras 2                           Keras 3
-=====================  ================================  =====================================
-:func:`variable_key`   ``v.name`` (``"dense/kernel:0"``)  ``v.path`` (``"dense/kernel"``)
-:func:`tf_variable`    ``v`` (a ``tf.Variable``)          ``v.value`` (the ``tf.Variable`` inside)
-:func:`learning_rate`  ``opt._learning_rate``             ``opt._learning_rate`` (same name)
-=====================  ================================  =====================================
+========================  =================================  ========================================
+helper                    Keras 2                            Keras 3
+========================  =================================  ========================================
+:func:`variable_key`      ``v.name`` (``"dense/kernel:0"``)  ``v.path`` (``"dense/kernel"``)
+:func:`tf_variable`       ``v`` (a ``tf.Variable``)          ``v.value`` (the ``tf.Variable`` inside)
+:func:`learning_rate`     ``opt._learning_rate``             ``opt._learning_rate`` (same name)
+:func:`depthwise_kernel`  ``depthwise_kernel``               ``kernel`` (DepthwiseConv2D)
+:func:`rnn_loop`          ``tf.keras.backend.rnn``           ``keras.src.backend.tensorflow.rnn.rnn``
+========================  =================================  ========================================
 """
 
 from __future__ import annotations
@@ -126,3 +128,54 @@ def owned_variables(layer) -> list:
     if KERAS3:
         return list(getattr(layer, "_trainable_variables", ())) + list(getattr(layer, "_non_trainable_variables", ()))
     return list(layer._trainable_weights) + list(layer._non_trainable_weights)
+
+
+def depthwise_kernel(layer):
+    """The depthwise kernel ``[kh, kw, c, multiplier]`` of a DepthwiseConv2D or SeparableConv layer:
+    ``depthwise_kernel`` on Keras 2 (both layers) and on Keras 3's SeparableConv; Keras 3's
+    DepthwiseConv2D calls it ``kernel``."""
+    kernel = getattr(layer, "depthwise_kernel", None)
+    return layer.kernel if kernel is None else kernel
+
+
+def rnn_loop(step_function, inputs, initial_states, **kwargs):
+    """The loop of ``keras.layers.RNN``: ``(last_output, outputs, new_states)`` of ``step_function``
+    over the time axis. ``tf.keras.backend.rnn`` on Keras 2; on Keras 3 the TensorFlow backend's
+    ``rnn`` (the same arguments; not exported by Keras 3), which reads an unknown length from
+    ``inputs.shape``: nested ``inputs`` then go in as one tensor (:func:`_side_by_side`)."""
+    if not KERAS3:
+        return tf.keras.backend.rnn(step_function, inputs, initial_states, **kwargs)
+    from keras.src.backend.tensorflow.rnn import rnn
+
+    if not tf.nest.is_nested(inputs) or kwargs.get("input_length") is not None:
+        return rnn(step_function, inputs, initial_states, **kwargs)
+    packed, unpack = _side_by_side(inputs)
+    return rnn(lambda x_t, states: step_function(unpack(x_t), states), packed, initial_states, **kwargs)
+
+
+def _side_by_side(inputs):
+    """``(packed, unpack)``: the sequences ``inputs`` (a structure of ``[B, T, *S_k]``, one dtype,
+    static ``S_k``) as one ``[B, T, sum_k prod(S_k)]`` tensor, and ``unpack``, which turns one step
+    ``[B, sum_k prod(S_k)]`` of it back into the structure of ``[B, *S_k]``."""
+    leaves = tf.nest.flatten(inputs)
+    if len({t.dtype for t in leaves}) != 1 or not all(t.shape[2:].is_fully_defined() for t in leaves):
+        raise TypeError("a nested recurrence of unknown length needs one dtype and static step shapes")
+    tails = [t.shape[2:].as_list() for t in leaves]
+    sizes = [int(t.shape[2:].num_elements()) for t in leaves]
+    batch, steps = tf.shape(leaves[0])[0], tf.shape(leaves[0])[1]
+    packed = tf.concat([tf.reshape(t, [batch, steps, n]) for t, n in zip(leaves, sizes)], axis=-1)
+
+    def unpack(step):
+        parts = tf.split(step, sizes, axis=-1)
+        return tf.nest.pack_sequence_as(inputs, [tf.reshape(p, [-1, *tail]) for p, tail in zip(parts, tails)])
+
+    return packed, unpack
+
+
+def rnn_initial_state(layer, inputs):
+    """The initial state a recurrent ``layer`` starts from on ``inputs`` when its call is given none
+    (zeros, or the cell's ``get_initial_state``): ``layer.get_initial_state(inputs)`` on Keras 2,
+    ``layer.get_initial_state(batch_size)`` on Keras 3."""
+    if KERAS3:
+        return layer.get_initial_state(batch_size=tf.shape(inputs)[0])
+    return layer.get_initial_state(inputs)

@@ -35,7 +35,7 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
-from sparta_tf.backend import owned_variables, variable_key
+from sparta_tf.backend import depthwise_kernel, owned_variables, variable_key
 from sparta_tf.model_checks import is_batch_normalization
 
 ROLES = ("kernel", "bias", "norm", "head", "other")
@@ -136,7 +136,7 @@ def output_axes(layer: tf.keras.layers.Layer, variable: tf.Variable) -> tuple[in
     """The output axes of ``variable`` when it is a maskable kernel of ``layer``, else None."""
     rank = variable.shape.rank
     if isinstance(layer, tf.keras.layers.DepthwiseConv2D):
-        return (2, 3) if variable is layer.depthwise_kernel else None
+        return (2, 3) if variable is depthwise_kernel(layer) else None
     if isinstance(layer, _NOT_MASKABLE_CONVS):
         return None
     if isinstance(layer, _LAST_AXIS_KERNEL_LAYERS):

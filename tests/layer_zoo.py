@@ -89,7 +89,7 @@ class MaskedScale(L.Layer):
     """A custom layer with ``call(x, mask=None)``: a per-channel scale, masked steps zeroed."""
 
     def build(self, shape):
-        self.w = self.add_weight("w", shape[-1:], initializer="random_normal")
+        self.w = self.add_weight(name="w", shape=shape[-1:], initializer="random_normal")
 
     def call(self, x, mask=None):
         y = x * self.w
@@ -107,8 +107,8 @@ class MinimalCell(L.Layer):
         self.state_size = units
 
     def build(self, shape):
-        self.w = self.add_weight("w", (shape[-1], self.units), initializer="glorot_uniform")
-        self.u = self.add_weight("u", (self.units, self.units), initializer="orthogonal")
+        self.w = self.add_weight(name="w", shape=(shape[-1], self.units), initializer="glorot_uniform")
+        self.u = self.add_weight(name="u", shape=(self.units, self.units), initializer="orthogonal")
 
     def call(self, x, states):
         h = tf.tanh(tf.matmul(x, self.w) + tf.matmul(states[0], self.u))
@@ -124,7 +124,9 @@ class SubclassedWithOwnWeight(tf.keras.Model):
         self.head = L.Dense(CLASSES)
 
     def build(self, shape):
-        self.gain = self.add_weight("gain", (4,), initializer="ones")
+        self.gain = self.add_weight(name="gain", shape=(4,), initializer="ones")
+        self.dense.build(shape)  # Keras 3's Model.build does not call the model to build its layers
+        self.head.build((*shape[:-1], 4))
         super().build(shape)
 
     def call(self, x):

@@ -73,13 +73,15 @@ def test_model_level_weights_fall_back_to_vectorized():
         def __init__(self):
             super().__init__()
             self.dense = L.Dense(2)
-            self.scale = tf.Variable(1.5)
+            # the model's own weight (Keras 3 does not track a bare tf.Variable attribute)
+            self.scale = self.add_weight(name="scale", shape=(), initializer=tf.keras.initializers.Constant(1.5))
 
         def call(self, x, training=None):
             return self.dense(x) * self.scale
 
     model = WithFreeWeight()
     model(tf.zeros([1, 3]))
+    assert len(model.trainable_variables) == 3
     assert isinstance(make_engine(model, model.trainable_variables), VectorizedEngine)
     with pytest.raises(ValueError, match="layerwise"):
         make_engine(model, model.trainable_variables, "layerwise")

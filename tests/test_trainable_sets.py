@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 from sparta_tf import groups, trainable
+from sparta_tf.backend import depthwise_kernel, variable_key
 from sparta_tf.optim import MaskedOptimizer, cosine_with_warmup
 from sparta_tf.per_example import LayerwiseEngine, VectorizedEngine, make_engine
 from sparta_tf.per_example.layer_rules import DEPTHWISE_MAX_ROWS
@@ -40,7 +41,12 @@ ROW_GROUP_CASES = {
 
 
 def _kernel(layer):
-    return layer.depthwise_kernel if isinstance(layer, L.DepthwiseConv2D) else layer.kernel
+    return depthwise_kernel(layer) if isinstance(layer, L.DepthwiseConv2D) else layer.kernel
+
+
+def _key(variable) -> str:
+    """The variable's unique name without Keras 2's ``:0`` (``"proj/kernel"`` on both lines)."""
+    return variable_key(variable).removesuffix(":0")
 
 
 def _model_around(layer_factory, input_shape):
@@ -111,27 +117,27 @@ def test_parameter_roles_and_head_detection():
     model = tf.keras.Model(inputs, L.Dense(3, name="classifier")(h))
 
     assert groups.find_head(model).name == "classifier"  # no "head": the last Dense
-    roles = {p.variable.name: p.role for p in groups.parameter_table(model)}
+    roles = {_key(p.variable): p.role for p in groups.parameter_table(model)}
     assert roles == {
-        "emb/embeddings:0": "other",
-        "proj/kernel:0": "kernel",
-        "proj/bias:0": "bias",
-        "ln/gamma:0": "norm",
-        "ln/beta:0": "norm",
-        "gn/gamma:0": "norm",
-        "gn/beta:0": "norm",
-        "conv1d/kernel:0": "kernel",
-        "conv1d/bias:0": "bias",
-        "classifier/kernel:0": "head",
-        "classifier/bias:0": "head",
+        "emb/embeddings": "other",
+        "proj/kernel": "kernel",
+        "proj/bias": "bias",
+        "ln/gamma": "norm",
+        "ln/beta": "norm",
+        "gn/gamma": "norm",
+        "gn/beta": "norm",
+        "conv1d/kernel": "kernel",
+        "conv1d/bias": "bias",
+        "classifier/kernel": "head",
+        "classifier/bias": "head",
     }
     assert [g.layer for g in groups.row_groups(model)] == ["proj", "conv1d"]
     conv1d = groups.row_groups(model)[1]
     assert (conv1d.output_axes, conv1d.n_rows, conv1d.row_size) == ((2,), 4, 24)
 
     # An explicit head (by name) overrides the default.
-    by_name = {p.variable.name: p.role for p in groups.parameter_table(model, head="proj")}
-    assert by_name["proj/kernel:0"] == "head" and by_name["classifier/kernel:0"] == "kernel"
+    by_name = {_key(p.variable): p.role for p in groups.parameter_table(model, head="proj")}
+    assert by_name["proj/kernel"] == "head" and by_name["classifier/kernel"] == "kernel"
     assert [g.layer for g in groups.row_groups(model, head="proj")] == ["conv1d", "classifier"]
 
 
@@ -141,8 +147,8 @@ def test_layer_named_head_wins_over_the_last_dense():
     h = L.Dense(5, name="head")(inputs)
     model = tf.keras.Model(inputs, L.Dense(3, name="after")(h))
     assert groups.find_head(model).name == "head"
-    roles = {p.variable.name: p.role for p in groups.parameter_table(model)}
-    assert roles == {"head/kernel:0": "head", "head/bias:0": "head", "after/kernel:0": "kernel", "after/bias:0": "bias"}
+    roles = {_key(p.variable): p.role for p in groups.parameter_table(model)}
+    assert roles == {"head/kernel": "head", "head/bias": "head", "after/kernel": "kernel", "after/bias": "bias"}
     assert [g.layer for g in groups.row_groups(model)] == ["after"]
 
 
@@ -152,7 +158,7 @@ def test_conv1d_transpose_rows_are_not_its_input_channels():
     inputs = L.Input((7, 4))
     h = L.Conv1DTranspose(5, 3, name="tconv")(inputs)
     model = tf.keras.Model(inputs, L.Dense(2, name="head")(L.Flatten()(h)))
-    table = {p.layer: p for p in groups.parameter_table(model) if p.variable.name == "tconv/kernel:0"}
+    table = {p.layer: p for p in groups.parameter_table(model) if _key(p.variable) == "tconv/kernel"}
     info = table["tconv"]
     # Either excluded like Conv2DTranspose ("other"), or rows are its 5 output channels (kernel axis 1).
     assert info.role == "other" or (info.group.output_axes == (1,) and info.group.n_rows == 5)

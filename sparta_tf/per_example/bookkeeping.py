@@ -33,6 +33,7 @@ from typing import NamedTuple, Sequence
 import tensorflow as tf
 
 from sparta_tf import clipping
+from sparta_tf.backend import variable_key
 from sparta_tf.per_example.engines import (
     HookedEngine,
     PerExampleLoss,
@@ -164,7 +165,7 @@ class BookkeepingEngine(HookedEngine):
                     direct_grads[k] = g if k not in direct_grads else direct_grads[k] + g
             parts.extend(_squared(direct_grads[k]) for k in indices)
             method = "direct_time_distributed" if self.is_grouped(layer) else "direct_shared_layer"
-            table.extend(NormMethod(layer.name, s.variable.name, method, None, None) for s in selections)
+            table.extend(NormMethod(layer.name, variable_key(s.variable), method, None, None) for s in selections)
         return _total(parts), direct_grads, table
 
     # ------------------------------------------------------------------- sums
@@ -229,7 +230,7 @@ def make_bookkeeping_engine(model: tf.keras.Model, selections: Sequence[Variable
         return None, reason
     shared = _shared_selections(plan)
     if shared:
-        return None, (f"variable {selections[shared[0]].variable.name!r} is owned by more than one layer "
+        return None, (f"variable {variable_key(selections[shared[0]].variable)!r} is owned by more than one layer "
                       "(tied weights): its per-example norm needs every layer's part summed first, which "
                       "per-layer norms cannot give")
     return BookkeepingEngine(model, selections, plan), None

@@ -33,6 +33,7 @@ import math
 
 import tensorflow as tf
 
+from sparta_tf.backend import depthwise_kernel, variable_key
 from sparta_tf.per_example.ghost_rules import (
     GhostRule,
     NormMethod,
@@ -58,6 +59,19 @@ def _flat_positions(t: Tensor) -> Tensor:
     return tf.reshape(t, tf.stack([tf.shape(t)[0], -1, channels]))
 
 
+def causal_padding(layer) -> list:
+    """Conv1D's causal padding (channels last): ``dilation (k - 1)`` zeros before the first step."""
+    return [[0, 0], [layer.dilation_rate[0] * (layer.kernel_size[0] - 1), 0], [0, 0]]
+
+
+def calls_convolution_op(layer) -> bool:
+    """True when the ``call`` of ``layer``'s class runs its convolution through ``convolution_op``
+    (Keras 2's convolutions, Keras 3's Conv2D / Conv3D; Keras 3's Conv1D convolves in ``call``), so
+    that a probe at ``convolution_op`` sees every call."""
+    code = getattr(type(layer).call, "__code__", None)
+    return code is not None and "convolution_op" in code.co_names
+
+
 def _positions(t: Tensor) -> int | None:
     spatial = t.shape[1:-1]
     return None if None in spatial else math.prod(spatial)
@@ -72,10 +86,13 @@ def _bias_or(layer, delta, selection, kernel_grads):
 class ConvolutionRule(LayerRule):
     """Conv1D / Conv2D / Conv3D with any groups (see module doc).
 
-    Probed at ``convolution_op`` with one group. With several, Keras runs ``convolution_op``
-    inside a jit-compiled ``tf.function`` of its own, where no probe can be read from outside: the
-    probe then sits on the layer's output before its activation (bias added: the same ``delta``),
-    and causal padding, which Keras applies inside ``call``, is applied here to the input."""
+    ``probe_point="convolution"``: probed at ``convolution_op``, for a layer whose ``call`` runs its
+    convolution through it (:func:`calls_convolution_op`); causal padding is then already in the
+    recorded input. ``"pre_activation"``: the probe sits on the layer's output before its activation
+    (bias added: the same ``delta``), and causal padding, which the layer applies inside ``call``, is
+    applied here to the input. The latter serves several groups (Keras 2 runs their
+    ``convolution_op`` inside a jit-compiled ``tf.function`` of its own, where no probe can be read
+    from outside) and layers whose ``call`` convolves directly (Keras 3's Conv1D)."""
 
     norm_method = "direct"
 
@@ -85,12 +102,21 @@ class ConvolutionRule(LayerRule):
     def variable_grad(self, layer, call, delta, selection):
         return _bias_or(layer, delta, selection, lambda: self.kernel_grads(layer, call.inputs, delta))
 
+    def padded(self, layer, inputs: Tensor) -> Tensor:
+        """The recorded input as the convolution sees it (causal padding added where ``call`` adds it)."""
+        if self.probe_point != "convolution" and layer.padding == "causal":
+            return tf.pad(inputs, causal_padding(layer))
+        return inputs
+
     def patches(self, layer, inputs: Tensor, dtype) -> Tensor:
         """``[B, T, prod(k) c_in]``."""
-        if self.probe_point != "convolution" and layer.padding == "causal":
-            inputs = tf.pad(inputs, layer._compute_causal_padding(inputs))
-        return _flat_positions(extract_patches_nd(tf.cast(inputs, dtype), tuple(layer.kernel_size),
+        return _flat_positions(extract_patches_nd(tf.cast(self.padded(layer, inputs), dtype), tuple(layer.kernel_size),
                                                   tuple(layer.strides), tuple(layer.dilation_rate), _padding(layer)))
+
+    def convolve(self, layer, inputs: Tensor, kernel: Tensor) -> Tensor:
+        """The layer's convolution (one group) of the recorded ``inputs`` by ``kernel``, before bias."""
+        return tf.nn.convolution(self.padded(layer, inputs), kernel, strides=tuple(layer.strides),
+                                 padding=_padding(layer), dilations=tuple(layer.dilation_rate))
 
     def kernel_grads(self, layer, inputs: Tensor, delta: Tensor) -> Tensor:
         """``[B, *kernel.shape]``."""
@@ -116,7 +142,7 @@ class DepthwiseRule(LayerRule):
 
 def depthwise_kernel_grads(layer, inputs: Tensor, delta: Tensor) -> Tensor:
     """``[B, kh, kw, c, m]``: ``sum_t P(a)[t, k, c] delta[t, c, m]``."""
-    kernel_shape = layer.depthwise_kernel.shape.as_list()
+    kernel_shape = depthwise_kernel(layer).shape.as_list()
     taps, channels, multiplier = math.prod(kernel_shape[:-2]), kernel_shape[-2], kernel_shape[-1]
     batch = tf.shape(delta)[0]
     patches = extract_patches_nd(tf.cast(inputs, delta.dtype), tuple(layer.kernel_size), tuple(layer.strides),
@@ -157,7 +183,7 @@ class SeparableRule(LayerRule):
     def record(self, recording, layer, original_call, args, kwargs):
         x = args[0]
         strides = (1, *layer.strides, 1)
-        depthwise = tf.nn.depthwise_conv2d(x, layer.depthwise_kernel, strides, layer.padding.upper(),
+        depthwise = tf.nn.depthwise_conv2d(x, depthwise_kernel(layer), strides, layer.padding.upper(),
                                            dilations=layer.dilation_rate)
         probes = [tf.zeros_like(depthwise)]
         recording.tape.watch(probes)
@@ -175,7 +201,7 @@ class SeparableRule(LayerRule):
         delta_depthwise, delta_pointwise = delta
         if selection.variable is getattr(layer, "bias", None):
             return _sum_over_middle_axes(delta_pointwise)
-        if selection.variable is layer.depthwise_kernel:
+        if selection.variable is depthwise_kernel(layer):
             return depthwise_kernel_grads(layer, x, delta_depthwise)
         a = _flat_positions(tf.cast(depthwise, delta_pointwise.dtype))
         grads = tf.matmul(a, _flat_positions(delta_pointwise), transpose_a=True)
@@ -183,7 +209,7 @@ class SeparableRule(LayerRule):
 
 
 CONVOLUTION_RULE = ConvolutionRule("convolution")
-GROUPED_CONVOLUTION_RULE = ConvolutionRule("pre_activation")
+PRE_ACTIVATION_CONVOLUTION_RULE = ConvolutionRule("pre_activation")
 DEPTHWISE_RULE = DepthwiseRule()
 TRANSPOSED_CONVOLUTION_RULE = TransposedConvolutionRule()
 SEPARABLE_RULE = SeparableRule()
@@ -193,9 +219,10 @@ class ConvolutionGhostRule(GhostRule):
     """Book-keeping for Conv1D / Conv3D (one group): the kernel as a linear map on the ``T`` output
     positions, ``g_i = P(a_i)^T delta_i``. The norm is the ghost norm on the patches or the direct
     per-example gradient, whichever the cost model finds cheaper (direct for an unknown ``T``); a
-    ghost-normed kernel's clipped sum is the convolution's filter gradient with ``c * delta``."""
+    ghost-normed kernel's clipped sum is the convolution's filter gradient with ``c * delta``.
+    ``reference``: the layer's :class:`ConvolutionRule` (either probe point)."""
 
-    reference = CONVOLUTION_RULE
+    reference: ConvolutionRule
 
     def squared_norms(self, layer, call, delta, selections, materialised: dict | None = None):
         norms, methods = [], []
@@ -207,12 +234,12 @@ class ConvolutionGhostRule(GhostRule):
                 if method == "ghost":
                     patches = self.reference.patches(layer, call.inputs, delta.dtype)
                     norms.append(linear_squared_norms(patches, d, "ghost"))
-                    methods.append(NormMethod(layer.name, selection.variable.name, "ghost", ghost, direct))
+                    methods.append(NormMethod(layer.name, variable_key(selection.variable), "ghost", ghost, direct))
                     continue
             grads = self.reference.per_example_grads(layer, call, delta, [selection])[0]
             _keep(materialised, [(position, grads)])
             norms.append(_squared(grads))
-            methods.append(NormMethod(layer.name, selection.variable.name,
+            methods.append(NormMethod(layer.name, variable_key(selection.variable),
                                       "direct" if selection.variable is layer.kernel else "elementwise", None, None))
         return tf.add_n(norms), methods
 
@@ -222,9 +249,7 @@ class ConvolutionGhostRule(GhostRule):
         kernel = tf.cast(tf.convert_to_tensor(layer.kernel), delta_c.dtype)
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(kernel)
-            output = call.original_call(inputs, kernel)
+            output = self.reference.convolve(layer, inputs, kernel)
         total = tape.gradient(output, kernel, output_gradients=delta_c)
         return [selection.compact(total) for selection in selections]
 
-
-CONVOLUTION_GHOST_RULE = ConvolutionGhostRule()

@@ -33,6 +33,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from sparta_tf.backend import variable_key
 from sparta_tf.per_example.errors import UnsupportedLayerError
 
 FLOAT_TOLERANCE = 1e-3
@@ -89,7 +90,7 @@ def check_coverage(engine, x, y, loss_fn, strategy: tf.distribute.Strategy | Non
         if not error <= relative_bound * np.linalg.norm(truth) + ABSOLUTE_FRACTION * scale:
             relative = error / max(np.linalg.norm(truth), 1e-30)
             raise UnsupportedLayerError(
-                f"per-example gradients of variable {selection.variable.name!r} (layer "
+                f"per-example gradients of variable {variable_key(selection.variable)!r} (layer "
                 f"{owners.get(k, '?')!r}) do not add up to its batch gradient (relative error {relative:.2g}): "
                 "the variable is used outside its layer's own call (by another layer, in a loop, or with "
                 "random ops inside the layer), so its per-example norms would be wrong; use a supported layer "

@@ -46,6 +46,7 @@ from typing import NamedTuple
 import numpy as np
 import tensorflow as tf
 
+from sparta_tf.backend import variable_key
 from sparta_tf.per_example.chunking import chunk_size, map_over_examples
 from sparta_tf.per_example.layer_rules import (
     CONV2D_RULE,
@@ -190,7 +191,7 @@ class GhostRule:
         grads = self.reference.per_example_grads(layer, call, delta, selections)
         _keep(materialised, enumerate(grads))
         method = self.reference.norm_method
-        methods = [NormMethod(layer.name, s.variable.name, method, None, None) for s in selections]
+        methods = [NormMethod(layer.name, variable_key(s.variable), method, None, None) for s in selections]
         return tf.add_n([_squared(g) for g in grads]), methods
 
     def abs_row_sums(self, layer, call, delta_c, keep, selection, group) -> Tensor:
@@ -240,7 +241,7 @@ class LinearGhostRule(GhostRule):
                     method, ghost, direct = choose_linear_norm(a.shape[1], a.shape[2], d_rows.shape[2])
                     if method != "direct":
                         norms.append(linear_squared_norms(a, d_rows, method))
-                        methods.append(NormMethod(layer.name, selection.variable.name, method, ghost, direct))
+                        methods.append(NormMethod(layer.name, variable_key(selection.variable), method, ghost, direct))
                         continue
                     grads = tf.matmul(a, d_rows, transpose_a=True)  # [B, in, k]: this layer's only
                     if selection.kind != "rows":
@@ -250,7 +251,7 @@ class LinearGhostRule(GhostRule):
                 method, ghost, direct = "elementwise", None, None
             _keep(materialised, [(position, grads)])
             norms.append(_squared(grads))
-            methods.append(NormMethod(layer.name, selection.variable.name, method, ghost, direct))
+            methods.append(NormMethod(layer.name, variable_key(selection.variable), method, ghost, direct))
         return tf.add_n(norms), methods
 
     def weighted_sums(self, layer, call, delta_c, keep, selections):
@@ -281,7 +282,7 @@ class LinearGhostRule(GhostRule):
     def _bias_per_example(self, layer, d: Tensor, selection) -> Tensor:
         """``[B, *bias.shape]``: ``sum_t delta_it`` (the bias spans every output unit)."""
         if selection.variable is not getattr(layer, "bias", None):
-            raise ValueError(f"{type(layer).__name__} rule cannot handle variable {selection.variable.name}")
+            raise ValueError(f"{type(layer).__name__} rule cannot handle variable {variable_key(selection.variable)}")
         return tf.reshape(tf.reduce_sum(d, axis=1), [-1, *selection.shape])
 
 
@@ -325,7 +326,7 @@ class Conv2DGhostRule(GhostRule):
                 grads = selection.compact(_sum_over_middle_axes(delta), batch_dims=1)
                 _keep(materialised, [(position, grads)])
                 norms.append(_squared(grads))
-                methods.append(NormMethod(layer.name, selection.variable.name, "elementwise", None, None))
+                methods.append(NormMethod(layer.name, variable_key(selection.variable), "elementwise", None, None))
                 continue
             d = _selected_rows(delta, selection)
             positions = None if None in d.shape[1:3] else d.shape[1] * d.shape[2]
@@ -333,7 +334,7 @@ class Conv2DGhostRule(GhostRule):
             method, ghost, direct = choose_linear_norm(positions, fan_in, d.shape[-1])
             if selection.kind == "entries":
                 method = "direct"
-            methods.append(NormMethod(layer.name, selection.variable.name, method, ghost, direct))
+            methods.append(NormMethod(layer.name, variable_key(selection.variable), method, ghost, direct))
             if method == "ghost":
                 patches = extract_patches(tf.cast(call.inputs, d.dtype), tuple(layer.kernel_size),
                                           tuple(layer.strides), tuple(layer.dilation_rate), layer.padding.upper())
@@ -404,7 +405,7 @@ class EmbeddingGhostRule(GhostRule):
         norms = gram_squared_norms(same, tf.matmul(d, d, transpose_b=True), 2 * tf.shape(d)[1] + d.shape[2])
         rows = d.shape[1]
         cost = None if rows is None else rows * rows * d.shape[2]
-        methods = [NormMethod(layer.name, s.variable.name, "index_equality", cost, None) for s in selections]
+        methods = [NormMethod(layer.name, variable_key(s.variable), "index_equality", cost, None) for s in selections]
         if any(s.kind != "dense" for s in selections):  # entries: this layer's per-example gradients
             return super().squared_norms(layer, call, delta, selections, materialised)
         return norms, methods

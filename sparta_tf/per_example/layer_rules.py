@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import tensorflow as tf
 
-from sparta_tf.backend import tf_variable
+from sparta_tf.backend import tf_variable, variable_key
 from sparta_tf.per_example.arguments import split_arguments
 from sparta_tf.per_example.patches import (
     _output_size_and_padding,
@@ -108,7 +108,7 @@ class LayerRule:
         """``dL_i/db = sum_t delta_it`` for a bias added after the probe point."""
         if selection.variable is getattr(layer, "bias", None) or selection.variable is getattr(layer, "beta", None):
             return _sum_over_middle_axes(delta)
-        raise ValueError(f"{type(layer).__name__} rule cannot handle variable {selection.variable.name}")
+        raise ValueError(f"{type(layer).__name__} rule cannot handle variable {variable_key(selection.variable)}")
 
 
 @contextlib.contextmanager

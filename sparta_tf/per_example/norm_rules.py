@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from sparta_tf.backend import variable_key
 from sparta_tf.per_example.layer_rules import LayerRule
 
 Tensor = tf.Tensor
@@ -43,7 +44,7 @@ class NormalizationRule(LayerRule):
         elif selection.variable is getattr(layer, "beta", None):
             per_position = delta
         else:
-            raise ValueError(f"{type(layer).__name__} rule cannot handle variable {selection.variable.name}")
+            raise ValueError(f"{type(layer).__name__} rule cannot handle variable {variable_key(selection.variable)}")
         grads = _sum_except(per_position, parameter_axes)
         return tf.reshape(grads, tf.concat([tf.shape(grads)[:1], selection.shape], 0))
 

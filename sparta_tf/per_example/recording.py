@@ -17,6 +17,7 @@ inference are unaffected.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 from typing import Iterator
 
@@ -93,27 +94,56 @@ def install_hook(layer: tf.keras.layers.Layer, rule: LayerRule) -> None:
 
 
 def install_reshape_hook(wrapper: tf.keras.layers.TimeDistributed) -> None:
-    """Makes ``wrapper`` apply its inner layer to ``[B*T, ...]`` rows in recording passes.
+    """Makes ``wrapper`` apply its inner layer to ``[B*T, ...]`` rows in recording passes
+    (:func:`apply_to_rows`); outside recording passes the wrapper is untouched.
 
-    With a static batch size, Keras runs the inner layer of a ``TimeDistributed`` with a custom
-    (non-built-in) layer inside a ``while_loop`` over time steps, where no probe can be read from
-    outside; the reshape path (``[B, T, ...] -> [B*T, ...]``, row ``i*T + t`` is example ``i``'s
-    step ``t``) computes the same values with one call, which the engine then groups back by
-    example. Outside recording passes the wrapper is untouched.
+    Keras runs the inner layer of a ``TimeDistributed`` once per time step (Keras 3 with a static
+    ``T``; Keras 2 with a static batch size and a custom layer inside) or inside a loop
+    (``while_loop``, ``vectorized_map``) where no probe can be read from outside. One call on the
+    ``B*T`` rows computes the same values, which the engine then groups back by example.
     """
     if getattr(wrapper, _HOOK_ATTRIBUTE, None) is not None:
         return
     original = wrapper.call
 
-    def hooked(*args, **kwargs):
+    def hooked(inputs, *args, **kwargs):
         if getattr(_STATE, "recording", None) is None:
-            return original(*args, **kwargs)
-        before = wrapper._always_use_reshape
-        object.__setattr__(wrapper, "_always_use_reshape", True)
-        try:
-            return original(*args, **kwargs)
-        finally:
-            object.__setattr__(wrapper, "_always_use_reshape", before)
+            return original(inputs, *args, **kwargs)
+        return apply_to_rows(wrapper, inputs, *args, **kwargs)
 
     object.__setattr__(wrapper, "call", hooked)
     object.__setattr__(wrapper, _HOOK_ATTRIBUTE, "reshape")
+
+
+def _merge_steps(t: tf.Tensor) -> tf.Tensor:
+    """``[B, T, *S] -> [B*T, *S]`` (row ``i*T + t`` is example ``i``'s step ``t``; ``S`` static where known)."""
+    tail = [d if d is not None else tf.shape(t)[k + 2] for k, d in enumerate(t.shape[2:])]
+    return tf.reshape(t, [-1, *tail])
+
+
+def _split_steps(t: tf.Tensor, batch, steps) -> tf.Tensor:
+    """``[B*T, *S] -> [B, T, *S]``, the inverse of :func:`_merge_steps`."""
+    tail = [d if d is not None else tf.shape(t)[k + 1] for k, d in enumerate(t.shape[1:])]
+    return tf.reshape(t, [batch, steps, *tail])
+
+
+def apply_to_rows(wrapper, inputs, training=None, mask=None):
+    """``y[i, t] = layer(x[i, t])`` as one call of the inner layer on the ``B*T`` rows of ``inputs``
+    (``mask[i, t]`` its mask, where the inner layer's call takes one)."""
+    leaves = tf.nest.flatten(inputs)
+    if any(not isinstance(t, tf.Tensor) for t in leaves):
+        raise UnsupportedLayerError(
+            f"TimeDistributed layer {wrapper.name!r} takes a {type(leaves[0]).__name__} input, which "
+            "per-example gradients do not support; pass dense tensors (with a mask)")
+    first = leaves[0]
+    batch = first.shape[0] if first.shape[0] is not None else tf.shape(first)[0]
+    steps = first.shape[1] if first.shape[1] is not None else tf.shape(first)[1]
+    inner = wrapper.layer
+    parameters = inspect.signature(inner.call).parameters
+    kwargs = {}
+    if "training" in parameters:
+        kwargs["training"] = training
+    if mask is not None and "mask" in parameters:
+        kwargs["mask"] = _merge_steps(tf.convert_to_tensor(mask))
+    outputs = inner(tf.nest.map_structure(_merge_steps, inputs), **kwargs)
+    return tf.nest.map_structure(lambda t: _split_steps(t, batch, steps), outputs)

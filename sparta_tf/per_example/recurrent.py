@@ -5,8 +5,8 @@ kernel on the cell's weights), and every RNN runs its steps inside a
 ``while_loop`` whose intermediate values no probe can be read from outside.
 So a recurrent layer is treated as one unit: in a recording pass its call is
 replaced by the same recurrence run step by step through ``cell.__call__``
-(:func:`keras.backend.rnn`, as ``keras.layers.RNN.call`` does, with the
-layer's mask, ``go_backwards``, ``time_major``, initial state and
+(Keras's ``backend.rnn``, as ``keras.layers.RNN.call`` does, with the
+layer's mask, ``go_backwards``, ``time_major`` (Keras 2), initial state and
 ``zero_output_for_mask``), where step ``t`` adds zero probes ``p_t`` to the
 cell's output and new states, and records its inputs ``x_t`` and previous
 states ``s_{t-1}``.
@@ -36,7 +36,7 @@ import inspect
 
 import tensorflow as tf
 
-from sparta_tf.backend import tf_variable
+from sparta_tf.backend import rnn_initial_state, rnn_loop, tf_variable
 from sparta_tf.per_example.errors import UnsupportedLayerError
 from sparta_tf.per_example.layer_rules import LayerRule, RecordedCall
 from sparta_tf.precision import to_accumulation
@@ -71,8 +71,17 @@ def check_recurrent_layer(layer: RNN) -> None:
 
 
 def _arguments(layer, args, kwargs) -> dict:
-    bound = inspect.signature(type(layer).call).bind(layer, *args, **kwargs)
-    return dict(bound.arguments)
+    """The call's arguments by name; the sequence (``inputs`` on Keras 2, ``sequences`` on Keras 3)
+    under ``"inputs"``."""
+    signature = inspect.signature(type(layer).call)
+    arguments = dict(signature.bind(layer, *args, **kwargs).arguments)
+    first = list(signature.parameters)[1]
+    arguments["inputs"] = arguments.pop(first, None)
+    return arguments
+
+
+def _time_major(layer) -> bool:
+    return bool(getattr(layer, "time_major", False))  # Keras 2 only; Keras 3's RNNs are batch-major
 
 
 def _zeros_per_step(sequence: tf.Tensor, step_value: tf.Tensor) -> tf.Tensor:
@@ -85,6 +94,14 @@ def _zeros_per_step(sequence: tf.Tensor, step_value: tf.Tensor) -> tf.Tensor:
 def _flat(states) -> list:
     """A cell's states as a flat list (StackedRNNCells nests them per cell, and re-nests a flat list)."""
     return tf.nest.flatten(states)
+
+
+def _cell_on_flat_states(cell, structure):
+    """``cell.__call__`` taking its states as a flat list (re-nested like ``structure``, the layer's
+    initial state: Keras 3's StackedRNNCells takes one entry per cell) and returning them as given."""
+    def run(x, states, **kwargs):
+        return cell(x, tf.nest.pack_sequence_as(structure, list(states)), **kwargs)
+    return run
 
 
 class RecurrentRule(LayerRule):
@@ -103,20 +120,24 @@ class RecurrentRule(LayerRule):
         if isinstance(inputs, tf.RaggedTensor) or tf.nest.is_nested(inputs):
             raise UnsupportedLayerError(f"recurrent layer {layer.name!r} takes ragged or nested inputs, which "
                                         "per-example gradients do not support; pass one dense tensor with a mask")
-        inputs, initial_state, _ = layer._process_inputs(inputs, arguments.get("initial_state"), None)
-        if layer.time_major:
+        initial_state = arguments.get("initial_state")
+        if initial_state is None:
+            initial_state = rnn_initial_state(layer, inputs)
+        initial_state = list(initial_state) if isinstance(initial_state, (list, tuple)) else [initial_state]
+        if _time_major(layer):
             inputs = tf.transpose(inputs, [1, 0] + list(range(2, inputs.shape.rank)))
         mask = arguments.get("mask")
         mask = None if mask is None else tf.nest.flatten(mask)[0]
-        if mask is not None and layer.time_major:
+        if mask is not None and _time_major(layer):
             mask = tf.transpose(mask)  # [T, B] for time-major inputs; the recurrence below is batch-major
         cell = layer.cell
         cell_kwargs = {}
         if "training" in inspect.signature(cell.call).parameters:
             cell_kwargs["training"] = arguments.get("training")
+        run_cell = _cell_on_flat_states(cell, initial_state)
         states = _flat(initial_state)
 
-        first_output, first_states = cell(inputs[:, 0], states, **cell_kwargs)  # shapes only (pruned)
+        first_output, first_states = run_cell(inputs[:, 0], states, **cell_kwargs)  # shapes only (pruned)
         probes = [_zeros_per_step(inputs, t) for t in [first_output, *_flat(first_states)]]
         recording.tape.watch(probes)
         fed = [tf.reverse(p, [1]) for p in probes] if layer.go_backwards else probes  # step t sees probes[:, t]
@@ -124,24 +145,24 @@ class RecurrentRule(LayerRule):
         def step(step_inputs, previous):
             x_t, probes_t = step_inputs
             previous = list(previous)
-            output, new_states = cell(x_t, previous, **cell_kwargs)
+            output, new_states = run_cell(x_t, previous, **cell_kwargs)
             new_states = [s + p for s, p in zip(_flat(new_states), probes_t[1:])]
             return (output + probes_t[0], x_t, *previous), new_states
 
-        last, sequences, final_states = tf.keras.backend.rnn(
+        last, sequences, final_states = rnn_loop(
             step, (inputs, fed), states, go_backwards=layer.go_backwards, mask=mask, unroll=False,
             input_length=inputs.shape[1], time_major=False, zero_output_for_mask=layer.zero_output_for_mask,
             return_all_outputs=True)
         output_sequence, x_sequence, *state_sequences = sequences
-        recording.calls.append(RecordedCall(layer, (x_sequence, state_sequences), cell_kwargs, probes, cell.__call__))
+        recording.calls.append(RecordedCall(layer, (x_sequence, state_sequences), cell_kwargs, probes, run_cell))
         if layer.return_sequences:
             output = output_sequence
-            if layer.time_major:
+            if _time_major(layer):
                 output = tf.transpose(output, [1, 0] + list(range(2, output.shape.rank)))
         else:
             output = last[0]
         if layer.return_state:
-            return [output, *tf.nest.pack_sequence_as(list(initial_state), _flat(final_states))]
+            return [output, *tf.nest.pack_sequence_as(initial_state, _flat(final_states))]
         return output
 
     def per_example_grads(self, layer, call, delta, selections):

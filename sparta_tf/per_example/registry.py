@@ -12,12 +12,14 @@ from __future__ import annotations
 import tensorflow as tf
 
 from sparta_tf.per_example.conv_rules import (
-    CONVOLUTION_GHOST_RULE,
     CONVOLUTION_RULE,
     DEPTHWISE_RULE,
-    GROUPED_CONVOLUTION_RULE,
+    PRE_ACTIVATION_CONVOLUTION_RULE,
     SEPARABLE_RULE,
     TRANSPOSED_CONVOLUTION_RULE,
+    ConvolutionGhostRule,
+    ConvolutionRule,
+    calls_convolution_op,
 )
 from sparta_tf.per_example.ghost_rules import (
     Conv2DGhostRule,
@@ -52,6 +54,16 @@ def _channels_last(layer) -> bool:
     return getattr(layer, "data_format", "channels_last") == "channels_last"
 
 
+def _convolution_rule(layer) -> LayerRule:
+    """Conv1D / Conv2D / Conv3D, channels last: probed at ``convolution_op`` (one group) where the
+    layer's call runs through it, else before the activation."""
+    if layer.groups != 1 or not calls_convolution_op(layer):
+        return PRE_ACTIVATION_CONVOLUTION_RULE
+    if type(layer) is L.Conv2D and layer.padding in ("same", "valid"):
+        return CONV2D_RULE
+    return CONVOLUTION_RULE
+
+
 def rule_for(layer: tf.keras.layers.Layer) -> LayerRule:
     """The fastest materialising rule that is exact for ``layer`` (the per-example VJP of its own
     call when no specific rule applies)."""
@@ -62,10 +74,8 @@ def rule_for(layer: tf.keras.layers.Layer) -> LayerRule:
         return DENSE_RULE
     if kind is L.EinsumDense:
         return PRE_ACTIVATION_VJP_RULE
-    if kind is L.Conv2D and layer.groups == 1 and _channels_last(layer) and layer.padding in ("same", "valid"):
-        return CONV2D_RULE
     if kind in _CONVOLUTIONS and _channels_last(layer):
-        return CONVOLUTION_RULE if layer.groups == 1 else GROUPED_CONVOLUTION_RULE
+        return _convolution_rule(layer)
     if kind is L.DepthwiseConv2D and _channels_last(layer):
         return DEPTHWISE_RULE
     if kind in _TRANSPOSED and _channels_last(layer) and layer.output_padding is None:
@@ -90,8 +100,8 @@ def ghost_rule_for(layer: tf.keras.layers.Layer) -> GhostRule:
         return LinearGhostRule()
     if reference is CONV2D_RULE:
         return Conv2DGhostRule()
-    if reference is CONVOLUTION_RULE:
-        return CONVOLUTION_GHOST_RULE
+    if isinstance(reference, ConvolutionRule) and layer.groups == 1:
+        return ConvolutionGhostRule(reference)
     if type(layer) is L.Embedding:
         return EmbeddingGhostRule()
     if type(layer) is L.EinsumDense:
