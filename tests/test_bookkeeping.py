@@ -106,7 +106,22 @@ def _compare(model, selections, x, y, valid, clip_norm, margin=0.0):
         assert a.shape == b.shape, selection.variable.name
         np.testing.assert_allclose(a.numpy() / scale, b.numpy() / scale, atol=1e-5 + margin,
                                    err_msg=selection.variable.name)
+    if clip_norm >= 1e3:  # nothing clipped: the sums are the batch gradient (a probe that never fired gives 0s)
+        _assert_sums_are_the_batch_gradient(model, selections, x, y, valid, ours.sums, scale)
     return bookkeeping
+
+
+def _assert_sums_are_the_batch_gradient(model, selections, x, y, valid, sums, scale):
+    """``sum_i g_i`` over the valid examples equals the tape gradient of ``sum_i valid_i L_i``, restricted
+    to each selection's coordinates (its compact shape)."""
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(loss_fn(y, model(x)) * tf.cast(valid, tf.float32))
+    gradients = tape.gradient(loss, [s.variable for s in selections])
+    for selection, total, gradient in zip(selections, sums, gradients):
+        full = tf.zeros(selection.variable.shape) if gradient is None else tf.convert_to_tensor(gradient)
+        expected = selection.compact(full).numpy()
+        np.testing.assert_allclose(total.numpy() / scale, expected / scale, atol=1e-4,
+                                   err_msg=f"{variable_key(selection.variable)}: not the batch gradient")
 
 
 @pytest.mark.parametrize("rows", [False, True], ids=["whole", "rows"])
