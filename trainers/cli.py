@@ -17,6 +17,7 @@ import os
 import sys
 
 from trainers.config import ConfigError, load_config
+from trainers.quiet_import import import_tensorflow
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -40,6 +41,7 @@ def main(argv=None) -> int:
         print(f"note: {note}", file=sys.stderr)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     try:
+        import_tensorflow()
         from trainers import run  # heavy: imports TensorFlow
     except KeyboardInterrupt:
         print(interrupted_line(config["output_dir"], args.dry_run), file=sys.stderr)
