@@ -34,6 +34,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from sparta_tf.backend import KERAS3
 from sparta_tf.cluster import (  # noqa: F401  (the cluster is part of this module's API)
     Cluster,
     ClusterError,
@@ -216,10 +217,23 @@ def agree_on_seed(strategy: tf.distribute.Strategy, seed: int | None) -> int:
 
 
 def for_fit(dataset: tf.data.Dataset, strategy: tf.distribute.Strategy):
-    """What ``fit`` gets: ``dataset`` itself, or on several workers a ``DatasetCreator`` of each share."""
+    """What ``fit`` gets: ``dataset`` itself, or on several workers each worker's shares of it
+    (:func:`per_worker_input`)."""
     if not is_multi_worker(strategy):
         return dataset
-    return tf.keras.utils.experimental.DatasetCreator(per_worker_dataset_fn(lambda: dataset))
+    return per_worker_input(strategy, per_worker_dataset_fn(lambda: dataset))
+
+
+def per_worker_input(strategy: tf.distribute.Strategy, dataset_fn):
+    """``fit``'s input built per worker by ``dataset_fn(input_context)``.
+
+    Keras 2: a ``tf.keras.utils.experimental.DatasetCreator`` (Keras distributes it). Keras 3 has no
+    ``DatasetCreator``; its ``fit`` takes a distributed dataset as it is, so the strategy builds one
+    from the same function (``distribute_datasets_from_function``: the same per-replica elements).
+    """
+    if KERAS3:
+        return strategy.distribute_datasets_from_function(dataset_fn)
+    return tf.keras.utils.experimental.DatasetCreator(dataset_fn)
 
 
 def largest_over_workers(strategy: tf.distribute.Strategy, value: int) -> int:

@@ -27,8 +27,10 @@ every model in :mod:`sparta_tf.models`.
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
+import zipfile
 from typing import Optional, Union
 
 import tensorflow as tf
@@ -211,11 +213,39 @@ def load_keras_model(path: Union[str, os.PathLike]) -> tf.keras.Model:
         raise FileNotFoundError(f"no saved model at {path!r} (expected a .keras/.h5 file or a SavedModel dir)")
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, "saved_model.pb")):
         raise ValueError(f"{path!r} is a directory without saved_model.pb, not a SavedModel")
+    if os.path.isdir(path) and KERAS3:
+        raise ValueError(f"{path!r} is a SavedModel directory, which Keras 3 cannot load as a Keras model; "
+                         "save the model as a .keras file (model.save('model.keras')) and point at that")
+    _register_classes_of(path)
     try:
         return tf.keras.models.load_model(path, compile=False)
     except (ValueError, OSError, KeyError) as error:  # e.g. a non-Keras SavedModel
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ValueError(f"cannot load a Keras model from {path!r}: {first}") from error
+
+
+_REGISTERING_PACKAGES = ("keras_hub",)
+"""Packages whose layers and models a ``.keras`` file may name; importing one registers its classes."""
+
+
+def _register_classes_of(path: str) -> None:
+    """Imports the packages (:data:`_REGISTERING_PACKAGES`) whose classes the ``.keras`` file at ``path``
+    names, so that loading it finds them (a keras-hub backbone saved with ``model.save``). A package
+    that is not installed is a one-line ValueError naming it."""
+    if not (path.endswith(".keras") and zipfile.is_zipfile(path)):
+        return
+    try:
+        with zipfile.ZipFile(path) as archive:
+            config = archive.read("config.json").decode("utf-8", errors="replace")
+    except (KeyError, OSError, zipfile.BadZipFile):
+        return  # not a Keras archive: load_model says so
+    for package in _REGISTERING_PACKAGES:
+        if f'"module": "{package}' in config:
+            try:
+                importlib.import_module(package)
+            except ImportError as error:
+                raise ValueError(f"{path!r} holds {package} classes; pip install {package.replace('_', '-')} to "
+                                 "load it") from error
 
 
 def _trainable_batchnorm(model: tf.keras.Model) -> Optional[str]:
