@@ -236,6 +236,28 @@ def per_worker_input(strategy: tf.distribute.Strategy, dataset_fn):
     return tf.keras.utils.experimental.DatasetCreator(dataset_fn)
 
 
+def local_batch(batch: Any) -> Any:
+    """``batch`` as its first local replica sees it: each distributed value (``PerReplica``) replaced by
+    its first local component, any other value unchanged. Same shapes and dtypes as every replica's part;
+    no communication (what Keras 3 needs to build a model before its first step, see ``DPModel``)."""
+    def first(value):
+        return value.values[0] if isinstance(value, tf.distribute.DistributedValues) else value
+
+    return tf.nest.map_structure(first, batch)
+
+
+def reducible_logs(logs: Any, strategy: tf.distribute.Strategy) -> Any:
+    """A step's outputs (``{"loss": ..., metrics}``) as Keras can reduce them over several workers.
+
+    Keras 3 reduces each output of a multi-worker step with ``strategy.reduce("MEAN", v, axis=0)``,
+    which needs an axis: a scalar becomes shape ``[1]`` (the mean over the replicas' ``[1]``-shaped
+    values is the mean scalar). Unchanged on Keras 2 (it takes the first replica's) and in one process.
+    """
+    if not (KERAS3 and is_multi_worker(strategy)):
+        return logs
+    return tf.nest.map_structure(lambda v: tf.reshape(v, [1]) if len(v.shape) == 0 else v, logs)
+
+
 def largest_over_workers(strategy: tf.distribute.Strategy, value: int) -> int:
     """``max_w value_w`` over the workers (``value`` itself in a single process).
 

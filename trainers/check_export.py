@@ -30,7 +30,7 @@ import tempfile
 import numpy as np
 
 from trainers.config import ConfigError, load_config
-from trainers.quiet_import import import_tensorflow
+from trainers.quiet import import_tensorflow
 
 ACCURACY_TOLERANCE = 0.005  # 0.5 points
 SUM_TOLERANCE = 1e-4
