@@ -34,6 +34,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from sparta_tf.backend import KERAS3
 from sparta_tf.cluster import (  # noqa: F401  (the cluster is part of this module's API)
     Cluster,
     ClusterError,
@@ -216,10 +217,45 @@ def agree_on_seed(strategy: tf.distribute.Strategy, seed: int | None) -> int:
 
 
 def for_fit(dataset: tf.data.Dataset, strategy: tf.distribute.Strategy):
-    """What ``fit`` gets: ``dataset`` itself, or on several workers a ``DatasetCreator`` of each share."""
+    """What ``fit`` gets: ``dataset`` itself, or on several workers each worker's shares of it
+    (:func:`per_worker_input`)."""
     if not is_multi_worker(strategy):
         return dataset
-    return tf.keras.utils.experimental.DatasetCreator(per_worker_dataset_fn(lambda: dataset))
+    return per_worker_input(strategy, per_worker_dataset_fn(lambda: dataset))
+
+
+def per_worker_input(strategy: tf.distribute.Strategy, dataset_fn):
+    """``fit``'s input built per worker by ``dataset_fn(input_context)``.
+
+    Keras 2: a ``tf.keras.utils.experimental.DatasetCreator`` (Keras distributes it). Keras 3 has no
+    ``DatasetCreator``; its ``fit`` takes a distributed dataset as it is, so the strategy builds one
+    from the same function (``distribute_datasets_from_function``: the same per-replica elements).
+    """
+    if KERAS3:
+        return strategy.distribute_datasets_from_function(dataset_fn)
+    return tf.keras.utils.experimental.DatasetCreator(dataset_fn)
+
+
+def local_batch(batch: Any) -> Any:
+    """``batch`` as its first local replica sees it: each distributed value (``PerReplica``) replaced by
+    its first local component, any other value unchanged. Same shapes and dtypes as every replica's part;
+    no communication (what Keras 3 needs to build a model before its first step, see ``DPModel``)."""
+    def first(value):
+        return value.values[0] if isinstance(value, tf.distribute.DistributedValues) else value
+
+    return tf.nest.map_structure(first, batch)
+
+
+def reducible_logs(logs: Any, strategy: tf.distribute.Strategy) -> Any:
+    """A step's outputs (``{"loss": ..., metrics}``) as Keras can reduce them over several workers.
+
+    Keras 3 reduces each output of a multi-worker step with ``strategy.reduce("MEAN", v, axis=0)``,
+    which needs an axis: a scalar becomes shape ``[1]`` (the mean over the replicas' ``[1]``-shaped
+    values is the mean scalar). Unchanged on Keras 2 (it takes the first replica's) and in one process.
+    """
+    if not (KERAS3 and is_multi_worker(strategy)):
+        return logs
+    return tf.nest.map_structure(lambda v: tf.reshape(v, [1]) if len(v.shape) == 0 else v, logs)
 
 
 def largest_over_workers(strategy: tf.distribute.Strategy, value: int) -> int:

@@ -47,6 +47,8 @@ from typing import Mapping, Optional
 import numpy as np
 import tensorflow as tf
 
+from sparta_tf.backend import tf_variable
+
 __all__ = ["export_for_serving", "next_version", "SERVING_INPUT", "SERVING_OUTPUT"]
 
 logger = logging.getLogger(__name__)
@@ -171,7 +173,10 @@ class _ServingModule(tf.Module):
         # Track the variables only (the Keras model is closed over, not an
         # attribute), so the SavedModel holds the weights and the signature
         # function, nothing else.
-        self.model_variables = list(serving.variables)
+        # The tf.Variables themselves (tf_variable: a Keras 3 variable wraps one), so that the
+        # SavedModel maps the handles the signature captured to saved variables: TF1-style loaders
+        # (saved_model_cli run, TF Serving's session) restore only those.
+        self.model_variables = [tf_variable(v) for v in serving.variables]
         shape = (None,) + _image_shape(serving)
 
         @tf.function(input_signature=[tf.TensorSpec(shape, tf.float32, name=SERVING_INPUT)])

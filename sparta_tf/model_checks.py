@@ -39,6 +39,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import context
 
+from sparta_tf.backend import variable_key
+
 logger = logging.getLogger(__name__)
 
 PROBE_EXAMPLES = 4
@@ -102,8 +104,8 @@ def _outputs(model, x, snapshot) -> list[np.ndarray]:
 
 def _changed_state(model, snapshot) -> list[str]:
     trainable = {id(v) for v in model.trainable_variables}
-    return [v.name for v, before in snapshot
-            if id(v) not in trainable and v.dtype.is_floating and not np.array_equal(v.numpy(), before)]
+    return [variable_key(v) for v, before in snapshot
+            if id(v) not in trainable and tf.as_dtype(v.dtype).is_floating and not np.array_equal(v.numpy(), before)]
 
 
 def _differs(a: list[np.ndarray], b: list[np.ndarray], rows: slice) -> bool:

@@ -30,6 +30,7 @@ import os
 import sys
 
 from trainers.config import ConfigError, load_config
+from trainers.quiet import drop_rdp_convergence_notes, import_tensorflow
 
 AUDIT_JSON = "audit.json"
 CANARY_LOSSES = "canary_losses.npz"
@@ -127,6 +128,8 @@ def run_audit(config: dict, canaries: int | None = None, kind: str = "mislabelle
     import numpy as np
 
     check_arguments(canaries, kind, score, confidence)
+    import_tensorflow()
+    drop_rdp_convergence_notes()
     from sparta_tf.atomic_files import write_atomic
     from sparta_tf.audit import audit_report, summary_line
     from trainers import run

@@ -30,6 +30,7 @@ import tempfile
 import numpy as np
 
 from trainers.config import ConfigError, load_config
+from trainers.quiet import import_tensorflow
 
 ACCURACY_TOLERANCE = 0.005  # 0.5 points
 SUM_TOLERANCE = 1e-4
@@ -88,6 +89,7 @@ def serve_in_fresh_process(export_dir: str, images: np.ndarray, timeout: float =
 
 def raw_test_split(config: dict) -> tuple[np.ndarray, np.ndarray]:
     """The run's test images and labels before normalisation (what a serving client sends)."""
+    import_tensorflow()
     from sparta_tf.data import load_dataset
 
     spec = {k: v for k, v in config["data"].items() if k not in ("normalize", "mean", "std")}

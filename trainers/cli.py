@@ -17,6 +17,7 @@ import os
 import sys
 
 from trainers.config import ConfigError, load_config
+from trainers.quiet import drop_rdp_convergence_notes, import_tensorflow
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -39,7 +40,9 @@ def main(argv=None) -> int:
     for note in config["notes"]:
         print(f"note: {note}", file=sys.stderr)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    drop_rdp_convergence_notes()
     try:
+        import_tensorflow()
         from trainers import run  # heavy: imports TensorFlow
     except KeyboardInterrupt:
         print(interrupted_line(config["output_dir"], args.dry_run), file=sys.stderr)

@@ -267,7 +267,7 @@ class DPModel(tf.keras.Model):
         x, y, weights = tf.keras.utils.unpack_x_y_sample_weight(data)
         predictions = self(x, training=False)
         self._update_metrics(y, predictions, self._per_example_loss(y, predictions), weights)
-        return self.get_metrics_result()
+        return distribute.reducible_logs(self.get_metrics_result(), self.distribute_strategy)
 
     # ---------------------------------------------------------------- compile
 
@@ -323,6 +323,18 @@ class DPModel(tf.keras.Model):
         materialise = release.needs_per_example_gradients() or self._gradient_filter.needs_per_example_gradients
         return choose_engine(self.model, release.selections(self.trainable_set), self.engine_name, materialise)
 
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        """Keras 3 builds the model from ``fit``'s first batch, first averaging it over the replicas
+        with ``strategy.reduce``, which fails for an ``(x, y, w)`` tuple across several workers; the
+        first local replica's part has the same shapes and dtypes (:func:`distribute.local_batch`).
+        (Keras 2 never calls this.)"""
+        if iterator is not None and distribute.is_multi_worker(self.distribute_strategy):
+            for _, _, batches in iterator:
+                data_batch = distribute.local_batch(next(batches))
+                break
+            iterator = None
+        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+
     def make_train_function(self, force: bool = False):
         """Keras' ``make_train_function``, with the step's engine built first (eagerly, not while tracing)."""
         if self._engine is None or force:
@@ -368,7 +380,7 @@ class DPModel(tf.keras.Model):
         sums = parts.micro_batches.sum(statistic, x, y, weights, parts.release.statistic_specs(self.trainable_set))
         parts.release.release(all_reduce_sum(sums), self.dp_step, keep)
         self.dp_step.assign_add(1)
-        return self.get_metrics_result()
+        return distribute.reducible_logs(self.get_metrics_result(), self.distribute_strategy)
 
     # -------------------------------------------------------------------- fit
 

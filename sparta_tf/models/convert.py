@@ -27,12 +27,15 @@ every model in :mod:`sparta_tf.models`.
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
+import zipfile
 from typing import Optional, Union
 
 import tensorflow as tf
 
+from sparta_tf.backend import KERAS3
 from sparta_tf.model_checks import is_batch_normalization
 from sparta_tf.models.resnet import HEAD_LAYER_NAME
 
@@ -47,9 +50,42 @@ def _all_layers(model: tf.keras.Model):
 
 
 def _is_graph_model(layer) -> bool:
-    return isinstance(layer, tf.keras.Model) and (
-        isinstance(layer, tf.keras.Sequential) or getattr(layer, "_is_graph_network", False)
-    )
+    """A functional or Sequential model (one whose graph of layers can be rebuilt).
+
+    Keras 2 marks functional models with ``_is_graph_network``; Keras 3 has no such flag, its
+    functional models are instances of ``Functional`` (``keras.src.models.functional``)."""
+    if not isinstance(layer, tf.keras.Model):
+        return False
+    if isinstance(layer, tf.keras.Sequential):
+        return True
+    if KERAS3:
+        return any(cls.__name__ == "Functional" for cls in type(layer).__mro__)
+    return bool(getattr(layer, "_is_graph_network", False))
+
+
+def _input_shape(layer):
+    """The input shape of ``layer``'s first call (Keras 2: ``layer.input_shape``, a list when called on
+    several inputs; Keras 3 has no ``input_shape`` on layers: the shape of ``layer.input``)."""
+    if not KERAS3:
+        return layer.input_shape
+    features = layer.input
+    if isinstance(features, (list, tuple)):
+        return [tuple(t.shape) for t in features]
+    return tuple(features.shape)
+
+
+def _inbound_layer(node):
+    """The layer (or list of layers) feeding a call ``node``: ``inbound_layers`` on Keras 2; Keras 3
+    nodes name their parent nodes, whose ``operation`` is the layer."""
+    if not KERAS3:
+        return node.inbound_layers
+    layers = [parent.operation for parent in node.parent_nodes]
+    return layers[0] if len(layers) == 1 else layers
+
+
+def _rank(tensor) -> int:
+    """Rank of a symbolic tensor (a ``TensorShape`` on Keras 2, a tuple on Keras 3)."""
+    return len(tensor.shape)
 
 
 def _bn_axis(layer: tf.keras.layers.Layer) -> int:
@@ -66,7 +102,7 @@ def _bn_axis(layer: tf.keras.layers.Layer) -> int:
 
 def _group_norm_for(layer: tf.keras.layers.Layer) -> tf.keras.layers.GroupNormalization:
     axis = _bn_axis(layer)
-    shape = layer.input_shape if layer._inbound_nodes else None
+    shape = _input_shape(layer) if layer._inbound_nodes else None
     if isinstance(shape, list):  # a layer called more than once: all calls share C
         shape = shape[0]
     channels = shape[axis] if shape is not None else None
@@ -86,6 +122,23 @@ def _group_norm_for(layer: tf.keras.layers.Layer) -> tf.keras.layers.GroupNormal
 
 def _clone_plain(layer):
     return layer.__class__.from_config(layer.get_config())
+
+
+def _call_dropping_unused_mask(layer, *args, **kwargs):
+    """Calls a cloned layer as the original was called, less a ``mask=None`` its ``call`` cannot take
+    (Keras 3 records BatchNormalization's ``mask=None``; GroupNormalization's ``call`` has no ``mask``)."""
+    if "mask" in kwargs and kwargs["mask"] is None and isinstance(layer, tf.keras.layers.GroupNormalization):
+        kwargs.pop("mask")
+    return layer(*args, **kwargs)
+
+
+def _clone_model(model: tf.keras.Model, clone_function) -> tf.keras.Model:
+    """``clone_model`` with ``clone_function``; on Keras 3 also the call hook that replays each layer's
+    recorded call arguments (see :func:`_call_dropping_unused_mask`)."""
+    if KERAS3:
+        return tf.keras.models.clone_model(model, clone_function=clone_function,
+                                           call_function=_call_dropping_unused_mask)
+    return tf.keras.models.clone_model(model, clone_function=clone_function)
 
 
 def _to_groupnorm(model: tf.keras.Model) -> tf.keras.Model:
@@ -109,7 +162,7 @@ def _to_groupnorm(model: tf.keras.Model) -> tf.keras.Model:
             )
         return _clone_plain(layer)
 
-    new_model = tf.keras.models.clone_model(model, clone_function=clone_function)
+    new_model = _clone_model(model, clone_function)
     old_by_name = {layer.name: layer for layer in model.layers}
     for new_layer in new_model.layers:
         old = old_by_name.get(new_layer.name)
@@ -160,11 +213,39 @@ def load_keras_model(path: Union[str, os.PathLike]) -> tf.keras.Model:
         raise FileNotFoundError(f"no saved model at {path!r} (expected a .keras/.h5 file or a SavedModel dir)")
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, "saved_model.pb")):
         raise ValueError(f"{path!r} is a directory without saved_model.pb, not a SavedModel")
+    if os.path.isdir(path) and KERAS3:
+        raise ValueError(f"{path!r} is a SavedModel directory, which Keras 3 cannot load as a Keras model; "
+                         "save the model as a .keras file (model.save('model.keras')) and point at that")
+    _register_classes_of(path)
     try:
         return tf.keras.models.load_model(path, compile=False)
     except (ValueError, OSError, KeyError) as error:  # e.g. a non-Keras SavedModel
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ValueError(f"cannot load a Keras model from {path!r}: {first}") from error
+
+
+_REGISTERING_PACKAGES = ("keras_hub",)
+"""Packages whose layers and models a ``.keras`` file may name; importing one registers its classes."""
+
+
+def _register_classes_of(path: str) -> None:
+    """Imports the packages (:data:`_REGISTERING_PACKAGES`) whose classes the ``.keras`` file at ``path``
+    names, so that loading it finds them (a keras-hub backbone saved with ``model.save``). A package
+    that is not installed is a one-line ValueError naming it."""
+    if not (path.endswith(".keras") and zipfile.is_zipfile(path)):
+        return
+    try:
+        with zipfile.ZipFile(path) as archive:
+            config = archive.read("config.json").decode("utf-8", errors="replace")
+    except (KeyError, OSError, zipfile.BadZipFile):
+        return  # not a Keras archive: load_model says so
+    for package in _REGISTERING_PACKAGES:
+        if f'"module": "{package}' in config:
+            try:
+                importlib.import_module(package)
+            except ImportError as error:
+                raise ValueError(f"{path!r} holds {package} classes; pip install {package.replace('_', '-')} to "
+                                 "load it") from error
 
 
 def _trainable_batchnorm(model: tf.keras.Model) -> Optional[str]:
@@ -193,7 +274,7 @@ def _penultimate_features(model: tf.keras.Model) -> tf.Tensor:
     last = model.layers[-1]
     if not last.weights and len(model.layers) >= 2:
         # A weightless output layer (Softmax / Activation) after the classifier.
-        previous = last._inbound_nodes[0].inbound_layers if len(last._inbound_nodes) == 1 else None
+        previous = _inbound_layer(last._inbound_nodes[0]) if len(last._inbound_nodes) == 1 else None
         if isinstance(previous, (tf.keras.layers.Dense, tf.keras.layers.EinsumDense)):
             return _single_input(previous)
     if isinstance(last, (tf.keras.layers.Dense, tf.keras.layers.EinsumDense)):
@@ -247,7 +328,7 @@ def with_fresh_head(
     if not _is_graph_model(model):
         raise ValueError(f"with_fresh_head needs a functional or Sequential model, got {type(model).__name__!r}")
     features = _penultimate_features(model)
-    rank = features.shape.rank
+    rank = _rank(features)
     if rank == 4:
         features = tf.keras.layers.GlobalAveragePooling2D(name="fresh_head_pool")(features)
     elif rank == 3:

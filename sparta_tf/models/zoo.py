@@ -16,6 +16,15 @@ The YAML section is a mapping with a ``name`` and that model's keys::
                       stackwise_strides: [1, 2]}
       batchnorm: groupnorm              # or freeze
 
+    model:
+      name: keras_hub
+      backbone: ResNetBackbone          # a keras_hub.models image backbone class, built from explicit args
+      backbone_args: {input_conv_filters: [64], input_conv_kernel_sizes: [3],
+                      stackwise_num_filters: [64, 128], stackwise_num_blocks: [2, 2],
+                      stackwise_num_strides: [1, 2], block_type: basic_block}
+      batchnorm: groupnorm              # or freeze
+      weights: runs/backbone.weights.h5 # optional; random initialisation without it
+
     model: {name: saved, path: runs/pretrained.keras, fresh_head: true}
 
 Builder keyword arguments may also be given under an ``args:`` mapping
@@ -38,6 +47,14 @@ Names (:data:`MODEL_REGISTRY`):
   ``batchnorm`` (``groupnorm``, the default, or ``freeze``; see
   :func:`~sparta_tf.models.convert.replace_batchnorm`), then global average
   pooling (layer ``"pool"``) and ``Dense(num_classes, name="head")``;
+* ``keras_hub`` (Keras 3 only, keras-hub 0.32) -- the same for a keras-hub image backbone class
+  (:func:`keras_hub_backbone_names`: the ``backbone_cls`` of keras-hub's image classifiers), built
+  with ``backbone_args`` plus ``image_shape`` from the data (never ``from_preset``: presets download
+  weights); ``weights`` optionally loads the backbone's weights from a ``.weights.h5`` file written
+  by ``backbone.save_weights`` (before BatchNorm is converted, so a trained BatchNorm backbone's
+  other weights carry over); BatchNorm handled by ``batchnorm`` as for ``keras_cv``, then pooling
+  (layer ``"pool"``) and ``Dense(num_classes, name="head")``. On Keras 2 it is a one-line error
+  naming the fix, as ``keras_cv`` is on Keras 3;
 * ``pretrained`` -- a public model shipped with sparta-tf, by name
   (``weights``; :mod:`sparta_tf.models.pretrained`), with a fresh head by
   default (``fresh_head: false`` keeps its public head);
@@ -65,7 +82,8 @@ from sparta_tf.models.resnet import HEAD_LAYER_NAME, check_resnet_args, cifar_re
 from sparta_tf.models.vit import check_vit_args, vit_tiny
 from sparta_tf.models.wrn import check_wrn_args, wrn_gn
 
-__all__ = ["MODEL_REGISTRY", "ModelEntry", "build_model", "validate_model_spec", "keras_cv_backbone_names"]
+__all__ = ["MODEL_REGISTRY", "ModelEntry", "build_model", "validate_model_spec", "keras_cv_backbone_names",
+           "keras_hub_backbone_names"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,17 +173,98 @@ def _build_keras_cv(kwargs: dict, num_classes: int, input_shape: tuple) -> tf.ke
         backbone = getattr(models, name)(input_shape=tuple(input_shape), **args)
     except TypeError as error:
         raise ValueError(f"model.backbone_args do not fit {name}: {error}") from error
+    mode = _batchnorm_mode(kwargs)
+    return _classifier(replace_batchnorm(backbone, mode), num_classes, f"keras_cv_{name}")
+
+
+def _batchnorm_mode(kwargs: dict) -> str:
     mode = kwargs.get("batchnorm", "groupnorm")
     if mode not in BATCHNORM_MODES:
         raise ValueError(f"model.batchnorm={mode!r} is not one of {list(BATCHNORM_MODES)}")
-    backbone = replace_batchnorm(backbone, mode)
+    return mode
+
+
+def _classifier(backbone: tf.keras.Model, num_classes: int, name: str) -> tf.keras.Model:
+    """``backbone`` + global average pooling (layer ``"pool"``, for feature maps or tokens) +
+    ``Dense(num_classes, name="head")``."""
     x = backbone.output
-    if x.shape.rank == 4:
+    if len(x.shape) == 4:
         x = tf.keras.layers.GlobalAveragePooling2D(name="pool")(x)
-    elif x.shape.rank == 3:
+    elif len(x.shape) == 3:
         x = tf.keras.layers.GlobalAveragePooling1D(name="pool")(x)
     outputs = tf.keras.layers.Dense(num_classes, name=HEAD_LAYER_NAME)(x)
-    return tf.keras.Model(backbone.inputs, outputs, name=f"keras_cv_{name}")
+    return tf.keras.Model(backbone.inputs, outputs, name=name)
+
+
+# ---------------------------------------------------------------- keras-hub
+
+
+def _keras_hub_models():
+    """``keras_hub.models``, or a one-line ValueError naming the fix (Keras 2, or keras-hub missing)."""
+    from sparta_tf.backend import KERAS3, keras_version
+
+    if not KERAS3:
+        raise ValueError(f"model.name=keras_hub needs Keras 3 (keras-hub 0.32 builds Keras 3 models; the "
+                         f"TF 2.21 line on Python 3.12/3.13: pip install -e .); this is Keras {keras_version()}: "
+                         "use model.name=keras_cv (keras-cv 0.9) or a zoo model (resnet20_gn, vit_tiny, ...)")
+    try:
+        import keras_hub  # noqa: F401  (slow import, only when asked for)
+    except ImportError as error:
+        raise ValueError("model.name=keras_hub needs the keras-hub package (pip install keras-hub==0.32.0)") from error
+    return keras_hub.models
+
+
+def keras_hub_backbone_names() -> list[str]:
+    """keras-hub image backbone classes: the ``backbone_cls`` of each image classifier task
+    (``ResNetBackbone``, ``EfficientNetBackbone``, ``ViTBackbone``, ...), all built from explicit
+    arguments here (never ``from_preset``)."""
+    models = _keras_hub_models()
+    names = set()
+    for name in dir(models):
+        task = getattr(models, name)
+        if isinstance(task, type) and issubclass(task, models.ImageClassifier) and task is not models.ImageClassifier:
+            backbone = getattr(task, "backbone_cls", None)
+            if isinstance(backbone, type) and getattr(models, backbone.__name__, None) is backbone:
+                names.add(backbone.__name__)
+    return sorted(names)
+
+
+def _keras_hub_backbone_args(kwargs: dict, input_shape: tuple) -> dict:
+    """``backbone_args`` plus ``image_shape`` from the data; a disagreeing ``image_shape`` is an error."""
+    args = dict(kwargs.get("backbone_args") or {})
+    given_shape = args.pop("image_shape", None)
+    if given_shape is not None and tuple(given_shape) != tuple(input_shape):
+        raise ValueError(
+            f"model.backbone_args.image_shape={list(given_shape)} disagrees with the data's {list(input_shape)}"
+        )
+    args["image_shape"] = tuple(input_shape)
+    return args
+
+
+def _load_backbone_weights(backbone: tf.keras.Model, path: str) -> None:
+    """Loads ``path`` (a ``.weights.h5`` file of ``backbone.save_weights``) into ``backbone``, or a
+    one-line ValueError saying why not."""
+    try:
+        backbone.load_weights(path)
+    except (ValueError, OSError, KeyError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"model.weights={path!r} does not fit this backbone: {first}") from error
+
+
+def _build_keras_hub(kwargs: dict, num_classes: int, input_shape: tuple) -> tf.keras.Model:
+    models = _keras_hub_models()
+    name = kwargs["backbone"]
+    _check_keras_hub(kwargs)
+    mode = _batchnorm_mode(kwargs)
+    args = _keras_hub_backbone_args(kwargs, input_shape)
+    try:
+        backbone = getattr(models, name)(**args)
+    except (TypeError, ValueError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"model.backbone_args do not fit {name}: {first}") from error
+    if kwargs.get("weights") is not None:
+        _load_backbone_weights(backbone, kwargs["weights"])
+    return _classifier(replace_batchnorm(backbone, mode), num_classes, f"keras_hub_{name}")
 
 
 # -------------------------------------------------------------------- saved
@@ -239,6 +338,23 @@ def _check_keras_cv(kwargs: dict) -> None:
                          f"valid choices: {valid}")
 
 
+def _check_keras_hub(kwargs: dict) -> None:
+    valid = keras_hub_backbone_names()
+    if kwargs["backbone"] not in valid:
+        raise ValueError(f"model.backbone={kwargs['backbone']!r} is not a keras-hub image backbone class; "
+                         f"valid choices: {valid}")
+    args = kwargs.get("backbone_args") or {}
+    if isinstance(args, Mapping) and "weights" in args:
+        raise ValueError("model.backbone_args.weights is not supported; give a .weights.h5 file as model.weights")
+    weights = kwargs.get("weights")
+    if weights is not None:
+        import os
+
+        if not isinstance(weights, str) or not os.path.isfile(weights):
+            raise ValueError(f"model.weights={weights!r} is not a file; give a .weights.h5 file written by "
+                             "backbone.save_weights, or leave it out for random weights")
+
+
 def _check_saved(kwargs: dict) -> None:
     import os
 
@@ -261,6 +377,11 @@ MODEL_REGISTRY: dict[str, ModelEntry] = {
     "keras_cv": ModelEntry(
         _build_keras_cv, ("backbone", "backbone_args", "batchnorm"), required=("backbone",),
         description="keras-cv backbone class from explicit args + pool + head", check=_check_keras_cv,
+    ),
+    "keras_hub": ModelEntry(
+        _build_keras_hub, ("backbone", "backbone_args", "batchnorm", "weights"), required=("backbone",),
+        description="keras-hub image backbone class from explicit args (Keras 3) + pool + head",
+        check=_check_keras_hub,
     ),
     "pretrained": ModelEntry(
         _build_pretrained, ("weights", "fresh_head"), required=("weights",),
