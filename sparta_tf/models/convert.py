@@ -134,8 +134,9 @@ def _call_dropping_unused_mask(layer, *args, **kwargs):
 
 def _clone_model(model: tf.keras.Model, clone_function) -> tf.keras.Model:
     """``clone_model`` with ``clone_function``; on Keras 3 also the call hook that replays each layer's
-    recorded call arguments (see :func:`_call_dropping_unused_mask`)."""
-    if KERAS3:
+    recorded call arguments (see :func:`_call_dropping_unused_mask`), for functional models: a
+    Sequential model records no call arguments, and Keras 3 refuses the hook for one."""
+    if KERAS3 and not isinstance(model, tf.keras.Sequential):
         return tf.keras.models.clone_model(model, clone_function=clone_function,
                                            call_function=_call_dropping_unused_mask)
     return tf.keras.models.clone_model(model, clone_function=clone_function)
