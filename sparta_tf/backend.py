@@ -40,10 +40,6 @@ class UnsupportedKerasError(ImportError):
     """``tf.keras`` is a Keras sparta-tf does not run on (see :data:`SUPPORTED`)."""
 
 
-class Keras2OnlyError(NotImplementedError):
-    """A part of sparta-tf that does not run on Keras 3 yet was asked for on Keras 3."""
-
-
 def keras_version() -> str:
     """The version of the Keras behind ``tf.keras``."""
     version = getattr(tf.keras, "__version__", None)
@@ -87,15 +83,6 @@ def check_supported(version: str | None = None, backend: str | None = None) -> b
 
 KERAS3: bool = check_supported()
 """True when ``tf.keras`` is Keras 3, False on Keras 2."""
-
-
-def require_keras2(feature: str) -> None:
-    """Raises :class:`Keras2OnlyError` (one line, with the fix) when ``feature`` is asked for on Keras 3."""
-    if KERAS3:
-        raise Keras2OnlyError(
-            f"{feature} runs on Keras 2 only so far (tf.keras is Keras {keras_version()}): pip install "
-            f"tf-keras=={tf.__version__.split('-')[0]} and set TF_USE_LEGACY_KERAS=1 before importing tensorflow"
-        )
 
 
 def variable_key(variable) -> str:

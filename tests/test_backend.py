@@ -74,14 +74,6 @@ def test_a_process_with_keras_3_active_runs_on_the_keras_3_line():
     assert keras3 == "True" and version.startswith("3.")
 
 
-def test_keras_2_only_parts_refuse_on_keras_3_with_one_line(monkeypatch):
-    monkeypatch.setattr(backend, "KERAS3", True)
-    with pytest.raises(backend.Keras2OnlyError, match=r"^the thing runs on Keras 2 only so far .*TF_USE_LEGACY_KERAS=1"):
-        backend.require_keras2("the thing")
-    monkeypatch.setattr(backend, "KERAS3", False)
-    backend.require_keras2("the thing")
-
-
 def test_variable_helpers_on_this_line():
     layer = tf.keras.layers.Dense(3, name="head")
     tf.keras.Sequential([tf.keras.Input((2,)), layer])
