@@ -151,7 +151,7 @@ def test_vit_roles_and_per_example_grads_match_tape():
 @pytest.fixture(scope="module")
 def keras_cv_models():
     keras_cv = pytest.importorskip(
-        "keras_cv", reason="keras-cv runs on the TF 2.15 line only (keras-cv 0.9 needs Keras 3)")
+        "keras_cv", reason="keras-cv is installed on the TF 2.15 line only (model.name=keras_hub is the Keras 3 choice)")
     return keras_cv.models
 
 
