@@ -391,7 +391,6 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
     history = dp.fit(dataset.x_train, dataset.y_train,
                      validation_data=(dataset.x_val, dataset.y_val) if len(dataset.x_val) else None,
                      callbacks=callbacks, verbose=1 if sys.stdout.isatty() else 2,
-                     shuffle=False,  # DPModel samples the batches itself (Keras 3 warns it ignores shuffle)
                      on_budget_exhausted=lambda: dp.ledger.save(ledger_path))
     timings["train_s"] = time.perf_counter() - start
     dp.ledger.save(ledger_path)
