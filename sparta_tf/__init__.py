@@ -1,50 +1,64 @@
 """sparta-tf: differentially private (sparse) fine-tuning for TensorFlow/Keras.
 
-The top level holds what the documentation uses: the entry point :func:`make_private`, the
-:class:`Method` interface and its registry :data:`METHODS`, the :class:`PrivacyPlan`, the
-:class:`DPModel` and its callbacks, and the accounting, mask and schedule helpers the guides
-call. Everything else is imported from its module (e.g. :mod:`sparta_tf.dp_step`,
-:mod:`sparta_tf.trainable`, :mod:`sparta_tf.optim`, :mod:`sparta_tf.privacy.sampling`).
+The top level holds the public surface the guides use: the entry point :func:`make_private`; the
+core types :class:`DPModel`, :class:`PrivacyPlan`, :class:`PrivacyLedger`, :class:`Method`,
+:class:`NonFiniteGuard` and :class:`NotPerExampleSafeError`; the registry of methods
+:data:`METHODS`; and the helpers the guides call (:func:`cosine_with_warmup`,
+:func:`calibrate_noise_multiplier`, :func:`compute_epsilon`). Everything else, SPARTA's internals
+included (``sparta_tf.groups.group_table``, ``sparta_tf.masks.save_mask``,
+``sparta_tf.selection.SpartaSelector``, ``sparta_tf.callbacks.MethodCallback``, ...), is imported
+from its module.
+
+``import sparta_tf`` is cheap and changes nothing: it imports neither TensorFlow nor any
+submodule and leaves ``os.environ`` as it is. A top-level name is imported on first use
+(PEP 562 module ``__getattr__``), after :mod:`sparta_tf.backend` has checked the Keras behind
+``tf.keras``; a submodule reached as an attribute (``sparta_tf.trainable``) is imported then too,
+on its own, so the TensorFlow-free parts (``from sparta_tf import method_spec``) import without
+TensorFlow.
 """
 
-import os as _os
+from __future__ import annotations
 
-# TensorFlow's C++ start-up chatter (CUDA probes, oneDNN notes) off unless the user set a level: the CLI
-# scripts (sparta-example, ...) import this package before their own code runs.
-_os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-
-from sparta_tf import backend  # noqa: E402,F401  (first: picks and checks the Keras behind tf.keras)
-from sparta_tf.callbacks import MethodCallback, NonFiniteGuard, SpartaCallback
-from sparta_tf.dp_model import DPModel
-from sparta_tf.groups import group_table, row_groups
-from sparta_tf.masks import load_mask, save_mask
-from sparta_tf.methods import METHODS, Method
-from sparta_tf.model_checks import NotPerExampleSafeError
-from sparta_tf.optim import cosine_with_warmup
-from sparta_tf.private_training import make_private
-from sparta_tf.privacy import PrivacyLedger, calibrate_noise_multiplier, compute_epsilon
-from sparta_tf.privacy.plan import PrivacyPlan
-from sparta_tf.selection import SpartaSelector
+import importlib
+from typing import Any
 
 __version__ = "0.3.0"
 
-__all__ = [
-    "DPModel",
-    "METHODS",
-    "Method",
-    "MethodCallback",
-    "NonFiniteGuard",
-    "NotPerExampleSafeError",
-    "PrivacyLedger",
-    "PrivacyPlan",
-    "SpartaCallback",
-    "SpartaSelector",
-    "calibrate_noise_multiplier",
-    "compute_epsilon",
-    "cosine_with_warmup",
-    "group_table",
-    "load_mask",
-    "make_private",
-    "row_groups",
-    "save_mask",
-]
+_PUBLIC: dict[str, str] = {
+    "make_private": "sparta_tf.private_training",
+    "DPModel": "sparta_tf.dp_model",
+    "PrivacyPlan": "sparta_tf.privacy.plan",
+    "PrivacyLedger": "sparta_tf.privacy",
+    "Method": "sparta_tf.methods",
+    "METHODS": "sparta_tf.methods",
+    "NonFiniteGuard": "sparta_tf.callbacks",
+    "NotPerExampleSafeError": "sparta_tf.model_checks",
+    "calibrate_noise_multiplier": "sparta_tf.privacy",
+    "compute_epsilon": "sparta_tf.privacy",
+    "cosine_with_warmup": "sparta_tf.optim",
+}
+"""Each top-level name -> the module defining it (imported on first access)."""
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    """A top-level name of :data:`__all__` or a submodule, imported on first access and cached."""
+    if name.startswith("__"):
+        raise AttributeError(f"module 'sparta_tf' has no attribute {name!r}")
+    if name in _PUBLIC:
+        importlib.import_module("sparta_tf.backend")  # first: checks the Keras behind tf.keras (one line if not)
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    else:
+        try:
+            value = importlib.import_module(f"sparta_tf.{name}")
+        except ModuleNotFoundError as error:
+            if error.name != f"sparta_tf.{name}":
+                raise
+            raise AttributeError(f"module 'sparta_tf' has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

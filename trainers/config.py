@@ -11,10 +11,9 @@ vision settings where it has one):
 * ``data`` (required): the private data set, see :mod:`sparta_tf.data`.
 * ``pretrain``: non-private pre-training on public data before DP fine-tuning.
 * ``model`` (required): ``name`` and its arguments, see :mod:`sparta_tf.models.zoo`.
-* ``method``: ``name`` (one of :data:`METHOD_NAMES`: sparta, all, last,
-  bitfit, x_bitfit, mp, random, dpsgd_grad, oracle, dp_frost, dp_ssgd) and
-  its options, as :mod:`sparta_tf.method_spec` defines them (the table the
-  library's methods use). Switching ``method.name`` keeps the rest of the
+* ``method``: ``name`` (one of :data:`METHOD_NAMES`, the methods of
+  :mod:`sparta_tf.method_spec`) and its options, as that spec defines them
+  (the table the library's methods use). Switching ``method.name`` keeps the rest of the
   config valid: an option that does not apply to the method (another
   method's option, or a value only another method accepts, e.g.
   ``score: sum_abs`` for ``dpsgd_grad``) is dropped with a one-line note
@@ -29,44 +28,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib
-import importlib.util
-import os
 import re
-import sys
 from typing import Any, Callable
 
 import yaml
 
+from sparta_tf import method_spec  # TensorFlow-free, as is sparta_tf.data.spec: nothing here imports TensorFlow
+from sparta_tf.data.spec import SOURCE_KEYS
 
-def _load_method_spec():
-    """:mod:`sparta_tf.method_spec`, the methods' table, without importing TensorFlow.
-
-    ``import sparta_tf.method_spec`` runs ``sparta_tf/__init__``, which imports
-    TensorFlow (seconds). The spec imports only the standard library, so when
-    ``sparta_tf`` is not imported yet its file is executed on its own and
-    registered under its own name: the library, once imported, uses this very
-    module object (no second copy of the table).
-    """
-    name = "sparta_tf.method_spec"
-    if name in sys.modules or "sparta_tf" in sys.modules:
-        return importlib.import_module(name)
-    package = importlib.util.find_spec("sparta_tf")  # a top-level find_spec imports nothing
-    if package is None or not package.submodule_search_locations:
-        raise ImportError("the sparta_tf package is not installed; pip install -e . from the repository")
-    path = os.path.join(list(package.submodule_search_locations)[0], "method_spec.py")
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
-
-
-method_spec = _load_method_spec()
 METHOD_NAMES = tuple(method_spec.METHODS)
 
 
@@ -167,6 +136,11 @@ SCHEMA: dict[str, dict[str, Field]] = {
 }
 TOP_LEVEL = ("data", "model", "pretrain", "method", "privacy", "training", "export", "output_dir", "notes")
 REQUIRED_TOP_LEVEL = ("data", "model", "output_dir")
+
+
+def _or_list(names: tuple[str, ...]) -> str:
+    """``"a, b or c"``."""
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
 
 
 def _check_type(key: str, value: Any, field: Field) -> None:
@@ -288,7 +262,7 @@ def validate(raw: dict) -> dict:
             raise ConfigError(f"{section} must be a mapping (e.g. {section}: {{...}})")
         config[section] = dict(value)
     if "source" not in config["data"]:
-        raise ConfigError("data.source is required (synthetic, digits, npz, idx, folder, tar or tfds)")
+        raise ConfigError(f"data.source is required ({_or_list(tuple(SOURCE_KEYS))})")
     if "name" not in config["model"]:
         raise ConfigError("model.name is required (e.g. resnet20_gn)")
     notes: list[str] = []

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 
 from trainers import config
+from trainers.quiet import import_tensorflow
 
 DESCRIPTION = "Quickstart: public pre-training, then DP fine-tuning with a calibrated (epsilon, delta)."
 
@@ -70,7 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     """Runs the example; a bad argument is one line (argparse's), and so is a method that cannot run."""
     args = parse_args(argv)
-    from sparta_tf.examples.quickstart import run  # TensorFlow only now, after the arguments
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # TensorFlow's C++ start-up lines off unless the user set a level
+    import_tensorflow()  # TensorFlow only now, after the arguments
+    from sparta_tf.examples.quickstart import run
 
     try:
         run(args)

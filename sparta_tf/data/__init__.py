@@ -10,22 +10,48 @@ with a one-line message naming the ``data.<key>`` and the fix.
 
 ``make_augmenter`` / ``augment`` provide flip+shift augmentation for
 non-private pre-training only (not supported during DP training).
+
+The package imports its modules on first use (PEP 562 module ``__getattr__``), so the
+TensorFlow-free validation (:mod:`sparta_tf.data.spec`, :mod:`sparta_tf.data.errors`) imports
+without TensorFlow: ``sparta-train`` checks a config's ``data:`` section before importing it.
 """
 
-from sparta_tf.data.augment import augment, make_augmenter
-from sparta_tf.data.dataset import Dataset
-from sparta_tf.data.errors import DataError
-from sparta_tf.data.loader import load_dataset
-from sparta_tf.data.sources import SOURCES
-from sparta_tf.data.spec import DataSpec, parse_spec
+from __future__ import annotations
 
-__all__ = [
-    "DataError",
-    "DataSpec",
-    "Dataset",
-    "SOURCES",
-    "augment",
-    "load_dataset",
-    "make_augmenter",
-    "parse_spec",
-]
+import importlib
+from typing import Any
+
+_PUBLIC: dict[str, str] = {
+    "DataError": "sparta_tf.data.errors",
+    "DataSpec": "sparta_tf.data.spec",
+    "Dataset": "sparta_tf.data.dataset",
+    "SOURCES": "sparta_tf.data.sources",
+    "augment": "sparta_tf.data.augment",
+    "load_dataset": "sparta_tf.data.loader",
+    "make_augmenter": "sparta_tf.data.augment",
+    "parse_spec": "sparta_tf.data.spec",
+}
+"""Each public name -> the module defining it (imported on first access)."""
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    """A public name of :data:`__all__` or a submodule, imported on first access and cached."""
+    if name.startswith("__"):
+        raise AttributeError(f"module 'sparta_tf.data' has no attribute {name!r}")
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    else:
+        try:
+            value = importlib.import_module(f"sparta_tf.data.{name}")
+        except ModuleNotFoundError as error:
+            if error.name != f"sparta_tf.data.{name}":
+                raise
+            raise AttributeError(f"module 'sparta_tf.data' has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))
