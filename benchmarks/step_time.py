@@ -211,7 +211,7 @@ def make_sparta_vectorized_step(model: tf.keras.Model, batch_size: int, ctx: Ctx
 
 def make_sparta_selection_step(model: tf.keras.Model, batch_size: int, ctx: Ctx) -> Step:
     """A SPARTA selection-epoch step: private row scores of every kernel, no weight update."""
-    from sparta_tf import SpartaSelector
+    from sparta_tf.selection import SpartaSelector
 
     def configure(dp_model):
         scorer = SpartaSelector(model, density=0.2).make_scorer(NOISE_MULTIPLIER, CLIP_NORM)
@@ -226,7 +226,8 @@ def _make_sparta_sparse_step(density: float) -> Factory:
 
         The rows are a seeded random subset per layer (same cost as a selected mask).
         """
-        from sparta_tf import methods, row_groups
+        from sparta_tf import methods
+        from sparta_tf.groups import row_groups
         from sparta_tf.selection import random_selections
 
         def configure(dp_model):

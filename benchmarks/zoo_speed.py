@@ -64,7 +64,8 @@ if str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from sparta_tf import DPModel, methods, row_groups  # noqa: E402
+from sparta_tf import DPModel, methods  # noqa: E402
+from sparta_tf.groups import row_groups  # noqa: E402
 from sparta_tf.models import replace_batchnorm, resnet20_gn, vit_tiny, wrn_gn  # noqa: E402
 from sparta_tf.selection import random_selections  # noqa: E402
 

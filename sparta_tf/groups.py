@@ -36,6 +36,7 @@ import numpy as np
 import tensorflow as tf
 
 from sparta_tf.backend import depthwise_kernel, owned_variables, variable_key
+from sparta_tf.keras_layers import all_layers
 from sparta_tf.model_checks import is_batch_normalization
 
 ROLES = ("kernel", "bias", "norm", "head", "other")
@@ -118,7 +119,7 @@ def find_head(model: tf.keras.Model) -> tf.keras.layers.Layer | None:
 
 def _leaf_layers(model: tf.keras.Model) -> list[tf.keras.layers.Layer]:
     layers = []
-    for module in model._flatten_layers(include_self=False, recursive=True):
+    for module in all_layers(model):
         if owned_variables(module):
             layers.append(module)
     return layers

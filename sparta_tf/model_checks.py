@@ -40,6 +40,7 @@ import tensorflow as tf
 from tensorflow.python.eager import context
 
 from sparta_tf.backend import variable_key
+from sparta_tf.keras_layers import all_layers
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +51,6 @@ PROBE_RTOL = 1e-4  # relative change of another example's output that counts as 
 
 class NotPerExampleSafeError(ValueError):
     """The model mixes examples of a batch, so per-example DP does not hold."""
-
-
-def _all_layers(model: tf.keras.Model):
-    return model._flatten_layers(include_self=False, recursive=True)
 
 
 def is_batch_normalization(layer) -> bool:
@@ -69,7 +66,7 @@ def reject_batch_mixing_layers(model: tf.keras.Model) -> None:
     and clipping per-example gradients no longer bounds any single example's
     influence: the DP guarantee would be void.
     """
-    for layer in _all_layers(model):
+    for layer in all_layers(model):
         if is_batch_normalization(layer) and layer.trainable:
             raise NotPerExampleSafeError(
                 f"layer {layer.name!r} ({type(layer).__name__}) is BatchNormalization in training mode: "

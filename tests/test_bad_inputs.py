@@ -374,8 +374,8 @@ def test_a_mask_of_another_model_is_refused_before_training(tmp_path, capsys):
     from sparta_tf.masks import MaskProvenance
 
     other = st.models.cifar_resnet_gn(depth=14, width=4, input_shape=(8, 8, 1), num_classes=3)
-    mask = [st.trainable.rows(g, [0]) for g in st.row_groups(other)]
-    st.save_mask(str(tmp_path / "mask"), mask, other, provenance=MaskProvenance.public())
+    mask = [st.trainable.rows(g, [0]) for g in st.groups.row_groups(other)]
+    st.masks.save_mask(str(tmp_path / "mask"), mask, other, provenance=MaskProvenance.public())
     tf.keras.backend.clear_session()
     path, _ = _config(tmp_path, {"method.mask": str(tmp_path / "mask")})
     for args in (["--dry-run"], []):

@@ -247,7 +247,7 @@ def test_sparta_three_phases_freeze_unselected_coordinates(tmp_path):
     q, epochs, warmup = 0.25, 4, 1
     dp = DPModel(model, noise_multiplier=0.8, sample_rate=q, delta=1e-5, seed=0)
     dp.compile(tf.keras.optimizers.SGD(0.05, momentum=0.9), loss=LOSS)
-    callback = st.SpartaCallback(warmup_epochs=warmup, density=0.5, mask_dir=str(tmp_path), verbose=0)
+    callback = st.callbacks.SpartaCallback(warmup_epochs=warmup, density=0.5, mask_dir=str(tmp_path), verbose=0)
     after_warmup = {}
 
     class AfterWarmup(tf.keras.callbacks.Callback):

@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from sparta_tf.backend import KERAS3
 from sparta_tf.models import HEAD_LAYER_NAME, build_model, validate_model_spec
-from sparta_tf.models.zoo import keras_hub_backbone_names
+from sparta_tf.models.backbones import keras_hub_backbone_names
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

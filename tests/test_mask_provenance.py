@@ -42,11 +42,11 @@ def test_an_oracle_mask_makes_the_run_that_loads_it_non_private(tmp_path):
     x, y = _data()
     first = _dp(_model())
     first.fit(x, y, epochs=3, verbose=0,
-              callbacks=[st.MethodCallback("oracle", warmup_epochs=1, mask_dir=str(tmp_path), verbose=0)])
+              callbacks=[st.callbacks.MethodCallback("oracle", warmup_epochs=1, mask_dir=str(tmp_path), verbose=0)])
     assert not read_provenance(str(tmp_path)).private
 
     second = _dp(_model())
-    second.fit(x, y, epochs=2, verbose=0, callbacks=[st.SpartaCallback(warmup_epochs=1, mask=str(tmp_path),
+    second.fit(x, y, epochs=2, verbose=0, callbacks=[st.callbacks.SpartaCallback(warmup_epochs=1, mask=str(tmp_path),
                                                                        verbose=0)])
     assert not second.ledger.is_private
     assert second.ledger.epsilon() == float("inf")
@@ -57,13 +57,13 @@ def test_a_sparta_mask_brings_its_selection_cost_into_the_run_that_loads_it(tmp_
     x, y = _data()
     first = _dp(_model())
     first.fit(x, y, epochs=3, verbose=0,
-              callbacks=[st.SpartaCallback(warmup_epochs=1, mask_dir=str(tmp_path), verbose=0)])
+              callbacks=[st.callbacks.SpartaCallback(warmup_epochs=1, mask_dir=str(tmp_path), verbose=0)])
     provenance = read_provenance(str(tmp_path))
     assert provenance.private
     assert [(e.phase, e.count) for e in provenance.entries] == [("warmup", 4), ("selection", 4)]
 
     second = _dp(_model())
-    second.fit(x, y, epochs=2, verbose=0, callbacks=[st.SpartaCallback(warmup_epochs=1, mask=str(tmp_path),
+    second.fit(x, y, epochs=2, verbose=0, callbacks=[st.callbacks.SpartaCallback(warmup_epochs=1, mask=str(tmp_path),
                                                                        verbose=0)])
     phases = [(e.phase, e.count) for e in second.ledger.entries]
     assert phases == [("mask:warmup", 4), ("mask:selection", 4), ("warmup", 4), ("sparse", 4)]

@@ -53,7 +53,7 @@ def _refusal(dp, method) -> str:
     x, y = _data()
     before = [v.numpy() for v in dp.model.weights]
     with pytest.raises(ValueError) as error:
-        dp.fit(x, y, epochs=1, callbacks=[sparta_tf.MethodCallback(method)], verbose=0)
+        dp.fit(x, y, epochs=1, callbacks=[sparta_tf.callbacks.MethodCallback(method)], verbose=0)
     assert all(np.array_equal(b, v.numpy()) for b, v in zip(before, dp.model.weights))  # nothing trained
     return str(error.value)
 
@@ -107,7 +107,7 @@ def test_dp_frost_prepared_trains_exactly_the_selected_partitions():
     dp = _dp(method, model, plan)
     method.prepare(dp, x, y, LOSS, plan)
     before = {id(v): v.numpy() for v in model.weights}
-    dp.fit(x, y, epochs=EPOCHS, callbacks=[sparta_tf.MethodCallback(method)], verbose=0)
+    dp.fit(x, y, epochs=EPOCHS, callbacks=[sparta_tf.callbacks.MethodCallback(method)], verbose=0)
 
     selected = {id(v) for v in method.selected.variables}
     assert [id(v) for v in dp.trainable_set.variables] == [id(v) for v in method.selected.variables]
@@ -130,7 +130,7 @@ def test_dp_ssgd_prepared_trains_the_pre_pruned_set():
     method.prepare(dp, x, y, LOSS, plan)
     keep = dp.keep_masks_pp
     before = {id(v): v.numpy() for v in model.weights}
-    history = dp.fit(x, y, epochs=EPOCHS, callbacks=[sparta_tf.MethodCallback(method)], verbose=0)
+    history = dp.fit(x, y, epochs=EPOCHS, callbacks=[sparta_tf.callbacks.MethodCallback(method)], verbose=0)
 
     total = sum(v.shape.num_elements() for v in model.trainable_variables)
     pruned = sum(int((~m).sum()) for _, m in keep)
@@ -149,7 +149,7 @@ def test_bitfit_runs_without_prepare():
     x, y = _data()
     dp = _plain_dp(model)
     before = {id(v): v.numpy() for v in model.weights}
-    dp.fit(x, y, epochs=1, callbacks=[sparta_tf.MethodCallback("bitfit", verbose=0)], verbose=0)
+    dp.fit(x, y, epochs=1, callbacks=[sparta_tf.callbacks.MethodCallback("bitfit", verbose=0)], verbose=0)
     for layer in model.layers:
         kernel_changed = not np.array_equal(before[id(layer.kernel)], layer.kernel.numpy())
         assert kernel_changed == (layer.name == "head")

@@ -57,7 +57,7 @@ def selected_rows(selections, variable):
 def test_selection_recovers_planted_rows_at_small_noise():
     model = planted_model()
     x, y = planted_data()
-    selector = st.SpartaSelector(model, density=3 / 16)
+    selector = st.selection.SpartaSelector(model, density=3 / 16)
     selections = selector.select_epoch(dp_model(model, sigma=1e-3), x, y)
     assert selected_rows(selections, model.get_layer("hidden").kernel) == set(PLANTED)
 
@@ -67,7 +67,7 @@ def test_selection_is_chance_at_huge_noise():
     x, y = planted_data()
     hits = []
     for seed in range(12):
-        selector = st.SpartaSelector(model, density=3 / 16)
+        selector = st.selection.SpartaSelector(model, density=3 / 16)
         selections = selector.select_epoch(dp_model(model, sigma=1e4, seed=seed), x, y)
         hits.append(len(selected_rows(selections, model.get_layer("hidden").kernel) & set(PLANTED)))
     # chance: 3 of 16 rows drawn, expected overlap 3 * 3/16 = 0.56 rows per run
@@ -79,7 +79,7 @@ def test_selection_epoch_does_not_update_weights_and_counts_steps():
     x, y = planted_data()
     before = [v.numpy().copy() for v in model.weights]
     dp = dp_model(model, sigma=1.0, delta=1e-5)
-    st.SpartaSelector(model).select_epoch(dp, x, y)
+    st.selection.SpartaSelector(model).select_epoch(dp, x, y)
     for b, v in zip(before, model.weights):
         assert np.array_equal(b, v.numpy())
     assert dp.ledger.steps == 4  # round(1/q) steps of the Gaussian mechanism
@@ -106,7 +106,7 @@ def _conv_data(n=96, seed=0):
 def test_per_layer_density_and_overrides():
     model = _conv_model()
     x, y = _conv_data()
-    selector = st.SpartaSelector(model, density=0.3, density_overrides={"fc": 0.5, "conv2/*": 0.0})
+    selector = st.selection.SpartaSelector(model, density=0.3, density_overrides={"fc": 0.5, "conv2/*": 0.0})
     selections = selector.select_epoch(dp_model(model, sigma=1.0), x, y)
     kept = {key(s.variable): (len(s.rows) if s.kind == "rows" else s.group.n_rows) for s in selections}
     assert kept["conv1/kernel"] == kept_count(8, 0.3) == 2
@@ -121,7 +121,7 @@ def test_three_phase_fit_freezes_unselected_coordinates_and_counts_T_epochs(tmp_
     before = {key(v): v.numpy().copy() for v in model.trainable_variables}
     dp = dp_model(model, sigma=0.8, delta=1e-5)
     epochs, warmup = 4, 1
-    callback = st.SpartaCallback(warmup_epochs=warmup, density=0.25, mask_dir=str(tmp_path), verbose=0)
+    callback = st.callbacks.SpartaCallback(warmup_epochs=warmup, density=0.25, mask_dir=str(tmp_path), verbose=0)
     dp.fit(x, y, epochs=epochs, callbacks=[callback], verbose=0)
 
     steps_per_epoch = round(1 / 0.25)
@@ -187,7 +187,7 @@ def test_static_methods_fit_without_selection_epoch(method):
     x, y = _conv_data()
     dp = dp_model(model, sigma=1.0, delta=1e-5)
     options = {"density": 0.2} if method in ("mp", "random") else {}
-    callback = st.MethodCallback(method, verbose=0, **options)
+    callback = st.callbacks.MethodCallback(method, verbose=0, **options)
     history = dp.fit(x, y, epochs=2, callbacks=[callback], verbose=0)
     assert {e.phase for e in dp.ledger.entries} == {method}
     expected = methods.trainable_set(model, method, callback.mask_selections).fraction_of(model)
@@ -198,7 +198,7 @@ def test_oracle_marks_the_run_not_private():
     model = _conv_model()
     x, y = _conv_data()
     dp = dp_model(model, sigma=1.0, delta=1e-5)
-    dp.fit(x, y, epochs=3, callbacks=[st.MethodCallback("oracle", warmup_epochs=1, verbose=0)], verbose=0)
+    dp.fit(x, y, epochs=3, callbacks=[st.callbacks.MethodCallback("oracle", warmup_epochs=1, verbose=0)], verbose=0)
     assert not dp.ledger.is_private
     assert "oracle" in " ".join(dp.ledger.nonprivate_reasons)
 
@@ -209,7 +209,7 @@ def test_a_standalone_oracle_selection_epoch_marks_the_ledger_not_private():
     model = _conv_model()
     x, y = _conv_data()
     dp = dp_model(model, sigma=1.0, delta=1e-5)
-    st.SpartaSelector(model, density=0.25, score="oracle").select_epoch(dp, x, y)
+    st.selection.SpartaSelector(model, density=0.25, score="oracle").select_epoch(dp, x, y)
     assert not dp.ledger.is_private and "oracle" in " ".join(dp.ledger.nonprivate_reasons)
 
 
@@ -217,7 +217,7 @@ def test_dpsgd_grad_selects_entries():
     model = _conv_model()
     x, y = _conv_data()
     dp = dp_model(model, sigma=1.0)
-    callback = st.MethodCallback("dpsgd_grad", warmup_epochs=0, density=0.1, verbose=0)
+    callback = st.callbacks.MethodCallback("dpsgd_grad", warmup_epochs=0, density=0.1, verbose=0)
     dp.fit(x, y, epochs=2, callbacks=[callback], verbose=0)
     assert {s.kind for s in callback.mask_selections} == {"entries"}
 
@@ -229,9 +229,9 @@ def test_mask_save_load_round_trip(tmp_path):
         st.trainable.rows(groups[0], [1, 4]),
         st.trainable.entries(groups[1].variable, np.random.default_rng(0).random(groups[1].shape) < 0.3),
     ]
-    st.save_mask(str(tmp_path), selections, model, provenance=MaskProvenance.public(), method="sparta",
+    st.masks.save_mask(str(tmp_path), selections, model, provenance=MaskProvenance.public(), method="sparta",
                  density=0.2)
-    loaded, meta = st.load_mask(str(tmp_path), model)
+    loaded, meta = st.masks.load_mask(str(tmp_path), model)
     assert {k: meta[k] for k in ("method", "density")} == {"method": "sparta", "density": 0.2}
     assert MaskProvenance.from_meta(meta, "m") == MaskProvenance.public()
     assert [(key(s.variable), s.kind) for s in loaded] == [(key(s.variable), s.kind) for s in selections]
@@ -245,7 +245,7 @@ def test_mask_save_load_round_trip(tmp_path):
     tf.keras.backend.clear_session()
     renamed = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(2, name="head")])
     with pytest.raises(ValueError, match="was selected for another model"):
-        st.load_mask(str(tmp_path), renamed)
+        st.masks.load_mask(str(tmp_path), renamed)
     del other
 
 
@@ -253,9 +253,9 @@ def test_loaded_mask_skips_selection(tmp_path):
     model = _conv_model()
     x, y = _conv_data()
     mask = [st.trainable.rows(g, [0]) for g in row_groups(model)]
-    st.save_mask(str(tmp_path), mask, model, provenance=MaskProvenance.public(), method="sparta")
+    st.masks.save_mask(str(tmp_path), mask, model, provenance=MaskProvenance.public(), method="sparta")
     dp = dp_model(model, sigma=1.0, delta=1e-5)
-    callback = st.SpartaCallback(warmup_epochs=1, mask=str(tmp_path), verbose=0)
+    callback = st.callbacks.SpartaCallback(warmup_epochs=1, mask=str(tmp_path), verbose=0)
     dp.fit(x, y, epochs=2, callbacks=[callback], verbose=0)
     assert {e.phase for e in dp.ledger.entries} == {"warmup", "sparse"}
     assert {key(s.variable): s.rows.tolist() for s in callback.mask_selections if s.kind == "rows"} == {
@@ -268,7 +268,7 @@ def test_too_many_warmup_epochs_is_a_clear_error():
     x, y = _conv_data()
     dp = dp_model(model, sigma=1.0)
     with pytest.raises(ValueError, match="warmup_epochs=2 leaves no sparse epoch"):
-        dp.fit(x, y, epochs=3, callbacks=[st.SpartaCallback(warmup_epochs=2, verbose=0)], verbose=0)
+        dp.fit(x, y, epochs=3, callbacks=[st.callbacks.SpartaCallback(warmup_epochs=2, verbose=0)], verbose=0)
 
 
 def _scorer(score, granularity="row"):
@@ -339,7 +339,7 @@ def test_x_bitfit_switches_from_all_to_bias_terms_at_epoch_x():
     model = _conv_model()
     x, y = _conv_data()
     dp = dp_model(model, sigma=0.5, delta=1e-5)
-    callback = st.MethodCallback("x_bitfit", full_epochs=1, verbose=0)
+    callback = st.callbacks.MethodCallback("x_bitfit", full_epochs=1, verbose=0)
     before = {key(v): v.numpy().copy() for v in model.trainable_variables}
     dp.fit(x, y, epochs=1, callbacks=[callback], verbose=0)
     assert {e.phase for e in dp.ledger.entries} == {"full"}

@@ -4,7 +4,7 @@ The run uses sparta_tf's public API only: the method comes from
 :func:`sparta_tf.methods.make_method`, the privacy plan from
 :func:`sparta_tf.privacy.plan.make_privacy_plan` (what ``--dry-run``
 prints and ``plan.json`` records), training is ``DPModel.fit`` with a
-:class:`sparta_tf.MethodCallback`.
+:class:`sparta_tf.callbacks.MethodCallback`.
 
 Outputs in ``output_dir`` (owned by one process, :mod:`trainers.run_dir`):
 ``config.json`` (the validated config), ``pretrained.keras`` (when

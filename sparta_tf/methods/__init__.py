@@ -20,7 +20,7 @@ method         trainable set                                how it is chosen (pr
                of them at every step                        release, charged (:mod:`.ssgd`)
 =============  ===========================================  ==========================================
 
-``make_method(name, **options)`` builds one; :class:`sparta_tf.MethodCallback`
+``make_method(name, **options)`` builds one; :class:`sparta_tf.callbacks.MethodCallback`
 drives it inside ``DPModel.fit`` and ``sparta-train`` plans and runs it. Each
 method's options, defaults, valid values and phases are data, in
 :mod:`sparta_tf.method_spec` (TensorFlow-free; ``sparta-train``'s config

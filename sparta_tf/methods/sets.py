@@ -15,6 +15,7 @@ import tensorflow as tf
 from sparta_tf import trainable
 from sparta_tf.backend import variable_key
 from sparta_tf.groups import parameter_table
+from sparta_tf.keras_layers import all_layers
 from sparta_tf.trainable import TrainableSet, VariableSelection
 
 ALWAYS_TRAINABLE = ("bias", "norm", "head")
@@ -60,7 +61,7 @@ def bias_terms_set(model: tf.keras.Model, head=None, learning_rate_scale: float 
 
 
 def _layer_of(model: tf.keras.Model, name: str):
-    for layer in model._flatten_layers(include_self=False, recursive=True):
+    for layer in all_layers(model):
         if layer.name == name:
             return layer
     return None

@@ -36,6 +36,7 @@ from typing import Optional, Union
 import tensorflow as tf
 
 from sparta_tf.backend import KERAS3
+from sparta_tf.keras_layers import all_layers
 from sparta_tf.model_checks import is_batch_normalization
 from sparta_tf.models.resnet import HEAD_LAYER_NAME
 
@@ -43,10 +44,6 @@ __all__ = ["BATCHNORM_MODES", "replace_batchnorm", "with_fresh_head", "load_kera
 
 BATCHNORM_MODES = ("groupnorm", "freeze")
 
-
-
-def _all_layers(model: tf.keras.Model):
-    return list(model._flatten_layers(include_self=False, recursive=True))
 
 
 def _is_graph_model(layer) -> bool:
@@ -200,7 +197,7 @@ def replace_batchnorm(model: tf.keras.Model, mode: str = "groupnorm") -> tf.kera
     if mode not in BATCHNORM_MODES:
         raise ValueError(f"replace_batchnorm: mode={mode!r} is not one of {BATCHNORM_MODES}")
     if mode == "freeze":
-        for layer in _all_layers(model):
+        for layer in all_layers(model):
             if is_batch_normalization(layer):
                 layer.trainable = False
         return model
@@ -250,7 +247,7 @@ def _register_classes_of(path: str) -> None:
 
 
 def _trainable_batchnorm(model: tf.keras.Model) -> Optional[str]:
-    for layer in _all_layers(model):
+    for layer in all_layers(model):
         if is_batch_normalization(layer) and layer.trainable:
             return layer.name
     return None

@@ -23,8 +23,12 @@ from typing import Any
 
 import tensorflow as tf
 
+from sparta_tf.models.architectures import build_architecture
+from sparta_tf.models.convert import with_fresh_head
+from sparta_tf.models.entries import ModelEntry
+
 WEIGHTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights")
-__all__ = ["WEIGHTS_DIR", "available", "card", "load_pretrained", "sha256"]
+__all__ = ["PRETRAINED", "WEIGHTS_DIR", "available", "card", "load_pretrained", "sha256"]
 
 
 def available() -> list[str]:
@@ -53,13 +57,37 @@ def sha256(path: str) -> str:
 
 def load_pretrained(name: str) -> tf.keras.Model:
     """The shipped model ``name`` with its pre-trained weights (and its public head), checksum-verified."""
-    from sparta_tf.models.zoo import build_model  # late: the zoo registers this module's loader
-
     info = card(name)
     weights = os.path.join(WEIGHTS_DIR, f"{name}.weights.h5")
     if not os.path.exists(weights) or sha256(weights) != info["sha256"]:
         raise ValueError(f"the weights of {name!r} ({weights}) are missing or do not match their recorded "
                          "SHA-256; reinstall sparta-tf")
-    model = build_model(info["model"], info["num_classes"], tuple(info["input_shape"]))
+    model = build_architecture(info["model"], info["num_classes"], tuple(info["input_shape"]))
     model.load_weights(weights)
     return model
+
+
+def _build_pretrained(kwargs: dict, num_classes: int, input_shape: tuple) -> tf.keras.Model:
+    name = kwargs["weights"]
+    trained_on = tuple(card(name)["input_shape"])
+    if input_shape is not None and tuple(input_shape) != trained_on:
+        raise ValueError(f"model.weights={name!r} takes inputs {list(trained_on)}, the data has {list(input_shape)}; "
+                         "set data.image_size / data.channels to match")
+    model = load_pretrained(name)
+    if kwargs.get("fresh_head", True):
+        return with_fresh_head(model, num_classes)
+    if model.output_shape[-1] != num_classes:
+        raise ValueError(f"model.fresh_head=false but {name!r} has {model.output_shape[-1]} outputs for "
+                         f"{num_classes} classes")
+    return model
+
+
+def _check_pretrained(kwargs: dict) -> None:
+    card(kwargs["weights"])
+
+
+PRETRAINED = ModelEntry(
+    _build_pretrained, ("weights", "fresh_head"), required=("weights",),
+    description="a public pre-trained model shipped with sparta-tf (sparta_tf.models.pretrained)",
+    check=_check_pretrained,
+)

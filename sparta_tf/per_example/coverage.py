@@ -34,6 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from sparta_tf.backend import variable_key
+from sparta_tf.keras_layers import all_layers
 from sparta_tf.per_example.errors import UnsupportedLayerError
 
 FLOAT_TOLERANCE = 1e-3
@@ -48,7 +49,7 @@ UNIT_ROUNDOFF = {"bfloat16": 2.0**-8, "float16": 2.0**-11}
 def tolerance(model: tf.keras.Model) -> float:
     """``max(1e-3, 64 u)`` with ``u`` the unit roundoff of the model's lowest compute dtype."""
     roundoffs = [UNIT_ROUNDOFF.get(getattr(layer, "compute_dtype", None), 0.0)
-                 for layer in model._flatten_layers(include_self=False, recursive=True)]
+                 for layer in all_layers(model)]
     return max([FLOAT_TOLERANCE] + [ROUNDOFFS * u for u in roundoffs])
 
 

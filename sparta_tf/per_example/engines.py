@@ -33,6 +33,7 @@ from typing import Callable, NamedTuple, Sequence
 import tensorflow as tf
 
 from sparta_tf.backend import owned_variables, tf_variable
+from sparta_tf.keras_layers import all_layers
 from sparta_tf.per_example.errors import UnsupportedLayerError
 from sparta_tf.per_example.registry import rule_for
 from sparta_tf.per_example.recording import install_hook, install_reshape_hook, recording
@@ -100,7 +101,7 @@ def _units(model: tf.keras.Model) -> list[tuple[tf.keras.layers.Layer, list[tf.V
     weights is a unit too; the planner refuses it.
     """
     units, claimed = [], set()
-    for module in model._flatten_layers(include_self=False, recursive=True):
+    for module in all_layers(model):
         if id(module) in claimed:
             continue
         if is_recurrent(module):
@@ -114,9 +115,9 @@ def _units(model: tf.keras.Model) -> list[tuple[tf.keras.layers.Layer, list[tf.V
 
 def _layers_inside_time_distributed(model: tf.keras.Model) -> tuple[list, set[int]]:
     """``(wrappers, ids of the layers they apply to [B*T, ...] rows)``."""
-    wrappers = [m for m in model._flatten_layers(include_self=False, recursive=True)
+    wrappers = [m for m in all_layers(model)
                 if isinstance(m, tf.keras.layers.TimeDistributed)]
-    inside = {id(layer) for w in wrappers for layer in w.layer._flatten_layers(include_self=True, recursive=True)}
+    inside = {id(layer) for w in wrappers for layer in [w.layer, *all_layers(w.layer)]}
     return wrappers, inside
 
 
@@ -171,7 +172,7 @@ class LayerwiseEngine(HookedEngine):
                 covered.update(wanted)
                 continue
             sublayers_with_weights = [
-                sub for sub in layer._flatten_layers(include_self=False, recursive=True)
+                sub for sub in all_layers(layer)
                 if _owned_weights(sub)
             ]
             if sublayers_with_weights:
@@ -281,7 +282,7 @@ class VectorizedEngine:
     name = "vectorized"
 
     def __init__(self, model: tf.keras.Model, selections: Sequence[VariableSelection]):
-        recurrent = [layer.name for layer in model._flatten_layers(include_self=False, recursive=True)
+        recurrent = [layer.name for layer in all_layers(model)
                      if is_recurrent(layer)]
         if recurrent:
             raise UnsupportedLayerError(

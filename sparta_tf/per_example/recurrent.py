@@ -37,6 +37,7 @@ import inspect
 import tensorflow as tf
 
 from sparta_tf.backend import rnn_initial_state, rnn_loop, tf_variable
+from sparta_tf.keras_layers import all_layers
 from sparta_tf.per_example.errors import UnsupportedLayerError
 from sparta_tf.per_example.layer_rules import LayerRule, RecordedCall
 from sparta_tf.precision import to_accumulation
@@ -51,7 +52,7 @@ def is_recurrent(layer) -> bool:
 def cell_layers(layer: RNN) -> list:
     """The recurrent layer's cell and every layer inside it (e.g. the cells of StackedRNNCells)."""
     cell = layer.cell
-    inner = cell._flatten_layers(include_self=False, recursive=True) if hasattr(cell, "_flatten_layers") else []
+    inner = all_layers(cell) if hasattr(cell, "_flatten_layers") else []
     return [cell, *inner]
 
 

@@ -1,6 +1,6 @@
 """``SpartaSelector``: private row scoring and per-layer top-k (SPARTA, Algorithm 1).
 
-Usage inside ``model.fit`` is automatic through :class:`sparta_tf.SpartaCallback`;
+Usage inside ``model.fit`` is automatic through :class:`sparta_tf.callbacks.SpartaCallback`;
 standalone::
 
     selector = SpartaSelector(model, density=0.2)

@@ -47,6 +47,7 @@ import tensorflow as tf
 from sparta_tf import trainable as trainable_lib
 from sparta_tf.clipping import clipped_sum
 from sparta_tf.groups import parameter_table
+from sparta_tf.keras_layers import all_layers
 from sparta_tf.losses import per_example_loss_fn
 from sparta_tf import random_streams
 from sparta_tf.noise import gaussian_noise
@@ -153,7 +154,7 @@ def _input_ones(model: tf.keras.Model, input_shape) -> tf.Tensor:
 def _linearised(model: tf.keras.Model):
     """Layers with an ``activation`` attribute and their current activations."""
     saved = []
-    for layer in model._flatten_layers(include_self=False, recursive=True):  # Keras 3 models have no .submodules
+    for layer in all_layers(model):
         if hasattr(layer, "activation") and callable(layer.activation):
             saved.append((layer, layer.activation))
     return saved
