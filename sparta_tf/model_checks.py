@@ -13,7 +13,7 @@ leave no trace outside the clipped, noised update. Two checks enforce this:
    ``tf.compat.v1.keras.layers.BatchNormalization`` (all derived from the
    shared ``BatchNormalizationBase``, not from ``BatchNormalization``) and
    third-party subclasses. Frozen BatchNorm (``trainable = False``) runs in
-   inference mode with fixed statistics in Keras 2: allowed.
+   inference mode with fixed statistics (Keras 2 and Keras 3): allowed.
 2. **By behaviour** (:func:`probe_batch_mixing`, on a few real examples
    before the first DP step): with every variable and the random seed reset
    between calls, the training-mode outputs of examples ``1..k`` must not

@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from sparta_tf.privacy import accounting
 from sparta_tf.privacy.ledger import PrivacyLedger
-from sparta_tf.selection import frost, pgm
+from sparta_tf.selection import frost, frost_magnitudes, pgm
 
 
 # ----------------------------------------------------------------- mechanisms
@@ -16,12 +16,12 @@ from sparta_tf.selection import frost, pgm
 def test_sensitivities_follow_lemma_3():
     sizes = [4, 12, 32]
     for alpha in (1, 2):
-        assert frost.pgm_sensitivity(sizes, "mg", alpha, 2.0) == pytest.approx(2.0 / 4 ** (1 / alpha))
+        assert frost_magnitudes.pgm_sensitivity(sizes, "mg", alpha, 2.0) == pytest.approx(2.0 / 4 ** (1 / alpha))
         for m in ("mgn", "mgna"):
-            assert frost.pgm_sensitivity(sizes, m, alpha, 2.0) == pytest.approx(2.0 / 16 ** (1 / alpha))
+            assert frost_magnitudes.pgm_sensitivity(sizes, m, alpha, 2.0) == pytest.approx(2.0 / 16 ** (1 / alpha))
 
 
-@pytest.mark.parametrize("method", frost.METHODS)
+@pytest.mark.parametrize("method", frost_magnitudes.METHODS)
 @pytest.mark.parametrize("alpha", [1, 2])
 def test_one_example_moves_mu_by_at_most_the_sensitivity(method, alpha):
     rng = np.random.default_rng(0)
@@ -30,8 +30,8 @@ def test_one_example_moves_mu_by_at_most_the_sensitivity(method, alpha):
     for _ in range(200):
         base = [rng.normal(size=(5, n)) for n in sizes]
         extra = [rng.normal(size=(1, n)) * rng.exponential(10.0) for n in sizes]
-        mu0, sens = frost.partition_magnitudes(base, method, alpha, 1.0)
-        mu1, _ = frost.partition_magnitudes([np.concatenate([b, e]) for b, e in zip(base, extra)], method, alpha, 1.0)
+        mu0, sens = frost_magnitudes.partition_magnitudes(base, method, alpha, 1.0)
+        mu1, _ = frost_magnitudes.partition_magnitudes([np.concatenate([b, e]) for b, e in zip(base, extra)], method, alpha, 1.0)
         worst = max(worst, np.linalg.norm(mu1 - mu0) / sens)
     assert worst <= 1.0 + 1e-9
 
@@ -39,11 +39,11 @@ def test_one_example_moves_mu_by_at_most_the_sensitivity(method, alpha):
 def test_mgna_of_small_gradients_is_normalised_abs_norm():
     # Two examples whose gradients cancel: abs keeps their magnitude, DP-MGN does not.
     g = [np.array([[0.001, -0.002], [-0.001, 0.002]]), np.array([[0.003, 0.0, -0.001, 0.0], [0.0] * 4])]
-    mu, _ = frost.partition_magnitudes(g, "mgna", 1, 1.0)  # no clipping at this scale
+    mu, _ = frost_magnitudes.partition_magnitudes(g, "mgna", 1, 1.0)  # no clipping at this scale
     np.testing.assert_allclose(mu, [0.006 / 2, 0.004 / 4])
-    mu_n, _ = frost.partition_magnitudes(g, "mgn", 1, 1.0)
+    mu_n, _ = frost_magnitudes.partition_magnitudes(g, "mgn", 1, 1.0)
     np.testing.assert_allclose(mu_n, [0.0, 0.004 / 4], atol=1e-15)
-    mu_c, _ = frost.partition_magnitudes(g, "mg", 2, 1.0)
+    mu_c, _ = frost_magnitudes.partition_magnitudes(g, "mg", 2, 1.0)
     np.testing.assert_allclose(mu_c, [0.0, np.sqrt(0.003**2 + 0.001**2) / 2], atol=1e-15)
 
 

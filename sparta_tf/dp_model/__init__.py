@@ -1,4 +1,4 @@
-"""``DPModel``: DP-SGD for any Keras 2 model through plain ``model.fit``.
+"""``DPModel``: DP-SGD for any Keras model through plain ``model.fit``.
 
 * :mod:`sparta_tf.dp_model.model`: :class:`DPModel` (the Keras model; its ``train_step`` composes
   the parts of :mod:`sparta_tf.dp_step`);

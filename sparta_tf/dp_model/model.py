@@ -1,4 +1,4 @@
-"""``DPModel``: DP-SGD for any Keras 2 model through plain ``model.fit``.
+"""``DPModel``: DP-SGD for any Keras model through plain ``model.fit``.
 
 One call of :meth:`DPModel.train_step` is one DP-SGD step, i.e. one
 Poisson-subsampled Gaussian mechanism (Abadi et al. 2016)::
@@ -86,7 +86,7 @@ class DPModel(tf.keras.Model):
     """Wraps a Keras model so that ``fit`` trains it with DP-SGD.
 
     Args:
-      model: any Keras 2 model (Sequential, functional or subclassed) without
+      model: any Keras model (Sequential, functional or subclassed) without
         BatchNormalization in training mode.
       noise_multiplier: ``sigma``; the noise std on each trainable coordinate
         of the summed clipped gradient is ``sigma * clip_norm``.

@@ -177,8 +177,8 @@ def replace_batchnorm(model: tf.keras.Model, mode: str = "groupnorm") -> tf.kera
     """Makes ``model`` per-example safe by converting or freezing its BatchNorm layers.
 
     Args:
-      model: a Keras 2 model, e.g. a keras-cv backbone built from explicit
-        constructor arguments. ``"groupnorm"`` needs a functional or
+      model: a Keras model, e.g. a keras-cv (Keras 2) or keras-hub (Keras 3)
+        backbone built from explicit constructor arguments. ``"groupnorm"`` needs a functional or
         Sequential model (nested ones are converted too); ``"freeze"`` works
         on any model.
       mode: ``"groupnorm"`` -- a new model where each BatchNormalization
@@ -187,7 +187,7 @@ def replace_batchnorm(model: tf.keras.Model, mode: str = "groupnorm") -> tf.kera
         keeps its weights; the result is a plain functional ``tf.keras.Model``
         (e.g. no longer a keras-cv ``Backbone`` instance). ``"freeze"`` -- the
         same ``model`` with every BatchNormalization set to
-        ``trainable=False`` (Keras 2: inference mode, moving statistics).
+        ``trainable=False`` (inference mode, moving statistics, on both Keras lines).
 
     Returns:
       The converted model (a new one for ``"groupnorm"``, ``model`` itself

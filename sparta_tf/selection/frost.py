@@ -4,26 +4,13 @@ Implements DP-FROST ("Differentially Private Fine-tuning of pRe-trained mOdels
 with freezing model parameTers", see the paper text) before DP-SGD training:
 
 1. **Partitions.** ``S = {P_1, ..., P_M}``: every layer's trainable variables
-   form one partition (a weight matrix with its bias vector; a norm layer's
-   scale with its offset). ``|Theta|`` is the number of trainable parameters.
+   form one partition; ``|Theta|`` is the number of trainable parameters.
 
-2. **Noisy partition-wise gradient magnitudes (PGMs)**, Definitions 7-8, for a
-   set ``R`` of partitions, norm order ``alpha in {1, 2}``, clip ``c`` and
-   ``c_bar = c / (sum_{P in R} |P| / |R|)^(1/alpha)``::
-
-     DP-MG   mu^c_{R,P}(X) = || [sum_x C_c^alpha(g_R(x))]_P ||_alpha / |P|^(1/alpha)
-     DP-MGN  mu^n_{R,P}(X) = || [sum_x C_cbar^alpha(gbar_R(x))]_P ||_alpha
-     DP-MGNA mu^a_{R,P}(X) = || [sum_x C_cbar^alpha(abs(gbar_R(x)))]_P ||_alpha
-
-   with ``C_k^alpha(g) = g * min(1, k / ||g||_alpha)`` and
-   ``gbar_R(x) = concat_P g_P(x) / |P|^(1/alpha)``. The L2 sensitivities of the
-   vector ``mu_R = <mu_{R,P}>_{P in R}`` are (Lemma 3)::
-
-     Delta mu^c_R = c / (min_{P in R} |P|)^(1/alpha),
-     Delta mu^n_R = Delta mu^a_R = c_bar,
-
-   and the mechanism releases ``mu_R(X) + N(0, sigma_ps^2 Delta^2 I)``: one
-   Poisson-subsampled Gaussian mechanism (rate ``q_ps``) per PSEL iteration.
+2. **Noisy partition-wise gradient magnitudes (PGMs)**, Definitions 7-8 and
+   Lemma 3: DP-MG, DP-MGN or DP-MGNA of the partitions ``R`` still frozen, plus
+   ``N(0, sigma_ps^2 Delta^2 I)``, one Poisson-subsampled Gaussian mechanism
+   (rate ``q_ps``) per PSEL iteration; the math is in
+   :mod:`sparta_tf.selection.frost_magnitudes`.
 
 3. **PGM-EST** (Lemmas 4-6): with ``v~_{j,i} = lambda_j v_i + N(0, sigma^2
    Delta_j^2)`` for ``P_i in R_{j-1}``, alternate
@@ -45,7 +32,6 @@ with freezing model parameTers", see the paper text) before DP-SGD training:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Callable, Sequence
 
@@ -54,16 +40,22 @@ import tensorflow as tf
 
 from sparta_tf import method_spec, random_streams
 from sparta_tf import trainable as trainable_lib
-from sparta_tf.clipping import clipped_sum
-from sparta_tf.groups import parameter_table
 from sparta_tf.losses import per_example_loss_fn
 from sparta_tf.per_example.engines import make_engine
 from sparta_tf.noise import gaussian_noise
 from sparta_tf.privacy import accounting
 from sparta_tf.privacy.sampling import PoissonSampler
+from sparta_tf.selection.frost_magnitudes import (
+    DEFAULT_ALPHA,
+    DEFAULT_METHOD,
+    check_magnitude,
+    clipped_partition_sums,
+    magnitudes_from_sums,
+    partitions,
+    pgm_sensitivity,
+)
 from sparta_tf.selection.pgm import DEFAULT_J, pgm_est, pgm_variance
 
-METHODS = method_spec.FROST_MAGNITUDES
 SELECTION_PHASE = "frost_selection"
 SELECTION_KIND = "frost_selection"
 SAMPLING_STREAM = "frost_sampling"  # named random streams (sparta_tf.random_streams)
@@ -72,117 +64,10 @@ NOISE_STREAM = "frost_noise"
 # Paper defaults (Section 5): MGNA, alpha = 1, r_eps = 0.9, T = 5, q_ps = 0.02, nu = 5, J = 1000; the method's
 # options are the dp_frost method's (sparta_tf.method_spec), J (PGM-EST's iterations) is not an option.
 _OPTIONS = method_spec.METHODS["dp_frost"].defaults()
-DEFAULT_METHOD = _OPTIONS["frost_magnitude"]
-DEFAULT_ALPHA = _OPTIONS["frost_alpha"]
 DEFAULT_R_EPS = _OPTIONS["r_eps"]
 DEFAULT_T = _OPTIONS["frost_iterations"]
 DEFAULT_Q_PS = _OPTIONS["q_ps"]
 DEFAULT_NU = _OPTIONS["nu"]
-
-
-# --------------------------------------------------------------------------
-# Partitions.
-# --------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Partition:
-    """One partition ``P``: the trainable variables of one layer (kernel + bias)."""
-
-    name: str
-    variables: tuple
-
-    @property
-    def size(self) -> int:
-        return int(sum(int(np.prod(v.shape.as_list())) for v in self.variables))
-
-
-def partitions(model: tf.keras.Model) -> list[Partition]:
-    """Disjoint partitions of the model's trainable variables, one per layer (in layer order)."""
-    order, by_layer = [], {}
-    for info in parameter_table(model):
-        if info.layer not in by_layer:
-            by_layer[info.layer] = []
-            order.append(info.layer)
-        by_layer[info.layer].append(info.variable)
-    return [Partition(name, tuple(by_layer[name])) for name in order]
-
-
-# --------------------------------------------------------------------------
-# Partition magnitude mechanisms (Definitions 7-8, Lemma 3).
-# --------------------------------------------------------------------------
-
-
-def _check(method: str, alpha: int) -> None:
-    if method not in METHODS:
-        raise ValueError(f"method={method!r} is not one of {METHODS}")
-    if alpha not in (1, 2):
-        raise ValueError(f"alpha must be 1 or 2, got {alpha!r}")
-
-
-def pgm_sensitivity(sizes: Sequence[int], method: str, alpha: int, clip: float) -> float:
-    """Lemma 3: ``c / min|P|^(1/alpha)`` (DP-MG) or ``c_bar = c / mean|P|^(1/alpha)`` (DP-MGN/A)."""
-    _check(method, alpha)
-    sizes = np.asarray(sizes, dtype=np.float64)
-    if method == "mg":
-        return float(clip / sizes.min() ** (1.0 / alpha))
-    return float(clip / sizes.mean() ** (1.0 / alpha))
-
-
-def clipped_partition_sums(
-    grads: Sequence[np.ndarray], method: str, alpha: int, clip: float
-) -> list[np.ndarray]:
-    """``[sum_x C_k^alpha(h(x))]_P`` for every partition ``P`` of ``R``.
-
-    ``grads[i]``: per-example gradients of partition ``P_i in R``, ``[B, |P_i|]``.
-    ``h = g_R`` and ``k = c`` for DP-MG; ``h = gbar_R`` (each block divided by
-    ``|P|^(1/alpha)``), ``k = c_bar`` for DP-MGN, plus ``abs`` for DP-MGNA.
-    Clipping uses the alpha-norm over the concatenation over all of ``R``.
-    """
-    _check(method, alpha)
-    sizes = [g.shape[1] for g in grads]
-    blocks = [tf.convert_to_tensor(np.asarray(g), tf.float64) for g in grads]
-    if method == "mg":
-        bound = float(clip)
-    else:
-        blocks = [b / n ** (1.0 / alpha) for b, n in zip(blocks, sizes)]
-        if method == "mgna":
-            blocks = [tf.abs(b) for b in blocks]
-        bound = pgm_sensitivity(sizes, method, alpha, clip)  # c_bar
-    # The DP step's clipped sum, in the alpha-norm over the concatenation of R.
-    valid = tf.ones([int(blocks[0].shape[0])], tf.bool)
-    sums, _ = clipped_sum(blocks, bound, valid, order=alpha)
-    return [s.numpy() for s in sums]
-
-
-def magnitudes_from_sums(sums: Sequence[np.ndarray], method: str, alpha: int) -> np.ndarray:
-    """``mu_{R,P} = ||sum_P||_alpha`` (divided by ``|P|^(1/alpha)`` for DP-MG only)."""
-    _check(method, alpha)
-    mu = np.array([np.sum(np.abs(s) ** alpha) ** (1.0 / alpha) for s in sums])
-    if method == "mg":
-        mu = mu / np.array([s.size for s in sums], np.float64) ** (1.0 / alpha)
-    return mu
-
-
-def partition_magnitudes(
-    grads: Sequence[np.ndarray], method: str = DEFAULT_METHOD, alpha: int = DEFAULT_ALPHA, clip: float = 1.0
-) -> tuple[np.ndarray, float]:
-    """Exact (non-private) ``mu_R(X)`` of Definition 8 and its sensitivity (Lemma 3)."""
-    sums = clipped_partition_sums(grads, method, alpha, clip)
-    return magnitudes_from_sums(sums, method, alpha), pgm_sensitivity([g.shape[1] for g in grads], method, alpha, clip)
-
-
-def noisy_partition_magnitudes(
-    grads: Sequence[np.ndarray],
-    noise_multiplier: float,
-    rng: np.random.Generator,
-    method: str = DEFAULT_METHOD,
-    alpha: int = DEFAULT_ALPHA,
-    clip: float = 1.0,
-) -> tuple[np.ndarray, float]:
-    """DP-MG / DP-MGN / DP-MGNA: ``mu_R(X) + N(0, sigma^2 Delta^2 I)``; returns (noisy mu, Delta)."""
-    mu, delta = partition_magnitudes(grads, method, alpha, clip)
-    return mu + rng.normal(0.0, noise_multiplier * delta, size=mu.shape), delta
 
 
 # --------------------------------------------------------------------------
@@ -349,7 +234,7 @@ def frost_select(
     then ``info["sigma_training"]`` is None. The ledger is charged all
     ``iterations`` rounds, also when PSEL stops early (all partitions chosen).
     """
-    _check(method, alpha)
+    check_magnitude(method, alpha)
     parts = partitions(model)
     sizes = [p.size for p in parts]
     total = sum(int(np.prod(v.shape.as_list())) for v in model.trainable_variables)
