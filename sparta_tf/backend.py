@@ -1,8 +1,10 @@
 """Which Keras ``tf.keras`` is, and the few Keras 2 / Keras 3 differences the library needs.
 
-Imported by ``sparta_tf`` before anything else touches ``tf.keras``. It does not
-choose the Keras: ``tf.keras`` is whatever TensorFlow resolves it to, and the
-library runs on both lines it supports (docs/versions.md):
+Imported before any top-level name of ``sparta_tf`` is resolved (``sparta_tf.make_private``,
+...; ``import sparta_tf`` alone imports nothing), and by the modules that differ
+between the Keras lines. It does not choose the Keras: ``tf.keras`` is whatever
+TensorFlow resolves it to, and the library runs on both lines it supports
+(docs/versions.md):
 
 * **Keras 3** with the TensorFlow backend: ``tf.keras`` of TF >= 2.16 (the default
   of ``pip install tensorflow``; Python 3.12/3.13's install). :data:`KERAS3` is True.
