@@ -20,7 +20,17 @@ TensorFlow.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # for type checkers and the API reference (static); at run time __getattr__ imports them
+    from sparta_tf.callbacks import NonFiniteGuard
+    from sparta_tf.dp_model import DPModel
+    from sparta_tf.methods import METHODS, Method
+    from sparta_tf.model_checks import NotPerExampleSafeError
+    from sparta_tf.optim import cosine_with_warmup
+    from sparta_tf.privacy import PrivacyLedger, calibrate_noise_multiplier, compute_epsilon
+    from sparta_tf.privacy.plan import PrivacyPlan
+    from sparta_tf.private_training import make_private
 
 __version__ = "0.3.0"
 
@@ -39,7 +49,19 @@ _PUBLIC: dict[str, str] = {
 }
 """Each top-level name -> the module defining it (imported on first access)."""
 
-__all__ = sorted(_PUBLIC)
+__all__ = [
+    "DPModel",
+    "METHODS",
+    "Method",
+    "NonFiniteGuard",
+    "NotPerExampleSafeError",
+    "PrivacyLedger",
+    "PrivacyPlan",
+    "calibrate_noise_multiplier",
+    "compute_epsilon",
+    "cosine_with_warmup",
+    "make_private",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -86,6 +86,7 @@ def test_the_top_level_is_the_entry_point_the_core_types_the_registries_and_the_
     import sparta_tf
 
     assert CORE <= set(sparta_tf.__all__)
+    assert set(sparta_tf.__all__) == set(sparta_tf._PUBLIC), "__all__ and the lazy table name the same names"
     assert not set(INTERNALS) & set(sparta_tf.__all__)
     for name in sparta_tf.__all__:
         assert getattr(sparta_tf, name) is not None, name

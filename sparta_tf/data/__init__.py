@@ -19,7 +19,15 @@ without TensorFlow: ``sparta-train`` checks a config's ``data:`` section before 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # for type checkers and the API reference (static); at run time __getattr__ imports them
+    from sparta_tf.data.augment import augment, make_augmenter
+    from sparta_tf.data.dataset import Dataset
+    from sparta_tf.data.errors import DataError
+    from sparta_tf.data.loader import load_dataset
+    from sparta_tf.data.sources import SOURCES
+    from sparta_tf.data.spec import DataSpec, parse_spec
 
 _PUBLIC: dict[str, str] = {
     "DataError": "sparta_tf.data.errors",
@@ -33,7 +41,16 @@ _PUBLIC: dict[str, str] = {
 }
 """Each public name -> the module defining it (imported on first access)."""
 
-__all__ = sorted(_PUBLIC)
+__all__ = [
+    "DataError",
+    "DataSpec",
+    "Dataset",
+    "SOURCES",
+    "augment",
+    "load_dataset",
+    "make_augmenter",
+    "parse_spec",
+]
 
 
 def __getattr__(name: str) -> Any:
