@@ -11,7 +11,7 @@ test accuracy and the SHA-256 of the weights file (checked on every load).
 Use one by name::
 
     model: {name: pretrained, weights: cifar5-resnet20-gn}        # sparta-train: fresh head by default
-    model = sparta_tf.models.load_pretrained("cifar5-resnet20-gn")  # Python: the model with its public head
+    model = sparta_tf.models.pretrained.load_pretrained("cifar5-resnet20-gn")  # Python: with its public head
 """
 
 from __future__ import annotations
