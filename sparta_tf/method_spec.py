@@ -2,9 +2,12 @@
 
 One table (:data:`METHODS`, name -> :class:`MethodSpec`) read by both sides:
 
-* the library: every :class:`sparta_tf.methods.Method` class takes its ``name``,
-  ``options`` and ``private`` from its spec, and :meth:`MethodSpec.resolve`
-  checks the options a caller gives and fills in the defaults; the layers
+* the library: every :class:`sparta_tf.methods.Method` class is declared with
+  its spec (``class Sparta(SelectionEpochMethod, spec=METHODS["sparta"])``),
+  which registers it in :data:`sparta_tf.methods.METHODS`, one class per spec;
+  its phases are the spec's :class:`Phase` templates given their epochs, and
+  :meth:`MethodSpec.resolve` checks the options a caller gives and fills in
+  the defaults; the layers
   below the methods take their choices from here too (``selection.frost``'s
   paper defaults, ``selection.scoring``'s scores, ``ssgd``'s dropping modes);
 * the ``sparta-train`` config checker (:mod:`trainers.config`), which checks a

@@ -44,6 +44,7 @@ The hooks, all with defaults but :meth:`Method.enter`:
 from __future__ import annotations
 
 import abc
+import weakref
 from typing import Any, ClassVar
 
 import tensorflow as tf
@@ -202,7 +203,7 @@ class PreparedMethod(Method):
     """The DP model class :meth:`make_dp_model` builds when a plain ``DPModel`` cannot run the method
     (DP-SSGD's ``SSGDModel``); None: any ``DPModel``."""
 
-    _prepared_for: Any = None  # a weak reference to the DP model prepare() last ran for
+    _prepared_for: weakref.ref | None = None  # the DP model prepare() last ran for
 
     @property
     @abc.abstractmethod
@@ -212,8 +213,6 @@ class PreparedMethod(Method):
 
     def mark_prepared(self, dp) -> None:
         """Records that :meth:`prepare` ran for ``dp``."""
-        import weakref
-
         self._prepared_for = weakref.ref(dp)
 
     def need_arrays(self, x, y) -> None:
