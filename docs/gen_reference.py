@@ -162,7 +162,7 @@ def _method_section_from_spec(spec_module, default_name: str) -> list[str]:
         if spec.before_training:
             out += [f"Before training: {_cell(spec.before_training)}.", ""]
         out += ["| phase | epochs | trains |", "| --- | --- | --- |"]
-        out += [f"| `{p.name}` | {_cell(p.epochs)} | {_cell(p.trains)} |" for p in spec.phases]
+        out += [f"| `{p.name}` | {_cell(p.length)} | {_cell(p.trains)} |" for p in spec.phases]
         if spec.options:
             out += ["", "| option | type | default | valid values | meaning |", "| --- | --- | --- | --- | --- |"]
             for option in spec.options:

@@ -5,7 +5,9 @@ its phases (:mod:`sparta_tf.methods.base`): at the first epoch of a phase it
 calls ``method.enter`` (set the trainable set, or begin scoring), after the
 last epoch ``method.leave`` (e.g. SPARTA's top-k and mask save), and it
 labels the ledger's steps with the phase name. :class:`SpartaCallback` is
-SPARTA (Algorithm 1) with its options.
+``MethodCallback("sparta", ...)``. ``make_private``'s model runs its method
+itself; these callbacks are for a :class:`~sparta_tf.DPModel` you build and
+plan yourself (docs/write-a-method.md, "Driving a method yourself").
 
 Learning-rate schedules: a selection epoch updates no weight, so it does not
 advance ``optimizer.iterations``; a schedule of a run with a selection epoch
@@ -20,8 +22,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from sparta_tf.method_spec import Phase
 from sparta_tf.methods import Method, make_method
-from sparta_tf.privacy.plan import TrainingPhase
 
 
 class MethodCallback(tf.keras.callbacks.Callback):
@@ -30,11 +32,10 @@ class MethodCallback(tf.keras.callbacks.Callback):
     Args:
       method: a :class:`~sparta_tf.methods.Method`, or a name from
         :data:`sparta_tf.methods.METHODS` built with ``options``.
-      **options: the method's options (see each method's ``options``), e.g.
-        ``warmup_epochs``, ``density``, ``score``, ``granularity``,
-        ``density_overrides``, ``mask`` for sparta; ``full_epochs`` for
-        x_bitfit; and for every method ``head``, ``head_learning_rate_scale``,
-        ``mask_dir`` (where masks are saved), ``verbose``.
+      **options: the method's options (its spec's, with their defaults:
+        ``sparta_tf.methods.METHODS[name].spec``), and for every method
+        ``head``, ``head_learning_rate_scale``, ``mask_dir`` (where masks are
+        saved), ``verbose``.
     """
 
     def __init__(self, method: str | Method, **options: Any):
@@ -45,8 +46,8 @@ class MethodCallback(tf.keras.callbacks.Callback):
             self.method = method
         else:
             self.method = make_method(method, **options)
-        self.phase: TrainingPhase | None = None
-        self._epochs = 0
+        self.phase: Phase | None = None
+        self._phases: list[Phase] = []  # the phases of the coming fit, from begin()
         self._begun = False  # begin() was called for the coming fit (a resumed one)
 
     @property
@@ -71,22 +72,20 @@ class MethodCallback(tf.keras.callbacks.Callback):
         the checkpoint and ``fit(..., initial_epoch=k)``: the method then reloads
         its saved mask instead of choosing (and paying for) it again.
 
-        Raises ValueError (one line) when ``dp`` is not the DP model the method
-        runs on or the method's preparation did not run for it
-        (:meth:`~sparta_tf.methods.Method.check_ready`): DP-SSGD needs
+        Raises ValueError (one line) when the phases do not fit ``epochs``, or
+        (``method.start``) when ``dp`` is not the DP model the method runs on
+        or the method's preparation did not run for it: DP-SSGD needs
         ``method.make_dp_model``, DP-FROST and pruning DP-SSGD need
         ``method.prepare(dp, x, y, loss, plan)`` before ``fit``.
         """
         self.set_model(dp)
-        self._epochs = epochs
-        self.method.check_ready(dp)  # refuses a DP model the method was not built or prepared for
-        self.method.phases(epochs)  # refuses a schedule that does not fit
-        self.method.start(dp, epochs, first_epoch)
+        self._phases = self.method.phases(epochs)  # refuses a schedule that does not fit
+        self.method.start(dp, epochs, first_epoch)  # refuses a DP model the method was not built or prepared for
         self.phase = None
         self._begun = True
 
     def on_epoch_begin(self, epoch, logs=None):
-        phase = self.method.phase_of(epoch, self._epochs)
+        phase = self._phase_at(epoch)
         dp = self.model
         if dp.privacy_callback is not None:
             dp.privacy_callback.phase = phase.name
@@ -100,7 +99,8 @@ class MethodCallback(tf.keras.callbacks.Callback):
             print(f"{self.method.name}: {phase.name} phase ({what})", flush=True)
 
     def on_epoch_end(self, epoch, logs=None):
-        last_of_phase = epoch + 1 >= self._epochs or self.method.phase_of(epoch + 1, self._epochs) != self.phase
+        epochs = sum(p.epochs for p in self._phases)
+        last_of_phase = epoch + 1 >= epochs or self._phase_at(epoch + 1) != self.phase
         if last_of_phase and self.phase is not None:
             self.method.leave(self.phase, self.model)
             self.phase = None  # the next epoch enters the following phase
@@ -108,19 +108,27 @@ class MethodCallback(tf.keras.callbacks.Callback):
             logs["trainable_fraction"] = self.model.trainable_set.fraction_of(self.model.model)
 
 
-class SpartaCallback(MethodCallback):
-    """SPARTA (Makni et al., KDD 2025, Algorithm 1) inside ``DPModel.fit``.
+    def _phase_at(self, epoch: int) -> Phase:
+        """The phase epoch ``epoch`` (0-based) of the fit belongs to."""
+        first = 0
+        for phase in self._phases:
+            if epoch < first + phase.epochs:
+                return phase
+            first += phase.epochs
+        raise ValueError(f"epoch {epoch} is past the {first} epochs of the plan")
 
-    ``score="sum_abs"`` (paper) or ``"abs_sum"`` (authors' code);
-    ``granularity="entry"`` gives the no-grouping ablation;
-    ``warmup_epochs`` defaults to ``T / 5`` (the paper's 10 of 50). Other
-    options as :class:`MethodCallback`.
+
+class SpartaCallback(MethodCallback):
+    """SPARTA (Makni et al., KDD 2025, Algorithm 1) inside ``DPModel.fit``: ``MethodCallback("sparta", **options)``.
+
+    Its options and their defaults are the ``sparta`` spec's
+    (``sparta_tf.method_spec.METHODS["sparta"]``): e.g. ``score`` ``"sum_abs"``
+    (paper) or ``"abs_sum"`` (authors' code), ``granularity="entry"`` for the
+    no-grouping ablation, ``warmup_epochs`` (default ``T / 5``).
     """
 
-    def __init__(self, *, warmup_epochs: int | None = None, density: float = 0.2, score: str = "sum_abs",
-                 granularity: str = "row", **options: Any):
-        super().__init__("sparta", warmup_epochs=warmup_epochs, density=density, score=score,
-                         granularity=granularity, **options)
+    def __init__(self, **options: Any):
+        super().__init__("sparta", **options)
 
 
 class NonFiniteTrainingError(RuntimeError):

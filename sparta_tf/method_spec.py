@@ -2,9 +2,12 @@
 
 One table (:data:`METHODS`, name -> :class:`MethodSpec`) read by both sides:
 
-* the library: every :class:`sparta_tf.methods.Method` class takes its ``name``,
-  ``options`` and ``private`` from its spec, and :meth:`MethodSpec.resolve`
-  checks the options a caller gives and fills in the defaults; the layers
+* the library: every :class:`sparta_tf.methods.Method` class is declared with
+  its spec (``class Sparta(SelectionEpochMethod, spec=METHODS["sparta"])``),
+  which registers it in :data:`sparta_tf.methods.METHODS`, one class per spec;
+  its phases are the spec's :class:`Phase` templates given their epochs, and
+  :meth:`MethodSpec.resolve` checks the options a caller gives and fills in
+  the defaults; the layers
   below the methods take their choices from here too (``selection.frost``'s
   paper defaults, ``selection.scoring``'s scores, ``ssgd``'s dropping modes);
 * the ``sparta-train`` config checker (:mod:`trainers.config`), which checks a
@@ -152,13 +155,39 @@ class Option:
 
 @dataclasses.dataclass(frozen=True)
 class Phase:
-    """One training phase: its ledger name, how many epochs, what it trains; ``updates``: False for a
-    phase whose steps release a statistic and update no weight."""
+    """One training phase: ``epochs`` epochs of DP steps labelled ``name`` in the ledger.
+
+    The one phase type, at three stages of a run:
+
+    * in a :class:`MethodSpec`, a template: ``epochs`` is None (it depends on
+      the run's ``T``), ``length`` and ``trains`` say in words how many epochs
+      and what the phase trains (the config reference prints them);
+    * from :meth:`sparta_tf.methods.Method.phases`, the phase of a fit of ``T``
+      epochs: the template with its ``epochs`` (:meth:`lasting`), the epochs
+      of a fit's phases summing to ``T``;
+    * in a :class:`~sparta_tf.privacy.plan.PrivacyPlan`, planned: also its
+      ``steps = epochs * steps_per_epoch`` and the ``epsilon_after`` the
+      composition of every mechanism up to its last step (:meth:`planned`).
+
+    ``updates``: False for a phase whose steps release a statistic and update
+    no weight (SPARTA's selection epoch).
+    """
 
     name: str
-    epochs: str
-    trains: str
+    epochs: int | None = None
     updates: bool = True
+    steps: int | None = None
+    epsilon_after: float | None = None
+    length: str = dataclasses.field(default="", repr=False)
+    trains: str = dataclasses.field(default="", repr=False)
+
+    def lasting(self, epochs: int) -> "Phase":
+        """This phase for ``epochs`` epochs of a fit."""
+        return dataclasses.replace(self, epochs=int(epochs))
+
+    def planned(self, steps: int, epsilon_after: float) -> "Phase":
+        """This phase as the privacy plan holds it: its DP ``steps`` and the epsilon after them."""
+        return dataclasses.replace(self, steps=int(steps), epsilon_after=float(epsilon_after))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +212,14 @@ class MethodSpec:
             if option.name == name:
                 return option
         raise ValueError(f"method {self.name!r} has no option {name!r}; its options: {self._accepted()}")
+
+    def phase(self, name: str) -> Phase:
+        """The template of phase ``name`` (see :class:`Phase`)."""
+        for phase in self.phases:
+            if phase.name == name:
+                return phase
+        raise ValueError(f"method {self.name!r} has no phase {name!r}; its phases: "
+                         f"{', '.join(p.name for p in self.phases)}")
 
     def defaults(self) -> dict[str, Any]:
         """Every option at its default."""
@@ -256,19 +293,19 @@ def _selection_options(method: str, granularity: Option) -> tuple[Option, ...]:
 
 def _selection_phases(rows: str) -> tuple[Phase, ...]:
     return (
-        Phase("warmup", "warmup_epochs", "biases + norms + head (DP-BitFit)"),
-        Phase("selection", "1 (none with mask)", "nothing: releases the noisy scores, updates no weight",
-              updates=False),
-        Phase("sparse", "the rest", f"the DP-BitFit set + the selected {rows}"),
+        Phase("warmup", length="warmup_epochs", trains="biases + norms + head (DP-BitFit)"),
+        Phase("selection", updates=False, length="1 (none with mask)",
+              trains="nothing: releases the noisy scores, updates no weight"),
+        Phase("sparse", length="the rest", trains=f"the DP-BitFit set + the selected {rows}"),
     )
 
 
 def _whole(name: str, summary: str, trains: str) -> MethodSpec:
-    return MethodSpec(name, summary, (), (Phase(name, "T", trains),))
+    return MethodSpec(name, summary, (), (Phase(name, length="T", trains=trains),))
 
 
 def _static_mask(name: str, summary: str, options: tuple[Option, ...]) -> MethodSpec:
-    return MethodSpec(name, summary, options, (Phase(name, "T", "the DP-BitFit set + the mask"),))
+    return MethodSpec(name, summary, options, (Phase(name, length="T", trains="the DP-BitFit set + the mask"),))
 
 
 _FROST = (
@@ -315,13 +352,13 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         Option("full_epochs", 1, INT, "X, the epochs of full fine-tuning", Interval(0)),
         Option("bitfit_learning_rate_scale", 5.0, NUMBER, "learning-rate multiplier of the bias phase",
                Interval(0, None, True)),
-    ), (Phase("full", "full_epochs", "every trainable variable"),
-        Phase("bias_terms", "the rest", "layer biases + norm offsets + head"))),
+    ), (Phase("full", length="full_epochs", trains="every trainable variable"),
+        Phase("bias_terms", length="the rest", trains="layer biases + norm offsets + head"))),
     MethodSpec("dp_frost", "DP-FROST: the layers (partitions) PSEL selects, up to gamma |Theta|", _FROST,
-               (Phase("dp_frost", "T", "the selected partitions"),),
+               (Phase("dp_frost", length="T", trains="the selected partitions"),),
                before_training="frost_iterations noisy partition-magnitude rounds, charged"),
     MethodSpec("dp_ssgd", "DP-SSGD: pre-pruning, then a random subset of the kept entries at every step", _SSGD,
-               (Phase("dp_ssgd", "T", "the kept entries, a drop_rate fraction dropped per step"),),
+               (Phase("dp_ssgd", length="T", trains="the kept entries, a drop_rate fraction dropped per step"),),
                before_training="pre-pruning (dp_snip: one Gaussian release, charged)"),
 )}
 """Every method, by name."""

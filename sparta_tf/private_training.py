@@ -221,11 +221,7 @@ class PrivateRun:
             charge_steps_before_first_checkpoint(dp, self.plan, self.run_dir)
             checkpointing.journal_before_training(self.run_dir, dp.ledger,
                                                   self.plan.before_training_entries(releases_only=True))
-        if self.method.preparation is not None:
-            if isinstance(x, tf.data.Dataset) or y is None:
-                raise ValueError(f"method {self.method.name!r} {self.method.preparation}: give fit arrays "
-                                 "x, y (not a tf.data.Dataset)")
-            self.prepare_info = self.method.prepare(dp, x, y, tf.keras.losses.get(dp.loss), self.plan, first_epoch)
+        self.prepare_info = self.method.prepare(dp, x, y, tf.keras.losses.get(dp.loss), self.plan, first_epoch)
 
 
 def charge_steps_before_first_checkpoint(dp, plan: PrivacyPlan, run_dir: str) -> None:

@@ -218,7 +218,8 @@ def test_one_steps_epsilon_bounds_every_accountant_from_below_and_tightly(sigma,
 def test_a_fixed_noise_multiplier_over_the_target_is_refused_before_the_pld_work():
     import time
 
-    from sparta_tf.privacy.plan import FixedNoiseOverBudgetError, TrainingPhase, make_privacy_plan
+    from sparta_tf.method_spec import Phase as TrainingPhase
+    from sparta_tf.privacy.plan import FixedNoiseOverBudgetError, make_privacy_plan
 
     start = time.monotonic()
     with pytest.raises(FixedNoiseOverBudgetError, match=r"noise_multiplier=0.01 spends epsilon > \d+ \(one step"):

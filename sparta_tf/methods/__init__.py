@@ -20,11 +20,15 @@ method         trainable set                                how it is chosen (pr
                of them at every step                        release, charged (:mod:`.ssgd`)
 =============  ===========================================  ==========================================
 
-``make_method(name, **options)`` builds one; :class:`sparta_tf.callbacks.MethodCallback`
-drives it inside ``DPModel.fit`` and ``sparta-train`` plans and runs it. Each
-method's options, defaults, valid values and phases are data, in
-:mod:`sparta_tf.method_spec` (TensorFlow-free; ``sparta-train``'s config
-checker reads the same table).
+Each method is one class bound to its spec, the TensorFlow-free data of
+:mod:`sparta_tf.method_spec` (options, defaults, valid values, phase
+templates; ``sparta-train``'s config checker reads the same spec objects):
+``class Sparta(SelectionEpochMethod, spec=METHODS["sparta"])``. Creating the
+class registers it in :data:`METHODS` (:mod:`.base`), so a method written
+outside the package (docs/write-a-method.md) is one class too.
+``make_method(name, **options)`` builds one; ``make_private`` and
+``sparta-train`` plan and run it, :class:`sparta_tf.callbacks.MethodCallback` drives it
+inside a ``DPModel.fit`` you set up yourself.
 """
 
 from __future__ import annotations
@@ -33,22 +37,13 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from sparta_tf.methods.base import COMMON_OPTIONS, Method
-from sparta_tf.methods.dense import All, BitFit, Last, XBitFit
-from sparta_tf.methods.frost import DpFrost
+from sparta_tf.methods import frost, ssgd, static_masks  # noqa: F401  (importing a class registers it)
+from sparta_tf.methods.base import COMMON_OPTIONS, METHODS, Method, PreparedMethod, SetMethod
+from sparta_tf.methods.dense import XBitFit
 from sparta_tf.methods.masked import MaskedMethod
-from sparta_tf.methods.selection_epoch import DpsgdGrad, Oracle, SelectionEpochMethod, Sparta
+from sparta_tf.methods.selection_epoch import SelectionEpochMethod
 from sparta_tf.methods.sets import ALWAYS_TRAINABLE, bias_terms_set, dense_selections, role_set, warmup_set
-from sparta_tf.methods.ssgd import DpSsgd
-from sparta_tf.methods.static_masks import MagnitudePruning, RandomMask
 from sparta_tf.trainable import TrainableSet, VariableSelection
-
-METHODS: dict[str, type[Method]] = {
-    cls.name: cls
-    for cls in (Sparta, All, Last, BitFit, MagnitudePruning, RandomMask, DpsgdGrad, Oracle, XBitFit, DpFrost,
-                DpSsgd)
-}
-"""The registry: method name -> :class:`Method` class."""
 
 
 def method_class(name: str) -> type[Method]:
@@ -59,7 +54,7 @@ def method_class(name: str) -> type[Method]:
 
 def make_method(name: str, **options: Any) -> Method:
     """The method ``name`` with ``options`` (its own, see ``METHODS[name].spec``, plus
-    ``head``, ``head_learning_rate_scale``, ``mask_dir``, ``verbose``)."""
+    :data:`COMMON_OPTIONS`: ``head``, ``head_learning_rate_scale``, ``mask_dir``, ``verbose``)."""
     return method_class(name)(**options)
 
 
@@ -79,7 +74,7 @@ def trainable_set(model: tf.keras.Model, method: str, mask: Sequence[VariableSel
 
 
 __all__ = [
-    "ALWAYS_TRAINABLE", "COMMON_OPTIONS", "METHODS", "Method", "MaskedMethod", "SelectionEpochMethod",
-    "bias_terms_set", "dense_selections", "make_method", "method_class", "role_set", "trainable_set",
-    "warmup_set",
+    "ALWAYS_TRAINABLE", "COMMON_OPTIONS", "METHODS", "Method", "MaskedMethod", "PreparedMethod",
+    "SelectionEpochMethod", "SetMethod", "bias_terms_set", "dense_selections", "make_method", "method_class",
+    "role_set", "trainable_set", "warmup_set",
 ]

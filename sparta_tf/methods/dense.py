@@ -20,62 +20,49 @@ from typing import ClassVar
 
 import tensorflow as tf
 
-from sparta_tf.method_spec import METHODS
-from sparta_tf.methods.base import Method, single_phase
+from sparta_tf.method_spec import METHODS, Phase
+from sparta_tf.methods.base import SetMethod
 from sparta_tf.methods.sets import ALWAYS_TRAINABLE, bias_terms_set, role_set
-from sparta_tf.privacy.plan import TrainingPhase
 from sparta_tf.trainable import TrainableSet
 
 
-class RoleMethod(Method):
+class RoleMethod(SetMethod):
     """One phase, named after the method, training whole variables of ``roles``."""
 
     roles: ClassVar[tuple[str, ...]]
 
-    def phases(self, epochs: int) -> list[TrainingPhase]:
-        return single_phase(self.name, epochs)
-
-    def trainable_set(self, phase: TrainingPhase, model: tf.keras.Model) -> TrainableSet:
+    def trainable_set(self, phase: Phase, model: tf.keras.Model) -> TrainableSet:
         return role_set(model, self.roles, (), self.head, self.head_learning_rate_scale)
 
 
-class All(RoleMethod):
-    spec = METHODS["all"]
+class All(RoleMethod, spec=METHODS["all"]):
     roles = ("kernel", "bias", "norm", "head", "other")
 
 
-class Last(RoleMethod):
-    spec = METHODS["last"]
+class Last(RoleMethod, spec=METHODS["last"]):
     roles = ("norm", "head")
 
 
-class BitFit(RoleMethod):
-    spec = METHODS["bitfit"]
+class BitFit(RoleMethod, spec=METHODS["bitfit"]):
     roles = ALWAYS_TRAINABLE
 
 
-class XBitFit(Method):
+class XBitFit(SetMethod, spec=METHODS["x_bitfit"]):
     """DP-BiTFiT's two-phase ``X+BiTFiT``: ``full_epochs`` of full DP fine-tuning, then the bias terms.
 
-    Options: ``full_epochs`` (X, default 1), ``bitfit_learning_rate_scale``
+    Options: ``full_epochs`` (X), ``bitfit_learning_rate_scale``
     (learning-rate multiplier of the bias phase; the paper uses 5e-3 after
     1e-3: 5). The bias phase computes no per-example weight gradient.
     """
 
-    spec = METHODS["x_bitfit"]
-
-    def configure(self, full_epochs: int, bitfit_learning_rate_scale: float) -> None:
-        self.full_epochs = int(full_epochs)
-        self.bitfit_learning_rate_scale = float(bitfit_learning_rate_scale)
-
-    def phases(self, epochs: int) -> list[TrainingPhase]:
+    def phases(self, epochs: int) -> list[Phase]:
         """``full`` then ``bias_terms``; a fit shorter than ``full_epochs`` (e.g. the first part of a run
         continued with ``initial_epoch``) is all ``full`` (``sparta-train`` refuses such a config)."""
         full = min(self.full_epochs, epochs)
-        phases = [TrainingPhase("full", full)] if full else []
-        return phases + ([TrainingPhase("bias_terms", epochs - full)] if epochs > full else [])
+        phases = [self.spec.phase("full").lasting(full)] if full else []
+        return phases + ([self.spec.phase("bias_terms").lasting(epochs - full)] if epochs > full else [])
 
-    def trainable_set(self, phase: TrainingPhase, model: tf.keras.Model) -> TrainableSet:
+    def trainable_set(self, phase: Phase, model: tf.keras.Model) -> TrainableSet:
         if phase.name == "full":
             return role_set(model, All.roles, (), self.head, self.head_learning_rate_scale)
         return bias_terms_set(model, self.head, self.bitfit_learning_rate_scale)

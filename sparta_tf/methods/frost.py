@@ -16,25 +16,18 @@ from __future__ import annotations
 import tensorflow as tf
 
 from sparta_tf import masks
-from sparta_tf.method_spec import METHODS
-from sparta_tf.methods.base import Method, single_phase
-from sparta_tf.privacy.plan import Mechanism, TrainingPhase
+from sparta_tf.method_spec import METHODS, Phase
+from sparta_tf.methods.base import PreparedMethod, SetMethod
+from sparta_tf.privacy.plan import Mechanism
 from sparta_tf.selection import frost
 from sparta_tf.trainable import TrainableSet
 
 
-class DpFrost(Method):
-    spec = METHODS["dp_frost"]
+class DpFrost(PreparedMethod, SetMethod, spec=METHODS["dp_frost"]):
+    """DP-FROST (module doc); its options are attributes of the same names."""
 
-    def configure(self, frost_magnitude: str, frost_alpha: int, r_eps: float, frost_iterations: int, q_ps: float,
-                  nu: float, gamma: float) -> None:
-        self.frost_magnitude, self.frost_alpha = frost_magnitude, int(frost_alpha)
-        self.r_eps, self.frost_iterations, self.q_ps = float(r_eps), int(frost_iterations), float(q_ps)
-        self.nu, self.gamma = float(nu), float(gamma)
-        self.selected: TrainableSet | None = None
-
-    def phases(self, epochs: int) -> list[TrainingPhase]:
-        return single_phase(self.name, epochs)
+    selected: TrainableSet | None = None
+    """The partitions PSEL selected (None before :meth:`prepare`)."""
 
     def mechanisms_before_training(self, n: int, sample_rate: float) -> list[Mechanism]:
         return [Mechanism(frost.SELECTION_PHASE, self.q_ps, self.frost_iterations, None, frost.SELECTION_KIND)]
@@ -47,10 +40,11 @@ class DpFrost(Method):
     def preparation(self) -> str:
         return "chooses the partitions it trains before training (DP-FROST's selection rounds)"
 
-    def trainable_set(self, phase: TrainingPhase, model: tf.keras.Model) -> TrainableSet | None:
+    def trainable_set(self, phase: Phase, model: tf.keras.Model) -> TrainableSet | None:
         return self.selected
 
     def prepare(self, dp, x, y, loss, plan, first_epoch: int = 0) -> dict:
+        self.need_arrays(x, y)
         if first_epoch and masks.has_mask(self.mask_dir):  # resumed: the selection was made (and charged) already
             selections, _ = masks.load_mask(self.mask_dir, dp.model)
             self.selected = TrainableSet(selections)

@@ -11,13 +11,11 @@ run reloads its own saved mask rather than choosing again.
 from __future__ import annotations
 
 import fnmatch
-from typing import Mapping
-
 import tensorflow as tf
 
 from sparta_tf import masks
 from sparta_tf.groups import row_groups
-from sparta_tf.methods.base import Method
+from sparta_tf.methods.base import SetMethod
 from sparta_tf.methods.sets import ALWAYS_TRAINABLE, role_set
 from sparta_tf.selection.topk import density_for, kept_count
 from sparta_tf.trainable import TrainableSet, VariableSelection
@@ -25,15 +23,12 @@ from sparta_tf.trainable import TrainableSet, VariableSelection
 MAX_LISTED_LAYERS = 8
 
 
-class MaskedMethod(Method):
-    """A method whose final trainable set is the DP-BitFit set plus a kernel mask."""
+class MaskedMethod(SetMethod):
+    """A method whose final trainable set is the DP-BitFit set plus a kernel mask; its spec has the mask
+    options ``density``, ``granularity`` and ``density_overrides`` (attributes of the same names)."""
 
-    def configure_mask(self, density: float, granularity: str, density_overrides: Mapping[str, float]) -> None:
-        """The mask options (the method's spec checked them and filled in its defaults)."""
-        self.density = float(density)
-        self.granularity = granularity
-        self.density_overrides = dict(density_overrides)
-        self.mask_selections: list[VariableSelection] | None = None
+    mask_selections: list[VariableSelection] | None = None
+    """The mask once chosen (or reloaded), else None."""
 
     def check(self, model: tf.keras.Model) -> None:
         """Refuses a ``density_overrides`` pattern that matches no maskable layer of ``model`` (it would

@@ -27,10 +27,10 @@ from __future__ import annotations
 import tensorflow as tf
 
 from sparta_tf import masks
-from sparta_tf.method_spec import METHODS, default_warmup_epochs
+from sparta_tf.method_spec import METHODS, Phase, default_warmup_epochs
 from sparta_tf.methods.masked import MaskedMethod
 from sparta_tf.methods.sets import warmup_set
-from sparta_tf.privacy.plan import Mechanism, TrainingPhase
+from sparta_tf.privacy.plan import Mechanism
 from sparta_tf.selection.scoring import check_score
 from sparta_tf.selection.selector import SpartaSelector
 from sparta_tf.trainable import TrainableSet
@@ -39,33 +39,35 @@ WARMUP, SELECTION, SPARSE = "warmup", "selection", "sparse"
 
 
 class SelectionEpochMethod(MaskedMethod):
-    """Warm-up, one selection epoch that releases a noisy score per row (or entry), then the sparse phase."""
+    """Warm-up, one selection epoch that releases a noisy score per row (or entry), then the sparse phase.
 
-    def configure(self, warmup_epochs: int | None, score: str, mask: str | None, **options) -> None:
-        self.warmup_epochs = warmup_epochs
-        self.score = score
-        self.mask_path = mask
-        self.configure_mask(**options)
+    Options (attributes of the same names): ``warmup_epochs``, ``score``, ``mask`` (a saved mask directory)
+    and the mask options of :class:`~sparta_tf.methods.masked.MaskedMethod`."""
+
+    selector: SpartaSelector | None = None
+    """The selection epoch's scorer and top-k (while it runs and after)."""
+
+    def __init__(self, **options):
+        super().__init__(**options)
         check_score(self.score, self.granularity)
-        self.selector: SpartaSelector | None = None
-        self._provenance = None if mask is None else masks.read_provenance(mask)
+        self._provenance = None if self.mask is None else masks.read_provenance(self.mask)
 
     # ------------------------------------------------------------------ plan
 
     def warmup_for(self, epochs: int) -> int:
         return default_warmup_epochs(epochs) if self.warmup_epochs is None else self.warmup_epochs
 
-    def phases(self, epochs: int) -> list[TrainingPhase]:
+    def phases(self, epochs: int) -> list[Phase]:
         warmup = self.warmup_for(epochs)
-        selection = 0 if self.mask_path is not None else 1
+        selection = 0 if self.mask is not None else 1
         if warmup + selection >= epochs:
             raise ValueError(
                 f"warmup_epochs={warmup} leaves no sparse epoch in a fit of {epochs} epochs; use warmup_epochs "
                 f"<= {max(epochs - 1 - selection, 0)} (paper: T0 = T/5)")
-        phases = [TrainingPhase(WARMUP, warmup)] if warmup else []
+        phases = [self.spec.phase(WARMUP).lasting(warmup)] if warmup else []
         if selection:
-            phases.append(TrainingPhase(SELECTION, 1, updates=False))
-        return phases + [TrainingPhase(SPARSE, epochs - warmup - selection)]
+            phases.append(self.spec.phase(SELECTION).lasting(1))
+        return phases + [self.spec.phase(SPARSE).lasting(epochs - warmup - selection)]
 
     def mechanisms_before_training(self, n: int, sample_rate: float) -> list[Mechanism]:
         if self._provenance is None:
@@ -76,17 +78,17 @@ class SelectionEpochMethod(MaskedMethod):
     def nonprivate_reasons(self) -> list[str]:
         reasons = [] if self.private else [f"{self.name}: mask chosen from non-private gradients"]
         if self._provenance is not None:
-            reasons += [f"{reason} (loaded from {self.mask_path})" for reason in self._provenance.reasons]
+            reasons += [f"{reason} (loaded from {self.mask})" for reason in self._provenance.reasons]
         return reasons
 
-    def trainable_set(self, phase: TrainingPhase, model: tf.keras.Model) -> TrainableSet | None:
+    def trainable_set(self, phase: Phase, model: tf.keras.Model) -> TrainableSet | None:
         if phase.name == WARMUP:
             return warmup_set(model, self.head, self.head_learning_rate_scale)
         if phase.name == SELECTION or self.mask_selections is None:
             return None
         return self.masked_set(model)
 
-    def planned_trainable(self, phase: TrainingPhase, model: tf.keras.Model) -> int | None:
+    def planned_trainable(self, phase: Phase, model: tf.keras.Model) -> int | None:
         if phase.name == SPARSE and self.mask_selections is None:
             return self.expected_masked_size(model)
         return super().planned_trainable(phase, model)
@@ -95,27 +97,27 @@ class SelectionEpochMethod(MaskedMethod):
 
     def check(self, model: tf.keras.Model) -> None:
         super().check(model)
-        if self.mask_path is not None:
-            masks.load_mask(self.mask_path, model)  # refuses a damaged mask or one of another model
+        if self.mask is not None:
+            masks.load_mask(self.mask, model)  # refuses a damaged mask or one of another model
 
     def start(self, dp, epochs: int, first_epoch: int = 0) -> None:
-        if self.mask_path is not None:
-            self.mask_selections, _ = masks.load_mask(self.mask_path, dp.model)
+        if self.mask is not None:
+            self.mask_selections, _ = masks.load_mask(self.mask, dp.model)
             if first_epoch == 0 and dp.ledger is not None:  # a resumed run's ledger holds the charge already
-                self._provenance.charge(dp.ledger, self.mask_path)
+                self._provenance.charge(dp.ledger, self.mask)
         elif first_epoch > self.warmup_for(epochs):
             if not self.reload_own_mask(dp.model):
                 raise ValueError("this fit starts after the selection epoch but no mask is available; pass "
                                  "mask=<dir of the saved mask> (or the mask_dir of the interrupted run)")
 
-    def enter(self, phase: TrainingPhase, dp) -> None:
+    def enter(self, phase: Phase, dp) -> None:
         if phase.name != SELECTION:
             return super().enter(phase, dp)
         self.selector = SpartaSelector(dp.model, self.density, self.score, self.granularity,
                                        self.density_overrides, self.head)
         dp.begin_scoring(self.selector.make_scorer(dp.noise_multiplier, dp.clip_norm))
 
-    def leave(self, phase: TrainingPhase, dp) -> None:
+    def leave(self, phase: Phase, dp) -> None:
         if phase.name != SELECTION:
             return
         self.mask_selections = self.selector.select()
@@ -127,19 +129,13 @@ class SelectionEpochMethod(MaskedMethod):
         self.save_mask(dp.model, provenance, score=self.score)
 
 
-class Sparta(SelectionEpochMethod):
+class Sparta(SelectionEpochMethod, spec=METHODS["sparta"]):
     """SPARTA (Makni et al., KDD 2025, Algorithm 1): private row scores, top rows per layer."""
 
-    spec = METHODS["sparta"]
 
-
-class DpsgdGrad(SelectionEpochMethod):
+class DpsgdGrad(SelectionEpochMethod, spec=METHODS["dpsgd_grad"]):
     """The paper's Algorithm 2: entries of largest averaged noisy DP-SGD gradient."""
 
-    spec = METHODS["dpsgd_grad"]
 
-
-class Oracle(SelectionEpochMethod):
+class Oracle(SelectionEpochMethod, spec=METHODS["oracle"]):
     """The paper's Algorithm 3: entries of largest exact ``|g|``. NOT differentially private."""
-
-    spec = METHODS["oracle"]

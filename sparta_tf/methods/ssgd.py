@@ -17,26 +17,24 @@ import numpy as np
 import tensorflow as tf
 
 from sparta_tf import masks, ssgd
-from sparta_tf.method_spec import METHODS
-from sparta_tf.methods.base import Method, single_phase
-from sparta_tf.privacy.plan import Mechanism, TrainingPhase
-from sparta_tf.trainable import TrainableSet, entries
+from sparta_tf.method_spec import METHODS, Phase
+from sparta_tf.methods.base import PreparedMethod
+from sparta_tf.privacy.plan import Mechanism
+from sparta_tf.trainable import entries
 
 SNIP_PHASE, SNIP_KIND = "pre-pruning", "dp_snip"
 
 
-class DpSsgd(Method):
-    spec = METHODS["dp_ssgd"]
+class DpSsgd(PreparedMethod, spec=METHODS["dp_ssgd"]):
+    """DP-SSGD (module doc); its options are attributes of the same names (``prune`` is ``"none"`` when
+    ``prune_rate`` is 0)."""
+
     dp_model_class = ssgd.SSGDModel  # gradient dropping happens in SSGDModel's train step
 
-    def configure(self, prune: str, prune_rate: float, drop_rate: float, drop_mode: str,
-                  snip_noise_multiplier: float, synflow_iterations: int) -> None:
-        self.prune = "none" if prune_rate == 0 else prune
-        self.prune_rate = float(prune_rate)
-        self.drop_rate = float(drop_rate)
-        self.drop_mode = drop_mode
-        self.snip_noise_multiplier = float(snip_noise_multiplier)
-        self.synflow_iterations = int(synflow_iterations)
+    def __init__(self, **options):
+        super().__init__(**options)
+        if self.prune_rate == 0:
+            self.prune = "none"
 
     @property
     def preparation(self) -> str | None:
@@ -45,18 +43,12 @@ class DpSsgd(Method):
         return (f"pre-prunes a {self.prune_rate:g} fraction of the prunable kernels' weights ({self.prune}) "
                 "before training")
 
-    def phases(self, epochs: int) -> list[TrainingPhase]:
-        return single_phase(self.name, epochs)
-
     def mechanisms_before_training(self, n: int, sample_rate: float) -> list[Mechanism]:
         if self.prune != "dp_snip":
             return []
         return [Mechanism(SNIP_PHASE, 1.0, 1, self.snip_noise_multiplier, SNIP_KIND)]
 
-    def trainable_set(self, phase: TrainingPhase, model: tf.keras.Model) -> TrainableSet | None:
-        return None if self.prune != "none" else TrainableSet.of_variables(model.trainable_variables)
-
-    def planned_trainable(self, phase: TrainingPhase, model: tf.keras.Model) -> int | None:
+    def planned_trainable(self, phase: Phase, model: tf.keras.Model) -> int | None:
         total = sum(int(np.prod(v.shape.as_list())) for v in model.trainable_variables)
         pruned = sum(int(np.prod(v.shape.as_list())) for v in ssgd.prunable_variables(model))
         return total - int(pruned * (self.prune_rate if self.prune != "none" else 0.0))
@@ -64,14 +56,15 @@ class DpSsgd(Method):
     def make_dp_model(self, model: tf.keras.Model, **dp_kwargs):
         return ssgd.SSGDModel(model, drop_rate=self.drop_rate, drop_mode=self.drop_mode, **dp_kwargs)
 
-    def enter(self, phase: TrainingPhase, dp) -> None:
-        pass  # the trainable set is the pre-pruned one, set in prepare
+    def enter(self, phase: Phase, dp) -> None:
+        """Nothing: the trainable set is the pre-pruned one, which prepare set."""
 
     def prepare(self, dp, x, y, loss, plan, first_epoch: int = 0) -> dict:
         self.check_ready(dp, before_prepare=True)  # pruning needs SSGDModel.set_keep_masks
         if self.prune == "none":
             self.mark_prepared(dp)
             return {"prune": "none"}
+        self.need_arrays(x, y)
         if first_epoch and masks.has_mask(self.mask_dir):  # resumed: pruned (and charged) already
             selections, _ = masks.load_mask(self.mask_dir, dp.model)
             kept = {id(s.variable): s.dense_mask() for s in selections}

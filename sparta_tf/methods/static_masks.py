@@ -21,10 +21,8 @@ import tensorflow as tf
 
 from sparta_tf import masks
 from sparta_tf.groups import row_groups
-from sparta_tf.method_spec import METHODS
-from sparta_tf.methods.base import single_phase
+from sparta_tf.method_spec import METHODS, Phase
 from sparta_tf.methods.masked import MaskedMethod
-from sparta_tf.privacy.plan import TrainingPhase
 from sparta_tf.selection.static import magnitude_selections, random_selections
 from sparta_tf.trainable import TrainableSet
 
@@ -32,17 +30,14 @@ from sparta_tf.trainable import TrainableSet
 class StaticMaskMethod(MaskedMethod):
     """The DP-BitFit set plus a mask chosen at the start of the fit from the weights then (one phase)."""
 
-    def phases(self, epochs: int) -> list[TrainingPhase]:
-        return single_phase(self.name, epochs)
-
     def choose_mask(self, model: tf.keras.Model, run_seed: int) -> list:
         """The mask for ``model``; ``run_seed``: the DP model's seed, for masks drawn at random."""
         raise NotImplementedError
 
-    def trainable_set(self, phase: TrainingPhase, model: tf.keras.Model) -> TrainableSet | None:
+    def trainable_set(self, phase: Phase, model: tf.keras.Model) -> TrainableSet | None:
         return None if self.mask_selections is None else self.masked_set(model)
 
-    def planned_trainable(self, phase: TrainingPhase, model: tf.keras.Model) -> int | None:
+    def planned_trainable(self, phase: Phase, model: tf.keras.Model) -> int | None:
         if self.mask_selections is None:  # the kept count per layer does not depend on which are kept
             return self.expected_masked_size(model)
         return super().planned_trainable(phase, model)
@@ -54,28 +49,17 @@ class StaticMaskMethod(MaskedMethod):
         self.save_mask(dp.model, masks.MaskProvenance.public())
 
 
-class MagnitudePruning(StaticMaskMethod):
+class MagnitudePruning(StaticMaskMethod, spec=METHODS["mp"]):
     """Per layer the entries (or rows) of largest pre-trained ``|W|`` (paper Alg. 4)."""
-
-    spec = METHODS["mp"]
-
-    def configure(self, **options) -> None:
-        self.configure_mask(**options)
 
     def choose_mask(self, model: tf.keras.Model, run_seed: int) -> list:
         groups = row_groups(model, self.head)
         return magnitude_selections(groups, self.density, self.granularity, self.density_overrides)
 
 
-class RandomMask(StaticMaskMethod):
+class RandomMask(StaticMaskMethod, spec=METHODS["random"]):
     """Per layer uniformly random rows (or entries): the ``"random_mask"`` stream of the run seed, or of
     the ``seed`` option when given (an explicit override)."""
-
-    spec = METHODS["random"]
-
-    def configure(self, seed: int | None, **options) -> None:
-        self.seed = seed
-        self.configure_mask(**options)
 
     def choose_mask(self, model: tf.keras.Model, run_seed: int) -> list:
         seed = run_seed if self.seed is None else self.seed

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, Sequence
 
+from sparta_tf.method_spec import Phase
 from sparta_tf.privacy import accounting
 from sparta_tf.privacy.ledger import DEFAULT_KIND, LedgerEntry, PrivacyLedger
 from sparta_tf.privacy.sampling import steps_per_epoch
@@ -56,24 +57,6 @@ class Mechanism:
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainingPhase:
-    """``epochs`` epochs of DP steps labelled ``name``; ``updates``: False for a selection epoch."""
-
-    name: str
-    epochs: int
-    updates: bool = True
-
-
-@dataclasses.dataclass(frozen=True)
-class PlannedPhase:
-    name: str
-    epochs: int
-    steps: int
-    updates: bool
-    epsilon_after: float
-
-
-@dataclasses.dataclass(frozen=True)
 class PrivacyPlan:
     """Everything about a run's privacy that is known before it starts (see the module doc)."""
 
@@ -86,7 +69,9 @@ class PrivacyPlan:
     target_epsilon: float | None
     accountant: str
     before_training: tuple[Mechanism, ...]
-    phases: tuple[PlannedPhase, ...]
+    phases: tuple[Phase, ...]
+    """The training phases, planned (:meth:`~sparta_tf.method_spec.Phase.planned`: with ``steps`` and
+    ``epsilon_after``)."""
     nonprivate_reasons: tuple[str, ...] = ()
 
     @property
@@ -153,7 +138,7 @@ class PrivacyPlan:
         return "\n".join(lines)
 
 
-def _trainable(phase: PlannedPhase, trainable, total) -> str:
+def _trainable(phase: Phase, trainable, total) -> str:
     if not phase.updates:
         return "0 (scores only)"
     count = (trainable or {}).get(phase.name)
@@ -166,7 +151,7 @@ def make_privacy_plan(
     *,
     n: int,
     expected_batch_size: float,
-    phases: Sequence[TrainingPhase],
+    phases: Sequence[Phase],
     delta: float,
     target_epsilon: float | None,
     accountant: str = "pld",
@@ -183,6 +168,10 @@ def make_privacy_plan(
     """
     if n < 1:
         raise ValueError(f"n={n} private training examples: need at least 1")
+    unsized = [p.name for p in phases if p.epochs is None]
+    if unsized:
+        raise ValueError(f"phase {unsized[0]!r} has no epochs: plan a fit's phases (Method.phases(epochs)), "
+                         "not a spec's templates")
     q = min(1.0, expected_batch_size / n)
     per_epoch = steps_per_epoch(q)
     epochs = sum(p.epochs for p in phases)
@@ -212,7 +201,7 @@ def make_privacy_plan(
     for phase in phases:
         steps = phase.epochs * per_epoch
         ledger.record(noise_multiplier, q, steps, DEFAULT_KIND, phase.name)
-        planned.append(PlannedPhase(phase.name, phase.epochs, steps, phase.updates, ledger.epsilon()))
+        planned.append(phase.planned(steps, ledger.epsilon()))
     plan = PrivacyPlan(n, q, per_epoch, epochs, float(noise_multiplier), delta, target_epsilon, accountant,
                        before, tuple(planned), tuple(nonprivate_reasons))
     if given and plan.epsilon > target_epsilon * (1 + 1e-9):

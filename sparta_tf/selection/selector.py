@@ -1,7 +1,7 @@
 """``SpartaSelector``: private row scoring and per-layer top-k (SPARTA, Algorithm 1).
 
-Usage inside ``model.fit`` is automatic through :class:`sparta_tf.callbacks.SpartaCallback`;
-standalone::
+The ``sparta``, ``dpsgd_grad`` and ``oracle`` methods run it in their
+selection epoch (:mod:`sparta_tf.methods.selection_epoch`); standalone::
 
     selector = SpartaSelector(model, density=0.2)
     print(selector.group_table())
@@ -20,9 +20,13 @@ import numpy as np
 import tensorflow as tf
 
 from sparta_tf import groups as groups_module
+from sparta_tf.method_spec import METHODS
 from sparta_tf.selection.scoring import SelectionScorer, check_score
 from sparta_tf.selection.topk import check_density, selections_from_scores
 from sparta_tf.trainable import VariableSelection
+
+_SPARTA = METHODS["sparta"].defaults()
+"""SPARTA's option defaults: the selector's."""
 
 
 class SpartaSelector:
@@ -30,10 +34,10 @@ class SpartaSelector:
 
     Args:
       model: the Keras model (not the DPModel wrapper).
-      density: fraction of rows (or entries) kept per layer (paper: 0.2).
-      score: ``"sum_abs"`` (paper, default), ``"abs_sum"`` (authors' code),
+      density: fraction of rows (or entries) kept per layer (default: sparta's, the paper's 0.2).
+      score: ``"sum_abs"`` (paper, sparta's default), ``"abs_sum"`` (authors' code),
         ``"signed"`` (Algorithm 2 baseline) or ``"oracle"`` (Algorithm 3, not private).
-      granularity: ``"row"`` (SPARTA) or ``"entry"`` (ablation / baselines).
+      granularity: ``"row"`` (SPARTA's default) or ``"entry"`` (ablation / baselines).
       density_overrides: ``{layer-or-variable name pattern: density}``.
       head: the classifier head layer or name (excluded from masking).
     """
@@ -41,9 +45,9 @@ class SpartaSelector:
     def __init__(
         self,
         model: tf.keras.Model,
-        density: float = 0.2,
-        score: str = "sum_abs",
-        granularity: str = "row",
+        density: float = _SPARTA["density"],
+        score: str = _SPARTA["score"],
+        granularity: str = _SPARTA["granularity"],
         density_overrides: Mapping[str, float] | None = None,
         head=None,
     ):
@@ -74,7 +78,7 @@ class SpartaSelector:
         """The kept rows/entries per layer, from ``scores`` (default: the scorer's epoch averages)."""
         if scores is None:
             if self.scorer is None:
-                raise ValueError("no scores yet: run a selection epoch first (select_epoch or SpartaCallback)")
+                raise ValueError("no scores yet: run a selection epoch first (select_epoch, or a sparta method's fit)")
             scores = self.scorer.scores()
         return selections_from_scores(self.groups, scores, self.density, self.granularity, self.density_overrides)
 
