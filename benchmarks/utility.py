@@ -161,7 +161,7 @@ def base_config(track: str, profile: dict, data_dir: str, fashion_dir: str, work
 def cell_config(base: dict, method: str, epsilon: float, seed: int, lr: float, density: float, out: str) -> dict:
     config = copy.deepcopy(base)
     config["method"] = {"name": method}  # warm-up: the config's default, T0 = T / 5
-    spec = method_spec.METHODS.get(method)  # None for "nonprivate", the runner's own, not a method
+    spec = method_spec.SPECS.get(method)  # None for "nonprivate", the runner's own, not a method
     if spec is not None and "density" in spec.option_names:
         config["method"]["density"] = density
     config["privacy"]["target_epsilon"] = epsilon

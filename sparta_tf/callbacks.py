@@ -122,7 +122,7 @@ class SpartaCallback(MethodCallback):
     """SPARTA (Makni et al., KDD 2025, Algorithm 1) inside ``DPModel.fit``: ``MethodCallback("sparta", **options)``.
 
     Its options and their defaults are the ``sparta`` spec's
-    (``sparta_tf.method_spec.METHODS["sparta"]``): e.g. ``score`` ``"sum_abs"``
+    (``sparta_tf.method_spec.SPECS["sparta"]``): e.g. ``score`` ``"sum_abs"``
     (paper) or ``"abs_sum"`` (authors' code), ``granularity="entry"`` for the
     no-grouping ablation, ``warmup_epochs`` (default ``T / 5``).
     """

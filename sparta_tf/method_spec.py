@@ -1,9 +1,9 @@
 """The fine-tuning methods as data: names, options (defaults, valid values), phases, privacy.
 
-One table (:data:`METHODS`, name -> :class:`MethodSpec`) read by both sides:
+One table (:data:`SPECS`, name -> :class:`MethodSpec`) read by both sides:
 
 * the library: every :class:`sparta_tf.methods.Method` class is declared with
-  its spec (``class Sparta(SelectionEpochMethod, spec=METHODS["sparta"])``),
+  its spec (``class Sparta(SelectionEpochMethod, spec=SPECS["sparta"])``),
   which registers it in :data:`sparta_tf.methods.METHODS`, one class per spec;
   its phases are the spec's :class:`Phase` templates given their epochs, and
   :meth:`MethodSpec.resolve` checks the options a caller gives and fills in
@@ -332,7 +332,7 @@ _SSGD = (
     Option("synflow_iterations", 100, INT, "SynFlow's pruning iterations", Interval(1)),
 )
 
-METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
+SPECS: dict[str, MethodSpec] = {spec.name: spec for spec in (
     MethodSpec("sparta", "SPARTA: private row scores in one selection epoch, then the top rows per layer",
                _selection_options("sparta", _granularity("row")), _selection_phases("rows")),
     _whole("all", "every trainable variable", "every trainable variable"),
@@ -368,15 +368,15 @@ DEFAULT_METHOD = "sparta"
 
 def method_spec(name: str) -> MethodSpec:
     """The spec of method ``name`` (a one-line ValueError naming the methods for an unknown one)."""
-    if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}; choose one of {', '.join(METHODS)}")
-    return METHODS[name]
+    if name not in SPECS:
+        raise ValueError(f"unknown method {name!r}; choose one of {', '.join(SPECS)}")
+    return SPECS[name]
 
 
 def options_named(name: str) -> list[tuple[MethodSpec, Option]]:
     """Every method that has an option ``name``, with its version of the option."""
-    return [(spec, option) for spec in METHODS.values() for option in spec.options if option.name == name]
+    return [(spec, option) for spec in SPECS.values() for option in spec.options if option.name == name]
 
 
-ALL_OPTIONS: tuple[str, ...] = tuple(dict.fromkeys(o.name for spec in METHODS.values() for o in spec.options))
+ALL_OPTIONS: tuple[str, ...] = tuple(dict.fromkeys(o.name for spec in SPECS.values() for o in spec.options))
 """Every option name of some method, in table order."""

@@ -58,13 +58,13 @@ def _head_and_bias(spec: MethodSpec) -> type[Method]:
 
 
 def test_every_spec_has_exactly_one_class_and_every_class_is_its_specs():
-    assert list(methods.METHODS) == list(method_spec.METHODS)
-    for name, spec in method_spec.METHODS.items():
+    assert list(methods.METHODS) == list(method_spec.SPECS)
+    for name, spec in method_spec.SPECS.items():
         owners = [cls for cls in methods.METHODS.values() if cls.spec is spec]
         assert owners == [methods.METHODS[name]], name
         assert "spec" in vars(owners[0])  # its own, not inherited
     for name, cls in methods.METHODS.items():
-        assert cls.spec is method_spec.METHODS[name] and cls.name == name
+        assert cls.spec is method_spec.SPECS[name] and cls.name == name
 
 
 def test_no_module_builds_a_second_method_table():
@@ -84,7 +84,7 @@ def test_no_module_builds_a_second_method_table():
 def test_a_method_written_outside_the_package_registers_and_runs_through_make_private(registry):
     cls = _head_and_bias(_spec("head_and_d2_bias"))
     assert methods.METHODS["head_and_d2_bias"] is cls and list(methods.METHODS)[-1] == "head_and_d2_bias"
-    assert "head_and_d2_bias" not in method_spec.METHODS  # sparta-train's table holds the built-in methods
+    assert "head_and_d2_bias" not in method_spec.SPECS  # sparta-train's table holds the built-in methods
     model = small_mlp()
     x, y = small_data(64)
     before = {id(v): v.numpy() for v in model.weights}
@@ -124,7 +124,7 @@ def test_an_abstract_method_without_a_spec_cannot_be_built():
 def test_one_phase_type_from_the_spec_to_the_plan():
     method = methods.make_method("sparta", warmup_epochs=2, verbose=0)
     phases = method.phases(10)
-    spec = method_spec.METHODS["sparta"]
+    spec = method_spec.SPECS["sparta"]
     assert phases == [dataclasses.replace(spec.phase(p.name), epochs=p.epochs) for p in phases]
     assert [p.epochs for p in phases] == [2, 1, 7]
     plan = plan_method(method, dataset_size=100, batch_size=10, epochs=10, delta=1e-5, target_epsilon=4.0)
@@ -137,7 +137,7 @@ def test_one_phase_type_from_the_spec_to_the_plan():
 
 
 def test_callbacks_take_their_defaults_from_the_spec():
-    defaults = method_spec.METHODS["sparta"].defaults()
+    defaults = method_spec.SPECS["sparta"].defaults()
     for callback in (SpartaCallback(verbose=0), MethodCallback("sparta", verbose=0)):
         assert {name: getattr(callback.method, name) for name in defaults} == defaults
     assert SpartaCallback(density=0.5, verbose=0).method.density == 0.5

@@ -14,7 +14,7 @@ from trainers.config import ConfigError, load_config, validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
-NAMES = list(method_spec.METHODS)
+NAMES = list(method_spec.SPECS)
 
 
 def test_the_config_checker_reads_the_spec_without_tensorflow_and_the_library_shares_it():
@@ -24,7 +24,7 @@ def test_the_config_checker_reads_the_spec_without_tensorflow_and_the_library_sh
         "assert 'tensorflow' not in sys.modules, 'the config checker imported tensorflow'\n"
         "from sparta_tf import methods\n"
         "assert sys.modules['sparta_tf.method_spec'] is config.method_spec\n"
-        "assert all(cls.spec is config.method_spec.METHODS[name] for name, cls in methods.METHODS.items())\n"
+        "assert all(cls.spec is config.method_spec.SPECS[name] for name, cls in methods.METHODS.items())\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -33,14 +33,14 @@ def test_the_config_checker_reads_the_spec_without_tensorflow_and_the_library_sh
 def test_every_method_class_is_its_spec():
     assert list(methods.METHODS) == NAMES
     for name, cls in methods.METHODS.items():
-        spec = method_spec.METHODS[name]
+        spec = method_spec.SPECS[name]
         assert cls.spec is spec and cls.name == name
         assert cls.options == spec.option_names and cls.private is spec.private
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_the_phases_a_method_runs_are_the_ones_its_spec_lists(name):
-    spec = method_spec.METHODS[name]
+    spec = method_spec.SPECS[name]
     phases = methods.make_method(name, verbose=0).phases(10)
     assert [p.name for p in phases] == [p.name for p in spec.phases]
     assert [p.updates for p in phases] == [p.updates for p in spec.phases]
@@ -52,7 +52,7 @@ def test_options_of_one_name_take_the_same_types_in_every_method():
 
 
 def test_every_default_is_valid_and_library_and_config_refuse_a_bad_value_alike():
-    for spec in method_spec.METHODS.values():
+    for spec in method_spec.SPECS.values():
         for option in spec.options:
             assert option.problem(option.default) is None, (spec.name, option.name)
     with pytest.raises(ValueError) as library:
@@ -68,7 +68,7 @@ def test_every_default_is_valid_and_library_and_config_refuse_a_bad_value_alike(
 
 def test_the_library_fills_in_the_specs_defaults():
     frost = methods.make_method("dp_frost", verbose=0)
-    defaults = method_spec.METHODS["dp_frost"].defaults()
+    defaults = method_spec.SPECS["dp_frost"].defaults()
     assert (frost.r_eps, frost.q_ps, frost.gamma, frost.frost_magnitude) == (
         defaults["r_eps"], defaults["q_ps"], defaults["gamma"], defaults["frost_magnitude"])
     assert methods.make_method("mp", verbose=0).granularity == "entry"
@@ -89,7 +89,7 @@ def test_every_shipped_config_switches_to_every_method(path):
     given = load_config(path)["method"]
     for name in NAMES:
         config = load_config(path, [f"method.name={name}"])
-        spec = method_spec.METHODS[name]
+        spec = method_spec.SPECS[name]
         assert config["method"]["name"] == name
         assert set(config["method"]) == {"name", *spec.option_names}, name
         for note in config["notes"]:
@@ -121,8 +121,8 @@ def test_the_dry_run_of_a_switched_quickstart_builds_its_plan(name, tmp_path, ca
     path = os.path.join(ROOT, "configs", "quickstart.yaml")
     config = load_config(path, [f"method.name={name}", f"output_dir={tmp_path / 'run'}"])
     plan = run.dry_run(config)
-    assert [p.name for p in plan.phases] == [p.name for p in method_spec.METHODS[name].phases]
-    assert plan.private is method_spec.METHODS[name].private
+    assert [p.name for p in plan.phases] == [p.name for p in method_spec.SPECS[name].phases]
+    assert plan.private is method_spec.SPECS[name].private
     assert not (tmp_path / "run").exists()
 
 

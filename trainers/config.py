@@ -36,7 +36,7 @@ import yaml
 from sparta_tf import method_spec  # TensorFlow-free, as is sparta_tf.data.spec: nothing here imports TensorFlow
 from sparta_tf.data.spec import SOURCE_KEYS
 
-METHOD_NAMES = tuple(method_spec.METHODS)
+METHOD_NAMES = tuple(method_spec.SPECS)
 
 
 class ConfigError(ValueError):
@@ -288,9 +288,9 @@ def _validate_method(given: Any) -> tuple[dict, list[str]]:
     if not isinstance(given, dict):
         raise ConfigError(f"method must be a mapping of keys, got {given!r}")
     name = given.get("name", method_spec.DEFAULT_METHOD)
-    if not isinstance(name, str) or name not in method_spec.METHODS:
+    if not isinstance(name, str) or name not in method_spec.SPECS:
         raise ConfigError(f"method.name={name!r} must be one of {', '.join(METHOD_NAMES)}")
-    spec = method_spec.METHODS[name]
+    spec = method_spec.SPECS[name]
     notes = []
     kept = {}
     for key, value in given.items():
@@ -372,7 +372,7 @@ def _check_cross_field(config: dict) -> None:
     physical = training["physical_batch_size"]
     if physical is not None and physical < 1:
         raise ConfigError(f"training.physical_batch_size={physical} must be >= 1")
-    private = method_spec.METHODS[name].private
+    private = method_spec.SPECS[name].private
     if privacy["noise_multiplier"] is not None and privacy["noise_multiplier"] == 0 and private:
         raise ConfigError("privacy.noise_multiplier=0 gives no privacy; leave it null to calibrate it "
                           "from privacy.target_epsilon")

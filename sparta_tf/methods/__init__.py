@@ -23,7 +23,7 @@ method         trainable set                                how it is chosen (pr
 Each method is one class bound to its spec, the TensorFlow-free data of
 :mod:`sparta_tf.method_spec` (options, defaults, valid values, phase
 templates; ``sparta-train``'s config checker reads the same spec objects):
-``class Sparta(SelectionEpochMethod, spec=METHODS["sparta"])``. Creating the
+``class Sparta(SelectionEpochMethod, spec=SPECS["sparta"])``. Creating the
 class registers it in :data:`METHODS` (:mod:`.base`), so a method written
 outside the package (docs/write-a-method.md) is one class too.
 ``make_method(name, **options)`` builds one; ``make_private`` and

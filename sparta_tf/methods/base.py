@@ -14,7 +14,7 @@ A method is one class that names its spec, the TensorFlow-free data of
 :mod:`sparta_tf.method_spec` (name, options with defaults and valid values,
 phase templates, privacy)::
 
-    class BitFit(RoleMethod, spec=method_spec.METHODS["bitfit"]): ...
+    class BitFit(RoleMethod, spec=method_spec.SPECS["bitfit"]): ...
 
 Creating the class registers it in :data:`METHODS` under ``spec.name``
 (one class per name; a built-in name only with the built-in spec object),
@@ -58,7 +58,7 @@ COMMON_OPTIONS = ("head", "head_learning_rate_scale", "mask_dir", "verbose")
 
 METHODS: dict[str, type[Method]] = {}
 """The registry: method name -> :class:`Method` class, the built-in methods in the order of
-:data:`sparta_tf.method_spec.METHODS`, then the registered user methods."""
+:data:`sparta_tf.method_spec.SPECS`, then the registered user methods."""
 
 
 class Method(abc.ABC):
@@ -159,7 +159,7 @@ def _attribute(option: method_spec.Option, value: Any) -> Any:
 
 def _register(cls: type[Method], spec: MethodSpec) -> None:
     """Binds ``cls`` to ``spec`` and adds it to :data:`METHODS` (a one-line error for a clash)."""
-    builtin = method_spec.METHODS.get(spec.name)
+    builtin = method_spec.SPECS.get(spec.name)
     if builtin is not None and builtin is not spec:
         raise ValueError(f"{cls.__qualname__}: {spec.name!r} is the name of a built-in method; give your spec "
                          "another name")
@@ -170,7 +170,7 @@ def _register(cls: type[Method], spec: MethodSpec) -> None:
         raise TypeError(f"{cls.__qualname__}: spec {spec.name!r} has {len(spec.phases)} phases; override "
                         "phases(epochs) to give each its epochs")
     cls.spec, cls.name, cls.options, cls.private = spec, spec.name, spec.option_names, spec.private
-    order = list(method_spec.METHODS)
+    order = list(method_spec.SPECS)
     METHODS[spec.name] = cls
     ranked = sorted(METHODS.items(), key=lambda item: order.index(item[0]) if item[0] in order else len(order))
     METHODS.clear()

@@ -20,7 +20,7 @@ from typing import ClassVar
 
 import tensorflow as tf
 
-from sparta_tf.method_spec import METHODS, Phase
+from sparta_tf.method_spec import SPECS, Phase
 from sparta_tf.methods.base import SetMethod
 from sparta_tf.methods.sets import ALWAYS_TRAINABLE, bias_terms_set, role_set
 from sparta_tf.trainable import TrainableSet
@@ -35,19 +35,19 @@ class RoleMethod(SetMethod):
         return role_set(model, self.roles, (), self.head, self.head_learning_rate_scale)
 
 
-class All(RoleMethod, spec=METHODS["all"]):
+class All(RoleMethod, spec=SPECS["all"]):
     roles = ("kernel", "bias", "norm", "head", "other")
 
 
-class Last(RoleMethod, spec=METHODS["last"]):
+class Last(RoleMethod, spec=SPECS["last"]):
     roles = ("norm", "head")
 
 
-class BitFit(RoleMethod, spec=METHODS["bitfit"]):
+class BitFit(RoleMethod, spec=SPECS["bitfit"]):
     roles = ALWAYS_TRAINABLE
 
 
-class XBitFit(SetMethod, spec=METHODS["x_bitfit"]):
+class XBitFit(SetMethod, spec=SPECS["x_bitfit"]):
     """DP-BiTFiT's two-phase ``X+BiTFiT``: ``full_epochs`` of full DP fine-tuning, then the bias terms.
 
     Options: ``full_epochs`` (X), ``bitfit_learning_rate_scale``

@@ -16,14 +16,14 @@ from __future__ import annotations
 import tensorflow as tf
 
 from sparta_tf import masks
-from sparta_tf.method_spec import METHODS, Phase
+from sparta_tf.method_spec import SPECS, Phase
 from sparta_tf.methods.base import PreparedMethod, SetMethod
 from sparta_tf.privacy.plan import Mechanism
 from sparta_tf.selection import frost
 from sparta_tf.trainable import TrainableSet
 
 
-class DpFrost(PreparedMethod, SetMethod, spec=METHODS["dp_frost"]):
+class DpFrost(PreparedMethod, SetMethod, spec=SPECS["dp_frost"]):
     """DP-FROST (module doc); its options are attributes of the same names."""
 
     selected: TrainableSet | None = None

@@ -27,7 +27,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from sparta_tf import masks
-from sparta_tf.method_spec import METHODS, Phase, default_warmup_epochs
+from sparta_tf.method_spec import SPECS, Phase, default_warmup_epochs
 from sparta_tf.methods.masked import MaskedMethod
 from sparta_tf.methods.sets import warmup_set
 from sparta_tf.privacy.plan import Mechanism
@@ -129,13 +129,13 @@ class SelectionEpochMethod(MaskedMethod):
         self.save_mask(dp.model, provenance, score=self.score)
 
 
-class Sparta(SelectionEpochMethod, spec=METHODS["sparta"]):
+class Sparta(SelectionEpochMethod, spec=SPECS["sparta"]):
     """SPARTA (Makni et al., KDD 2025, Algorithm 1): private row scores, top rows per layer."""
 
 
-class DpsgdGrad(SelectionEpochMethod, spec=METHODS["dpsgd_grad"]):
+class DpsgdGrad(SelectionEpochMethod, spec=SPECS["dpsgd_grad"]):
     """The paper's Algorithm 2: entries of largest averaged noisy DP-SGD gradient."""
 
 
-class Oracle(SelectionEpochMethod, spec=METHODS["oracle"]):
+class Oracle(SelectionEpochMethod, spec=SPECS["oracle"]):
     """The paper's Algorithm 3: entries of largest exact ``|g|``. NOT differentially private."""

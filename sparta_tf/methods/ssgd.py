@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from sparta_tf import masks, ssgd
-from sparta_tf.method_spec import METHODS, Phase
+from sparta_tf.method_spec import SPECS, Phase
 from sparta_tf.methods.base import PreparedMethod
 from sparta_tf.privacy.plan import Mechanism
 from sparta_tf.trainable import entries
@@ -25,7 +25,7 @@ from sparta_tf.trainable import entries
 SNIP_PHASE, SNIP_KIND = "pre-pruning", "dp_snip"
 
 
-class DpSsgd(PreparedMethod, spec=METHODS["dp_ssgd"]):
+class DpSsgd(PreparedMethod, spec=SPECS["dp_ssgd"]):
     """DP-SSGD (module doc); its options are attributes of the same names (``prune`` is ``"none"`` when
     ``prune_rate`` is 0)."""
 

@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from sparta_tf import masks
 from sparta_tf.groups import row_groups
-from sparta_tf.method_spec import METHODS, Phase
+from sparta_tf.method_spec import SPECS, Phase
 from sparta_tf.methods.masked import MaskedMethod
 from sparta_tf.selection.static import magnitude_selections, random_selections
 from sparta_tf.trainable import TrainableSet
@@ -49,7 +49,7 @@ class StaticMaskMethod(MaskedMethod):
         self.save_mask(dp.model, masks.MaskProvenance.public())
 
 
-class MagnitudePruning(StaticMaskMethod, spec=METHODS["mp"]):
+class MagnitudePruning(StaticMaskMethod, spec=SPECS["mp"]):
     """Per layer the entries (or rows) of largest pre-trained ``|W|`` (paper Alg. 4)."""
 
     def choose_mask(self, model: tf.keras.Model, run_seed: int) -> list:
@@ -57,7 +57,7 @@ class MagnitudePruning(StaticMaskMethod, spec=METHODS["mp"]):
         return magnitude_selections(groups, self.density, self.granularity, self.density_overrides)
 
 
-class RandomMask(StaticMaskMethod, spec=METHODS["random"]):
+class RandomMask(StaticMaskMethod, spec=SPECS["random"]):
     """Per layer uniformly random rows (or entries): the ``"random_mask"`` stream of the run seed, or of
     the ``seed`` option when given (an explicit override)."""
 

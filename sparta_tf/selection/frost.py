@@ -63,7 +63,7 @@ NOISE_STREAM = "frost_noise"
 
 # Paper defaults (Section 5): MGNA, alpha = 1, r_eps = 0.9, T = 5, q_ps = 0.02, nu = 5, J = 1000; the method's
 # options are the dp_frost method's (sparta_tf.method_spec), J (PGM-EST's iterations) is not an option.
-_OPTIONS = method_spec.METHODS["dp_frost"].defaults()
+_OPTIONS = method_spec.SPECS["dp_frost"].defaults()
 DEFAULT_R_EPS = _OPTIONS["r_eps"]
 DEFAULT_T = _OPTIONS["frost_iterations"]
 DEFAULT_Q_PS = _OPTIONS["q_ps"]

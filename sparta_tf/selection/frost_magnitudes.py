@@ -31,7 +31,7 @@ from sparta_tf.groups import parameter_table
 METHODS = method_spec.FROST_MAGNITUDES
 """The magnitudes: ``mg``, ``mgn``, ``mgna``."""
 
-_OPTIONS = method_spec.METHODS["dp_frost"].defaults()
+_OPTIONS = method_spec.SPECS["dp_frost"].defaults()
 DEFAULT_METHOD = _OPTIONS["frost_magnitude"]
 DEFAULT_ALPHA = _OPTIONS["frost_alpha"]
 

@@ -20,12 +20,12 @@ import numpy as np
 import tensorflow as tf
 
 from sparta_tf import groups as groups_module
-from sparta_tf.method_spec import METHODS
+from sparta_tf.method_spec import SPECS
 from sparta_tf.selection.scoring import SelectionScorer, check_score
 from sparta_tf.selection.topk import check_density, selections_from_scores
 from sparta_tf.trainable import VariableSelection
 
-_SPARTA = METHODS["sparta"].defaults()
+_SPARTA = SPECS["sparta"].defaults()
 """SPARTA's option defaults: the selector's."""
 
 
