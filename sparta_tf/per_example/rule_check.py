@@ -51,9 +51,10 @@ def _refuse(layer, what: str) -> UnsupportedLayerError:
         "exact for any layer)")
 
 
-def _rule_results(engine, layer, indices, calls, batch, weights) -> dict:
+def _rule_results(engine, layer, indices, calls, batch, weights, refusals: list) -> dict:
     """What the layer's rules give on the recorded calls: ``grads`` (per-example, per selection),
-    and where the ghost rule computes them itself, ``norms`` ([B]) and ``sums`` (per selection)."""
+    and where the ghost rule computes them itself, ``norms`` ([B]) and ``sums`` (per selection).
+    A refusal is also appended to ``refusals``: raised while tracing, it reaches the caller wrapped."""
     selections = [engine.selections[k] for k in indices]
     recorded = [(call, delta) for call, delta in calls.get(id(layer), []) if delta is not None]
     results: dict = {}
@@ -81,10 +82,13 @@ def _rule_results(engine, layer, indices, calls, batch, weights) -> dict:
                 g = to_accumulation(g)
                 sums[p] = tf.tensordot(tf.cast(weights, g.dtype), g, axes=1)
             results["sums"] = [sums[p] for p in range(len(selections))]
-    except UnsupportedLayerError:
+    except UnsupportedLayerError as refusal:
+        refusals.append(refusal)
         raise
     except Exception as error:  # a user rule's own failure, reported as the rule's
-        raise _refuse(layer, f"raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from error
+        first_line = str(error).splitlines()[0] if str(error) else ""
+        refusals.append(_refuse(layer, f"raised {type(error).__name__}: {first_line}"))
+        raise refusals[-1] from error
     return results
 
 
@@ -123,13 +127,21 @@ def check_user_rules(engine, x, y, loss_fn, strategy: tf.distribute.Strategy, to
     batch = int(tf.shape(tf.nest.flatten(x)[0])[0])
     weights = tf.range(1, batch + 1, dtype=tf.float32) / batch
 
+    refusals: list[UnsupportedLayerError] = []
+
     def computation(x, y):
         valid = tf.ones([batch], tf.bool)
         recorded = record_output_gradients(engine.model, engine.layers, x, y, loss_fn, valid)
-        ours = [_rule_results(engine, layer, indices, recorded.calls, batch, weights) for layer, indices in units]
+        ours = [_rule_results(engine, layer, indices, recorded.calls, batch, weights, refusals)
+                for layer, indices in units]
         return ours, _reference(engine, units, x, y, loss_fn, batch)
 
-    results = tf.function(lambda x, y: strategy.run(computation, args=(x, y)))(x, y)
+    try:
+        results = tf.function(lambda x, y: strategy.run(computation, args=(x, y)))(x, y)
+    except Exception as error:  # autograph wraps what a traced function raises
+        if refusals:
+            raise refusals[0] from error
+        raise
     ours, reference = tf.nest.map_structure(lambda t: strategy.experimental_local_results(t)[0], results)
     scale = max((float(np.max(np.abs(np.asarray(r)), initial=0.0)) for unit in reference for r in unit), default=0.0)
     atol = ABSOLUTE_FRACTION * scale
