@@ -148,7 +148,7 @@ class SameForEveryExampleRule(ScaledDenseRule):
 def _model(layer_class=ScaledDense, seed=0):
     tf.keras.utils.set_random_seed(seed)
     inputs = tf.keras.Input((6,))
-    hidden = tf.nn.tanh(layer_class(5, name="scaled")(inputs))
+    hidden = L.Activation("tanh")(layer_class(5, name="scaled")(inputs))
     return tf.keras.Model(inputs, L.Dense(3, name="head")(hidden))
 
 

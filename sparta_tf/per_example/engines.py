@@ -92,7 +92,7 @@ def _units(model: tf.keras.Model) -> list[tuple[tf.keras.layers.Layer, list[tf.V
 
     A leaf layer that creates weights itself owns them; a recurrent layer owns the weights of its
     cell (and of the cells inside it), which its call uses without calling the cell's ``call``
-    (:mod:`sparta_tf.per_example.recurrent`). A layer with weights of its own *and* sublayers with
+    (:mod:`sparta_tf.per_example.rules.recurrent`). A layer with weights of its own *and* sublayers with
     weights is a unit too; the planner refuses it.
     """
     units, claimed = [], set()

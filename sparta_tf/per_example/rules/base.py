@@ -89,7 +89,7 @@ class LayerRule:
         raise NotImplementedError
 
     @staticmethod
-    def _bias_grad(layer, delta: Tensor, selection) -> Tensor:
+    def bias_grad(layer, delta: Tensor, selection) -> Tensor:
         """``dL_i/db = sum_t delta_it`` for a bias added after the probe point."""
         if selection.variable is getattr(layer, "bias", None) or selection.variable is getattr(layer, "beta", None):
             return sum_over_middle_axes(delta)
@@ -122,7 +122,7 @@ class RecordedCall:
     ``probe``: the zero tensor added to the output (its gradient is ``delta``); for a layer that
     returns a structure, a list of probes, one per floating-point tensor at ``output_positions``
     of the flattened output. A recurrent layer's call records the step inputs and the probes of
-    every step (:mod:`sparta_tf.per_example.recurrent`).
+    every step (:mod:`sparta_tf.per_example.rules.recurrent`).
     """
 
     def __init__(self, layer, args, kwargs, probe, original_call: Callable, output_positions=None):

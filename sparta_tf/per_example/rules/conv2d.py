@@ -57,7 +57,7 @@ class Conv2DRule(LayerRule):
 
     def variable_grad(self, layer, call, delta, selection):
         if selection.variable is not layer.kernel:
-            return self._bias_grad(layer, delta, selection)
+            return self.bias_grad(layer, delta, selection)
         grads = self._kernel_grads(layer, call.inputs, selected_rows(delta, selection))
         if selection.kind == "rows":
             return grads

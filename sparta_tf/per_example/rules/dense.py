@@ -46,7 +46,7 @@ class DenseRule(LayerRule):
 
     def variable_grad(self, layer, call, delta, selection):
         if selection.variable is not layer.kernel:
-            return self._bias_grad(layer, delta, selection)
+            return self.bias_grad(layer, delta, selection)
         a = tf.cast(call.inputs, delta.dtype)
         d = selected_rows(delta, selection)
         if a.shape.rank == 2:
