@@ -166,7 +166,6 @@ def kernel_grads_depthwise(layer, inputs: Tensor, delta: Tensor) -> Tensor:
     return tf.reshape(grads, [tf.shape(delta)[0], -1, delta.shape[-1]])
 
 
-
 CONV2D_RULE = Conv2DRule()
 
 

@@ -131,7 +131,6 @@ class ConvolutionRule(LayerRule):
         return tf.reshape(grads, [-1, *kernel_shape])
 
 
-
 CONVOLUTION_RULE = ConvolutionRule("convolution")
 PRE_ACTIVATION_CONVOLUTION_RULE = ConvolutionRule("pre_activation")
 

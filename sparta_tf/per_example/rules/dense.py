@@ -148,5 +148,4 @@ class LinearGhostRule(GhostRule):
         return tf.reshape(tf.reduce_sum(d, axis=1), [-1, *selection.shape])
 
 
-
 register_layer_rule(tf.keras.layers.Dense, LinearGhostRule(), verify=False)

@@ -48,7 +48,6 @@ def depthwise_kernel_grads(layer, inputs: Tensor, delta: Tensor) -> Tensor:
     return tf.reshape(tf.einsum("btkc,btcm->bkcm", a, d), [-1, *kernel_shape])
 
 
-
 class SeparableRule(LayerRule):
     """SeparableConv2D: the depthwise and the pointwise convolution recorded apart (see module doc).
 
@@ -83,7 +82,6 @@ class SeparableRule(LayerRule):
         a = flat_positions(tf.cast(depthwise, delta_pointwise.dtype))
         grads = tf.matmul(a, flat_positions(delta_pointwise), transpose_a=True)
         return tf.reshape(grads, [-1, *layer.pointwise_kernel.shape.as_list()])
-
 
 
 DEPTHWISE_RULE = DepthwiseRule()

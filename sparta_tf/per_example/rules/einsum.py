@@ -39,7 +39,6 @@ def einsum_layout(layer: tf.keras.layers.EinsumDense) -> EinsumLayout | None:
     return EinsumLayout(math.prod(shape[: len(contracted)]), math.prod(shape[len(contracted):]))
 
 
-
 def einsum_rule(layer: tf.keras.layers.EinsumDense) -> GhostRule:
     """The linear ghost rule for a Dense-like equation, else the per-example VJP's norms."""
     layout = einsum_layout(layer)

@@ -38,7 +38,6 @@ class TransposedConvolutionRule(LayerRule):
         return tf.reshape(tf.matmul(patches, x, transpose_a=True), [-1, *kernel_shape])
 
 
-
 TRANSPOSED_CONVOLUTION_RULE = TransposedConvolutionRule()
 
 
