@@ -1,6 +1,6 @@
 """The matmul precision that the clip bound relies on.
 
-The ghost and index-equality norms (:func:`sparta_tf.per_example.ghost_rules.gram_squared_norms`)
+The ghost and index-equality norms (:func:`sparta_tf.per_example.rules.ghost_norms.gram_squared_norms`)
 add a bound on their own rounding error, ``2 gamma_n R_i^2`` with the unit roundoff ``u`` of
 IEEE arithmetic in the Grams' dtype (``2^-24`` for float32). TensorFloat-32 matmuls, which
 TensorFlow turns on by default on Ampere and newer NVIDIA GPUs, round their inputs to 10

@@ -8,9 +8,9 @@ import tensorflow as tf
 from sparta_tf import trainable as trainable_lib
 from sparta_tf.backend import variable_key
 from sparta_tf.groups import row_groups
-from sparta_tf.per_example import ghost_rules, registry
-from sparta_tf.per_example.bookkeeping import BookkeepingEngine, clipped_batch, make_clipping_engine
-from sparta_tf.per_example.layer_rules import RecordedCall
+from sparta_tf.per_example import RecordedCall, make_engine, registry
+from sparta_tf.per_example.bookkeeping import BookkeepingEngine, clipped_batch
+from sparta_tf.per_example.rules import ghost_norms
 
 L = tf.keras.layers
 
@@ -91,9 +91,9 @@ def _selections(model, rows: bool):
 def _compare(model, selections, x, y, valid, clip_norm, margin=0.0):
     """Book-keeping against the layer-wise engine. ``margin``: how far above the exact squared
     norms ours may lie (the ghost norm's rounding margin, ``gram_squared_norms``); never below."""
-    bookkeeping = make_clipping_engine(model, selections, "auto")
+    bookkeeping = make_engine(model, selections, "auto")
     assert isinstance(bookkeeping, BookkeepingEngine)
-    reference = make_clipping_engine(model, selections, "layerwise")
+    reference = make_engine(model, selections, "layerwise")
     ours = tf.function(lambda: clipped_batch(bookkeeping, x, y, loss_fn, valid, clip_norm))()
     theirs = tf.function(lambda: clipped_batch(reference, x, y, loss_fn, valid, clip_norm))()
     ours_norms, their_norms = (n.squared_norms.numpy()[valid.numpy()] for n in (ours, theirs))
@@ -140,7 +140,7 @@ def test_norms_and_clipped_sums_equal_the_materialising_engine(name, rows):
 @pytest.mark.parametrize("method", ["ghost", "direct"])
 @pytest.mark.parametrize("name", ["dense_3d", "einsum_dense", "conv2d_same", "conv2d_valid_stride"])
 def test_ghost_norm_and_direct_norm_both_exact(name, method, monkeypatch):
-    monkeypatch.setattr(ghost_rules, "choose_linear_norm",
+    monkeypatch.setattr(ghost_norms, "choose_linear_norm",
                         lambda t, d, p: ("rank_one", None, 0) if t == 1 else (method, 1, 1))
     tf.random.set_seed(2)
     model = MODELS[name]()
@@ -152,11 +152,11 @@ def test_ghost_norm_and_direct_norm_both_exact(name, method, monkeypatch):
 
 
 def test_cost_model_picks_the_cheaper_norm_and_the_table_says_which():
-    assert ghost_rules.choose_linear_norm(1, 100, 10)[0] == "rank_one"
-    assert ghost_rules.choose_linear_norm(4, 512, 512) == ("ghost", 16 * 1024, 4 * 512 * 512)
-    assert ghost_rules.choose_linear_norm(1024, 27, 16)[0] == "direct"
+    assert ghost_norms.choose_linear_norm(1, 100, 10)[0] == "rank_one"
+    assert ghost_norms.choose_linear_norm(4, 512, 512) == ("ghost", 16 * 1024, 4 * 512 * 512)
+    assert ghost_norms.choose_linear_norm(1024, 27, 16)[0] == "direct"
     model = tf.keras.Sequential([tf.keras.Input((4, 4, 64)), L.Conv2D(64, 3, padding="same"), L.Flatten(), L.Dense(3)])
-    engine = make_clipping_engine(model, model.trainable_variables)
+    engine = make_engine(model, model.trainable_variables)
     tf.function(lambda: engine.clipped_sum(tf.random.normal([2, 4, 4, 64]), tf.constant([0, 1]), loss_fn,
                                            tf.ones([2], bool), 1.0))()
     methods = {row.variable: row.method for row in engine.cost_table()}
@@ -179,14 +179,14 @@ def test_a_step_of_rule_covered_layers_never_materialises_per_example_kernel_gra
     batch = 7
     model = tf.keras.Sequential([tf.keras.Input((4, 4, 24)), L.Conv2D(40, 3, padding="same", use_bias=False),
                                  L.GroupNormalization(4), L.Flatten(), L.Dense(33), L.Dense(5)])
-    engine = make_clipping_engine(model, model.trainable_variables)
+    engine = make_engine(model, model.trainable_variables)
     x, y = tf.random.normal([batch, 4, 4, 24]), tf.zeros([batch], tf.int32)
     graph = tf.function(lambda: engine.clipped_sum(x, y, loss_fn, tf.ones([batch], bool), 1.0).sums) \
         .get_concrete_function().graph
     kernels = [v.shape for v in model.trainable_variables if "kernel" in v.name]
     assert _kernel_sized_tensors(graph, batch, kernels) == []
     # the check can fail: the materialising engine's graph has them
-    reference = make_clipping_engine(model, model.trainable_variables, "layerwise")
+    reference = make_engine(model, model.trainable_variables, "layerwise")
     reference_graph = tf.function(lambda: clipped_batch(reference, x, y, loss_fn, tf.ones([batch], bool), 1.0).sums) \
         .get_concrete_function().graph
     assert _kernel_sized_tensors(reference_graph, batch, kernels)
@@ -195,7 +195,7 @@ def test_a_step_of_rule_covered_layers_never_materialises_per_example_kernel_gra
 def test_padded_and_non_finite_examples_contribute_exactly_zero():
     tf.random.set_seed(3)
     model = MODELS["conv2d_same"]()
-    engine = make_clipping_engine(model, _selections(model, rows=True))
+    engine = make_engine(model, _selections(model, rows=True))
     x = _inputs(model)
     y = tf.constant([0, 1, 2, 0, 1])
     valid = tf.constant([True, True, False, True, False])
@@ -210,7 +210,7 @@ def test_padded_and_non_finite_examples_contribute_exactly_zero():
 def test_every_example_contributes_at_most_the_clip_norm():
     tf.random.set_seed(4)
     model = MODELS["dense_3d"]()
-    engine = make_clipping_engine(model, model.trainable_variables)
+    engine = make_engine(model, model.trainable_variables)
     x = 100.0 * _inputs(model)
     y = tf.argmin(model(x), axis=-1, output_type=tf.int32)  # the least likely class: a large gradient
     for i in range(3):
@@ -276,10 +276,10 @@ def test_selection_statistics_equal_the_materialising_engine(name, score, granul
     assert scorer.bookkeeping_statistic
     x, y = _inputs(model), tf.constant([0, 1, 2, 0, 1])
     valid = tf.constant([True, True, False, True, True])
-    engine = make_clipping_engine(model, scorer.selections)
+    engine = make_engine(model, scorer.selections)
     assert isinstance(engine, BookkeepingEngine)
     ours = tf.function(lambda: scorer.batch_statistic_bookkeeping(engine, x, y, loss_fn, valid)[0])()
-    reference = make_clipping_engine(model, scorer.selections, "layerwise")
+    reference = make_engine(model, scorer.selections, "layerwise")
     theirs = tf.function(lambda: scorer.batch_statistic(reference(x, y, loss_fn, valid).grads, valid))()
     for a, b in zip(ours, theirs):
         assert a.shape == b.shape
@@ -324,10 +324,10 @@ def test_a_sequence_length_unknown_when_traced_uses_the_exact_direct_norm():
     inputs = tf.keras.Input((None, 6))
     model = tf.keras.Model(inputs, L.Dense(3)(L.GlobalAveragePooling1D()(L.Dense(4)(inputs))))
     x, y = tf.random.normal([5, 7, 6]), tf.constant([0, 1, 2, 0, 1])
-    engine = make_clipping_engine(model, model.trainable_variables)
+    engine = make_engine(model, model.trainable_variables)
     step = tf.function(lambda x: engine.clipped_sum(x, y, loss_fn, tf.ones([5], bool), 0.5).sums,
                        input_signature=[tf.TensorSpec([None, None, 6])])
-    reference = make_clipping_engine(model, model.trainable_variables, "layerwise")
+    reference = make_engine(model, model.trainable_variables, "layerwise")
     for a, b in zip(step(x), clipped_batch(reference, x, y, loss_fn, tf.ones([5], bool), 0.5).sums):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-7)
     assert "direct" in {row.method for row in engine.cost_table()}
@@ -352,10 +352,10 @@ def test_the_ghost_norm_never_falls_below_the_exact_norm_when_positions_cancel()
     small fraction of ||g_i||^2, so such an example escaped clipping (on these 400 examples: 212
     below the exact norm, 109 of them negative and 25 exactly zero)."""
     a, d, exact = _cancelling_positions()
-    ghost = ghost_rules.linear_squared_norms(tf.constant(a), tf.constant(d), "ghost").numpy().astype(np.float64)
+    ghost = ghost_norms.linear_squared_norms(tf.constant(a), tf.constant(d), "ghost").numpy().astype(np.float64)
     assert np.all(ghost >= exact), f"{np.sum(ghost < exact)} of {len(exact)} ghost norms below the exact one"
     same = tf.ones([len(exact), 2, 2])  # the embedding rule's index-equality Gram (one index twice)
-    embedding = ghost_rules.gram_squared_norms(same, tf.matmul(d, d, transpose_b=True), 4 + d.shape[-1]).numpy()
+    embedding = ghost_norms.gram_squared_norms(same, tf.matmul(d, d, transpose_b=True), 4 + d.shape[-1]).numpy()
     exact_embedding = np.sum(np.sum(d.astype(np.float64), axis=1) ** 2, axis=1)
     assert np.all(embedding.astype(np.float64) >= exact_embedding)
 
@@ -364,8 +364,8 @@ def test_the_ghost_norms_rounding_margin_costs_ordinary_examples_little():
     rng = np.random.default_rng(1)
     a = rng.normal(size=(64, 16, 32)).astype(np.float32)
     d = rng.normal(size=(64, 16, 8)).astype(np.float32)
-    ghost = ghost_rules.linear_squared_norms(tf.constant(a), tf.constant(d), "ghost").numpy()
-    direct = ghost_rules.linear_squared_norms(tf.constant(a), tf.constant(d), "direct").numpy()
+    ghost = ghost_norms.linear_squared_norms(tf.constant(a), tf.constant(d), "ghost").numpy()
+    direct = ghost_norms.linear_squared_norms(tf.constant(a), tf.constant(d), "direct").numpy()
     assert np.all(ghost >= direct) and np.all(ghost <= direct * 1.001)
 
 
@@ -405,10 +405,10 @@ def test_a_kernel_shared_by_two_layers_is_clipped_on_the_sum_of_its_parts():
     model = tf.keras.Model(inputs, L.Add()([hidden, TiedDense(dense.kernel)(inputs)]))
     assert len(model.trainable_variables) == 1
     x, y = 10.0 * tf.random.normal([4, 6], seed=7), tf.constant([0, 1, 2, 0])
-    engine = make_clipping_engine(model, model.trainable_variables)
+    engine = make_engine(model, model.trainable_variables)
     assert not isinstance(engine, BookkeepingEngine)
     with pytest.raises(ValueError, match="tied weights"):
-        make_clipping_engine(model, model.trainable_variables, "bookkeeping")
+        make_engine(model, model.trainable_variables, "bookkeeping")
     for i in range(4):
         only = tf.one_hot(i, 4) > 0
         (total,) = clipped_batch(engine, x, y, loss_fn, only, 0.01).sums

@@ -30,7 +30,7 @@ from sparta_tf.groups import row_groups
 from sparta_tf.methods.sets import bias_terms_set
 from sparta_tf.optim.masked_optimizer import MaskedOptimizer
 from sparta_tf.per_example import make_engine
-from sparta_tf.per_example.bookkeeping import clipped_batch, make_clipping_engine
+from sparta_tf.per_example.bookkeeping import clipped_batch
 from sparta_tf.privacy.accounting import compute_epsilon
 from sparta_tf.trainable import TrainableSet
 
@@ -80,7 +80,7 @@ def some_rows(model) -> TrainableSet:
 
 def engine_for(model, selections, name):
     if name == "bookkeeping":
-        return make_clipping_engine(model, selections, "bookkeeping")
+        return make_engine(model, selections, "bookkeeping")
     return make_engine(model, selections, name)
 
 

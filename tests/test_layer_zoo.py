@@ -18,7 +18,7 @@ import tensorflow as tf
 import sparta_tf
 from layer_zoo import CASES, L, loss_fn, norms, reference_clipped_sum, reference_gradients
 from sparta_tf.per_example import make_engine
-from sparta_tf.per_example.bookkeeping import clipped_batch, make_clipping_engine
+from sparta_tf.per_example.bookkeeping import clipped_batch
 from sparta_tf.per_example.errors import UnsupportedLayerError
 
 FLOAT_TOLERANCE = 1e-5  # relative to the step's largest coordinate (ghost norms: rounding margin below this)
@@ -28,7 +28,7 @@ MATERIALISING = {"subclassed_add_weight": "vectorized"}  # the model's own weigh
 
 def _engine(model, case_name: str, engine_name: str):
     if engine_name == "auto":
-        return make_clipping_engine(model, model.trainable_variables, "auto")
+        return make_engine(model, model.trainable_variables, "auto")
     return make_engine(model, model.trainable_variables, MATERIALISING.get(case_name, "layerwise"))
 
 
@@ -205,7 +205,7 @@ def test_one_example_stays_within_the_clip_bound_in_low_precision(dtype):
     (computed in bfloat16 / float16 it reached 1.0057 C / 1.036 C)."""
     tf.keras.utils.set_random_seed(3)
     model = _low_precision_mlp(dtype)
-    engine = make_clipping_engine(model, model.trainable_variables, "auto")
+    engine = make_engine(model, model.trainable_variables, "auto")
     step = tf.function(lambda x, y, valid, c: clipped_batch(engine, x, y, loss_fn, valid, c).sums)
     rs = np.random.RandomState(0)
     x, y = rs.randn(16, 16).astype(np.float32), rs.randint(0, 3, 16)
@@ -221,7 +221,7 @@ def test_float16_squares_do_not_overflow_and_drop_examples():
     """A float16 squared norm above 65504 would be inf and drop the example; in float32 it is clipped."""
     tf.keras.utils.set_random_seed(4)
     model = _low_precision_mlp("float16")
-    engine = make_clipping_engine(model, model.trainable_variables, "auto")
+    engine = make_engine(model, model.trainable_variables, "auto")
     step = tf.function(lambda x, y, valid: clipped_batch(engine, x, y, loss_fn, valid, 1.0))
     rs = np.random.RandomState(1)
     x, y = 100 * rs.randn(8, 16).astype(np.float32), rs.randint(0, 3, 8)
@@ -247,7 +247,7 @@ def test_the_coverage_check_accepts_a_mixed_precision_transformer(policy):
         model = vit_tiny(num_classes=10, input_shape=(32, 32, 3), patch_size=4, dim=32, depth=2, heads=2, mlp_dim=64)
     finally:
         tf.keras.mixed_precision.set_global_policy("float32")
-    engine = make_clipping_engine(model, model.trainable_variables, "auto")
+    engine = make_engine(model, model.trainable_variables, "auto")
     x = np.random.RandomState(0).rand(4, 32, 32, 3).astype(np.float32)
     check_coverage(engine, x, np.arange(4), loss_fn)  # raises UnsupportedLayerError when refused
 
@@ -276,7 +276,7 @@ def test_clipped_sum_over_selected_rows_equals_the_one_example_reference(name, e
     reference = [[np.asarray(s.compact(tf.constant(g)), np.float64) for s, g in zip(selections, grads)]
                  for grads in reference_gradients(model, x, y, valid)]
     clip_norm = float(np.median(norms(reference)))
-    engine = (make_clipping_engine(model, selections, "auto") if engine_name == "auto"
+    engine = (make_engine(model, selections, "auto") if engine_name == "auto"
               else make_engine(model, selections, "layerwise"))
     ours = _flat(tf.function(lambda: clipped_batch(engine, x, y, loss_fn, valid, clip_norm).sums)())
     expected = reference_clipped_sum(reference, clip_norm)
@@ -291,18 +291,19 @@ def test_clipped_sum_over_selected_rows_equals_the_one_example_reference(name, e
 def test_convolution_norms_over_chunks_of_the_batch_equal_the_whole_batch(monkeypatch):
     """A layer whose per-example temporaries exceed the chunk budget computes its per-example
     gradients a chunk of examples at a time (padded to whole chunks): the same clipped sum."""
-    from sparta_tf.per_example import chunking, ghost_rules
+    from sparta_tf.per_example import chunking
+    from sparta_tf.per_example.rules import conv2d
 
     case = CASES["conv2d_valid_strides_relu"]
     tf.keras.utils.set_random_seed(0)
     model = case.build()
     x, y, valid = case.batch(seed=1)
-    engine = make_clipping_engine(model, model.trainable_variables, "auto")
+    engine = make_engine(model, model.trainable_variables, "auto")
     whole = _flat(tf.function(lambda: clipped_batch(engine, x, y, loss_fn, valid, 0.5).sums)())
     per_example = 4 * 6 * 18  # float32 patches: 3x2 output positions of a 3x3 kernel on 2 channels
     monkeypatch.setattr(chunking, "CHUNK_BYTES", 4 * per_example)  # chunks of 4 examples: 6 rows padded to 8
     calls = []
-    monkeypatch.setattr(ghost_rules, "map_over_examples",
+    monkeypatch.setattr(conv2d, "map_over_examples",
                         lambda *args: calls.append(args[2]) or chunking.map_over_examples(*args))
     chunked = _flat(tf.function(lambda: clipped_batch(engine, x, y, loss_fn, valid, 0.5).sums)())
     assert calls == [4]
@@ -321,10 +322,8 @@ def test_no_model_of_the_speed_benchmark_takes_the_per_layer_vjp_fallback():
 
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
     import zoo_speed
-    from sparta_tf.per_example.engines import LayerwiseEngine, as_selections
-    from sparta_tf.per_example.ghost_rules import GhostRule
-    from sparta_tf.per_example.layer_rules import VjpRule
-    from sparta_tf.per_example.registry import ghost_rule_for
+    from sparta_tf.per_example import GhostRule, LayerwiseEngine, VjpRule, ghost_rule_for
+    from sparta_tf.per_example.factory import as_selections
 
     for name, spec in zoo_speed.MODELS.items():
         tf.keras.utils.set_random_seed(0)

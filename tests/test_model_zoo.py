@@ -19,8 +19,7 @@ from sparta_tf.models import (
     with_fresh_head,
     wrn_gn,
 )
-from sparta_tf.per_example import make_engine
-from sparta_tf.per_example.engines import LayerwiseEngine
+from sparta_tf.per_example import LayerwiseEngine, make_engine
 
 TINY_VIT = dict(patch_size=4, dim=16, depth=2, heads=2, mlp_dim=32)
 KERAS_CV_ARGS = dict(stackwise_filters=[8, 16], stackwise_blocks=[2, 2], stackwise_strides=[1, 2])
@@ -127,7 +126,7 @@ def test_vit_roles_and_per_example_grads_match_tape():
     assert roles["block1_ln1/gamma"] == "norm" and roles["head/kernel"] == "head"
     assert collections.Counter(roles.values())["other"] == 2
 
-    engine = make_engine(model, model.trainable_variables, "auto")
+    engine = make_engine(model, model.trainable_variables, "auto", materialise=True)
     assert isinstance(engine, LayerwiseEngine)  # class token / position embedding are leaf-layer weights
 
     def loss_fn(y, logits):

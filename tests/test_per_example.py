@@ -57,7 +57,7 @@ def test_layerwise_handles_a_subset_and_nested_models():
     inputs = L.Input((3,))
     model = tf.keras.Model(inputs, L.Dense(2, name="head")(inner(inputs)))
     subset = [inner.layers[1].kernel, model.get_layer("head").bias]
-    engine = make_engine(model, subset)
+    engine = make_engine(model, subset, materialise=True)
     assert isinstance(engine, LayerwiseEngine)
     x, y = tf.random.normal([4, 3]), tf.constant([0, 1, 1, 0])
     result = engine(x, y, per_example_loss, tf.ones([4], bool))
@@ -94,7 +94,7 @@ def test_no_silent_while_loop_fallback_in_layerwise_engine():
     pruned by grappler at run time; only loops would cost per example.)
     """
     model = mixed_model()
-    engine = make_engine(model, model.trainable_variables)
+    engine = make_engine(model, model.trainable_variables, materialise=True)
     x, y = tf.random.normal([3, 9, 9, 3]), tf.constant([0, 1, 2])
     graph = tf.function(lambda: engine(x, y, per_example_loss, tf.ones([3], bool)).grads).get_concrete_function().graph
     op_types = {op.type for op in graph.get_operations()}

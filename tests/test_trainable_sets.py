@@ -8,7 +8,7 @@ from sparta_tf import groups, trainable
 from sparta_tf.backend import depthwise_kernel, variable_key
 from sparta_tf.optim import MaskedOptimizer, cosine_with_warmup
 from sparta_tf.per_example import LayerwiseEngine, VectorizedEngine, make_engine
-from sparta_tf.per_example.layer_rules import DEPTHWISE_MAX_ROWS
+from sparta_tf.per_example.rules.conv2d import DEPTHWISE_MAX_ROWS
 from sparta_tf.trainable import TrainableSet
 
 L = tf.keras.layers
@@ -562,13 +562,13 @@ def test_cosine_without_warmup_and_argument_checks():
 @pytest.mark.parametrize("strides,padding,size", [(1, "same", 9), (2, "same", 10), (2, "valid", 9), (1, "valid", 8)])
 def test_three_conv_kernel_gradient_formulations_agree(strides, padding, size):
     """im2col patches, shifted views and depthwise correlations give the same per-example grads."""
-    from sparta_tf.per_example import layer_rules
+    from sparta_tf.per_example.rules import conv2d
 
     layer = tf.keras.layers.Conv2D(3, 3, strides=strides, padding=padding)
     inputs = tf.random.stateless_normal((4, size, size, 5), seed=(1, 2))
     out = layer(inputs)
     delta = tf.random.stateless_normal(out.shape, seed=(3, 4))
-    patches = layer_rules.extract_patches(inputs, (3, 3), (strides, strides), (1, 1), padding.upper())
+    patches = conv2d.extract_patches(inputs, (3, 3), (strides, strides), (1, 1), padding.upper())
     reference = tf.matmul(tf.reshape(patches, [4, -1, 45]), tf.reshape(delta, [4, -1, 3]), transpose_a=True)
-    for formulation in (layer_rules._kernel_grads_shifted, layer_rules._kernel_grads_depthwise):
+    for formulation in (conv2d.kernel_grads_shifted, conv2d.kernel_grads_depthwise):
         np.testing.assert_allclose(formulation(layer, inputs, delta), reference, rtol=1e-4, atol=1e-5)

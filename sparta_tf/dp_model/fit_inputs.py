@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from sparta_tf import distribute, keras_trainer
 from sparta_tf.model_checks import PROBE_EXAMPLES, probe_batch_mixing
-from sparta_tf.per_example.bookkeeping import make_clipping_engine
+from sparta_tf.per_example import make_engine
 from sparta_tf.per_example.coverage import check_coverage
 from sparta_tf.privacy.accounting import check_delta_for_dataset
 from sparta_tf.privacy.sampling import (
@@ -111,7 +111,7 @@ def probe_model(dp, x, y) -> None:
     if dp._model_probed:
         return
     everything = TrainableSet.of_variables(dp.model.trainable_variables)
-    engine = make_clipping_engine(dp.model, everything, dp.engine_name)  # refuses what it cannot plan
+    engine = make_engine(dp.model, everything, dp.engine_name)  # refuses what it cannot plan
     probe_batch_mixing(dp.model, x)
     if dp._per_example_loss is not None:
         check_coverage(engine, x, y, dp._per_example_loss, dp.distribute_strategy)

@@ -59,13 +59,12 @@ from sparta_tf.dp_step import (
     ScoreRelease,
     StepParts,
     all_reduce_sum,
-    choose_engine,
 )
 from sparta_tf import distribute, keras_trainer
 from sparta_tf.losses import per_example_loss_fn
 from sparta_tf.model_checks import reject_batch_mixing_layers
 from sparta_tf.optim.masked_optimizer import MaskedOptimizer
-from sparta_tf.per_example.bookkeeping import BookkeepingEngine
+from sparta_tf.per_example import BookkeepingEngine, make_engine
 from sparta_tf.precision import require_ieee_float32_matmuls
 from sparta_tf.privacy.accounting import check_delta_for_dataset, check_noise_multiplier, check_sample_rate
 from sparta_tf.privacy.callbacks import PrivacyCallback
@@ -318,10 +317,10 @@ class DPModel(tf.keras.Model):
         return self._engine.cost_table() if isinstance(self._engine, BookkeepingEngine) else []
 
     def _make_engine(self):
-        """The per-example engine of the current release and filter (:func:`choose_engine`)."""
+        """The per-example engine of the current release and filter (:func:`~sparta_tf.per_example.make_engine`)."""
         release = self._release or self._gradient_release()
         materialise = release.needs_per_example_gradients() or self._gradient_filter.needs_per_example_gradients
-        return choose_engine(self.model, release.selections(self.trainable_set), self.engine_name, materialise)
+        return make_engine(self.model, release.selections(self.trainable_set), self.engine_name, materialise=materialise)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         """Keras 3 builds the model from ``fit``'s first batch, first averaging it over the replicas

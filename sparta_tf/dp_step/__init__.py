@@ -12,7 +12,7 @@ One step is one Poisson-subsampled Gaussian mechanism (Abadi et al. 2016) over t
 
 Each line is a small object of its own module, with its math in its docstring:
 
-* :mod:`~sparta_tf.dp_step.engine`: which per-example engine computes ``g_i`` or ``S``;
+* :func:`sparta_tf.per_example.make_engine`: which per-example engine computes ``g_i`` or ``S``;
 * :mod:`~sparta_tf.dp_step.keep`: the gradient filter ("mask or drop"): :data:`KEEP_ALL`, or a
   method's filter such as DP-SSGD's :class:`~sparta_tf.ssgd.dropping.GradientDropping`;
 * :mod:`~sparta_tf.dp_step.clip`: :class:`ClippedSum`, the per-(micro-)batch clipped sum;
@@ -31,7 +31,6 @@ nothing is assigned while the step is traced.
 """
 
 from sparta_tf.dp_step.clip import BatchStatistic, ClippedSum
-from sparta_tf.dp_step.engine import choose_engine
 from sparta_tf.dp_step.keep import KEEP_ALL, GradientFilter, KeepAll
 from sparta_tf.dp_step.micro_batches import MicroBatches, all_reduce_sum
 from sparta_tf.dp_step.noise import GaussianNoise
@@ -53,5 +52,4 @@ __all__ = [
     "ScoreRelease",
     "StepParts",
     "all_reduce_sum",
-    "choose_engine",
 ]

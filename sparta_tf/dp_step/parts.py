@@ -12,7 +12,7 @@ from sparta_tf.trainable import TrainableSet
 
 @dataclass(frozen=True)
 class StepParts:
-    """``engine``: computes ``g_i`` or ``S`` (:func:`~sparta_tf.dp_step.engine.choose_engine`);
+    """``engine``: computes ``g_i`` or ``S`` (:func:`~sparta_tf.per_example.make_engine`);
     ``gradient_filter``: ``I_s`` per step; ``micro_batches``: the sum over micro-batches;
     ``release``: the statistic and what is released; ``trainable_set``: the coordinates ``I``."""
 

@@ -35,7 +35,7 @@ layer-wise engine of :mod:`sparta_tf.per_example` covers the whole model
   sublayers (maskable kernels for SPARTA, per-example VJP rule);
 * the class token and the position embedding are the single weights of the
   custom leaf layers :class:`ClassToken` and :class:`PositionEmbedding`
-  (generic per-example VJP rule). Their role in :mod:`sparta_tf.groups` is
+  (their rules registered here, :mod:`sparta_tf.per_example.rules.tokens`). Their role in :mod:`sparta_tf.groups` is
   ``"other"``: sparse methods freeze them, ``all`` trains them;
 * LayerNorm scale/offset have role ``"norm"``.
 
@@ -55,6 +55,8 @@ from typing import Optional, Tuple
 import tensorflow as tf
 
 from sparta_tf.models.resnet import HEAD_LAYER_NAME
+from sparta_tf.per_example import register_layer_rule
+from sparta_tf.per_example.rules.tokens import LearnedTokenRule
 
 __all__ = ["ClassToken", "PositionEmbedding", "ClassTokenPool", "vit_tiny", "LN_EPSILON"]
 
@@ -71,7 +73,7 @@ class ClassToken(tf.keras.layers.Layer):
     """Prepends a learned token: ``[B, N, D] -> [B, N + 1, D]``, ``out[:, 0] = c``.
 
     Owns its single weight ``token`` (shape ``[1, 1, D]``); its per-example
-    gradient is ``dL_i/dc = delta_i[0]`` (:mod:`sparta_tf.per_example.norm_rules`).
+    gradient is ``dL_i/dc = delta_i[0]`` (:mod:`sparta_tf.per_example.rules.tokens`, registered below).
     """
 
     def __init__(self, initializer=None, **kwargs):
@@ -105,7 +107,8 @@ class PositionEmbedding(tf.keras.layers.Layer):
     """Adds a learned position embedding: ``x + E`` with ``E`` of shape ``[1, T, D]``.
 
     ``T`` (tokens, class token included) and ``D`` come from the input shape,
-    which must be static. Owns its single weight ``embedding``.
+    which must be static. Owns its single weight ``embedding``; its per-example gradient is
+    ``dL_i/dE = delta_i`` (:mod:`sparta_tf.per_example.rules.tokens`, registered below).
     """
 
     def __init__(self, initializer=None, **kwargs):
@@ -131,6 +134,10 @@ class PositionEmbedding(tf.keras.layers.Layer):
         config = super().get_config()
         config.update(initializer=tf.keras.initializers.serialize(self.initializer))
         return config
+
+
+register_layer_rule(ClassToken, LearnedTokenRule(first_token_only=True), verify=False)
+register_layer_rule(PositionEmbedding, LearnedTokenRule(first_token_only=False), verify=False)
 
 
 @tf.keras.utils.register_keras_serializable(package="sparta_tf")

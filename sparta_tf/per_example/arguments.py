@@ -1,7 +1,7 @@
 """Per-example views of a recorded layer call's arguments.
 
 A rule that re-runs a layer one example at a time (the per-example VJP of
-:class:`~sparta_tf.per_example.layer_rules.VjpRule`) must give example ``i``
+:class:`~sparta_tf.per_example.rules.base.VjpRule`) must give example ``i``
 only its own data. Every tensor argument with a batch dimension, positional or
 keyword (``mask=``, ``attention_mask=``, initial states), also inside lists,
 tuples and dicts, is sliced to row ``i``; arguments without one (Python

@@ -6,7 +6,7 @@ layer's input ``a`` and output gradient ``delta``
 
 1. per layer, the per-example squared norms of its selected coordinates
    (rank one, ghost norm, or that layer's own per-example gradients, as the
-   cost model of :mod:`~sparta_tf.per_example.ghost_rules` decides), summed
+   cost model of :mod:`~sparta_tf.per_example.rules.ghost_norms` decides), summed
    over layers: ``||g_i||^2 = sum_l ||g_i^l||^2``;
 2. the clip factors ``c_i = min(1, C/||g_i||)`` (0 for padding and non-finite
    norms; :func:`sparta_tf.clipping.clip_factors`);
@@ -36,14 +36,15 @@ from sparta_tf import clipping
 from sparta_tf.backend import variable_key
 from sparta_tf.per_example.engines import (
     HookedEngine,
+    LayerwiseEngine,
     PerExampleLoss,
     RecordedPass,
     check_rows,
     per_example_sum,
     record_output_gradients,
 )
-from sparta_tf.per_example.ghost_rules import NormMethod, _squared, keep_examples
 from sparta_tf.per_example.registry import ghost_rule_for
+from sparta_tf.per_example.rules.base import NormMethod, keep_examples, squared_sum
 from sparta_tf.precision import accumulation_dtype, to_accumulation
 from sparta_tf.trainable import VariableSelection
 
@@ -87,14 +88,14 @@ class BookkeepingEngine(HookedEngine):
         (``sum_abs``), by the exact factorisation for Dense on 2-D input, else from one layer's
         per-example gradients at a time.
         """
-        return self._statistic(record_output_gradients(self.model, self._layers, x, y, loss_fn, valid),
+        return self._statistic(record_output_gradients(self.model, self.layers, x, y, loss_fn, valid),
                                clip_norm, groups)
 
     def coverage_sums(self, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor):
         """``(sum_i g_i unclipped, the batch gradient of the same pass)`` per selection (compact;
         the batch gradient None where the loss does not depend on the variable), for
         :func:`sparta_tf.per_example.coverage.check_coverage`."""
-        recorded = record_output_gradients(self.model, self._layers, x, y, loss_fn, valid,
+        recorded = record_output_gradients(self.model, self.layers, x, y, loss_fn, valid,
                                            watch=[s.variable for s in self.selections])
         return self._statistic(recorded, None, None).sums, recorded.batch_gradients
 
@@ -117,7 +118,7 @@ class BookkeepingEngine(HookedEngine):
 
     def _abs_row_sums(self, calls, factors, keep, direct_grads: dict, groups) -> list:
         sums: list = [None] * len(self.selections)
-        for layer, rule, indices in self._plan:
+        for layer, rule, indices in self.plan:
             for k in indices:
                 group = groups[k]
                 if k in direct_grads:  # shared layer: |sum over calls| needs the per-example sum
@@ -143,7 +144,7 @@ class BookkeepingEngine(HookedEngine):
         its layer's norms (and materialised gradients) are done."""
         parts, direct_grads, table = [], {}, []
         batch = tf.shape(losses)[0]
-        for layer, rule, indices in reversed(self._plan):
+        for layer, rule, indices in reversed(self.plan):
             recorded = [(call, delta) for call, delta in calls.get(id(layer), []) if delta is not None]
             if not recorded:
                 continue
@@ -163,7 +164,7 @@ class BookkeepingEngine(HookedEngine):
                 for k, g in zip(indices, rule.reference.per_example_grads(layer, call, delta, selections)):
                     g = per_example_sum(g, batch) if self.is_grouped(layer) else g
                     direct_grads[k] = g if k not in direct_grads else direct_grads[k] + g
-            parts.extend(_squared(direct_grads[k]) for k in indices)
+            parts.extend(squared_sum(direct_grads[k]) for k in indices)
             method = "direct_time_distributed" if self.is_grouped(layer) else "direct_shared_layer"
             table.extend(NormMethod(layer.name, variable_key(s.variable), method, None, None) for s in selections)
         return _total(parts), direct_grads, table
@@ -172,7 +173,7 @@ class BookkeepingEngine(HookedEngine):
 
     def _weighted_sums(self, calls, factors: tf.Tensor, keep: tf.Tensor, direct_grads: dict) -> list:
         sums: list = [None] * len(self.selections)
-        for layer, rule, indices in self._plan:
+        for layer, rule, indices in self.plan:
             for k in indices:  # per-example gradients a norm rule computed anyway: sum them
                 if k in direct_grads:
                     grads = to_accumulation(keep_examples(direct_grads[k], keep))
@@ -223,8 +224,6 @@ def make_bookkeeping_engine(model: tf.keras.Model, selections: Sequence[Variable
     """``(BookkeepingEngine, None)``, or ``(None, reason)`` when a selected variable is not owned
     by a leaf layer (then no per-layer rule can see its inputs and output gradients) or is owned
     by several (tied weights: see :func:`_shared_selections`)."""
-    from sparta_tf.per_example.engines import LayerwiseEngine
-
     plan, reason = LayerwiseEngine.plan_for(model, selections, ghost_rule_for)
     if plan is None:
         return None, reason
@@ -242,33 +241,6 @@ def _shared_selections(plan) -> list[int]:
     adding per-layer norms would clip such an example at up to ``sqrt(L) C`` for ``L`` owners."""
     owners = Counter(k for _, _, indices in plan for k in indices)
     return sorted(k for k, count in owners.items() if count > 1)
-
-
-ENGINES = ("auto", "bookkeeping", "layerwise", "vectorized")
-
-
-def make_clipping_engine(model: tf.keras.Model, trainable, engine: str = "auto"):
-    """The engine of a DP step's clipped sum for ``trainable`` (see :func:`clipped_batch`).
-
-    ``"auto"``: book-keeping wherever every selected variable is owned by exactly one leaf layer,
-    else a materialising engine (layer-wise for tied weights; ``tf.vectorized_map``, with a
-    warning, for variables no leaf layer owns); ``"bookkeeping"``: book-keeping
-    or a ValueError; ``"layerwise"`` / ``"vectorized"``: the materialising engines
-    (:func:`~sparta_tf.per_example.engines.make_engine`), kept as references.
-    """
-    from sparta_tf.per_example.engines import as_selections, make_engine
-
-    if engine not in ENGINES:
-        raise ValueError(f"engine={engine!r} is not one of {ENGINES}")
-    selections = as_selections(trainable)
-    if engine in ("auto", "bookkeeping"):
-        bookkeeping, reason = make_bookkeeping_engine(model, selections)
-        if bookkeeping is not None:
-            return bookkeeping
-        if engine == "bookkeeping":
-            raise ValueError(f"engine='bookkeeping' cannot handle this model: {reason}; use engine='auto'")
-        return make_engine(model, selections, "auto")  # layer-wise (tied weights) or vectorized, warned
-    return make_engine(model, selections, engine)
 
 
 def clipped_batch(engine, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor, clip_norm: float) -> ClippedBatch:

@@ -26,6 +26,9 @@ uncovered variable is off by 100%; in bfloat16 a variable missing less than a
 quarter of its gradient could pass (every rule is tested exactly in float32
 by ``tests/test_layer_zoo.py``). The whole-model ``vectorized`` engine needs
 no check: it differentiates the model itself, one example at a time.
+
+A rule a user registers (:func:`~sparta_tf.per_example.registry.register_layer_rule`) is checked
+first and more strictly, per example: :mod:`~sparta_tf.per_example.rule_check`.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import tensorflow as tf
 from sparta_tf.backend import variable_key
 from sparta_tf.keras_layers import all_layers
 from sparta_tf.per_example.errors import UnsupportedLayerError
+from sparta_tf.per_example.rule_check import check_user_rules
 
 FLOAT_TOLERANCE = 1e-3
 ROUNDOFFS = 64
@@ -54,7 +58,7 @@ def tolerance(model: tf.keras.Model) -> float:
 
 
 def _owners(engine) -> dict[int, str]:
-    return {k: layer.name for layer, _, indices in engine._plan for k in indices}
+    return {k: layer.name for layer, _, indices in engine.plan for k in indices}
 
 
 def _traced_sums(engine, x, y, loss_fn, strategy):
@@ -76,12 +80,16 @@ def _traced_sums(engine, x, y, loss_fn, strategy):
 
 def check_coverage(engine, x, y, loss_fn, strategy: tf.distribute.Strategy | None = None) -> None:
     """Raises :class:`UnsupportedLayerError` unless the engine's per-example gradients of the
-    examples ``x, y`` (a few real ones, no padding) add up to their batch gradient (module doc)."""
+    examples ``x, y`` (a few real ones, no padding) add up to their batch gradient (module doc),
+    after checking every registered user rule of the engine's plan against the one-example tape
+    gradient (:func:`~sparta_tf.per_example.rule_check.check_user_rules`)."""
     if not hasattr(engine, "coverage_sums"):
         return
     x = tf.nest.map_structure(lambda t: tf.convert_to_tensor(t[:PROBE_EXAMPLES]), x)
     y = tf.nest.map_structure(lambda t: tf.convert_to_tensor(t[:PROBE_EXAMPLES]), y)
-    sums, batch_gradients = _traced_sums(engine, x, y, loss_fn, strategy or tf.distribute.get_strategy())
+    strategy = strategy or tf.distribute.get_strategy()
+    check_user_rules(engine, x, y, loss_fn, strategy, tolerance(engine.model))
+    sums, batch_gradients = _traced_sums(engine, x, y, loss_fn, strategy)
     truths = [np.asarray(s.compact(g), np.float64) for s, g in zip(engine.selections, batch_gradients)]
     scale = max((np.linalg.norm(t) for t in truths), default=0.0)
     relative_bound = tolerance(engine.model)

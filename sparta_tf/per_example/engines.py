@@ -14,20 +14,18 @@ Two engines compute the same quantity:
 * :class:`LayerwiseEngine`: one batched forward and one batched backward pass
   to the layer outputs, then a per-layer rule turns layer inputs and output
   gradients into per-example weight gradients
-  (:mod:`sparta_tf.per_example.layer_rules`). Used when every variable asked
+  (:mod:`sparta_tf.per_example.registry`). Used when every variable asked
   for belongs to a layer that owns it directly, or to a recurrent layer's cell
-  (:mod:`sparta_tf.per_example.recurrent`); layers inside ``TimeDistributed``
+  (:mod:`sparta_tf.per_example.rules.recurrent`); layers inside ``TimeDistributed``
   have their per-row gradients summed per example.
 * :class:`VectorizedEngine`: ``tf.vectorized_map`` over examples of the
   gradient of a batch-of-one forward pass. Works for any Keras model.
 
-:func:`make_engine` picks the layer-wise engine when it covers the variables
-and says why it falls back otherwise.
+:func:`~sparta_tf.per_example.factory.make_engine` picks the engine.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Callable, NamedTuple, Sequence
 
 import tensorflow as tf
@@ -35,13 +33,11 @@ import tensorflow as tf
 from sparta_tf.backend import owned_variables, tf_variable
 from sparta_tf.keras_layers import all_layers
 from sparta_tf.per_example.errors import UnsupportedLayerError
-from sparta_tf.per_example.registry import rule_for
 from sparta_tf.per_example.recording import install_hook, install_reshape_hook, recording
-from sparta_tf.per_example.recurrent import cell_layers, check_recurrent_layer, is_recurrent
+from sparta_tf.per_example.registry import rule_for
+from sparta_tf.per_example.rules.recurrent import cell_layers, check_recurrent_layer, is_recurrent
 from sparta_tf.precision import accumulation_dtype, to_accumulation
-from sparta_tf.trainable import TrainableSet, VariableSelection
-
-logger = logging.getLogger(__name__)
+from sparta_tf.trainable import VariableSelection
 
 PerExampleLoss = Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
 
@@ -97,7 +93,7 @@ def _units(model: tf.keras.Model) -> list[tuple[tf.keras.layers.Layer, list[tf.V
 
     A leaf layer that creates weights itself owns them; a recurrent layer owns the weights of its
     cell (and of the cells inside it), which its call uses without calling the cell's ``call``
-    (:mod:`sparta_tf.per_example.recurrent`). A layer with weights of its own *and* sublayers with
+    (:mod:`sparta_tf.per_example.rules.recurrent`). A layer with weights of its own *and* sublayers with
     weights is a unit too; the planner refuses it.
     """
     units, claimed = [], set()
@@ -133,13 +129,13 @@ class HookedEngine:
     def __init__(self, model: tf.keras.Model, selections: Sequence[VariableSelection], plan):
         self.model = model
         self.selections = list(selections)
-        self._plan = plan
+        self.plan = plan
         wrappers, self._grouped = _layers_inside_time_distributed(model)
         for wrapper in wrappers:
             install_reshape_hook(wrapper)
         for layer, rule, _ in plan:
             install_hook(layer, rule)
-        self._layers = [layer for layer, _, _ in plan]
+        self.layers = [layer for layer, _, _ in plan]
 
     def is_grouped(self, layer) -> bool:
         """True for a layer that a ``TimeDistributed`` applies to several rows per example."""
@@ -185,12 +181,12 @@ class LayerwiseEngine(HookedEngine):
         return plan, None
 
     def __call__(self, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor) -> PerExampleGradients:
-        return self._per_example(record_output_gradients(self.model, self._layers, x, y, loss_fn, valid))
+        return self._per_example(record_output_gradients(self.model, self.layers, x, y, loss_fn, valid))
 
     def coverage_sums(self, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor):
         """``(sum_i g_i, the batch gradient of the same pass)`` per selection (see
         :func:`sparta_tf.per_example.coverage.check_coverage`)."""
-        recorded = record_output_gradients(self.model, self._layers, x, y, loss_fn, valid,
+        recorded = record_output_gradients(self.model, self.layers, x, y, loss_fn, valid,
                                            watch=[s.variable for s in self.selections])
         result = self._per_example(recorded)
         return [tf.reduce_sum(g, axis=0) for g in result.grads], recorded.batch_gradients
@@ -199,7 +195,7 @@ class LayerwiseEngine(HookedEngine):
         per_layer_calls, losses = recorded.calls, recorded.losses
         batch = tf.shape(losses)[0]
         grads: list = [None] * len(self.selections)
-        for layer, rule, indices in self._plan:
+        for layer, rule, indices in self.plan:
             selections = [self.selections[k] for k in indices]
             for call, delta in per_layer_calls.get(id(layer), []):
                 if delta is None:
@@ -312,32 +308,3 @@ class VectorizedEngine:
         grads, losses, predictions = tf.vectorized_map(one_example, (x, y))
         grads = [s.compact(g, batch_dims=1) for s, g in zip(self.selections, grads)]
         return PerExampleGradients(grads, losses, predictions, valid)
-
-
-def as_selections(trainable) -> list[VariableSelection]:
-    """A TrainableSet, selections or plain variables (each whole) as a list of selections."""
-    if isinstance(trainable, TrainableSet):
-        return list(trainable.selections)
-    return [t if isinstance(t, VariableSelection) else VariableSelection(t) for t in trainable]
-
-
-def make_engine(model: tf.keras.Model, trainable, engine: str = "auto"):
-    """The per-example gradient engine for the trainable set ``trainable`` of ``model``.
-
-    ``trainable``: a :class:`~sparta_tf.trainable.TrainableSet`, a list of
-    selections, or a list of variables (each trained whole).
-    ``engine``: ``"auto"`` (layer-wise when possible), ``"layerwise"`` (error
-    if impossible) or ``"vectorized"``.
-    """
-    selections = as_selections(trainable)
-    if engine not in ("auto", "layerwise", "vectorized"):
-        raise ValueError(f"engine={engine!r} is not one of 'auto', 'layerwise', 'vectorized'")
-    if engine == "vectorized":
-        return VectorizedEngine(model, selections)
-    plan, reason = LayerwiseEngine.plan_for(model, selections)
-    if plan is None:
-        if engine == "layerwise":
-            raise ValueError(f"engine='layerwise' cannot handle this model: {reason}; use engine='auto'")
-        logger.warning("per-example gradients: using tf.vectorized_map (%s)", reason)
-        return VectorizedEngine(model, selections)
-    return LayerwiseEngine(model, selections, plan)

@@ -23,7 +23,7 @@ def static_or_dynamic(t: tf.Tensor, axis: int):
     return size if size is not None else tf.shape(t)[axis]
 
 
-def _output_size_and_padding(size, kernel: int, stride: int, dilation: int, padding: str):
+def output_size_and_padding(size, kernel: int, stride: int, dilation: int, padding: str):
     """TensorFlow's output length and (before, after) padding for one spatial axis.
 
     ``size`` is an int, or a scalar tensor for a size unknown when the step is traced (then the
@@ -61,7 +61,7 @@ def extract_patches_nd(inputs: tf.Tensor, kernel_size, strides, dilations, paddi
     ``S``, in ``(k_1, ..., k_n, C)`` order: a Keras kernel ``[*k, C, c_out]`` reshaped to
     ``[prod(k)*C, c_out]`` multiplies them."""
     spatial = len(kernel_size)
-    geometry = [_output_size_and_padding(static_or_dynamic(inputs, 1 + axis), kernel_size[axis], strides[axis],
+    geometry = [output_size_and_padding(static_or_dynamic(inputs, 1 + axis), kernel_size[axis], strides[axis],
                                          dilations[axis], padding) for axis in range(spatial)]
     if any(not (isinstance(p, int) and p == 0) for _, pads in geometry for p in pads):
         inputs = tf.pad(inputs, [[0, 0]] + [list(pads) for _, pads in geometry] + [[0, 0]])

@@ -5,7 +5,7 @@ from one batched backward pass, the layer's output ``z`` is replaced by
 ``z + p`` where ``p = 0`` is a watched tensor (a *probe*): the value is
 unchanged and ``d(sum_i L_i)/dp = [dL_1/dz_1, ..., dL_B/dz_B]`` because no
 layer mixes examples. The layer's inputs are kept so that a
-:class:`~sparta_tf.per_example.layer_rules.LayerRule` can turn
+:class:`~sparta_tf.per_example.rules.base.LayerRule` can turn
 ``(inputs, delta)`` into per-example weight gradients.
 
 Hooks are installed once per layer (as instance attributes, so other
@@ -24,7 +24,7 @@ from typing import Iterator
 import tensorflow as tf
 
 from sparta_tf.per_example.errors import UnsupportedLayerError
-from sparta_tf.per_example.layer_rules import LayerRule, RecordedCall
+from sparta_tf.per_example.rules.base import LayerRule, RecordedCall
 
 _STATE = threading.local()
 _HOOK_ATTRIBUTE = "_sparta_per_example_hook"

@@ -41,7 +41,7 @@ import tensorflow as tf
 from sparta_tf import method_spec, random_streams
 from sparta_tf import trainable as trainable_lib
 from sparta_tf.losses import per_example_loss_fn
-from sparta_tf.per_example.engines import make_engine
+from sparta_tf.per_example import make_engine
 from sparta_tf.noise import gaussian_noise
 from sparta_tf.privacy import accounting
 from sparta_tf.privacy.sampling import PoissonSampler
@@ -246,7 +246,7 @@ def frost_select(
     else:
         sigma_sel, sigma_sgd = accounting.check_noise_multiplier(noise_multiplier), None
     variables = [v for p in parts for v in p.variables]
-    grad_engine = make_engine(model, variables, engine)
+    grad_engine = make_engine(model, variables, engine, materialise=True)
     loss_fn = per_example_loss_fn(loss)
     n = len(tf.nest.flatten(y)[0])
     seed = random_streams.resolve_seed(seed)

@@ -248,7 +248,7 @@ def prune_dp_snip(
         raise ValueError("DP-SNIP releases a noisy statistic of the data: pass the PrivacyLedger to charge")
     prunable = prunable_variables(model, roles)
     loss_fn = per_example_loss_fn(loss)
-    run = make_engine(model, [trainable_lib.dense(v) for v in prunable], engine)
+    run = make_engine(model, [trainable_lib.dense(v) for v in prunable], engine, materialise=True)
     n = len(tf.nest.flatten(x)[0])
     if n == 0:
         raise ValueError("DP-SNIP got no examples")

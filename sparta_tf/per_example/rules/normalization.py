@@ -1,19 +1,13 @@
-"""Per-example gradients of elementwise-parametrised layers: normalisation layers and PReLU.
+"""LayerNormalization and GroupNormalization: per-example gradients directly, ``[B, C]``.
 
-Their weights act elementwise on the layer's own input, so per-example gradients are cheap
-(``[B, *weight.shape]``, computed directly from the recorded input and output gradient):
+``y = gamma x^ + beta`` acts elementwise on the layer's own normalised input ``x^``, so::
 
-* LayerNormalization (any ``axis``, a list of axes included) and GroupNormalization (any
-  ``axis``, with its ``mask``), ``y = gamma x^ + beta``::
+    dL_i/dgamma = sum_{t not in axis} delta_it x^_it        dL_i/dbeta = sum_{t not in axis} delta_it
 
-      dL_i/dgamma = sum_{t not in axis} delta_it x^_it        dL_i/dbeta = sum_{t not in axis} delta_it
-
-  with ``x^`` recomputed from the layer input exactly as the layer normalises it (moments over the
-  layer's axes, or per group with the mask's weights, and its epsilon); ``center`` / ``scale`` in
-  any combination (an absent parameter is simply not a variable).
-* PReLU, ``y = relu(x) - alpha relu(-x)``: ``dL_i/dalpha = sum_{shared axes} -delta_i relu(-x_i)``.
-* The ViT's learned tokens (:mod:`sparta_tf.models.vit`): ``PositionEmbedding``, ``y = x + E``:
-  ``dL_i/dE = delta_i``; ``ClassToken``, ``y = [c, x]``: ``dL_i/dc = delta_i[0]``.
+with ``x^`` recomputed from the layer input exactly as the layer normalises it (moments over the
+layer's axes, any ``axis`` and lists of axes, or per group with GroupNormalization's ``mask``
+weights, and its epsilon); ``center`` / ``scale`` in any combination (an absent parameter is
+simply not a variable). Book-keeping reduces these cheap per-example gradients to norms.
 """
 
 from __future__ import annotations
@@ -21,7 +15,8 @@ from __future__ import annotations
 import tensorflow as tf
 
 from sparta_tf.backend import variable_key
-from sparta_tf.per_example.layer_rules import LayerRule
+from sparta_tf.per_example.registry import register_layer_rule
+from sparta_tf.per_example.rules.base import LayerRule
 
 Tensor = tf.Tensor
 
@@ -76,33 +71,6 @@ def _group_normalized(layer, x: Tensor, mask) -> Tensor:
     return tf.reshape(normalized_, shape)
 
 
-class PReLURule(LayerRule):
-    """PReLU: ``dL_i/dalpha = sum over the shared axes of -delta_i relu(-x_i)``."""
-
-    norm_method = "elementwise"
-
-    def variable_grad(self, layer, call, delta, selection):
-        per_position = -delta * tf.nn.relu(-tf.cast(call.inputs, delta.dtype))
-        shared = [a for a in (layer.shared_axes or [])]
-        if shared:
-            per_position = tf.reduce_sum(per_position, axis=shared, keepdims=True)
-        return per_position
-
-
-class LearnedTokenRule(LayerRule):
-    """PositionEmbedding (``dL_i/dE = delta_i``) and ClassToken (``dL_i/dc = delta_i[0]``)."""
-
-    norm_method = "elementwise"
-
-    def __init__(self, first_token_only: bool):
-        self.first_token_only = first_token_only
-
-    def variable_grad(self, layer, call, delta, selection):
-        grads = delta[:, :1] if self.first_token_only else delta
-        return tf.reshape(grads, tf.concat([tf.shape(grads)[:1], selection.shape], 0))
-
-
 NORMALIZATION_RULE = NormalizationRule()
-CLASS_TOKEN_RULE = LearnedTokenRule(first_token_only=True)
-POSITION_EMBEDDING_RULE = LearnedTokenRule(first_token_only=False)
-PRELU_RULE = PReLURule()
+register_layer_rule(tf.keras.layers.LayerNormalization, NORMALIZATION_RULE, verify=False)
+register_layer_rule(tf.keras.layers.GroupNormalization, NORMALIZATION_RULE, verify=False)

@@ -39,7 +39,8 @@ import tensorflow as tf
 from sparta_tf.backend import rnn_initial_state, rnn_loop, tf_variable
 from sparta_tf.keras_layers import all_layers
 from sparta_tf.per_example.errors import UnsupportedLayerError
-from sparta_tf.per_example.layer_rules import LayerRule, RecordedCall
+from sparta_tf.per_example.registry import register_layer_rule
+from sparta_tf.per_example.rules.base import LayerRule, RecordedCall
 from sparta_tf.precision import to_accumulation
 
 RNN = tf.keras.layers.RNN
@@ -185,3 +186,4 @@ class RecurrentRule(LayerRule):
 
 
 RECURRENT_RULE = RecurrentRule()
+register_layer_rule(RNN, RECURRENT_RULE, subclasses=True, verify=False)  # LSTM, GRU, SimpleRNN, RNN(cell)
