@@ -2,8 +2,8 @@
 
 The top level holds the public surface the guides use: the entry point :func:`make_private`; the
 core types :class:`DPModel`, :class:`PrivacyPlan`, :class:`PrivacyLedger`, :class:`Method`,
-:class:`NonFiniteGuard` and :class:`NotPerExampleSafeError`; the registry of methods
-:data:`METHODS`; and the helpers the guides call (:func:`cosine_with_warmup`,
+:class:`NonFiniteGuard` and :class:`NotPerExampleSafeError`; the registries: of methods,
+:data:`METHODS`, and of per-layer per-example rules, :func:`register_layer_rule`; and the helpers the guides call (:func:`cosine_with_warmup`,
 :func:`calibrate_noise_multiplier`, :func:`compute_epsilon`). Everything else, SPARTA's internals
 included (``sparta_tf.groups.group_table``, ``sparta_tf.masks.save_mask``,
 ``sparta_tf.selection.SpartaSelector``, ``sparta_tf.callbacks.MethodCallback``, ...), is imported
@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # for type checkers and the API reference (static); at run ti
     from sparta_tf.methods import METHODS, Method
     from sparta_tf.model_checks import NotPerExampleSafeError
     from sparta_tf.optim import cosine_with_warmup
+    from sparta_tf.per_example import register_layer_rule
     from sparta_tf.privacy import PrivacyLedger, calibrate_noise_multiplier, compute_epsilon
     from sparta_tf.privacy.plan import PrivacyPlan
     from sparta_tf.private_training import make_private
@@ -46,6 +47,7 @@ _PUBLIC: dict[str, str] = {
     "calibrate_noise_multiplier": "sparta_tf.privacy",
     "compute_epsilon": "sparta_tf.privacy",
     "cosine_with_warmup": "sparta_tf.optim",
+    "register_layer_rule": "sparta_tf.per_example",
 }
 """Each top-level name -> the module defining it (imported on first access)."""
 
@@ -61,6 +63,7 @@ __all__ = [
     "compute_epsilon",
     "cosine_with_warmup",
     "make_private",
+    "register_layer_rule",
 ]
 
 

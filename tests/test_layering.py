@@ -74,7 +74,7 @@ def test_a_top_level_name_imports_its_module_on_first_use():
 # ------------------------------------------------------------------------ public surface
 
 CORE = {"make_private", "DPModel", "PrivacyPlan", "PrivacyLedger", "Method", "METHODS", "NotPerExampleSafeError",
-        "cosine_with_warmup", "calibrate_noise_multiplier", "compute_epsilon"}
+        "cosine_with_warmup", "calibrate_noise_multiplier", "compute_epsilon", "register_layer_rule"}
 INTERNALS = {"group_table": "sparta_tf.groups", "row_groups": "sparta_tf.groups", "save_mask": "sparta_tf.masks",
              "load_mask": "sparta_tf.masks", "SpartaSelector": "sparta_tf.selection",
              "MethodCallback": "sparta_tf.callbacks", "SpartaCallback": "sparta_tf.callbacks"}
