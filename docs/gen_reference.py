@@ -147,7 +147,7 @@ def _section_table(section: str, fields: dict) -> list[str]:
 
 def _method_section_from_spec(spec_module, default_name: str) -> list[str]:
     """The ``method`` section from :mod:`sparta_tf.method_spec`: every method, its phases and options."""
-    methods = spec_module.METHODS
+    methods = spec_module.SPECS
     out = ["| key | type | default | valid values |", "| --- | --- | --- | --- |",
            f"| `method.name` | string | `{default_name}` | {', '.join(methods)} |", "",
            "The other keys of the section are the options of the method `method.name` names:", ""]
