@@ -13,7 +13,7 @@ import tensorflow as tf
 import sparta_tf.dp_step.noise as dp_step_noise_module
 import sparta_tf.ssgd.pruning as pruning_module
 from sparta_tf import DPModel, random_streams
-from sparta_tf.noise import gaussian_noise
+from sparta_tf.dp_step.noise import gaussian_noise
 from sparta_tf.privacy.ledger import PrivacyLedger
 from sparta_tf.privacy.sampling import PoissonSampler
 

@@ -380,8 +380,6 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
     if dp.private_run.previous is None:  # a fresh run (RunDirectory refuses a checkpoint without --resume)
         if run_dir.resume:
             print(f"== --resume: no checkpoint in {output_dir}, starting from scratch")
-        for reason in dataset.nonprivate_reasons():
-            dp.ledger.record_nonprivate(reason)
         for caveat in privacy_caveats(config, dataset, plan.private):
             dp.ledger.record_caveat(caveat)  # in the ledger, so a mask chosen now carries it too
     ledger_path = os.path.join(output_dir, checkpointing.LEDGER)

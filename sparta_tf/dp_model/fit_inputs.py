@@ -19,7 +19,6 @@ from sparta_tf import distribute, keras_trainer
 from sparta_tf.model_checks import PROBE_EXAMPLES, probe_batch_mixing
 from sparta_tf.per_example.bookkeeping import make_clipping_engine
 from sparta_tf.per_example.coverage import check_coverage
-from sparta_tf.privacy.accounting import check_delta_for_dataset
 from sparta_tf.privacy.sampling import (
     PoissonSampler,
     default_physical_batch_size,
@@ -54,12 +53,7 @@ def prepare(dp, x, y, steps_per_epoch: int | None):
 def input_pipeline(dp, x, y, initial_step: int):
     """(dataset, steps_per_epoch) for in-memory arrays, Poisson or shuffled."""
     n = len(tf.nest.flatten(x)[0])
-    if dp.dataset_size is None:
-        if dp.ledger is not None:
-            check_delta_for_dataset(dp.ledger.delta, n)
-        dp.dataset_size = n
-    elif dp.dataset_size != n:
-        raise ValueError(f"dataset_size={dp.dataset_size} but fit got {n} examples; they must agree")
+    dp.bind_dataset_size(n)  # delta < 1/n is checked there
     if dp.sampling == "shuffle":
         batch = max(1, round(dp.sample_rate * n))
         dataset = shuffled_dataset(x, y, batch, seed=dp._seed, start_step=initial_step)

@@ -1,4 +1,4 @@
-"""``DPModel``: DP-SGD for any Keras 2 model through plain ``model.fit``.
+"""``DPModel``: DP-SGD for any Keras model through plain ``model.fit``.
 
 One call of :meth:`DPModel.train_step` is one DP-SGD step, i.e. one
 Poisson-subsampled Gaussian mechanism (Abadi et al. 2016)::
@@ -30,7 +30,7 @@ Poisson-subsampled Gaussian mechanism (Abadi et al. 2016)::
   at construction).
 * Under ``tf.distribute`` the clipped sums are all-reduced across replicas
   and the noise, drawn from a key shared by all replicas
-  (:mod:`sparta_tf.noise`), is added once to the global sum. Under
+  (:mod:`sparta_tf.dp_step.noise`), is added once to the global sum. Under
   ``MultiWorkerMirroredStrategy`` every worker draws the same global Poisson
   sample from the chief's seed and trains on its share
   (:mod:`sparta_tf.distribute`).
@@ -41,12 +41,11 @@ Poisson-subsampled Gaussian mechanism (Abadi et al. 2016)::
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import tensorflow as tf
 
-from sparta_tf.dp_model import fit_inputs, ledger_callback
+from sparta_tf.dp_model import fit_inputs
 from sparta_tf.dp_step import (
     KEEP_ALL,
     ClippedSum,
@@ -67,27 +66,29 @@ from sparta_tf.model_checks import reject_batch_mixing_layers
 from sparta_tf.optim.masked_optimizer import MaskedOptimizer
 from sparta_tf.per_example.bookkeeping import BookkeepingEngine
 from sparta_tf.precision import require_ieee_float32_matmuls
-from sparta_tf.privacy.accounting import check_delta_for_dataset, check_noise_multiplier, check_sample_rate
+from sparta_tf.privacy import charging
 from sparta_tf.privacy.callbacks import PrivacyCallback
 from sparta_tf.privacy.ledger import PrivacyLedger
+from sparta_tf.privacy.mechanism import DpSgdMechanism
 from sparta_tf.trainable import TrainableSet
 from sparta_tf.xla import JitCompile, resolve_jit_compile
 
 SAMPLING_MODES = ("poisson", "shuffle")
 
 
-def _check_positive(name: str, value: float) -> float:
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name}={value!r} must be a finite number > 0")
-    return value
-
-
 class DPModel(tf.keras.Model):
     """Wraps a Keras model so that ``fit`` trains it with DP-SGD.
 
     Args:
-      model: any Keras 2 model (Sequential, functional or subclassed) without
+      model: any Keras model (Sequential, functional or subclassed) without
         BatchNormalization in training mode.
+
+    ``noise_multiplier``, ``clip_norm``, ``sample_rate``, ``dataset_size`` and ``delta`` build the
+    model's one :class:`~sparta_tf.privacy.mechanism.DpSgdMechanism` (:attr:`mechanism`), once:
+    the step's noise and normalisation, the sampler, the selection scorer and the ledger's charge
+    all read that object (the read-only attributes of the same names are views of it).
+
+    Args:
       noise_multiplier: ``sigma``; the noise std on each trainable coordinate
         of the summed clipped gradient is ``sigma * clip_norm``.
       clip_norm: ``C``, the per-example L2 bound.
@@ -136,10 +137,7 @@ class DPModel(tf.keras.Model):
         if sampling not in SAMPLING_MODES:
             raise ValueError(f"sampling={sampling!r} is not one of {SAMPLING_MODES}")
         self.model = model
-        self.noise_multiplier = check_noise_multiplier(noise_multiplier)
-        self.clip_norm = _check_positive("clip_norm", clip_norm)
-        self.sample_rate = check_sample_rate(sample_rate)
-        self.dataset_size = dataset_size
+        self._mechanism = DpSgdMechanism(noise_multiplier, sample_rate, clip_norm, dataset_size, delta)
         self.physical_batch_size = physical_batch_size
         self.sampling = sampling
         self.engine_name = engine
@@ -152,11 +150,10 @@ class DPModel(tf.keras.Model):
         )
         self._noise_seed = tf.Variable(seed, dtype=tf.int64, trainable=False, name="noise_seed")
         self.ledger = (
-            PrivacyLedger(delta, accountant=accountant, target_epsilon=target_epsilon, sampling=sampling)
-            if delta is not None else None
+            PrivacyLedger(self._mechanism.delta, accountant=accountant, target_epsilon=target_epsilon,
+                          sampling=sampling)
+            if self._mechanism.delta is not None else None
         )
-        if dataset_size is not None and self.ledger is not None:
-            check_delta_for_dataset(self.ledger.delta, dataset_size)
         self._trainable_set: TrainableSet | None = None
         self._masked_optimizer: MaskedOptimizer | None = None
         self._release: Release | None = None  # None: DP-SGD's gradient release
@@ -173,6 +170,36 @@ class DPModel(tf.keras.Model):
     def attach_run(self, run) -> None:
         """Makes ``fit`` run ``run``'s method and plan (:class:`sparta_tf.private_training.PrivateRun`)."""
         self.private_run = run
+
+    @property
+    def mechanism(self) -> DpSgdMechanism:
+        """What every DP step of this model is (``sigma``, ``q``, ``C``, ``n``, ``delta``): the one object
+        the step, the sampler, the selection scorer and the ledger's charge read."""
+        return self._mechanism
+
+    def bind_dataset_size(self, n: int) -> None:
+        """Fixes ``n`` (from the arrays ``fit`` got) when it was not given; ValueError when it differs."""
+        self._mechanism = self._mechanism.with_dataset_size(n)
+
+    @property
+    def noise_multiplier(self) -> float:
+        """``sigma`` of :attr:`mechanism`."""
+        return self._mechanism.noise_multiplier
+
+    @property
+    def sample_rate(self) -> float:
+        """``q`` of :attr:`mechanism`."""
+        return self._mechanism.sample_rate
+
+    @property
+    def clip_norm(self) -> float:
+        """``C`` of :attr:`mechanism`."""
+        return self._mechanism.clip_norm
+
+    @property
+    def dataset_size(self) -> int | None:
+        """``n`` of :attr:`mechanism` (None until the first ``fit`` with arrays, when not given)."""
+        return self._mechanism.dataset_size
 
     @property
     def plan(self):
@@ -295,7 +322,7 @@ class DPModel(tf.keras.Model):
     def set_release(self, release: Release | None) -> None:
         """What the following steps release (:mod:`sparta_tf.dp_step.release`): e.g. a
         :class:`~sparta_tf.dp_step.ScoreRelease` during a selection epoch; None: the noisy
-        gradient to the optimizer (DP-SGD), from the model's current ``sigma, C, q, n``."""
+        gradient to the optimizer (DP-SGD), from :attr:`mechanism`."""
         self._release = release
         self._engine = None
         self._retrace()
@@ -342,10 +369,11 @@ class DPModel(tf.keras.Model):
         return super().make_train_function(force=force)
 
     def _gradient_release(self) -> GradientRelease:
-        """DP-SGD's release from the model's current ``sigma, C, q, n`` and optimizer."""
+        """DP-SGD's release of :attr:`mechanism` (``sigma, C, q, n``) to the optimizer."""
+        mechanism = self._mechanism
         return GradientRelease(
-            ClippedSum(self.clip_norm), GaussianNoise(self.noise_multiplier, self.clip_norm, self._noise_seed),
-            ExpectedBatchNormalisation(self.sample_rate, self.dataset_size), self._masked_optimizer,
+            ClippedSum(mechanism.clip_norm), GaussianNoise(mechanism, self._noise_seed),
+            ExpectedBatchNormalisation(mechanism), self._masked_optimizer,
         )
 
     def step_parts(self) -> StepParts:
@@ -417,8 +445,8 @@ class DPModel(tf.keras.Model):
         x, y, steps_per_epoch = fit_inputs.prepare(self, x, y, steps_per_epoch)
         if isinstance(x, tf.data.Dataset):
             kwargs.setdefault("shuffle", False)  # the batches are the sampler's (Keras 3 warns on shuffle=True)
-        privacy = ledger_callback.privacy_callback(self, callbacks, steps_per_epoch, on_budget_exhausted)
-        if privacy is not None and privacy not in callbacks:
+        privacy = charging.model_callback(self, callbacks, steps_per_epoch, on_budget_exhausted)
+        if privacy is not None:
             callbacks.insert(0, privacy)
         self.privacy_callback = privacy
         if verbose != 0 and not any(isinstance(c, tf.keras.callbacks.ProgbarLogger) for c in callbacks):

@@ -162,6 +162,14 @@ def _trainable(phase: PlannedPhase, trainable, total) -> str:
     return f"{count:,} ({count / total:.2%})" if total else f"{count:,}"
 
 
+def sample_rate(n: int, expected_batch_size: float) -> float:
+    """``q = min(1, b / n)``: the Poisson rate of a run with expected batch ``b`` on ``n`` examples (the
+    only place ``q`` is computed; everything else reads the plan's)."""
+    if n < 1:
+        raise ValueError(f"n={n} private training examples: need at least 1")
+    return min(1.0, expected_batch_size / n)
+
+
 def make_privacy_plan(
     *,
     n: int,
@@ -181,9 +189,7 @@ def make_privacy_plan(
     otherwise, at once (before the per-phase PLD work, which takes minutes at ``sigma = 0.01``) when one
     step alone spends more than the target.
     """
-    if n < 1:
-        raise ValueError(f"n={n} private training examples: need at least 1")
-    q = min(1.0, expected_batch_size / n)
+    q = sample_rate(n, expected_batch_size)
     per_epoch = steps_per_epoch(q)
     epochs = sum(p.epochs for p in phases)
     training = tuple((q, p.epochs * per_epoch) for p in phases if p.epochs)

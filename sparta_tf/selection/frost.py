@@ -54,11 +54,11 @@ import tensorflow as tf
 
 from sparta_tf import method_spec, random_streams
 from sparta_tf import trainable as trainable_lib
-from sparta_tf.clipping import clipped_sum
+from sparta_tf.dp_step.clipping import clipped_sum
 from sparta_tf.groups import parameter_table
 from sparta_tf.losses import per_example_loss_fn
 from sparta_tf.per_example.engines import make_engine
-from sparta_tf.noise import gaussian_noise
+from sparta_tf.dp_step.noise import gaussian_noise
 from sparta_tf.privacy import accounting
 from sparta_tf.privacy.sampling import PoissonSampler
 from sparta_tf.selection.pgm import DEFAULT_J, pgm_est, pgm_variance

@@ -37,10 +37,10 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
-from sparta_tf.clipping import clip_factors, per_example_squared_norms
+from sparta_tf.dp_step.clipping import clip_factors, per_example_squared_norms
 from sparta_tf.groups import RowGroup
 from sparta_tf.method_spec import GRANULARITIES, SCORES
-from sparta_tf.noise import gaussian_noise
+from sparta_tf.dp_step.noise import gaussian_noise
 from sparta_tf.trainable import VariableSelection
 
 SELECTION_NOISE_STREAM = "selection_noise"  # sparta_tf.random_streams: the released scores' noise
