@@ -12,7 +12,7 @@ A run of ``T`` epochs on ``n`` private examples with expected batch ``b`` is
   ``M_{q_k, sigma_k}`` run ``count_k`` times.
 
 Noise multipliers, by one calibrator
-(:func:`sparta_tf.privacy.accounting.calibrate_composition`):
+(:func:`sparta_tf.privacy.calibration.calibrate_composition`):
 
 1. the training ``sigma``: given, or the smallest with
    ``eps(before-training mechanisms with a known sigma  o  training) <= share * target``
@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, Sequence
 
-from sparta_tf.privacy import accounting
+from sparta_tf.privacy import accounting, calibration
 from sparta_tf.privacy.ledger import DEFAULT_KIND, LedgerEntry, PrivacyLedger
 from sparta_tf.privacy.sampling import steps_per_epoch
 
@@ -198,7 +198,7 @@ def make_privacy_plan(
         if target_epsilon is None:
             raise ValueError("give a target epsilon or a noise multiplier")
         known = () if training_share < 1 else _known(before_training)
-        noise_multiplier = accounting.calibrate_composition(
+        noise_multiplier = calibration.calibrate_composition(
             known, training, training_share * target_epsilon, delta, accountant)
     if given:
         steps = [(noise_multiplier, q)] if training else []
@@ -237,6 +237,20 @@ class FixedNoiseOverBudgetError(accounting.PrivacyBudgetExceededError):
                          f"target_epsilon={target_epsilon:g}; raise it, or give none to calibrate it from the target")
 
 
+def calibrate_split(target_epsilon: float, delta: float, share: float, *, sample_rate: float, steps: int,
+                    before_rate: float, before_count: int, accountant: str = "pld",
+                    rtol: float = calibration.CALIBRATION_RTOL) -> tuple[float, float]:
+    """``(sigma_before, sigma_training)`` of a budget split by ``share`` (DP-FROST's ``r_eps``):
+    ``sigma_training`` the smallest with ``eps(M_{q, sigma}^steps) <= share * target``, then
+    ``sigma_before`` the smallest with ``eps(training o M_{q_b, sigma_before}^count) <= target``
+    (what :func:`make_privacy_plan` does with ``training_share``, for callers without a plan)."""
+    training = calibration.calibrate_noise_multiplier(share * target_epsilon, delta, sample_rate, steps, accountant,
+                                                      rtol)
+    before = calibration.calibrate_composition(((training, sample_rate, steps),), ((before_rate, before_count),),
+                                               target_epsilon, delta, accountant, rtol)
+    return float(before), float(training)
+
+
 def _known(mechanisms: Sequence[Mechanism]) -> tuple:
     return tuple((m.noise_multiplier, m.sample_rate, m.count) for m in mechanisms
                  if m.noise_multiplier is not None and m.count)
@@ -251,6 +265,6 @@ def _calibrated_before(before: Sequence[Mechanism], sigma: float, training: tupl
     if target is None:
         raise ValueError("a mechanism before training has no noise multiplier and there is no target epsilon")
     fixed = _known(before) + tuple((sigma, q, count) for q, count in training)
-    calibrated = accounting.calibrate_composition(fixed, unknown, target, delta, accountant)
+    calibrated = calibration.calibrate_composition(fixed, unknown, target, delta, accountant)
     return [m if m.noise_multiplier is not None else dataclasses.replace(m, noise_multiplier=calibrated)
             for m in before]
