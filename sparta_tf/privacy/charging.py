@@ -18,7 +18,7 @@ else, wherever they ran:
 
 Files (under ``run_dir/checkpoints/``, beside :mod:`sparta_tf.checkpointing`'s checkpoints):
 ``journal.json`` (``{"started_through": t}``) and ``before_training.json`` (runs started, and
-one run's entries).
+one run's entries), written, like everything in the run directory, by ``checkpointing.write_atomic``.
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from sparta_tf import distribute
-from sparta_tf.atomic_files import write_atomic
+from sparta_tf import checkpointing, distribute
 from sparta_tf.checkpointing import BEFORE_TRAINING, CHECKPOINTS, JOURNAL, LEDGER, CheckpointError
 from sparta_tf.masks import is_mask_charge
 from sparta_tf.privacy.callbacks import PrivacyCallback
@@ -115,8 +114,8 @@ class StepJournal(tf.keras.callbacks.Callback):
         if privacy is not None:  # first the ledger, then the journal: a kill in between over-counts only
             charged = PrivacyLedger.from_json(privacy.ledger.to_json())
             charged.charge(privacy.charge(extra_steps=1))
-            write_atomic(self.ledger_path, json.dumps(charged.to_json(), indent=1))
-        write_atomic(self.path, json.dumps({"started_through": int(dp.dp_step.numpy()) + 1}))
+            checkpointing.write_atomic(self.ledger_path, json.dumps(charged.to_json(), indent=1))
+        checkpointing.write_atomic(self.path, json.dumps({"started_through": int(dp.dp_step.numpy()) + 1}))
 
 
 def steps_started_after(output_dir: str, checkpoint_step: int) -> int:
@@ -154,7 +153,8 @@ def update_checkpoint_ledger(path: str, ledger: PrivacyLedger) -> None:
     before the next checkpoint cannot lose the charge."""
     with open(os.path.join(path, "state.json")) as f:
         state = json.load(f)
-    write_atomic(os.path.join(path, "state.json"), json.dumps(dict(state, ledger=ledger.to_json()), indent=1))
+    text = json.dumps(dict(state, ledger=ledger.to_json()), indent=1)
+    checkpointing.write_atomic(os.path.join(path, "state.json"), text)
 
 
 # ------------------------------------------------------------------ before the first step
@@ -169,11 +169,12 @@ def journal_before_training(output_dir: str, ledger: PrivacyLedger, entries: Seq
     charged = PrivacyLedger.from_json(ledger.to_json())
     for entry in entries:
         charged.charge(entry)
-    write_atomic(os.path.join(output_dir, LEDGER), json.dumps(charged.to_json(), indent=1))
+    checkpointing.write_atomic(os.path.join(output_dir, LEDGER), json.dumps(charged.to_json(), indent=1))
     path = os.path.join(output_dir, CHECKPOINTS, BEFORE_TRAINING)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     started = _runs_started_before_training(output_dir) + 1
-    write_atomic(path, json.dumps({"runs_started": started, "entries": [e.to_dict() for e in entries]}, indent=1))
+    record = {"runs_started": started, "entries": [e.to_dict() for e in entries]}
+    checkpointing.write_atomic(path, json.dumps(record, indent=1))
 
 
 def _runs_started_before_training(output_dir: str) -> int:

@@ -127,8 +127,8 @@ class SelectionScorer(tf.Module):
         """:meth:`batch_statistic` from a book-keeping engine built for :attr:`selections`:
         ``(stats, losses, predictions)``, without a model's worth of per-example gradients."""
         absolute = self.score in ("sum_abs", "oracle")
-        result = engine.selection_statistic(x, y, loss_fn, valid, None if self.score == "oracle" else self.mechanism.clip_norm,
-                                            self.groups if absolute else None)
+        clip_norm = None if self.score == "oracle" else self.mechanism.clip_norm
+        result = engine.selection_statistic(x, y, loss_fn, valid, clip_norm, self.groups if absolute else None)
         return result.sums, result.losses, result.predictions
 
     def release(self, stats: Sequence[tf.Tensor], seed: tf.Tensor, step: tf.Tensor) -> None:
