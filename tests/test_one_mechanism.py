@@ -188,6 +188,16 @@ def test_a_caller_privacy_callback_is_refused_even_when_it_agrees():
     assert int(dp.dp_step.numpy()) == 0 and dp.ledger.steps == 0
 
 
+def test_the_model_callback_cannot_be_set_to_charge_another_mechanism():
+    dp = _compiled(sparta_tf.DPModel(_model(), noise_multiplier=1.0, sample_rate=BATCH / N, delta=1e-5, seed=0))
+    x, y = _data()
+    dp.fit(x, y, epochs=1, verbose=0)
+    dp.privacy_callback.noise_multiplier = 5.0
+    with pytest.raises(ValueError, match="set to charge noise_multiplier 5, .* leave it as the model built it"):
+        dp.fit(x, y, epochs=1, verbose=0)
+    assert dp.ledger.entries == (dp.mechanism.entry(int(dp.dp_step.numpy())),)
+
+
 def test_interrupted_steps_are_charged_as_the_model_mechanism(tmp_path):
     dp = sparta_tf.DPModel(_model(), noise_multiplier=0.9, sample_rate=0.25, dataset_size=N, delta=1e-5, seed=0)
     journal = charging.StepJournal(str(tmp_path))

@@ -54,6 +54,12 @@ def model_callback(dp, callbacks: list, steps_per_epoch: int, on_budget_exhauste
     if dp.ledger is None:
         return None
     own = dp.privacy_callback
+    mine = (dp.noise_multiplier, dp.sample_rate)
+    if own is not None and own.ledger is dp.ledger and (own.noise_multiplier, own.sample_rate) != mine:
+        raise ValueError(f"the model's PrivacyCallback was set to charge noise_multiplier {own.noise_multiplier:g}, "
+                         f"sample_rate {own.sample_rate:g}, but the steps run the model's mechanism "
+                         f"(noise_multiplier {dp.noise_multiplier:g}, sample_rate {dp.sample_rate:g}); leave it as "
+                         "the model built it")
     budget_mode = "strict" if dp.private_run is None else dp.private_run.budget_mode
     if (own is None or own.ledger is not dp.ledger or own.step_counter is not dp.dp_step
             or own.mechanism is not dp.mechanism):
