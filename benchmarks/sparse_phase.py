@@ -186,7 +186,7 @@ def make_tfp_ghost_step(model: tf.keras.Model, batch_size: int, ctx: st.Ctx) -> 
 
 class _NoiseFloor(tf.keras.Model):
     """Train step = only the DP-SGD noise: one N(0, sigma^2 C^2) draw per trainable coordinate
-    (``sparta_tf.noise.gaussian_noise``, stateless Philox as in the DP step), applied by the optimizer."""
+    (``sparta_tf.dp_step.noise.gaussian_noise``, stateless Philox as in the DP step), applied by the optimizer."""
 
     def __init__(self, model: tf.keras.Model):
         super().__init__(name="noise_floor")
@@ -197,7 +197,7 @@ class _NoiseFloor(tf.keras.Model):
         return self.model(inputs, training=training)
 
     def train_step(self, data):
-        from sparta_tf.noise import gaussian_noise
+        from sparta_tf.dp_step.noise import gaussian_noise
 
         variables = self.model.trainable_variables
         noise = gaussian_noise([v.shape for v in variables], st.NOISE_MULTIPLIER * st.CLIP_NORM,

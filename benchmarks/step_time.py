@@ -214,7 +214,7 @@ def make_sparta_selection_step(model: tf.keras.Model, batch_size: int, ctx: Ctx)
     from sparta_tf.selection import SpartaSelector
 
     def configure(dp_model):
-        scorer = SpartaSelector(model, density=0.2).make_scorer(NOISE_MULTIPLIER, CLIP_NORM)
+        scorer = SpartaSelector(model, density=0.2).make_scorer(dp_model.mechanism)
         dp_model.begin_scoring(scorer)
 
     return _sparta_step(model, batch_size, ctx, engine="auto", configure=configure)

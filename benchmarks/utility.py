@@ -755,13 +755,13 @@ def ensure_pretrained(base: dict) -> None:
         return
     import tensorflow as tf
 
-    from trainers import run
+    from trainers import pretraining, run
 
     work_dir = os.path.dirname(base["pretrain"]["checkpoint"])
     config = validate_config(cell_config(base, "all", 1.0, 0, 0.1, DEFAULT_DENSITY, work_dir))
     tf.keras.utils.set_random_seed(0)  # as the first cell (seed 0) would, had it built the cache
     dataset = run.load_private_data(config)
-    run.pretrain(config, config["output_dir"], dataset)
+    pretraining.pretrain(config, config["output_dir"], dataset)
 
 
 def exit_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:

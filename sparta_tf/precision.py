@@ -51,7 +51,7 @@ def accumulation_dtype(dtype: tf.DType) -> tf.DType:
     instead of clipping it. Output gradients and layer inputs are exact in float32 (every
     bfloat16 / float16 value is a float32 value), so casting them up first computes the norm of
     the very gradient that is summed, with float32 rounding, which the safety margin of
-    :mod:`sparta_tf.clipping` and the ghost norms' rounding bound already cover.
+    :mod:`sparta_tf.dp_step.clipping` and the ghost norms' rounding bound already cover.
     """
     dtype = tf.as_dtype(dtype)
     return tf.float64 if dtype == tf.float64 else tf.float32

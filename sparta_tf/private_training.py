@@ -13,9 +13,12 @@ prints in its dry run): ``q = min(1, batch_size / n)``, ``round(1/q)`` steps
 per epoch, the method's phases, and one noise multiplier ``sigma`` for every
 step of every phase, calibrated so that the composition of all of them (and
 of the mechanisms the method runs before training) stays within
-``(target_epsilon, delta)``. The DP model is built with exactly that ``sigma``
-and ``q``, and its ``fit`` charges its own ledger from the values it ran with
-(:class:`PrivateRun` holds no second copy).
+``(target_epsilon, delta)``. The DP model is built from exactly the plan's
+``sigma``, ``q``, ``n`` and ``delta`` (its one
+:class:`~sparta_tf.privacy.mechanism.DpSgdMechanism`, ``dp.mechanism``), its
+ledger starts with the plan's reasons a run is not private, and every step,
+resumed ones included, is charged as that mechanism
+(:mod:`sparta_tf.privacy.charging`; :class:`PrivateRun` holds no second copy).
 
 ``fit`` of the returned model (:meth:`PrivateRun.before_fit`):
 
@@ -42,8 +45,9 @@ import tensorflow as tf
 
 from sparta_tf import checkpointing, distribute
 from sparta_tf.methods import Method, make_method
+from sparta_tf.privacy import charging
 from sparta_tf.privacy.ledger import PrivacyLedger
-from sparta_tf.privacy.plan import PrivacyPlan, make_privacy_plan
+from sparta_tf.privacy.plan import PrivacyPlan, make_privacy_plan, sample_rate
 
 MASK_DIR = "mask"
 
@@ -69,7 +73,7 @@ def plan_method(
     return make_privacy_plan(
         n=n, expected_batch_size=batch_size, phases=method.phases(epochs), delta=delta,
         target_epsilon=target_epsilon, accountant=accountant, noise_multiplier=noise_multiplier,
-        before_training=method.mechanisms_before_training(n, min(1.0, batch_size / n)),
+        before_training=method.mechanisms_before_training(n, sample_rate(n, batch_size)),
         training_share=method.training_share,
         nonprivate_reasons=list(method.nonprivate_reasons()) + list(nonprivate_reasons),
     )
@@ -140,10 +144,11 @@ def make_private(
 
 def private_model(model: tf.keras.Model, method: Method, plan: PrivacyPlan, *, run_dir: str | None = None,
                   seed: int | None = None, **dp_options: Any):
-    """The DP model of ``method`` built with ``plan``'s ``sigma``, ``q``, ``n`` and budget, its ``fit``
-    running the plan (:class:`PrivateRun`); ``dp_options``: the other :class:`~sparta_tf.DPModel`
-    arguments. A ``run_dir`` holding a checkpoint continues that run's seed (the checkpoint also
-    restores the noise seed)."""
+    """The DP model of ``method`` built with ``plan``'s ``sigma``, ``q``, ``n``, ``delta`` and budget (its
+    ledger starting with the plan's reasons the run is not private), its ``fit`` running the plan
+    (:class:`PrivateRun`); ``dp_options``: the other :class:`~sparta_tf.DPModel` arguments
+    (``clip_norm``, ...). A ``run_dir`` holding a checkpoint continues that run's seed (the checkpoint
+    also restores the noise seed and the ledger)."""
     previous = checkpointing.latest(run_dir) if run_dir is not None else None
     if previous is not None:
         seed = previous[1]["seed"]
@@ -151,6 +156,8 @@ def private_model(model: tf.keras.Model, method: Method, plan: PrivacyPlan, *, r
         model, noise_multiplier=plan.noise_multiplier, sample_rate=plan.sample_rate, dataset_size=plan.n,
         delta=plan.delta, target_epsilon=plan.target_epsilon, accountant=plan.accountant, seed=seed, **dp_options,
     )
+    for reason in plan.nonprivate_reasons:
+        dp.ledger.record_nonprivate(reason)
     dp.attach_run(PrivateRun(plan, method, run_dir, previous))
     return dp
 
@@ -211,35 +218,22 @@ class PrivateRun:
             return self.plan.epochs, first_epoch, [method_callback] + list(callbacks)
         # The checkpoint last: a callback that stops the epoch (a non-finite guard) runs before it is saved.
         self.checkpoint = EpochCheckpoint(self.run_dir, dp)
-        journal = checkpointing.StepJournal(self.run_dir)
+        journal = charging.StepJournal(self.run_dir)
         return self.plan.epochs, first_epoch, [method_callback, journal] + list(callbacks) + [self.checkpoint]
 
     def _start(self, dp, x, y, first_epoch: int, fresh: bool) -> None:
         """Once per process: charge what a killed run left in the journal, then the method's preparation."""
         self._started = True
         if self.run_dir is not None and fresh:
-            charge_steps_before_first_checkpoint(dp, self.plan, self.run_dir)
-            checkpointing.journal_before_training(self.run_dir, dp.ledger,
-                                                  self.plan.before_training_entries(releases_only=True))
+            releases = self.plan.before_training_entries(releases_only=True)
+            charging.charge_steps_before_first_checkpoint(dp, releases, self.run_dir)
+            charging.journal_before_training(self.run_dir, dp.ledger, releases)
         self.prepare_info = self.method.prepare(dp, x, y, tf.keras.losses.get(dp.loss), self.plan, first_epoch)
 
 
-def charge_steps_before_first_checkpoint(dp, plan: PrivacyPlan, run_dir: str) -> None:
-    """A run killed before its first checkpoint starts over; the steps and the mechanisms before
-    training it ran stay charged (:mod:`sparta_tf.checkpointing`)."""
-    runs = checkpointing.charge_interrupted_before_training(
-        run_dir, dp.ledger, plan.before_training_entries(releases_only=True), dp.distribute_strategy)
-    if runs:
-        print(f"== the mechanisms before training, run {runs} time(s) by the interrupted run(s), charged to the ledger")
-    lost = checkpointing.charge_interrupted_steps(run_dir, 0, dp.ledger, plan.noise_multiplier, plan.sample_rate,
-                                                  dp.distribute_strategy)
-    if lost:
-        dp.dp_step.assign(lost)  # fresh noise and batch keys; the journal keeps counting every step run
-        print(f"== {lost} step(s) of the interrupted run (before its first checkpoint) charged to the ledger")
-
-
 def restore_run(previous: tuple[str, dict], dp, method_callback, plan: PrivacyPlan, run_dir: str) -> None:
-    """Restores the last checkpoint into ``dp`` and charges the steps the killed run started after it."""
+    """Restores the last checkpoint into ``dp`` and charges the steps the killed run started after it
+    (as ``dp.mechanism``, what they ran)."""
     path, state = previous
     epoch = state["epoch"]
     dp.ledger = PrivacyLedger.from_json(state["ledger"])
@@ -248,9 +242,9 @@ def restore_run(previous: tuple[str, dict], dp, method_callback, plan: PrivacyPl
     # epoch restores into the last phase and trains no more.
     method_callback.on_epoch_begin(min(epoch, plan.epochs - 1))
     checkpointing.restore(path, dp)
-    lost = checkpointing.charge_interrupted_steps(run_dir, int(dp.dp_step.numpy()), dp.ledger,
-                                                  plan.noise_multiplier, plan.sample_rate, dp.distribute_strategy)
-    checkpointing.update_ledger(path, dp.ledger)  # a second kill cannot lose the charge
+    lost = charging.charge_interrupted_steps(run_dir, int(dp.dp_step.numpy()), dp.ledger, dp.mechanism,
+                                             dp.distribute_strategy)
+    charging.update_checkpoint_ledger(path, dp.ledger)  # a second kill cannot lose the charge
     print(f"== resuming after epoch {epoch} from {path}; {lost} step(s) of the interrupted epoch charged "
           f"to the ledger (epsilon so far {dp.ledger.epsilon():.4g})")
 

@@ -19,7 +19,7 @@ import importlib
 import tensorflow as tf
 
 NOISE_USERS = ("sparta_tf.dp_step.noise", "sparta_tf.selection.scoring", "sparta_tf.ssgd.pruning")
-CLIP_USERS = ("sparta_tf.clipping", "sparta_tf.selection.scoring")  # ssgd clips through sparta_tf.clipping
+CLIP_USERS = ("sparta_tf.dp_step.clipping", "sparta_tf.selection.scoring")  # ssgd clips through dp_step.clipping
 
 
 def _zero_noise(shapes, stddev, seed, step, dtype=tf.float32, stream=None):

@@ -10,11 +10,11 @@ from dp_accounting.rdp import rdp_privacy_accountant
 from sparta_tf.privacy import accounting
 from sparta_tf.privacy.accounting import (
     PrivacyBudgetExceededError,
-    calibrate_noise_multiplier,
     compute_epsilon,
     epsilon_of_event,
     make_accountant,
 )
+from sparta_tf.privacy.calibration import calibrate_noise_multiplier
 
 DELTA = 1e-5
 

@@ -109,16 +109,15 @@ def test_python_api_checks_its_arguments_before_training(tmp_path, kwargs, messa
 
 
 def test_the_sabotage_helper_restores_the_mechanism_even_after_an_error():
-    import sparta_tf.clipping
+    import sparta_tf.dp_step.clipping
     import sparta_tf.dp_step.noise
-    import sparta_tf.noise
     import sparta_tf.selection.scoring
 
-    originals = (sparta_tf.noise.gaussian_noise, sparta_tf.clipping.clip_factors)
+    originals = (sparta_tf.dp_step.noise.gaussian_noise, sparta_tf.dp_step.clipping.clip_factors)
     with pytest.raises(RuntimeError, match="inside"):
         with broken_mechanism(noise=False, clipping=False):
             assert sparta_tf.dp_step.noise.gaussian_noise is not originals[0]
             assert sparta_tf.selection.scoring.clip_factors is not originals[1]
             raise RuntimeError("inside")
     assert sparta_tf.dp_step.noise.gaussian_noise is sparta_tf.selection.scoring.gaussian_noise is originals[0]
-    assert sparta_tf.clipping.clip_factors is sparta_tf.selection.scoring.clip_factors is originals[1]
+    assert sparta_tf.dp_step.clipping.clip_factors is sparta_tf.selection.scoring.clip_factors is originals[1]

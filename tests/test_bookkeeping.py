@@ -11,6 +11,7 @@ from sparta_tf.groups import row_groups
 from sparta_tf.per_example import RecordedCall, make_engine, registry
 from sparta_tf.per_example.bookkeeping import BookkeepingEngine, clipped_batch
 from sparta_tf.per_example.rules import ghost_norms
+from sparta_tf.privacy.mechanism import DpSgdMechanism
 
 L = tf.keras.layers
 
@@ -271,7 +272,7 @@ def test_selection_statistics_equal_the_materialising_engine(name, score, granul
 
     tf.random.set_seed(6)
     model = MODELS[name]()
-    scorer = SelectionScorer(row_groups(model), noise_multiplier=1.0, clip_norm=0.05, score=score,
+    scorer = SelectionScorer(row_groups(model), DpSgdMechanism(1.0, 1.0, clip_norm=0.05), score=score,
                              granularity=granularity)
     assert scorer.bookkeeping_statistic
     x, y = _inputs(model), tf.constant([0, 1, 2, 0, 1])
@@ -290,7 +291,7 @@ def test_entrywise_sum_abs_still_uses_per_example_gradients():
     from sparta_tf.selection.scoring import SelectionScorer
 
     model = MODELS["dense_2d"]()
-    scorer = SelectionScorer(row_groups(model), noise_multiplier=1.0, clip_norm=1.0, score="sum_abs",
+    scorer = SelectionScorer(row_groups(model), DpSgdMechanism(1.0, 1.0, clip_norm=1.0), score="sum_abs",
                              granularity="entry")
     assert not scorer.bookkeeping_statistic
 

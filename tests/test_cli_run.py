@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import yaml
 
-from trainers import run
+from trainers import pretraining, run
 from trainers.config import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -240,18 +240,18 @@ def test_a_cached_pretrained_model_is_reused_only_under_its_configuration(tmp_pa
     private = run.load_private_data(config)
 
     def source():
-        return run.pretrained_source(config, str(out))[0]
+        return pretraining.pretrained_source(config, str(out))[0]
 
     assert source() == "data"
-    run.pretrain(config, str(out), private)
+    pretraining.pretrain(config, str(out), private)
     assert "non-private pre-training" in capsys.readouterr().out and source() == "cache"
-    run.pretrain(config, str(out), private)
+    pretraining.pretrain(config, str(out), private)
     assert "== pre-trained model:" in capsys.readouterr().out  # the same configuration: reused
     config["pretrain"]["data"]["num_classes"] = 3
     assert source() == "stale"
-    run.pretrain(config, str(out), private)
+    pretraining.pretrain(config, str(out), private)
     assert "made under another pre-training configuration; pre-training again" in capsys.readouterr().out
-    assert json.loads((out / "pretrained.json").read_text()) == run.pretraining_key(config)
+    assert json.loads((out / "pretrained.json").read_text()) == pretraining.pretraining_key(config)
     (out / "pretrained.json").unlink()  # a cache of unknown making is not trusted either
     assert source() == "stale"
 

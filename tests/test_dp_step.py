@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from sparta_tf.clipping import clipped_sum
+from sparta_tf.dp_step.clipping import clipped_sum
 from sparta_tf.dp_model import DPModel
 from sparta_tf.losses import per_example_loss_fn
 from sparta_tf.model_checks import NotPerExampleSafeError

@@ -23,6 +23,7 @@ import tensorflow as tf
 import sparta_tf
 from sparta_tf.methods import METHODS
 from sparta_tf.privacy.callbacks import PrivacyCallback
+from sparta_tf.privacy.mechanism import DpSgdMechanism
 from small_models import LOSS, small_data, small_mlp
 
 N, BATCH, EPOCHS = 64, 16, 3
@@ -66,7 +67,7 @@ def test_every_method_runs_its_plan(method, tmp_path):
 def test_a_privacy_callback_with_other_values_is_refused():
     dp = _private("bitfit")
     x, y = _data()
-    other = PrivacyCallback(dp.ledger, dp.noise_multiplier * 0.5, dp.sample_rate, step_counter=dp.dp_step)
+    other = PrivacyCallback(dp.ledger, DpSgdMechanism(dp.noise_multiplier * 0.5, dp.sample_rate), step_counter=dp.dp_step)
     with pytest.raises(ValueError, match="noise_multiplier .* leave it out"):
         dp.fit(x, y, verbose=0, callbacks=[other])
 
@@ -75,7 +76,7 @@ def test_a_plain_dp_model_refuses_a_disagreeing_privacy_callback():
     dp = sparta_tf.DPModel(_model(), noise_multiplier=1.0, sample_rate=BATCH / N, dataset_size=N, delta=1e-5, seed=0)
     dp.compile(tf.keras.optimizers.SGD(0.5), loss=LOSS)
     x, y = _data()
-    other = PrivacyCallback(dp.ledger, 1.0, 0.5, step_counter=dp.dp_step)
+    other = PrivacyCallback(dp.ledger, DpSgdMechanism(1.0, 0.5), step_counter=dp.dp_step)
     with pytest.raises(ValueError, match="sample_rate 0.5"):
         dp.fit(x, y, verbose=0, callbacks=[other])
 

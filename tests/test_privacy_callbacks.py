@@ -8,12 +8,14 @@ from sparta_tf.privacy import accounting
 from sparta_tf.privacy.accounting import PrivacyBudgetExceededError
 from sparta_tf.privacy.callbacks import PrivacyCallback
 from sparta_tf.privacy.ledger import LedgerEntry, PrivacyLedger
+from sparta_tf.privacy.mechanism import DpSgdMechanism
 
 DELTA = 1e-5
 N, BATCH = 32, 8
 Q = BATCH / N  # 0.25
 STEPS_PER_EPOCH = N // BATCH  # 4
 SIGMA = 1.0
+MECHANISM = DpSgdMechanism(SIGMA, Q)
 
 # Keras's own fit() calls random.randint with a float bound; not ours.
 pytestmark = pytest.mark.filterwarnings("ignore:non-integer arguments to randrange")
@@ -47,7 +49,7 @@ def test_records_steps_and_logs_epsilon_into_history(use_counter):
     model = _model()
     ledger = PrivacyLedger(DELTA)
     counter = model.optimizer.iterations if use_counter else None
-    callback = PrivacyCallback(ledger, SIGMA, Q, phase="warmup", step_counter=counter)
+    callback = PrivacyCallback(ledger, MECHANISM, phase="warmup", step_counter=counter)
     history = _fit(model, [callback], epochs=2)
     assert ledger.entries == (LedgerEntry(SIGMA, Q, 2 * STEPS_PER_EPOCH, "dp_sgd_step", "warmup"),)
     assert history.history["epsilon"] == [_epsilon(4), _epsilon(8)]
@@ -57,7 +59,7 @@ def test_records_steps_and_logs_epsilon_into_history(use_counter):
 def test_counts_batches_across_fits_with_steps_per_execution():
     model = _model(steps_per_execution=2)
     ledger = PrivacyLedger(DELTA)
-    callback = PrivacyCallback(ledger, SIGMA, Q)  # no counter: count batches
+    callback = PrivacyCallback(ledger, MECHANISM)  # no counter: count batches
     _fit(model, [callback], epochs=1)
     _fit(model, [callback], epochs=1)  # e.g. the next phase of a run
     assert ledger.entries == (LedgerEntry(SIGMA, Q, 8, "dp_sgd_step", None),)
@@ -67,7 +69,7 @@ def test_counts_batches_across_fits_with_steps_per_execution():
 def test_records_the_values_in_force_when_they_change_between_epochs():
     model = _model()
     ledger = PrivacyLedger(DELTA)
-    callback = PrivacyCallback(ledger, SIGMA, Q, step_counter=model.optimizer.iterations)
+    callback = PrivacyCallback(ledger, MECHANISM, step_counter=model.optimizer.iterations)
 
     def switch(epoch, logs):
         callback.noise_multiplier, callback.phase = 2.0, "sparse"
@@ -85,7 +87,7 @@ def test_refuses_to_start_an_over_budget_run():
     ledger = PrivacyLedger(DELTA, target_epsilon=_epsilon(8) * 0.999)  # 2 epochs do not fit
     saves = []
     callback = PrivacyCallback(
-        ledger, SIGMA, Q, step_counter=model.optimizer.iterations, on_budget_exhausted=lambda: saves.append(1)
+        ledger, MECHANISM, step_counter=model.optimizer.iterations, on_budget_exhausted=lambda: saves.append(1)
     )
     with pytest.raises(PrivacyBudgetExceededError) as info:
         _fit(model, [callback], epochs=2)
@@ -102,7 +104,7 @@ def test_stops_when_the_budget_runs_out_and_calls_the_save_hook(capsys):
     ledger = PrivacyLedger(DELTA, target_epsilon=_epsilon(8) * 1.001)  # exactly 2 epochs fit
     saved = []
     callback = PrivacyCallback(
-        ledger, SIGMA, Q,
+        ledger, MECHANISM,
         step_counter=model.optimizer.iterations,
         on_budget_exhausted=lambda: saved.append(ledger.steps),
         budget_mode="until_exhausted",
@@ -121,7 +123,7 @@ def test_until_exhausted_runs_the_steps_of_a_last_epoch_that_still_fit(capsys):
     model = _model()
     ledger = PrivacyLedger(DELTA, target_epsilon=_epsilon(10) * 1.0001)
     saved = []
-    callback = PrivacyCallback(ledger, SIGMA, Q, step_counter=model.optimizer.iterations,
+    callback = PrivacyCallback(ledger, MECHANISM, step_counter=model.optimizer.iterations,
                                on_budget_exhausted=lambda: saved.append(ledger.steps), budget_mode="until_exhausted")
     history = _fit(model, [callback], epochs=5)
     assert int(model.optimizer.iterations.numpy()) == ledger.steps == 10
@@ -135,7 +137,7 @@ def test_never_runs_a_step_past_the_budget_when_noise_is_lowered_mid_run():
     ledger = PrivacyLedger(DELTA, target_epsilon=_epsilon(12) * 1.001)  # 3 epochs at SIGMA fit
     saved = []
     callback = PrivacyCallback(
-        ledger, SIGMA, Q,
+        ledger, MECHANISM,
         step_counter=model.optimizer.iterations,
         on_budget_exhausted=lambda: saved.append(ledger.steps),
     )
@@ -156,7 +158,7 @@ def test_stops_mid_epoch_when_an_epoch_has_more_steps_than_planned():
     ledger = PrivacyLedger(DELTA, target_epsilon=_epsilon(3) * 1.001)
     saved = []
     callback = PrivacyCallback(
-        ledger, SIGMA, Q,
+        ledger, MECHANISM,
         steps_per_epoch=2,  # wrong plan: the epoch really has 4 steps
         step_counter=model.optimizer.iterations,
         on_budget_exhausted=lambda: saved.append(ledger.steps),
@@ -172,7 +174,7 @@ def test_stops_mid_epoch_when_an_epoch_has_more_steps_than_planned():
 def test_budget_check_without_target_is_skipped():
     model = _model()
     ledger = PrivacyLedger(DELTA)
-    callback = PrivacyCallback(ledger, SIGMA, Q, steps_per_epoch=1)  # no target: no planning
+    callback = PrivacyCallback(ledger, MECHANISM, steps_per_epoch=1)  # no target: no planning
     history = _fit(model, [callback], epochs=1)
     assert ledger.steps == STEPS_PER_EPOCH and not callback.budget_exhausted
     assert history.history["epsilon"] == [_epsilon(4)]
@@ -180,7 +182,7 @@ def test_budget_check_without_target_is_skipped():
 
 def test_rejects_unknown_budget_mode():
     with pytest.raises(ValueError, match="budget_mode"):
-        PrivacyCallback(PrivacyLedger(DELTA), SIGMA, Q, budget_mode="lenient")
+        PrivacyCallback(PrivacyLedger(DELTA), MECHANISM, budget_mode="lenient")
 
 
 class _RaiseAfterTwoSteps(tf.keras.callbacks.Callback):

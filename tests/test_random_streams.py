@@ -13,8 +13,9 @@ import tensorflow as tf
 import sparta_tf.dp_step.noise as dp_step_noise_module
 import sparta_tf.ssgd.pruning as pruning_module
 from sparta_tf import DPModel, random_streams
-from sparta_tf.noise import gaussian_noise
+from sparta_tf.dp_step.noise import gaussian_noise
 from sparta_tf.privacy.ledger import PrivacyLedger
+from sparta_tf.privacy.mechanism import DpSgdMechanism
 from sparta_tf.privacy.sampling import PoissonSampler
 
 SEED = 1234
@@ -139,7 +140,7 @@ def test_the_selection_scores_noise_has_its_own_stream():
     from sparta_tf.groups import row_groups
     from sparta_tf.selection.scoring import SelectionScorer
 
-    scorer = SelectionScorer(row_groups(_wide_model()), noise_multiplier=1.0, clip_norm=1.0, score="sum_abs",
+    scorer = SelectionScorer(row_groups(_wide_model()), DpSgdMechanism(1.0, 1.0, clip_norm=1.0), score="sum_abs",
                              granularity="entry")
     shapes = [tf.TensorShape(t.shape) for t in scorer.totals]
     scorer.release([tf.zeros(shape) for shape in shapes], tf.constant(SEED, tf.int64), tf.constant(3, tf.int64))

@@ -11,6 +11,7 @@ import sparta_tf as st
 from sparta_tf import methods
 from sparta_tf.groups import parameter_table, row_groups
 from sparta_tf.masks import MaskProvenance
+from sparta_tf.privacy.mechanism import DpSgdMechanism
 from sparta_tf.selection import SelectionScorer, kept_count
 from sparta_tf.trainable import VariableSelection
 from small_models import variable_name as key
@@ -274,7 +275,7 @@ def test_too_many_warmup_epochs_is_a_clear_error():
 def _scorer(score, granularity="row"):
     model = _conv_model()
     group = row_groups(model)[-1]  # fc: [10, 12]
-    return SelectionScorer([group], noise_multiplier=0.0, clip_norm=1e6, score=score, granularity=granularity), group
+    return SelectionScorer([group], DpSgdMechanism(0.0, 1.0, clip_norm=1e6), score=score, granularity=granularity), group
 
 
 def test_abs_sum_and_sum_abs_differ_where_gradients_cancel():
@@ -299,11 +300,11 @@ def test_scores_are_clipped_per_example_and_noise_has_row_variance():
     grads[0, :, 3] = 100.0  # norm 100 * sqrt(10): clipped to C = 1
     model = _conv_model()
     group = row_groups(model)[-1]
-    scorer = SelectionScorer([group], noise_multiplier=0.0, clip_norm=1.0)
+    scorer = SelectionScorer([group], DpSgdMechanism(0.0, 1.0, clip_norm=1.0))
     scorer.release(scorer.batch_statistic([tf.constant(grads)], tf.constant([True])), tf.constant(0, tf.int64),
                    tf.constant(0, tf.int64))
     assert scorer.scores()[0][3] == pytest.approx(np.sqrt(10.0), rel=1e-4)  # ||u||_2 = C, l1 = sqrt(10) C
-    noisy = SelectionScorer([group], noise_multiplier=2.0, clip_norm=1.0)
+    noisy = SelectionScorer([group], DpSgdMechanism(2.0, 1.0, clip_norm=1.0))
     zeros = [tf.zeros([12])]
     draws = []
     for step in range(300):

@@ -135,7 +135,7 @@ def run_audit(config: dict, canaries: int | None = None, kind: str = "mislabelle
     from trainers import run
 
     config = audit_config(config)
-    seed = run._seed(config) if seed is None else seed  # the seed run.py gives the data streams
+    seed = run.data_seed(config) if seed is None else seed  # the seed run.py gives the data streams
     output_dir = config["output_dir"]
     if os.path.exists(os.path.join(output_dir, AUDIT_JSON)) or os.path.exists(os.path.join(output_dir, run.RESULTS)):
         raise ConfigError(f"{output_dir} already holds an audit; pass --set output_dir=NEW_DIR "

@@ -1,18 +1,26 @@
-"""One ``sparta-train`` run: data -> (pre-training) -> model -> method -> plan -> DP training -> outputs.
+"""One ``sparta-train`` run (:func:`train`), as ``_train`` runs it:
 
-The run uses sparta_tf's public API only: the method comes from
-:func:`sparta_tf.methods.make_method`, the privacy plan from
-:func:`sparta_tf.privacy.plan.make_privacy_plan` (what ``--dry-run``
-prints and ``plan.json`` records), training is ``DPModel.fit`` with a
-:class:`sparta_tf.callbacks.MethodCallback`.
+1. ``config.json`` is written; the data seed is set; :func:`preflight` checks the model section, the
+   public data (no examples shared with the private data) and the output directory;
+2. the private data is loaded (``sparta-audit``'s hook may plant canaries in it);
+3. the model: pre-trained on public data, or loaded from ``pretrain.checkpoint`` / the cache, with a
+   fresh head (:mod:`trainers.pretraining`), or built from the zoo;
+4. the method (:func:`sparta_tf.methods.make_method`, checked against the model) and the
+   :class:`~sparta_tf.privacy.plan.PrivacyPlan` (:func:`sparta_tf.private_training.plan_method`, with
+   the data's reasons a run is not private): printed as ``--dry-run`` prints it, saved as ``plan.json``;
+5. the DP model built from the plan (:func:`sparta_tf.private_training.private_model`: its one
+   mechanism, a ledger holding the plan's non-private reasons; from ``output_dir``'s last checkpoint
+   when resuming), compiled with an optimizer whose schedule spans the plan's update steps; a fresh
+   run's ledger also records the config's and the data's caveats;
+6. ``dp.fit`` runs the method's phases, journals every step, charges the steps of a killed run and
+   checkpoints every epoch (:mod:`sparta_tf.private_training`, :mod:`sparta_tf.privacy.charging`);
+7. ``ledger.json``, ``results.json`` (:mod:`trainers.results`) and, when enabled, the export.
 
-Outputs in ``output_dir`` (owned by one process, :mod:`trainers.run_dir`):
-``config.json`` (the validated config), ``pretrained.keras`` (when
-pre-training, with ``pretrained.json``: the configuration it was made
-under, :func:`pretraining_key`), ``plan.json``, ``ledger.json``, ``mask/`` (methods with a
-mask or a choice made before training), ``tensorboard/``, ``checkpoints/``
-(every epoch, resumable), ``results.json`` and ``export/<version>/`` (TF
-Serving SavedModel).
+Outputs in ``output_dir`` (owned by one process, :mod:`trainers.run_dir`): ``config.json``,
+``pretrained.keras`` and ``pretrained.json`` (when pre-training; see :mod:`trainers.pretraining`),
+``plan.json``, ``ledger.json``, ``mask/`` (methods with a mask or a choice made before training),
+``tensorboard/``, ``checkpoints/`` (every epoch, resumable), ``results.json`` and
+``export/<version>/`` (TF Serving SavedModel).
 """
 
 from __future__ import annotations
@@ -27,15 +35,13 @@ import tensorflow as tf
 
 import sparta_tf
 from sparta_tf import checkpointing, determinism, distribute
-from sparta_tf.atomic_files import replace_atomically
 from sparta_tf.methods import Method, make_method
 from sparta_tf.private_training import plan_method, private_model
 from sparta_tf.privacy.plan import FixedNoiseOverBudgetError, PrivacyPlan
 from trainers.config import ConfigError, check_against_data
+from trainers.pretraining import LOSS, check_pretraining, data_seed, load_pretrained, pretrain
+from trainers.results import run_results
 from trainers.run_dir import RESULTS, RunDirectory, check_output_dir
-
-LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
 
 # ----------------------------------------------------------------- building blocks
 
@@ -66,14 +72,14 @@ def preflight(config: dict) -> None:
         raise ConfigError(f"pretrain.checkpoint={checkpoint!r} does not exist and there is no pretrain.data to "
                           "make it; fix the path or give the public data")
     if checkpoint and os.path.exists(checkpoint):
-        _load_pretrained(checkpoint, "pretrain.checkpoint")
+        load_pretrained(checkpoint, "pretrain.checkpoint")
     check_output_dir(config["output_dir"])
 
 
 def load_private_data(config: dict):
     from sparta_tf.data import load_dataset
 
-    dataset = load_dataset(config["data"], seed=_seed(config))
+    dataset = load_dataset(config["data"], seed=data_seed(config))
     check_against_data(config, len(dataset.x_train))
     return dataset
 
@@ -99,122 +105,6 @@ def _warn_of_caveats(config: dict, dataset, private: bool) -> None:
     sampling = sampling_caveat(config["privacy"]["sampling"], planned=True) if private else None
     for caveat in privacy_caveats(config, dataset, private) + ([sampling] if sampling else []):
         print(f"  WARNING: {caveat}")
-
-
-def _seed(config: dict) -> int:
-    seed = config["training"]["seed"]
-    return 0 if seed is None else seed
-
-
-PRETRAINED, PRETRAINED_KEY = "pretrained.keras", "pretrained.json"
-
-
-def pretraining_key(config: dict) -> dict:
-    """What a pre-trained model depends on: the model section, the pretrain section (but its checkpoint)
-    and the seed; ``pretrained.json`` records it next to the cached ``pretrained.keras``."""
-    spec = {k: v for k, v in config["pretrain"].items() if k != "checkpoint"}
-    return json.loads(json.dumps({"model": config["model"], "pretrain": spec, "seed": _seed(config)}))
-
-
-def pretrained_source(config: dict, output_dir: str) -> tuple[str, str]:
-    """Where the run's pre-trained model comes from: ``("checkpoint", path)`` (pretrain.checkpoint, when it
-    exists), ``("cache", path)`` (``output_dir/pretrained.keras`` made under this config's
-    :func:`pretraining_key`) or ``("data", path to write)``: pre-training on pretrain.data. A cache made
-    under another configuration (or without a key) is never reused."""
-    checkpoint = config["pretrain"]["checkpoint"]
-    if checkpoint:
-        return ("checkpoint" if os.path.exists(checkpoint) else "data"), checkpoint
-    path = os.path.join(output_dir, PRETRAINED)
-    if not os.path.exists(path):
-        return "data", path
-    try:
-        with open(os.path.join(output_dir, PRETRAINED_KEY)) as f:
-            key = json.load(f)
-    except (OSError, ValueError):
-        key = None
-    return ("cache" if key == pretraining_key(config) else "stale"), path
-
-
-def _check_channels(have: int, private, what: str, fix: str) -> None:
-    channels = private.input_shape[-1]
-    if have != channels:
-        raise ConfigError(f"{what} has {have} channel(s) but the private data has {channels}; {fix}")
-
-
-def _loaded_pretrained(source: str, path: str, private) -> tf.keras.Model:
-    what = "pretrain.checkpoint" if source == "checkpoint" else f"the cached {path}"
-    model = _load_pretrained(path, what)
-    _check_channels(model.input_shape[-1], private, f"the input of {what}",
-                    "pre-train on data with the private data's channels")
-    return model
-
-
-def _public_data(config: dict, private):
-    from sparta_tf.data import DataError, load_dataset
-
-    try:
-        public = load_dataset(config["pretrain"]["data"], seed=_seed(config))
-    except DataError as error:
-        raise error.under("pretrain.data") from None
-    _check_channels(public.input_shape[-1], private, "pretrain.data",
-                    "set pretrain.data.channels (or data.channels) so that they agree")
-    return public
-
-
-def check_pretraining(config: dict, private, output_dir: str) -> None:
-    """The dry run's view of :func:`pretrain`: the model it would load, or the public data it would
-    pre-train on, must take the private data's channels (loads, trains nothing)."""
-    if not config["pretrain"]["enabled"]:
-        return
-    source, path = pretrained_source(config, output_dir)
-    if source in ("checkpoint", "cache"):
-        _loaded_pretrained(source, path, private)
-    else:
-        _public_data(config, private)
-
-
-def pretrain(config: dict, output_dir: str, private) -> tf.keras.Model:
-    """The pre-trained model: loaded (pretrain.checkpoint, or the cache ``pretrained.keras`` made under
-    this configuration) or pre-trained non-privately on the public data and cached with its key; the
-    public data (or the loaded model) must have the ``private`` data's channels."""
-    from sparta_tf.data import make_augmenter
-    from sparta_tf.models.zoo import build_model
-
-    spec = config["pretrain"]
-    source, path = pretrained_source(config, output_dir)
-    if source in ("checkpoint", "cache"):
-        print(f"== pre-trained model: {path}")
-        return _loaded_pretrained(source, path, private)
-    if source == "stale":
-        print(f"== {path} was made under another pre-training configuration; pre-training again")
-    public = _public_data(config, private)
-    print(f"== non-private pre-training on public data {public.name} (n={len(public.x_train)})")
-    model = build_model(config["model"], public.num_classes, public.input_shape)
-    optimizer = (tf.keras.optimizers.Adam(spec["learning_rate"]) if spec["optimizer"] == "adam"
-                 else tf.keras.optimizers.SGD(spec["learning_rate"], momentum=0.9))
-    inputs = tf.keras.Input(public.input_shape)
-    trainer = model
-    if spec["augment"]:
-        trainer = tf.keras.Model(inputs, model(make_augmenter(seed=_seed(config))(inputs)))
-    trainer.compile(optimizer, loss=LOSS, metrics=["accuracy"])
-    trainer.fit(public.x_train, public.y_train, epochs=spec["epochs"], batch_size=spec["batch_size"],
-                validation_data=(public.x_test, public.y_test), verbose=2)
-    key_path = os.path.join(output_dir, PRETRAINED_KEY)
-    if not spec["checkpoint"] and os.path.exists(key_path):
-        os.remove(key_path)  # never a key next to a model it was not made for, even if killed in between
-    replace_atomically(path, model.save, suffix=".keras")  # Keras picks the format by the suffix
-    if not spec["checkpoint"]:
-        checkpointing.write_atomic(key_path, json.dumps(pretraining_key(config), indent=1))
-    return model
-
-
-def _load_pretrained(path: str, what: str) -> tf.keras.Model:
-    from sparta_tf.models.convert import load_keras_model
-
-    try:
-        return load_keras_model(path)
-    except (ValueError, OSError) as error:
-        raise ConfigError(f"{what}: {error}; point it at a model saved by Keras (or delete the cache)") from None
 
 
 def build_private_model(config: dict, dataset, output_dir: str | None) -> tf.keras.Model:
@@ -356,7 +246,7 @@ def train(config: dict, resume: bool = False, hooks=None) -> dict:
 def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
     output_dir = run_dir.path
     run_dir.write_config()
-    tf.keras.utils.set_random_seed(_seed(config))
+    tf.keras.utils.set_random_seed(data_seed(config))
     timings = {}
     start = time.perf_counter()
     preflight(config)
@@ -380,8 +270,6 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
     if dp.private_run.previous is None:  # a fresh run (RunDirectory refuses a checkpoint without --resume)
         if run_dir.resume:
             print(f"== --resume: no checkpoint in {output_dir}, starting from scratch")
-        for reason in dataset.nonprivate_reasons():
-            dp.ledger.record_nonprivate(reason)
         for caveat in privacy_caveats(config, dataset, plan.private):
             dp.ledger.record_caveat(caveat)  # in the ledger, so a mask chosen now carries it too
     ledger_path = os.path.join(output_dir, checkpointing.LEDGER)
@@ -395,7 +283,7 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
     timings["train_s"] = time.perf_counter() - start
     dp.ledger.save(ledger_path)
     run = dp.private_run
-    results = _results(config, dp, plan, dataset, run.checkpoint.phase_seconds, timings, history) | run.prepare_info
+    results = run_results(config, dp, plan, dataset, run.checkpoint.phase_seconds, timings, history) | run.prepare_info
     if config["export"]["enabled"]:
         from sparta_tf.export import export_for_serving
 
@@ -409,46 +297,6 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
     print(f"== test accuracy {results['test_accuracy']:.4f} at {spent} "
           f"(delta {privacy['delta']:g}); results in {os.path.join(output_dir, RESULTS)}")
     return results
-
-
-def _results(config, dp, plan: PrivacyPlan, dataset, phase_seconds, timings, history) -> dict:
-    test_loss, test_accuracy = dp.evaluate(dataset.x_test, dataset.y_test, verbose=0)[:2]
-    return {
-        "method": config["method"]["name"],
-        "private": dp.ledger.is_private,
-        "nonprivate_reasons": list(dp.ledger.nonprivate_reasons),
-        "epsilon": dp.ledger.epsilon() if dp.ledger.is_private else None,  # None: not DP
-        "privacy_caveats": dp.ledger.caveats(),
-        "target_epsilon": plan.target_epsilon,
-        "delta": plan.delta,
-        "noise_multiplier": plan.noise_multiplier,
-        "sample_rate": plan.sample_rate,
-        "clip_norm": config["privacy"]["clip_norm"],
-        "steps": dp.ledger.steps,
-        "optimizer_steps": int(dp.optimizer.iterations.numpy()),  # = plan.update_steps: the schedule's span
-        "epochs": plan.epochs,
-        **_what_ran(dp, plan),
-        "n": plan.n,
-        "plan": plan.to_json(),
-        "test_accuracy": float(test_accuracy),
-        "test_loss": float(test_loss),
-        "trainable_fraction": dp.trainable_set.fraction_of(dp.model),
-        "seconds_per_phase": phase_seconds,
-        **timings,
-        "history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
-    }
-
-
-def _what_ran(dp, plan: PrivacyPlan) -> dict:
-    """Training steps and epochs that really ran (a resumed run whose charged interrupted steps no
-    longer fit the budget stops early) against the plan."""
-    phases = {phase.name for phase in plan.phases}
-    ran = sum(entry.count for entry in dp.ledger.entries if entry.phase in phases)
-    stopped = dp.privacy_callback is not None and dp.privacy_callback.budget_exhausted
-    return {"planned_steps": plan.steps, "training_steps_run": ran,
-            "epochs_completed": round(ran / plan.steps_per_epoch, 4),
-            "stopped_early": ("the privacy budget ran out (steps of an interrupted run were charged)"
-                              if stopped else None)}
 
 
 def _user_errors() -> tuple:

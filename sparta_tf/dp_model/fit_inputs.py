@@ -19,7 +19,6 @@ from sparta_tf import distribute, keras_trainer
 from sparta_tf.model_checks import PROBE_EXAMPLES, probe_batch_mixing
 from sparta_tf.per_example import make_engine
 from sparta_tf.per_example.coverage import check_coverage
-from sparta_tf.privacy.accounting import check_delta_for_dataset
 from sparta_tf.privacy.sampling import (
     PoissonSampler,
     default_physical_batch_size,
@@ -54,12 +53,7 @@ def prepare(dp, x, y, steps_per_epoch: int | None):
 def input_pipeline(dp, x, y, initial_step: int):
     """(dataset, steps_per_epoch) for in-memory arrays, Poisson or shuffled."""
     n = len(tf.nest.flatten(x)[0])
-    if dp.dataset_size is None:
-        if dp.ledger is not None:
-            check_delta_for_dataset(dp.ledger.delta, n)
-        dp.dataset_size = n
-    elif dp.dataset_size != n:
-        raise ValueError(f"dataset_size={dp.dataset_size} but fit got {n} examples; they must agree")
+    dp.bind_dataset_size(n)  # delta < 1/n is checked there
     if dp.sampling == "shuffle":
         batch = max(1, round(dp.sample_rate * n))
         dataset = shuffled_dataset(x, y, batch, seed=dp._seed, start_step=initial_step)
@@ -144,3 +138,34 @@ def checked_padding_mask(*element):
         "weights other than 0 and 1 would change an example's clipped contribution",
     )
     return x, y, weights
+
+
+def fit_callbacks(privacy, callbacks: list, verbose) -> list:
+    """``fit``'s callbacks: the model's privacy callback first (None: no ledger), and a per-step
+    progress bar last (after the privacy callback, so that it shows epsilon) unless one is given."""
+    callbacks = ([privacy] if privacy is not None else []) + list(callbacks)
+    if verbose != 0 and not any(isinstance(c, tf.keras.callbacks.ProgbarLogger) for c in callbacks):
+        callbacks.append(keras_trainer.step_progress_bar())
+    return callbacks
+
+
+def symbolic_build_batch(dp, iterator, data_batch):
+    """``(iterator, data_batch)`` for Keras 3's ``_maybe_symbolic_build``: Keras averages ``fit``'s
+    first batch over the replicas with ``strategy.reduce``, which fails for an ``(x, y, w)`` tuple
+    across several workers; the first local replica's part has the same shapes and dtypes
+    (:func:`distribute.local_batch`)."""
+    if iterator is not None and distribute.is_multi_worker(dp.distribute_strategy):
+        for _, _, batches in iterator:
+            return None, distribute.local_batch(next(batches))
+        return None, data_batch
+    return iterator, data_batch
+
+
+def all_weighted(metrics, weighted_metrics):
+    """``metrics`` and ``weighted_metrics`` of ``compile`` as one weighted list (see ``DPModel.compile``)."""
+    if metrics is None or weighted_metrics is None:
+        return weighted_metrics if metrics is None else metrics
+    if isinstance(metrics, (list, tuple)) and isinstance(weighted_metrics, (list, tuple)):
+        return list(metrics) + list(weighted_metrics)
+    raise ValueError("DPModel.compile weighs every metric by the padding mask: pass per-output metrics "
+                     "in one argument, `metrics` or `weighted_metrics`, not both")

@@ -24,61 +24,38 @@ Poisson-subsampled Gaussian mechanism (Abadi et al. 2016)::
   zero, examples with ``w_i = 1`` contribute ``clip(g_i)``; any other value
   is refused (a weight ``w_i > 1`` would scale an example's contribution
   past the clip bound).
-* Before the first step, :func:`sparta_tf.model_checks.probe_batch_mixing`
-  checks on a few real examples that the model's training-mode forward pass
-  keeps examples separate (BatchNorm variants are already refused by class
-  at construction).
-* Under ``tf.distribute`` the clipped sums are all-reduced across replicas
-  and the noise, drawn from a key shared by all replicas
-  (:mod:`sparta_tf.noise`), is added once to the global sum. Under
-  ``MultiWorkerMirroredStrategy`` every worker draws the same global Poisson
-  sample from the chief's seed and trains on its share
-  (:mod:`sparta_tf.distribute`).
-* Tracing a step turns TensorFloat-32 off for the process
-  (:mod:`sparta_tf.precision`): the clip bound's rounding margin assumes IEEE
-  float32 matmuls.
+* Before the first step, :func:`sparta_tf.model_checks.probe_batch_mixing` checks on a few
+  real examples that training mode keeps examples separate (BatchNorm is refused by class).
+* Under ``tf.distribute`` the clipped sums are all-reduced across replicas and the noise,
+  drawn from a key shared by all replicas (:mod:`sparta_tf.dp_step.noise`), is added once;
+  on several workers every worker draws the chief's global Poisson sample and trains on its
+  share (:mod:`sparta_tf.distribute`).
+* Tracing a step turns TensorFloat-32 off (:mod:`sparta_tf.precision`): the clip bound's
+  rounding margin assumes IEEE float32 matmuls.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import tensorflow as tf
 
-from sparta_tf.dp_model import fit_inputs, ledger_callback
-from sparta_tf.dp_step import (
-    KEEP_ALL,
-    ClippedSum,
-    ExpectedBatchNormalisation,
-    GaussianNoise,
-    GradientFilter,
-    GradientRelease,
-    MicroBatches,
-    Release,
-    ScoreRelease,
-    StepParts,
-    all_reduce_sum,
-)
 from sparta_tf import distribute, keras_trainer
+from sparta_tf.dp_model import fit_inputs
+from sparta_tf.dp_step import KEEP_ALL, GradientFilter, GradientRelease, MicroBatches, Release, ScoreRelease, StepParts
 from sparta_tf.losses import per_example_loss_fn
 from sparta_tf.model_checks import reject_batch_mixing_layers
 from sparta_tf.optim.masked_optimizer import MaskedOptimizer
 from sparta_tf.per_example import BookkeepingEngine, make_engine
 from sparta_tf.precision import require_ieee_float32_matmuls
-from sparta_tf.privacy.accounting import check_delta_for_dataset, check_noise_multiplier, check_sample_rate
+from sparta_tf.privacy import charging
 from sparta_tf.privacy.callbacks import PrivacyCallback
 from sparta_tf.privacy.ledger import PrivacyLedger
+from sparta_tf.privacy.mechanism import DpSgdMechanism
 from sparta_tf.trainable import TrainableSet
 from sparta_tf.xla import JitCompile, resolve_jit_compile
 
 SAMPLING_MODES = ("poisson", "shuffle")
-
-
-def _check_positive(name: str, value: float) -> float:
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name}={value!r} must be a finite number > 0")
-    return value
 
 
 class DPModel(tf.keras.Model):
@@ -87,6 +64,13 @@ class DPModel(tf.keras.Model):
     Args:
       model: any Keras model (Sequential, functional or subclassed) without
         BatchNormalization in training mode.
+
+    ``noise_multiplier``, ``clip_norm``, ``sample_rate``, ``dataset_size`` and ``delta`` build the
+    model's one :class:`~sparta_tf.privacy.mechanism.DpSgdMechanism` (:attr:`mechanism`), once:
+    the step's noise and normalisation, the sampler, the selection scorer and the ledger's charge
+    all read that object (the read-only attributes of the same names are views of it).
+
+    Args:
       noise_multiplier: ``sigma``; the noise std on each trainable coordinate
         of the summed clipped gradient is ``sigma * clip_norm``.
       clip_norm: ``C``, the per-example L2 bound.
@@ -104,11 +88,9 @@ class DPModel(tf.keras.Model):
       seed: the run seed from which the sampling and noise streams are derived
         (:mod:`sparta_tf.random_streams`; tests, reproducibility, resume).
         ``None``: a secret seed from the OS.
-      engine: how the clipped sum is computed: ``"auto"`` (book-keeping, without
-        per-example gradients, wherever every trainable variable is owned by a
-        leaf layer; see :mod:`sparta_tf.per_example.bookkeeping`), ``"bookkeeping"``,
-        or the materialising references ``"layerwise"`` / ``"vectorized"``
-        (selection epochs always use a materialising engine).
+      engine: how the clipped sum is computed: ``"auto"`` (book-keeping where every trainable
+        variable has a leaf layer, :mod:`sparta_tf.per_example.bookkeeping`), ``"bookkeeping"``,
+        or the materialising ``"layerwise"`` / ``"vectorized"`` (always in selection epochs).
       jit_compile: ``"auto"`` (XLA on GPU/TPU, off on CPU), True or False.
     """
 
@@ -135,10 +117,7 @@ class DPModel(tf.keras.Model):
         if sampling not in SAMPLING_MODES:
             raise ValueError(f"sampling={sampling!r} is not one of {SAMPLING_MODES}")
         self.model = model
-        self.noise_multiplier = check_noise_multiplier(noise_multiplier)
-        self.clip_norm = _check_positive("clip_norm", clip_norm)
-        self.sample_rate = check_sample_rate(sample_rate)
-        self.dataset_size = dataset_size
+        self._mechanism = DpSgdMechanism(noise_multiplier, sample_rate, clip_norm, dataset_size, delta)
         self.physical_batch_size = physical_batch_size
         self.sampling = sampling
         self.engine_name = engine
@@ -151,11 +130,10 @@ class DPModel(tf.keras.Model):
         )
         self._noise_seed = tf.Variable(seed, dtype=tf.int64, trainable=False, name="noise_seed")
         self.ledger = (
-            PrivacyLedger(delta, accountant=accountant, target_epsilon=target_epsilon, sampling=sampling)
-            if delta is not None else None
+            PrivacyLedger(self._mechanism.delta, accountant=accountant, target_epsilon=target_epsilon,
+                          sampling=sampling)
+            if self._mechanism.delta is not None else None
         )
-        if dataset_size is not None and self.ledger is not None:
-            check_delta_for_dataset(self.ledger.delta, dataset_size)
         self._trainable_set: TrainableSet | None = None
         self._masked_optimizer: MaskedOptimizer | None = None
         self._release: Release | None = None  # None: DP-SGD's gradient release
@@ -174,14 +152,25 @@ class DPModel(tf.keras.Model):
         self.private_run = run
 
     @property
-    def plan(self):
-        """The run's :class:`~sparta_tf.privacy.plan.PrivacyPlan` (models from ``make_private``), else None."""
-        return None if self.private_run is None else self.private_run.plan
+    def mechanism(self) -> DpSgdMechanism:
+        """What every DP step of this model is (``sigma``, ``q``, ``C``, ``n``, ``delta``): the one object
+        the step, the sampler, the selection scorer and the ledger's charge read."""
+        return self._mechanism
 
-    @property
-    def method(self):
-        """The :class:`~sparta_tf.methods.Method` ``fit`` runs (models from ``make_private``), else None."""
-        return None if self.private_run is None else self.private_run.method
+    def bind_dataset_size(self, n: int) -> None:
+        """Fixes ``n`` (from the arrays ``fit`` got) when it was not given; ValueError when it differs."""
+        self._mechanism = self._mechanism.with_dataset_size(n)
+
+    noise_multiplier = property(lambda self: self._mechanism.noise_multiplier, doc="``sigma`` of :attr:`mechanism`.")
+    sample_rate = property(lambda self: self._mechanism.sample_rate, doc="``q`` of :attr:`mechanism`.")
+    clip_norm = property(lambda self: self._mechanism.clip_norm, doc="``C`` of :attr:`mechanism`.")
+    dataset_size = property(lambda self: self._mechanism.dataset_size,
+                            doc="``n`` of :attr:`mechanism` (None until a ``fit`` with arrays, when not given).")
+
+    plan = property(lambda self: None if self.private_run is None else self.private_run.plan,
+                    doc="The run's :class:`~sparta_tf.privacy.plan.PrivacyPlan` (from ``make_private``), else None.")
+    method = property(lambda self: None if self.private_run is None else self.private_run.method,
+                      doc="The :class:`~sparta_tf.methods.Method` ``fit`` runs (from ``make_private``), else None.")
 
     def call(self, inputs, training=None):
         return self.model(inputs, training=training)
@@ -280,7 +269,7 @@ class DPModel(tf.keras.Model):
         self._per_example_loss = per_example_loss_fn(loss)
         if jit_compile is not None:
             self._jit_compile_setting = jit_compile
-        weighted = _all_weighted(metrics, kwargs.pop("weighted_metrics", None))
+        weighted = fit_inputs.all_weighted(metrics, kwargs.pop("weighted_metrics", None))
         super().compile(
             optimizer=optimizer, loss=loss, weighted_metrics=weighted,
             jit_compile=resolve_jit_compile(self._jit_compile_setting), **kwargs,
@@ -294,7 +283,7 @@ class DPModel(tf.keras.Model):
     def set_release(self, release: Release | None) -> None:
         """What the following steps release (:mod:`sparta_tf.dp_step.release`): e.g. a
         :class:`~sparta_tf.dp_step.ScoreRelease` during a selection epoch; None: the noisy
-        gradient to the optimizer (DP-SGD), from the model's current ``sigma, C, q, n``."""
+        gradient to the optimizer (DP-SGD), from :attr:`mechanism`."""
         self._release = release
         self._engine = None
         self._retrace()
@@ -323,15 +312,9 @@ class DPModel(tf.keras.Model):
         return make_engine(self.model, release.selections(self.trainable_set), self.engine_name, materialise=materialise)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        """Keras 3 builds the model from ``fit``'s first batch, first averaging it over the replicas
-        with ``strategy.reduce``, which fails for an ``(x, y, w)`` tuple across several workers; the
-        first local replica's part has the same shapes and dtypes (:func:`distribute.local_batch`).
-        (Keras 2 never calls this.)"""
-        if iterator is not None and distribute.is_multi_worker(self.distribute_strategy):
-            for _, _, batches in iterator:
-                data_batch = distribute.local_batch(next(batches))
-                break
-            iterator = None
+        """Keras 3 builds the model from ``fit``'s first batch averaged over the replicas, which fails
+        across several workers: :func:`fit_inputs.symbolic_build_batch`. (Keras 2 never calls this.)"""
+        iterator, data_batch = fit_inputs.symbolic_build_batch(self, iterator, data_batch)
         return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
     def make_train_function(self, force: bool = False):
@@ -341,11 +324,8 @@ class DPModel(tf.keras.Model):
         return super().make_train_function(force=force)
 
     def _gradient_release(self) -> GradientRelease:
-        """DP-SGD's release from the model's current ``sigma, C, q, n`` and optimizer."""
-        return GradientRelease(
-            ClippedSum(self.clip_norm), GaussianNoise(self.noise_multiplier, self.clip_norm, self._noise_seed),
-            ExpectedBatchNormalisation(self.sample_rate, self.dataset_size), self._masked_optimizer,
-        )
+        """DP-SGD's release of :attr:`mechanism` (``sigma, C, q, n``) to the optimizer."""
+        return GradientRelease.of_mechanism(self._mechanism, self._noise_seed, self._masked_optimizer)
 
     def step_parts(self) -> StepParts:
         """The parts a step traced now runs with (:mod:`sparta_tf.dp_step`); configuration only."""
@@ -368,16 +348,7 @@ class DPModel(tf.keras.Model):
         x, y, weights = tf.keras.utils.unpack_x_y_sample_weight(data)
         if weights is None:
             weights = tf.ones(tf.shape(tf.nest.flatten(x)[0])[:1], tf.float32)
-        parts = self.step_parts()
-        keep = parts.keep_masks(self.dp_step)
-
-        def statistic(x, y, weights):
-            result = parts.release.statistic(parts.engine, x, y, self._per_example_loss, weights > 0, keep)
-            self._update_metrics(y, result.predictions, result.losses, weights)
-            return result.sums
-
-        sums = parts.micro_batches.sum(statistic, x, y, weights, parts.release.statistic_specs(self.trainable_set))
-        parts.release.release(all_reduce_sum(sums), self.dp_step, keep)
+        self.step_parts().run(x, y, weights, self._per_example_loss, self.dp_step, self._update_metrics)
         self.dp_step.assign_add(1)
         return distribute.reducible_logs(self.get_metrics_result(), self.distribute_strategy)
 
@@ -416,24 +387,9 @@ class DPModel(tf.keras.Model):
         x, y, steps_per_epoch = fit_inputs.prepare(self, x, y, steps_per_epoch)
         if isinstance(x, tf.data.Dataset):
             kwargs.setdefault("shuffle", False)  # the batches are the sampler's (Keras 3 warns on shuffle=True)
-        privacy = ledger_callback.privacy_callback(self, callbacks, steps_per_epoch, on_budget_exhausted)
-        if privacy is not None and privacy not in callbacks:
-            callbacks.insert(0, privacy)
-        self.privacy_callback = privacy
-        if verbose != 0 and not any(isinstance(c, tf.keras.callbacks.ProgbarLogger) for c in callbacks):
-            # After the privacy callback, so that the progbar shows epsilon.
-            callbacks.append(keras_trainer.step_progress_bar())
+        self.privacy_callback = charging.model_callback(self, callbacks, steps_per_epoch, on_budget_exhausted)
+        callbacks = fit_inputs.fit_callbacks(self.privacy_callback, callbacks, verbose)
         return super().fit(
             x, y, epochs=epochs, verbose=verbose, callbacks=callbacks,
             steps_per_epoch=steps_per_epoch, initial_epoch=initial_epoch, **kwargs,
         )
-
-
-def _all_weighted(metrics, weighted_metrics):
-    """``metrics`` and ``weighted_metrics`` of ``compile`` as one weighted list (see ``DPModel.compile``)."""
-    if metrics is None or weighted_metrics is None:
-        return weighted_metrics if metrics is None else metrics
-    if isinstance(metrics, (list, tuple)) and isinstance(weighted_metrics, (list, tuple)):
-        return list(metrics) + list(weighted_metrics)
-    raise ValueError("DPModel.compile weighs every metric by the padding mask: pass per-output metrics "
-                     "in one argument, `metrics` or `weighted_metrics`, not both")

@@ -28,15 +28,42 @@ A method plugs its part into a :class:`~sparta_tf.DPModel` (``dp.set_release(...
 ``dp.set_gradient_filter(...)``) between phases; the parts hold configuration only, and the
 values of a step (its keep masks, sums, noise) flow through arguments and return values, so
 nothing is assigned while the step is traced.
+
+The package imports its parts on first use (PEP 562 ``__getattr__``): the lower layers
+(:mod:`sparta_tf.per_example` uses :mod:`~sparta_tf.dp_step.clipping`) import one part without
+importing the parts that build on them.
 """
 
-from sparta_tf.dp_step.clip import BatchStatistic, ClippedSum
-from sparta_tf.dp_step.keep import KEEP_ALL, GradientFilter, KeepAll
-from sparta_tf.dp_step.micro_batches import MicroBatches, all_reduce_sum
-from sparta_tf.dp_step.noise import GaussianNoise
-from sparta_tf.dp_step.normalise import ExpectedBatchNormalisation
-from sparta_tf.dp_step.parts import StepParts
-from sparta_tf.dp_step.release import GradientRelease, Release, ScoreRelease
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # for type checkers and the API reference; at run time __getattr__ imports them
+    from sparta_tf.dp_step.clip import BatchStatistic, ClippedSum
+    from sparta_tf.dp_step.keep import KEEP_ALL, GradientFilter, KeepAll
+    from sparta_tf.dp_step.micro_batches import MicroBatches, all_reduce_sum
+    from sparta_tf.dp_step.noise import GaussianNoise
+    from sparta_tf.dp_step.normalise import ExpectedBatchNormalisation
+    from sparta_tf.dp_step.parts import StepParts
+    from sparta_tf.dp_step.release import GradientRelease, Release, ScoreRelease
+
+_PARTS: dict[str, str] = {
+    "BatchStatistic": "sparta_tf.dp_step.clip",
+    "ClippedSum": "sparta_tf.dp_step.clip",
+    "KEEP_ALL": "sparta_tf.dp_step.keep",
+    "GradientFilter": "sparta_tf.dp_step.keep",
+    "KeepAll": "sparta_tf.dp_step.keep",
+    "MicroBatches": "sparta_tf.dp_step.micro_batches",
+    "all_reduce_sum": "sparta_tf.dp_step.micro_batches",
+    "GaussianNoise": "sparta_tf.dp_step.noise",
+    "ExpectedBatchNormalisation": "sparta_tf.dp_step.normalise",
+    "StepParts": "sparta_tf.dp_step.parts",
+    "GradientRelease": "sparta_tf.dp_step.release",
+    "Release": "sparta_tf.dp_step.release",
+    "ScoreRelease": "sparta_tf.dp_step.release",
+}
+"""Each exported name -> the module of the part defining it."""
 
 __all__ = [
     "BatchStatistic",
@@ -53,3 +80,12 @@ __all__ = [
     "StepParts",
     "all_reduce_sum",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """A name of :data:`__all__`, imported from its part on first access and cached."""
+    if name not in _PARTS:
+        raise AttributeError(f"module 'sparta_tf.dp_step' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PARTS[name]), name)
+    globals()[name] = value
+    return value

@@ -7,7 +7,7 @@ For per-example gradients ``g_i`` restricted to the step's coordinates ``I_s`` (
 
 so every example moves ``S`` by at most ``C`` in L2 (the sensitivity the Gaussian mechanism
 assumes). The math and its guarantees (safety margin, non-finite examples) are
-:mod:`sparta_tf.clipping`'s; with ``I_s = I`` a book-keeping engine gives ``S`` without
+:mod:`sparta_tf.dp_step.clipping`'s; with ``I_s = I`` a book-keeping engine gives ``S`` without
 materialising ``g_i`` (:func:`~sparta_tf.per_example.bookkeeping.clipped_batch`).
 """
 
@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
-from sparta_tf.clipping import clipped_sum
+from sparta_tf.dp_step.clipping import clipped_sum
 from sparta_tf.dp_step.keep import KeepMasks, restrict
 from sparta_tf.per_example.bookkeeping import clipped_batch
 

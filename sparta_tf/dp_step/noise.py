@@ -1,31 +1,76 @@
-"""The Gaussian noise of a DP-SGD step.
+"""Gaussian noise of the Gaussian mechanisms: ``N(0, sigma^2 C^2)`` on each released coordinate.
 
-For the summed clipped gradient ``S_t`` (sensitivity ``C``) and noise multiplier ``sigma``::
+For the summed clipped gradient ``S_t`` of a DP-SGD step (sensitivity ``C``) and noise
+multiplier ``sigma`` (:class:`GaussianNoise`, reading both from the model's
+:class:`~sparta_tf.privacy.mechanism.DpSgdMechanism`)::
 
     S~_t = S_t + N(0, sigma^2 C^2 I)
 
-drawn by :func:`sparta_tf.noise.gaussian_noise` from the run's noise seed, the
-``"dp_sgd_noise"`` stream and the global DP step ``t`` (so every replica draws the same noise,
-and a resumed run the noise an uninterrupted one would have drawn), in the dtype of each sum
-(float32; float64 for a float64 model), before any cast to a variable's dtype.
+in the dtype of each sum (float32; float64 for a float64 model), before any cast to a
+variable's dtype.
+
+Noise is drawn with stateless Philox from the run seed, a named stream of
+:mod:`sparta_tf.random_streams` and the step ``t``::
+
+    z_k^t = stateless_normal(shape_k, seed=fold_in(step_key(seed, stream, t), k))
+
+for released tensor ``k``. DP-SGD and SPARTA's selection steps use the
+stream ``"dp_sgd_noise"`` (one mechanism per global DP step, so the step
+separates them); DP-SNIP and DP-FROST have streams of their own, so no two
+mechanisms of a run ever share noise. Consequences:
+
+* every replica of a ``tf.distribute`` strategy draws the *same* noise for the
+  same step, so adding it after the all-reduce adds it exactly once;
+* a resumed run draws the noise an uninterrupted run would have drawn;
+* tests are reproducible with a fixed seed.
+
+Seed policy: see :mod:`sparta_tf.random_streams` (the seed is secret; with
+none given one is drawn from the OS's cryptographic source). Philox is
+TensorFlow's standard counter-based generator (as in TF Privacy); like every
+float Gaussian sampler it is not hardened against floating-point side
+channels (Mironov 2012).
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import tensorflow as tf
 
-from sparta_tf.noise import gaussian_noise
+from sparta_tf.random_streams import step_key
+
+DP_SGD_NOISE = "dp_sgd_noise"
+
+
+def gaussian_noise(
+    shapes: Sequence[tf.TensorShape], stddev: tf.Tensor, seed: tf.Tensor, step: tf.Tensor,
+    dtype=tf.float32, stream: str = DP_SGD_NOISE,
+) -> list[tf.Tensor]:
+    """Independent ``N(0, stddev^2)`` tensors of the given shapes for step ``step`` of ``stream``.
+
+    ``dtype``: one dtype for every tensor, or one per shape (a float64 model's sums take float64
+    noise)."""
+    key = step_key(seed, stream, step)
+    dtypes = list(dtype) if isinstance(dtype, (list, tuple)) else [dtype] * len(shapes)
+    noise = []
+    for k, (shape, tensor_dtype) in enumerate(zip(shapes, dtypes)):
+        sub_key = tf.random.experimental.stateless_fold_in(key, k, alg="philox")
+        noise.append(tf.random.stateless_normal(shape, seed=sub_key, stddev=tf.cast(stddev, tensor_dtype),
+                                                dtype=tensor_dtype, alg="philox"))
+    return noise
 
 
 class GaussianNoise:
-    """``S -> S + N(0, sigma^2 C^2 I)`` at step ``t`` (see the module doc)."""
+    """``S -> S + N(0, sigma^2 C^2 I)`` at step ``t``, ``sigma`` and ``C`` from ``mechanism`` (a
+    :class:`~sparta_tf.privacy.mechanism.DpSgdMechanism`), drawn from the run's noise ``seed``, the
+    ``"dp_sgd_noise"`` stream and the global DP step ``t`` (every replica draws the same noise, and a
+    resumed run the noise an uninterrupted one would have drawn)."""
 
-    def __init__(self, noise_multiplier: float, clip_norm: float, seed: tf.Variable | tf.Tensor):
-        self.noise_multiplier = noise_multiplier
-        self.clip_norm = clip_norm
+    def __init__(self, mechanism, seed: tf.Variable | tf.Tensor):
+        self.mechanism = mechanism
         self.seed = seed
 
     def __call__(self, sums: list, step: tf.Tensor) -> list:
-        std = self.noise_multiplier * self.clip_norm
-        noise = gaussian_noise([s.shape for s in sums], std, self.seed, step, dtype=[s.dtype for s in sums])
+        noise = gaussian_noise([s.shape for s in sums], self.mechanism.noise_std, self.seed, step,
+                               dtype=[s.dtype for s in sums])
         return [s + z for s, z in zip(sums, noise)]

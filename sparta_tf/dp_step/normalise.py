@@ -4,20 +4,19 @@ With Poisson sampling at rate ``q`` from ``n`` examples the batch size is random
 divides by its expectation, not by the realised size (which would depend on the data)::
 
     g~_t = S~_t / (q n)
+
+``q`` and ``n`` are the model's :class:`~sparta_tf.privacy.mechanism.DpSgdMechanism`'s.
 """
 
 from __future__ import annotations
 
 
 class ExpectedBatchNormalisation:
-    """``S~ -> S~ / (q n)`` (see the module doc)."""
+    """``S~ -> S~ / (q n)``, ``q n`` from ``mechanism`` (see the module doc)."""
 
-    def __init__(self, sample_rate: float, dataset_size: int | None):
-        self.sample_rate = sample_rate
-        self.dataset_size = dataset_size
+    def __init__(self, mechanism):
+        self.mechanism = mechanism
 
     def __call__(self, noisy_sums: list) -> list:
-        if self.dataset_size is None:
-            raise ValueError("dataset_size is unknown: pass DPModel(dataset_size=n) or fit arrays")
-        expected_batch = self.sample_rate * self.dataset_size
+        expected_batch = self.mechanism.expected_batch_size
         return [s / expected_batch for s in noisy_sums]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sparta_tf.dp_step.keep import GradientFilter, KeepMasks
-from sparta_tf.dp_step.micro_batches import MicroBatches
+from sparta_tf.dp_step.micro_batches import MicroBatches, all_reduce_sum
 from sparta_tf.dp_step.release import Release
 from sparta_tf.trainable import TrainableSet
 
@@ -25,3 +25,16 @@ class StepParts:
     def keep_masks(self, step) -> KeepMasks | None:
         """``1_s`` of step ``step`` (None: ``I_s = I``)."""
         return self.gradient_filter.keep_masks(self.trainable_set, step)
+
+    def run(self, x, y, weights, loss_fn, step, on_batch) -> None:
+        """One DP step ``t = step``: ``S_t`` summed over micro-batches and replicas, then released.
+        ``on_batch(y, predictions, losses, weights)``: per (micro-)batch, for the metrics."""
+        keep = self.keep_masks(step)
+
+        def statistic(x, y, weights):
+            result = self.release.statistic(self.engine, x, y, loss_fn, weights > 0, keep)
+            on_batch(y, result.predictions, result.losses, weights)
+            return result.sums
+
+        sums = self.micro_batches.sum(statistic, x, y, weights, self.release.statistic_specs(self.trainable_set))
+        self.release.release(all_reduce_sum(sums), step, keep)

@@ -66,6 +66,13 @@ class GradientRelease:
         self.normalise = normalise
         self.optimizer = optimizer
 
+    @classmethod
+    def of_mechanism(cls, mechanism, seed: tf.Variable | tf.Tensor, optimizer: MaskedOptimizer) -> "GradientRelease":
+        """DP-SGD's release of ``mechanism`` (a :class:`~sparta_tf.privacy.mechanism.DpSgdMechanism`:
+        ``C``, ``sigma``, ``q n``), its noise drawn from ``seed``, applied by ``optimizer``."""
+        return cls(ClippedSum(mechanism.clip_norm), GaussianNoise(mechanism, seed),
+                   ExpectedBatchNormalisation(mechanism), optimizer)
+
     def selections(self, trainable_set: TrainableSet) -> list:
         return trainable_set.selections
 

@@ -115,7 +115,7 @@ class SelectionEpochMethod(MaskedMethod):
             return super().enter(phase, dp)
         self.selector = SpartaSelector(dp.model, self.density, self.score, self.granularity,
                                        self.density_overrides, self.head)
-        dp.begin_scoring(self.selector.make_scorer(dp.noise_multiplier, dp.clip_norm))
+        dp.begin_scoring(self.selector.make_scorer(dp.mechanism))
 
     def leave(self, phase: Phase, dp) -> None:
         if phase.name != SELECTION:

@@ -9,7 +9,7 @@ layer's input ``a`` and output gradient ``delta``
    cost model of :mod:`~sparta_tf.per_example.rules.ghost_norms` decides), summed
    over layers: ``||g_i||^2 = sum_l ||g_i^l||^2``;
 2. the clip factors ``c_i = min(1, C/||g_i||)`` (0 for padding and non-finite
-   norms; :func:`sparta_tf.clipping.clip_factors`);
+   norms; :func:`sparta_tf.dp_step.clipping.clip_factors`);
 3. per layer, ``S^l = sum_i c_i g_i^l``: the layer's ordinary weight gradient
    with ``delta`` replaced by ``c * delta``, one batched op; where step 1
    already computed that layer's per-example gradients (the cost model chose
@@ -32,7 +32,7 @@ from typing import NamedTuple, Sequence
 
 import tensorflow as tf
 
-from sparta_tf import clipping
+from sparta_tf.dp_step import clipping
 from sparta_tf.backend import variable_key
 from sparta_tf.per_example.engines import (
     HookedEngine,
@@ -245,7 +245,7 @@ def _shared_selections(plan) -> list[int]:
 
 def clipped_batch(engine, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor, clip_norm: float) -> ClippedBatch:
     """``sum_i c_i g_i`` of a (micro-)batch with any engine: book-keeping, or materialised
-    per-example gradients clipped by :func:`sparta_tf.clipping.clipped_sum`."""
+    per-example gradients clipped by :func:`sparta_tf.dp_step.clipping.clipped_sum`."""
     if isinstance(engine, BookkeepingEngine):
         return engine.clipped_sum(x, y, loss_fn, valid, clip_norm)
     result = engine(x, y, loss_fn, valid)

@@ -41,20 +41,19 @@ Accountants
     typically 5-15% but fast and analytic.
 
 Only ``dp_accounting`` does privacy math here; this module composes events,
-picks discretisations, validates arguments and calibrates ``sigma``.
+picks discretisations and validates arguments. Calibrating ``sigma`` is
+:mod:`sparta_tf.privacy.calibration`'s (called by the plan only).
 """
 
 from __future__ import annotations
 
 import collections
-import functools
 import math
 import numbers
 import pickle
 from typing import Callable
 
 import dp_accounting
-from dp_accounting import mechanism_calibration
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
@@ -69,11 +68,6 @@ PLD_RTOL: float = 1e-3
 
 PLD_MIN_DELTA: float = 1e-15
 """The PLD accountant truncates tail mass near this size: below it, it can only answer epsilon = inf."""
-
-CALIBRATION_RTOL: float = 1e-4
-"""Default relative tolerance on sigma in :func:`calibrate_noise_multiplier`."""
-
-_SIGMA_SEARCH_RANGE = (1e-2, 1e6)
 
 EPSILON_CACHE_SIZE: int = 4096
 """How many ``epsilon(event, delta)`` values :func:`epsilon_of_event` keeps (least recently used dropped)."""
@@ -97,7 +91,8 @@ def check_accountant(accountant: str) -> str:
     return accountant
 
 
-def _check_resolvable(delta: float, accountant: str) -> None:
+def check_resolvable(delta: float, accountant: str) -> None:
+    """ValueError (one line) for a ``delta`` the ``accountant`` cannot resolve (PLD below ``PLD_MIN_DELTA``)."""
     if accountant == "pld" and delta < PLD_MIN_DELTA:
         raise ValueError(f"delta={delta:g} is below {PLD_MIN_DELTA:g}, the smallest delta the PLD accountant "
                          "resolves; use the rdp accountant (accountant: rdp) or a larger delta")
@@ -254,7 +249,7 @@ def epsilon_of_event(
     (``NonPrivateDpEvent`` or a Gaussian with ``sigma = 0``).
     """
     delta = check_delta(delta)
-    _check_resolvable(delta, check_accountant(accountant))
+    check_resolvable(delta, check_accountant(accountant))
     # A pure function of its arguments, memoised on the event's pickle: every field with its
     # exact value and type (a float32 sigma and its float64 rounding get separate entries).
     key = (pickle.dumps(event), delta, accountant)
@@ -332,118 +327,3 @@ def step_epsilon_lower_bound(noise_multiplier: float, sample_rate: float, delta:
         middle = 0.5 * (low + high)
         low, high = (middle, high) if exceeded(middle) else (low, middle)
     return low
-
-
-# --------------------------------------------------------------------------
-# Calibration.
-# --------------------------------------------------------------------------
-
-
-def calibrate_noise_multiplier(
-    target_epsilon: float,
-    delta: float,
-    sample_rate: float,
-    steps: int,
-    accountant: str = "pld",
-    rtol: float = CALIBRATION_RTOL,
-) -> float:
-    """Smallest ``sigma`` with ``epsilon(sigma) <= target_epsilon`` for ``steps`` steps.
-
-    ``epsilon(sigma)`` is :func:`compute_epsilon`; the calibration is
-    :func:`calibrate_composition` with no fixed mechanism.
-    """
-    check_sample_rate(sample_rate)
-    if check_steps(steps) == 0:
-        raise ValueError("steps must be >= 1 to calibrate a noise multiplier.")
-    return calibrate_composition((), ((sample_rate, steps),), target_epsilon, delta, accountant, rtol)
-
-
-Fixed = tuple  # ((sigma, q, count), ...): mechanisms whose noise multiplier is known
-Unknown = tuple  # ((q, count), ...): mechanisms that share the noise multiplier being calibrated
-
-
-def composition_event(fixed: Fixed, unknown: Unknown, sigma: float) -> dp_accounting.DpEvent:
-    """``ComposedDpEvent`` of the fixed mechanisms and the unknown ones at noise multiplier ``sigma``."""
-    events = [dp_sgd_event(s, q, count) for s, q, count in fixed]
-    events += [dp_sgd_event(sigma, q, count) for q, count in unknown]
-    return dp_accounting.ComposedDpEvent(events)
-
-
-def calibrate_composition(
-    fixed: Fixed,
-    unknown: Unknown,
-    target_epsilon: float,
-    delta: float,
-    accountant: str = "pld",
-    rtol: float = CALIBRATION_RTOL,
-) -> float:
-    """The one calibrator: smallest ``sigma`` such that ``fixed`` composed with ``unknown`` at ``sigma``
-    spends at most ``target_epsilon`` at ``delta``.
-
-    ``fixed``: ``((sigma, q, count), ...)`` mechanisms already decided (e.g.
-    DP-SNIP's release, a loaded mask's selection epoch, DP-SGD when
-    calibrating DP-FROST's selection rounds); ``unknown``: ``((q, count), ...)``
-    mechanisms that all use the calibrated ``sigma``. The root of
-    ``epsilon(sigma) - target`` is found by
-    ``dp_accounting.calibrate_dp_mechanism`` (Brent's method), which searches
-    its own bracket from ``LowerEndpointAndGuess`` and nudges the root so that
-    ``epsilon(sigma) <= target`` holds for the returned value (to an absolute
-    tolerance ``rtol * sigma``). For ``"pld"`` the search starts from the
-    (fast, looser) RDP solution ``sigma_rdp``: RDP over-states epsilon, so the
-    PLD root lies a little below it. With fixed mechanisms the search starts
-    from the root without them, a lower bound of the root with them.
-    """
-    target = check_target_epsilon(target_epsilon)
-    delta = check_delta(delta)
-    _check_resolvable(delta, check_accountant(accountant))
-    fixed = tuple((float(check_noise_multiplier(s)), float(check_sample_rate(q)), int(check_steps(c)))
-                  for s, q, c in fixed)
-    unknown = tuple((float(check_sample_rate(q)), int(check_steps(c))) for q, c in unknown)
-    if not any(count for _, count in unknown):
-        raise ValueError("nothing to calibrate: no mechanism uses the unknown noise multiplier")
-    if fixed:
-        spent = epsilon_of_event(composition_event(fixed, (), 1.0), delta, accountant)
-        if spent >= target:
-            raise ValueError(f"the mechanisms with a fixed noise multiplier already spend epsilon={spent:.4g} "
-                             f">= target {target:g}; raise their noise multiplier or the target epsilon")
-    return _calibrated(fixed, unknown, target, delta, accountant, rtol)
-
-
-@functools.lru_cache(maxsize=256)
-def _calibrated(fixed: Fixed, unknown: Unknown, target: float, delta: float, accountant: str, rtol: float) -> float:
-    """:func:`calibrate_composition` on validated arguments; memoised (a pure function, and the
-    costliest call of a run's set-up: seconds of PLD compositions)."""
-    if fixed:
-        # Fixed mechanisms only add epsilon, so the root lies above the root without them: search
-        # upwards from just below that one (dp_accounting doubles the interval until it brackets).
-        lower = _calibrated((), unknown, target, delta, accountant, rtol) * (1 - 1e-3)
-        search = mechanism_calibration.LowerEndpointAndGuess(lower, 2 * lower)
-        return _solve(fixed, unknown, target, delta, accountant, search, rtol)
-    smallest, _ = _SIGMA_SEARCH_RANGE
-    rdp_floor = epsilon_of_event(composition_event(fixed, unknown, smallest), delta, "rdp")
-    if rdp_floor <= target:
-        raise ValueError(f"target_epsilon={target:g} is met even by noise_multiplier {smallest:g}; such a "
-                         "guarantee is meaningless: use a smaller target_epsilon (e.g. 1 to 10)")
-    search = mechanism_calibration.LowerEndpointAndGuess(smallest, 1.0)
-    sigma_rdp = _solve(fixed, unknown, target, delta, "rdp", search, rtol)
-    if accountant == "rdp":
-        return sigma_rdp
-    try:  # Common case: the PLD root lies in [0.8 sigma_rdp, sigma_rdp].
-        narrow = mechanism_calibration.ExplicitBracketInterval(0.8 * sigma_rdp, sigma_rdp)
-        return _solve(fixed, unknown, target, delta, "pld", narrow, rtol)
-    except ValueError:  # Not bracketed: let dp_accounting search upwards from half the RDP root.
-        wide = mechanism_calibration.LowerEndpointAndGuess(0.5 * sigma_rdp, sigma_rdp)
-        return _solve(fixed, unknown, target, delta, "pld", wide, rtol)
-
-
-def _solve(fixed: Fixed, unknown: Unknown, target: float, delta: float, accountant: str,
-           bracket: mechanism_calibration.BracketInterval, rtol: float) -> float:
-    guess = getattr(bracket, "initial_guess", None) or getattr(bracket, "endpoint_2")
-    try:
-        return float(mechanism_calibration.calibrate_dp_mechanism(
-            lambda: make_accountant(accountant), lambda sigma: composition_event(fixed, unknown, sigma),
-            target, delta, bracket_interval=bracket, tol=rtol * guess,
-        ))
-    except mechanism_calibration.NoBracketIntervalFoundError as error:
-        raise ValueError(f"target_epsilon={target:g} needs a noise multiplier outside the searched range; "
-                         "raise target_epsilon or lower the sample rate / number of steps") from error

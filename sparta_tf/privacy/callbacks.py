@@ -1,11 +1,15 @@
 """Keras callback that records DP mechanism runs in a ledger and enforces the budget.
 
 Every noisy update the model performs is one run of the Poisson-subsampled
-Gaussian mechanism ``M_{q, sigma}`` (see :mod:`sparta_tf.privacy.accounting`).
-:class:`PrivacyCallback` counts those runs, records them in a
-:class:`~sparta_tf.privacy.ledger.PrivacyLedger` with the ``(sigma, q)`` that
-were in force, logs ``epsilon`` at each epoch end, and makes sure no update
-runs that would take the ledger past ``ledger.target_epsilon``.
+Gaussian mechanism ``M_{q, sigma}`` described by a
+:class:`~sparta_tf.privacy.mechanism.DpSgdMechanism`. :class:`PrivacyCallback`
+counts those runs, charges ``mechanism.entry(runs)`` to a
+:class:`~sparta_tf.privacy.ledger.PrivacyLedger` (so the charge is derived from
+the mechanism object the steps ran with, never from a copy of its values), logs
+``epsilon`` at each epoch end, and makes sure no update runs that would take the
+ledger past ``ledger.target_epsilon``. A :class:`~sparta_tf.DPModel` builds its
+own callback from its mechanism (:mod:`sparta_tf.privacy.charging`); this class
+is public for plain Keras models.
 
 Keras 2.15 facts the design relies on (``Model.fit``):
 
@@ -23,13 +27,15 @@ Keras 2.15 facts the design relies on (``Model.fit``):
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import tensorflow as tf
 
 from sparta_tf.privacy import accounting
 from sparta_tf.privacy.accounting import PrivacyBudgetExceededError
-from sparta_tf.privacy.ledger import DEFAULT_KIND, PrivacyLedger
+from sparta_tf.privacy.ledger import DEFAULT_KIND, LedgerEntry, PrivacyLedger
+from sparta_tf.privacy.mechanism import DpSgdMechanism
 
 __all__ = ["PrivacyCallback", "BUDGET_MODES"]
 
@@ -46,8 +52,7 @@ class PrivacyCallback(tf.keras.callbacks.Callback):
     Args:
       ledger: the :class:`PrivacyLedger` to record into; its
         ``target_epsilon`` is the budget (``None``: record and log only).
-      noise_multiplier: ``sigma`` of the updates the model performs now.
-      sample_rate: Poisson rate ``q`` of those updates.
+      mechanism: the :class:`DpSgdMechanism` (``sigma``, ``q``) of the updates the model performs now.
       steps_per_epoch: noisy updates per epoch, used to plan the budget;
         ``None`` uses Keras's ``params["steps"]`` (one update per batch).
       phase: label recorded with the runs (e.g. ``"warmup"``); ``None``: none.
@@ -60,9 +65,10 @@ class PrivacyCallback(tf.keras.callbacks.Callback):
       budget_mode: one of :data:`BUDGET_MODES` (default ``"strict"``).
       verbose: print one line when training stops for budget.
 
-    ``noise_multiplier``, ``sample_rate``, ``phase`` and ``kind`` are settable
-    attributes. Setting one to a new value first records the runs performed so
-    far with the old values, so every run is recorded with the values in force.
+    ``mechanism``, ``phase`` and ``kind`` are settable attributes (``noise_multiplier``
+    and ``sample_rate`` replace the mechanism by one with that value). Setting one to a
+    new value first records the runs performed so far under the old one, so every run
+    is recorded with the mechanism in force.
     The budget check assumes that the remaining epochs of the current ``fit``
     use the current values.
     """
@@ -70,8 +76,7 @@ class PrivacyCallback(tf.keras.callbacks.Callback):
     def __init__(
         self,
         ledger: PrivacyLedger,
-        noise_multiplier: float,
-        sample_rate: float,
+        mechanism: DpSgdMechanism,
         steps_per_epoch: int | None = None,
         phase: str | None = None,
         step_counter: tf.Variable | None = None,
@@ -84,8 +89,9 @@ class PrivacyCallback(tf.keras.callbacks.Callback):
         if budget_mode not in BUDGET_MODES:
             raise ValueError(f"budget_mode must be one of {BUDGET_MODES}, got {budget_mode!r}.")
         self.ledger = ledger
-        self._sigma = accounting.check_noise_multiplier(noise_multiplier)
-        self._q = accounting.check_sample_rate(sample_rate)
+        if not isinstance(mechanism, DpSgdMechanism):
+            raise ValueError(f"mechanism must be a DpSgdMechanism(noise_multiplier, sample_rate), got {mechanism!r}")
+        self._mechanism = mechanism
         self._phase = phase
         self._kind = kind
         self.steps_per_epoch = steps_per_epoch
@@ -108,22 +114,29 @@ class PrivacyCallback(tf.keras.callbacks.Callback):
         self._steps_per_epoch = None if value is None else accounting.check_steps(value, "steps_per_epoch")
 
     @property
+    def mechanism(self) -> DpSgdMechanism:
+        """The mechanism every counted run is charged as."""
+        return self._mechanism
+
+    @mechanism.setter
+    def mechanism(self, value: DpSgdMechanism) -> None:
+        self._switch(value != self._mechanism, "_mechanism", value)
+
+    @property
     def noise_multiplier(self) -> float:
-        return self._sigma
+        return self._mechanism.noise_multiplier
 
     @noise_multiplier.setter
     def noise_multiplier(self, value: float) -> None:
-        value = accounting.check_noise_multiplier(value)
-        self._switch(value != self._sigma, "_sigma", value)
+        self.mechanism = dataclasses.replace(self._mechanism, noise_multiplier=value)
 
     @property
     def sample_rate(self) -> float:
-        return self._q
+        return self._mechanism.sample_rate
 
     @sample_rate.setter
     def sample_rate(self, value: float) -> None:
-        value = accounting.check_sample_rate(value)
-        self._switch(value != self._q, "_q", value)
+        self.mechanism = dataclasses.replace(self._mechanism, sample_rate=value)
 
     @property
     def phase(self) -> str | None:
@@ -172,10 +185,14 @@ class PrivacyCallback(tf.keras.callbacks.Callback):
             raise RuntimeError("step_counter decreased during training; it must only count up.")
         return pending
 
+    def charge(self, extra_steps: int = 0) -> LedgerEntry:
+        """The ledger entry of the pending runs plus ``extra_steps`` more, under the current mechanism."""
+        return self._mechanism.entry(self.pending_steps() + extra_steps, self._phase, self._kind)
+
     def flush(self) -> int:
-        """Records the pending runs with the current values; returns how many."""
+        """Records the pending runs under the current mechanism; returns how many."""
         pending = self.pending_steps()
-        self.ledger.record(self._sigma, self._q, pending, self._kind, self._phase)
+        self.ledger.charge(self._mechanism.entry(pending, self._phase, self._kind))
         self._counter_mark += pending if self.step_counter is not None else 0
         self._batches = 0
         self._recorded += pending
@@ -196,10 +213,9 @@ class PrivacyCallback(tf.keras.callbacks.Callback):
             return self.steps_per_epoch
         return self.params.get("steps") if self.params else None
 
-    def _planned(self, extra_steps: int) -> list[tuple]:
-        """Pending runs plus ``extra_steps`` future ones, all at the current values."""
-        count = self.pending_steps() + extra_steps
-        return [(self._sigma, self._q, count, self._kind, self._phase)]
+    def _planned(self, extra_steps: int) -> list[LedgerEntry]:
+        """Pending runs plus ``extra_steps`` future ones, all under the current mechanism."""
+        return [self.charge(extra_steps)]
 
     def _fits(self, extra_steps: int) -> bool:
         return self.ledger.fits_budget(self._planned(extra_steps))
@@ -209,7 +225,7 @@ class PrivacyCallback(tf.keras.callbacks.Callback):
         return (
             f"{what} needs epsilon={planned:.4g} > target_epsilon={self.ledger.target_epsilon:g} "
             f"(delta={self.ledger.delta:g}, {self.ledger.accountant}, "
-            f"noise_multiplier={self._sigma:g}, sample_rate={self._q:g}, "
+            f"noise_multiplier={self.noise_multiplier:g}, sample_rate={self.sample_rate:g}, "
             f"already spent {self.ledger.epsilon():.4g}); "
             "raise noise_multiplier, train fewer epochs, or lower the sample rate."
         )

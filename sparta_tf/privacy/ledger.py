@@ -178,7 +178,10 @@ class PrivacyLedger:
                 "noise_multiplier must be a finite number >= 0, got None; "
                 "use record_nonprivate(reason) for a step without noise accounting."
             )
-        entry = LedgerEntry(noise_multiplier, sample_rate, count, kind, phase)
+        self.charge(LedgerEntry(noise_multiplier, sample_rate, count, kind, phase))
+
+    def charge(self, entry: LedgerEntry) -> None:
+        """Records ``entry`` (e.g. ``mechanism.entry(steps)``; ``count = 0`` records nothing)."""
         self._entries = _appended(self._entries, entry)
 
     def record_caveat(self, caveat: str) -> None:
@@ -194,7 +197,8 @@ class PrivacyLedger:
         budget is dropped (``target_epsilon = None``): it can no longer be kept, only reported broken."""
         if not isinstance(reason, str) or not reason:
             raise ValueError("reason must be a non-empty string saying what broke privacy.")
-        self._nonprivate.append(reason)
+        if reason not in self._nonprivate:
+            self._nonprivate.append(reason)
         self._target_epsilon = None
 
     # ------------------------------------------------------------------ views

@@ -12,7 +12,7 @@ A run of ``T`` epochs on ``n`` private examples with expected batch ``b`` is
   ``M_{q_k, sigma_k}`` run ``count_k`` times.
 
 Noise multipliers, by one calibrator
-(:func:`sparta_tf.privacy.accounting.calibrate_composition`):
+(:func:`sparta_tf.privacy.calibration.calibrate_composition`):
 
 1. the training ``sigma``: given, or the smallest with
    ``eps(before-training mechanisms with a known sigma  o  training) <= share * target``
@@ -32,7 +32,7 @@ import dataclasses
 from typing import Mapping, Sequence
 
 from sparta_tf.method_spec import Phase
-from sparta_tf.privacy import accounting
+from sparta_tf.privacy import accounting, calibration
 from sparta_tf.privacy.ledger import DEFAULT_KIND, LedgerEntry, PrivacyLedger
 from sparta_tf.privacy.sampling import steps_per_epoch
 
@@ -147,6 +147,14 @@ def _trainable(phase: Phase, trainable, total) -> str:
     return f"{count:,} ({count / total:.2%})" if total else f"{count:,}"
 
 
+def sample_rate(n: int, expected_batch_size: float) -> float:
+    """``q = min(1, b / n)``: the Poisson rate of a run with expected batch ``b`` on ``n`` examples (the
+    only place ``q`` is computed; everything else reads the plan's)."""
+    if n < 1:
+        raise ValueError(f"n={n} private training examples: need at least 1")
+    return min(1.0, expected_batch_size / n)
+
+
 def make_privacy_plan(
     *,
     n: int,
@@ -166,13 +174,11 @@ def make_privacy_plan(
     otherwise, at once (before the per-phase PLD work, which takes minutes at ``sigma = 0.01``) when one
     step alone spends more than the target.
     """
-    if n < 1:
-        raise ValueError(f"n={n} private training examples: need at least 1")
     unsized = [p.name for p in phases if p.epochs is None]
     if unsized:
         raise ValueError(f"phase {unsized[0]!r} has no epochs: plan a fit's phases (Method.phases(epochs)), "
                          "not a spec's templates")
-    q = min(1.0, expected_batch_size / n)
+    q = sample_rate(n, expected_batch_size)
     per_epoch = steps_per_epoch(q)
     epochs = sum(p.epochs for p in phases)
     training = tuple((q, p.epochs * per_epoch) for p in phases if p.epochs)
@@ -181,7 +187,7 @@ def make_privacy_plan(
         if target_epsilon is None:
             raise ValueError("give a target epsilon or a noise multiplier")
         known = () if training_share < 1 else _known(before_training)
-        noise_multiplier = accounting.calibrate_composition(
+        noise_multiplier = calibration.calibrate_composition(
             known, training, training_share * target_epsilon, delta, accountant)
     if given:
         steps = [(noise_multiplier, q)] if training else []
@@ -220,6 +226,20 @@ class FixedNoiseOverBudgetError(accounting.PrivacyBudgetExceededError):
                          f"target_epsilon={target_epsilon:g}; raise it, or give none to calibrate it from the target")
 
 
+def calibrate_split(target_epsilon: float, delta: float, share: float, *, sample_rate: float, steps: int,
+                    before_rate: float, before_count: int, accountant: str = "pld",
+                    rtol: float = calibration.CALIBRATION_RTOL) -> tuple[float, float]:
+    """``(sigma_before, sigma_training)`` of a budget split by ``share`` (DP-FROST's ``r_eps``):
+    ``sigma_training`` the smallest with ``eps(M_{q, sigma}^steps) <= share * target``, then
+    ``sigma_before`` the smallest with ``eps(training o M_{q_b, sigma_before}^count) <= target``
+    (what :func:`make_privacy_plan` does with ``training_share``, for callers without a plan)."""
+    training = calibration.calibrate_noise_multiplier(share * target_epsilon, delta, sample_rate, steps, accountant,
+                                                      rtol)
+    before = calibration.calibrate_composition(((training, sample_rate, steps),), ((before_rate, before_count),),
+                                               target_epsilon, delta, accountant, rtol)
+    return float(before), float(training)
+
+
 def _known(mechanisms: Sequence[Mechanism]) -> tuple:
     return tuple((m.noise_multiplier, m.sample_rate, m.count) for m in mechanisms
                  if m.noise_multiplier is not None and m.count)
@@ -234,6 +254,6 @@ def _calibrated_before(before: Sequence[Mechanism], sigma: float, training: tupl
     if target is None:
         raise ValueError("a mechanism before training has no noise multiplier and there is no target epsilon")
     fixed = _known(before) + tuple((sigma, q, count) for q, count in training)
-    calibrated = accounting.calibrate_composition(fixed, unknown, target, delta, accountant)
+    calibrated = calibration.calibrate_composition(fixed, unknown, target, delta, accountant)
     return [m if m.noise_multiplier is not None else dataclasses.replace(m, noise_multiplier=calibrated)
             for m in before]

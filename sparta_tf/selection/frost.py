@@ -40,10 +40,11 @@ import tensorflow as tf
 
 from sparta_tf import method_spec, random_streams
 from sparta_tf import trainable as trainable_lib
+from sparta_tf.dp_step.noise import gaussian_noise
 from sparta_tf.losses import per_example_loss_fn
 from sparta_tf.per_example import make_engine
-from sparta_tf.noise import gaussian_noise
 from sparta_tf.privacy import accounting
+from sparta_tf.privacy.plan import calibrate_split
 from sparta_tf.privacy.sampling import PoissonSampler
 from sparta_tf.selection.frost_magnitudes import (
     DEFAULT_ALPHA,
@@ -170,10 +171,8 @@ def compute_sigmas(
     if not 0.0 < r_eps < 1.0:
         raise ValueError(f"r_eps must be in (0, 1), got {r_eps!r}")
     accounting.check_steps(selection_steps, "selection_steps")
-    sigma_training = accounting.calibrate_noise_multiplier(r_eps * eps, delta, sample_rate, steps, accountant, rtol)
-    sigma_selection = accounting.calibrate_composition(
-        ((sigma_training, sample_rate, steps),), ((selection_rate, selection_steps),), eps, delta, accountant, rtol)
-    return float(sigma_selection), float(sigma_training)
+    return calibrate_split(eps, delta, r_eps, sample_rate=sample_rate, steps=steps, before_rate=selection_rate,
+                           before_count=selection_steps, accountant=accountant, rtol=rtol)
 
 
 def record_selection(ledger, noise_multiplier: float, sample_rate: float, count: int) -> None:

@@ -25,7 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 from sparta_tf import method_spec
-from sparta_tf.clipping import clipped_sum
+from sparta_tf.dp_step.clipping import clipped_sum
 from sparta_tf.groups import parameter_table
 
 METHODS = method_spec.FROST_MAGNITUDES

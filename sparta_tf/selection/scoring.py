@@ -37,10 +37,11 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
-from sparta_tf.clipping import clip_factors, per_example_squared_norms
+from sparta_tf.dp_step.clipping import clip_factors, per_example_squared_norms
+from sparta_tf.dp_step.noise import gaussian_noise
 from sparta_tf.groups import RowGroup
 from sparta_tf.method_spec import GRANULARITIES, SCORES
-from sparta_tf.noise import gaussian_noise
+from sparta_tf.privacy.mechanism import DpSgdMechanism
 from sparta_tf.trainable import VariableSelection
 
 SELECTION_NOISE_STREAM = "selection_noise"  # sparta_tf.random_streams: the released scores' noise
@@ -56,14 +57,15 @@ def check_score(score: str, granularity: str) -> None:
 
 
 class SelectionScorer(tf.Module):
-    """Accumulates the per-row (or per-entry) scores of one selection epoch."""
+    """Accumulates the per-row (or per-entry) scores of one selection epoch; ``C`` and ``sigma`` are
+    ``mechanism``'s (the DP model's :class:`~sparta_tf.privacy.mechanism.DpSgdMechanism`: a selection
+    step is the same Gaussian mechanism as a training step)."""
 
     def __init__(
         self,
         groups: Sequence[RowGroup],
+        mechanism: DpSgdMechanism,
         *,
-        noise_multiplier: float,
-        clip_norm: float,
         score: str = "sum_abs",
         granularity: str = "row",
     ):
@@ -74,8 +76,7 @@ class SelectionScorer(tf.Module):
         self.groups = list(groups)
         self.score = score
         self.granularity = granularity
-        self.noise_multiplier = float(noise_multiplier)
-        self.clip_norm = float(clip_norm)
+        self.mechanism = mechanism
         self.private = score != "oracle"
         self.selections = [VariableSelection(g.variable) for g in self.groups]
         self.totals = [
@@ -102,7 +103,7 @@ class SelectionScorer(tf.Module):
             keep = tf.logical_and(valid, tf.math.is_finite(per_example_squared_norms(grads)))
             factors = tf.cast(keep, grads[0].dtype)
         else:
-            factors, keep = clip_factors(per_example_squared_norms(grads), self.clip_norm, valid)
+            factors, keep = clip_factors(per_example_squared_norms(grads), self.mechanism.clip_norm, valid)
         stats = []
         for group, g in zip(self.groups, grads):
             mask = tf.reshape(keep, [-1] + [1] * (g.shape.rank - 1))
@@ -126,8 +127,8 @@ class SelectionScorer(tf.Module):
         """:meth:`batch_statistic` from a book-keeping engine built for :attr:`selections`:
         ``(stats, losses, predictions)``, without a model's worth of per-example gradients."""
         absolute = self.score in ("sum_abs", "oracle")
-        result = engine.selection_statistic(x, y, loss_fn, valid, None if self.score == "oracle" else self.clip_norm,
-                                            self.groups if absolute else None)
+        clip_norm = None if self.score == "oracle" else self.mechanism.clip_norm
+        result = engine.selection_statistic(x, y, loss_fn, valid, clip_norm, self.groups if absolute else None)
         return result.sums, result.losses, result.predictions
 
     def release(self, stats: Sequence[tf.Tensor], seed: tf.Tensor, step: tf.Tensor) -> None:
@@ -147,7 +148,7 @@ class SelectionScorer(tf.Module):
         return tf.reduce_sum(group.to_row_view(values), axis=0)
 
     def _noise_std(self, group: RowGroup) -> float:
-        per_coordinate = self.noise_multiplier * self.clip_norm
+        per_coordinate = self.mechanism.noise_std
         return per_coordinate * (np.sqrt(group.row_size) if self.granularity == "row" else 1.0)
 
     # ------------------------------------------------------------ after epoch

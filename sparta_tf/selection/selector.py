@@ -67,11 +67,9 @@ class SpartaSelector:
     def group_table(self) -> str:
         return groups_module.group_table(self.model)
 
-    def make_scorer(self, noise_multiplier: float, clip_norm: float) -> SelectionScorer:
-        self.scorer = SelectionScorer(
-            self.groups, noise_multiplier=noise_multiplier, clip_norm=clip_norm,
-            score=self.score, granularity=self.granularity,
-        )
+    def make_scorer(self, mechanism) -> SelectionScorer:
+        """The scorer of a selection epoch run with ``mechanism`` (the DP model's ``dp.mechanism``)."""
+        self.scorer = SelectionScorer(self.groups, mechanism, score=self.score, granularity=self.granularity)
         return self.scorer
 
     def select(self, scores: Sequence[np.ndarray] | None = None) -> list[VariableSelection]:
@@ -84,7 +82,7 @@ class SpartaSelector:
 
     def select_epoch(self, dp_model, x, y, verbose: int = 0) -> list[VariableSelection]:
         """Runs one selection epoch of ``dp_model`` on ``x, y`` and returns the selections."""
-        scorer = self.make_scorer(dp_model.noise_multiplier, dp_model.clip_norm)
+        scorer = self.make_scorer(dp_model.mechanism)
         dp_model.begin_scoring(scorer)
         try:
             dp_model.fit(x, y, epochs=1, verbose=verbose)

@@ -45,12 +45,12 @@ import numpy as np
 import tensorflow as tf
 
 from sparta_tf import trainable as trainable_lib
-from sparta_tf.clipping import clipped_sum
+from sparta_tf.dp_step.clipping import clipped_sum
 from sparta_tf.groups import parameter_table
 from sparta_tf.keras_layers import all_layers
 from sparta_tf.losses import per_example_loss_fn
 from sparta_tf import random_streams
-from sparta_tf.noise import gaussian_noise
+from sparta_tf.dp_step.noise import gaussian_noise
 from sparta_tf.per_example import make_engine
 from sparta_tf.privacy.accounting import check_noise_multiplier, check_sample_rate
 from sparta_tf.trainable import TrainableSet

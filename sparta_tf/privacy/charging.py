@@ -1,0 +1,224 @@
+"""How every DP step of a :class:`~sparta_tf.DPModel` is charged to its ledger, resumed runs included.
+
+A step is one run of the model's :class:`~sparta_tf.privacy.mechanism.DpSgdMechanism` ``M``
+(``dp.mechanism``, the object the step's noise, normalisation and sampler read). The ledger is
+charged ``M.entry(k)`` for the ``k`` steps the model's ``dp_step`` counter counted, and nothing
+else, wherever they ran:
+
+* in ``fit``: by the model's own :class:`~sparta_tf.privacy.callbacks.PrivacyCallback`, built
+  from ``dp.mechanism`` (:func:`model_callback`); a caller's ``PrivacyCallback`` is refused, since
+  it would charge another object than the one the steps run;
+* before each step with a run directory: ``ledger.json`` is rewritten with that step already
+  charged, then the step journal says it started (:class:`StepJournal`), so a kill at any point
+  over-counts at most;
+* on resume: the steps a killed run started after its last checkpoint (the journal's count,
+  the largest over workers in a multi-worker run) are charged as ``M.entry(lost, "interrupted")``
+  (:func:`charge_interrupted_steps`); the mechanisms a killed run ran before its first step
+  likewise (:func:`charge_interrupted_before_training`).
+
+Files (under ``run_dir/checkpoints/``, beside :mod:`sparta_tf.checkpointing`'s checkpoints):
+``journal.json`` (``{"started_through": t}``) and ``before_training.json`` (runs started, and
+one run's entries), written, like everything in the run directory, by ``checkpointing.write_atomic``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Sequence
+
+import tensorflow as tf
+
+from sparta_tf import checkpointing, distribute
+from sparta_tf.checkpointing import BEFORE_TRAINING, CHECKPOINTS, JOURNAL, LEDGER, CheckpointError
+from sparta_tf.masks import is_mask_charge
+from sparta_tf.privacy.callbacks import PrivacyCallback
+from sparta_tf.privacy.ledger import LedgerEntry, PrivacyLedger
+from sparta_tf.privacy.mechanism import DpSgdMechanism
+
+# ------------------------------------------------------------------ fit
+
+
+def model_callback(dp, callbacks: list, steps_per_epoch: int, on_budget_exhausted) -> PrivacyCallback | None:
+    """The model's own :class:`PrivacyCallback` for this ``fit`` (None without a ledger).
+
+    One callback for the model's life, built from ``dp.mechanism``: it counts ``dp_step`` from its
+    last record, so the steps of a ``fit`` that ended in an exception (no ``on_epoch_end`` /
+    ``on_train_end``) are charged when the next ``fit`` begins. A caller's ``PrivacyCallback`` is
+    refused (one line): the model charges its ledger itself.
+    """
+    for callback in callbacks:
+        if isinstance(callback, PrivacyCallback):
+            refuse_caller_callback(dp, callback)
+    if dp.ledger is None:
+        return None
+    own = dp.privacy_callback
+    mine = (dp.noise_multiplier, dp.sample_rate)
+    if own is not None and own.ledger is dp.ledger and (own.noise_multiplier, own.sample_rate) != mine:
+        raise ValueError(f"the model's PrivacyCallback was set to charge noise_multiplier {own.noise_multiplier:g}, "
+                         f"sample_rate {own.sample_rate:g}, but the steps run the model's mechanism "
+                         f"(noise_multiplier {dp.noise_multiplier:g}, sample_rate {dp.sample_rate:g}); leave it as "
+                         "the model built it")
+    budget_mode = "strict" if dp.private_run is None else dp.private_run.budget_mode
+    if (own is None or own.ledger is not dp.ledger or own.step_counter is not dp.dp_step
+            or own.mechanism is not dp.mechanism):
+        if own is not None and own.ledger is dp.ledger and own.step_counter is dp.dp_step:
+            own.flush()  # the steps counted so far, under the mechanism they ran
+        own = PrivacyCallback(dp.ledger, dp.mechanism, steps_per_epoch, step_counter=dp.dp_step,
+                              on_budget_exhausted=on_budget_exhausted, budget_mode=budget_mode)
+    else:
+        own.flush()  # an interrupted fit's steps
+        own.steps_per_epoch = steps_per_epoch
+        own.on_budget_exhausted = on_budget_exhausted
+        own.budget_mode = budget_mode
+    check_ledger_covers_dp_step(dp, own)
+    return own
+
+
+def refuse_caller_callback(dp, callback: PrivacyCallback) -> None:
+    """A ``PrivacyCallback`` passed to a DP model's ``fit`` is refused: it charges its own mechanism,
+    not the one the model's steps run."""
+    mine = dp.mechanism
+    raise ValueError(
+        f"fit got a PrivacyCallback (noise_multiplier {callback.noise_multiplier:g}, sample_rate "
+        f"{callback.sample_rate:g}); leave it out: a DPModel charges its ledger itself, from the mechanism its "
+        f"steps run (noise_multiplier {mine.noise_multiplier:g}, sample_rate {mine.sample_rate:g}"
+        f"{'' if dp.ledger is not None else '; give the DPModel a delta to have a ledger'})")
+
+
+def check_ledger_covers_dp_step(dp, callback: PrivacyCallback) -> None:
+    """``dp_step`` counts every DP step this model's weights have been through; the ledger must
+    hold at least as many (recorded or pending), or epsilon would leave steps out: e.g. after
+    ``checkpoint_state()`` was restored into a new DPModel whose ledger starts empty."""
+    recorded = sum(entry.count for entry in dp.ledger.entries
+                   if entry.kind == callback.kind and not is_mask_charge(entry))
+    ran = int(dp.dp_step.numpy())
+    if recorded + callback.pending_steps() < ran:
+        raise ValueError(
+            f"dp_step is {ran} but the privacy ledger records {recorded} DP steps: restore the ledger "
+            "saved with the checkpoint (dp_model.ledger = PrivacyLedger.from_json(...)) before fit, "
+            "or epsilon would leave the other steps out"
+        )
+
+
+# ------------------------------------------------------------------ the step journal
+
+
+class StepJournal(tf.keras.callbacks.Callback):
+    """Before each training step: ``ledger.json`` charges it, then the journal says it started."""
+
+    def __init__(self, output_dir: str):
+        super().__init__()
+        self.path = os.path.join(output_dir, CHECKPOINTS, JOURNAL)
+        self.ledger_path = os.path.join(output_dir, LEDGER)
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        dp = self.model
+        privacy = dp.privacy_callback
+        if privacy is not None:  # first the ledger, then the journal: a kill in between over-counts only
+            charged = PrivacyLedger.from_json(privacy.ledger.to_json())
+            charged.charge(privacy.charge(extra_steps=1))
+            checkpointing.write_atomic(self.ledger_path, json.dumps(charged.to_json(), indent=1))
+        checkpointing.write_atomic(self.path, json.dumps({"started_through": int(dp.dp_step.numpy()) + 1}))
+
+
+def steps_started_after(output_dir: str, checkpoint_step: int) -> int:
+    """How many steps this process's journal says a killed run started after ``checkpoint_step``."""
+    path = os.path.join(output_dir, CHECKPOINTS, JOURNAL)
+    if not os.path.exists(path):
+        return 0
+    try:
+        with open(path) as f:
+            started = int(json.load(f)["started_through"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"the step journal {path} is damaged ({error}): the steps the killed run started "
+                              "cannot be counted, so it cannot be resumed safely; start a new output_dir") from None
+    return max(0, started - checkpoint_step)
+
+
+def charge_interrupted_steps(output_dir: str, checkpoint_step: int, ledger: PrivacyLedger,
+                             mechanism: DpSgdMechanism, strategy: tf.distribute.Strategy) -> int:
+    """Charges ``mechanism.entry(lost, "interrupted")`` for the ``lost`` steps a killed run started
+    after the last checkpoint; returns ``lost``.
+
+    On several workers each keeps its own journal, and a kill leaves them a step or two apart;
+    every worker charges the *largest* count (``max_w lost_w``), so the ledgers, and with them the
+    step at which the privacy budget stops training, are the same on every worker and never
+    under-count the steps any worker started.
+    """
+    lost = distribute.largest_over_workers(strategy, steps_started_after(output_dir, checkpoint_step))
+    if lost:
+        ledger.charge(mechanism.entry(lost, phase="interrupted"))
+    return lost
+
+
+def update_checkpoint_ledger(path: str, ledger: PrivacyLedger) -> None:
+    """Rewrites checkpoint ``path``'s ledger (after charging interrupted steps), so that a second kill
+    before the next checkpoint cannot lose the charge."""
+    with open(os.path.join(path, "state.json")) as f:
+        state = json.load(f)
+    text = json.dumps(dict(state, ledger=ledger.to_json()), indent=1)
+    checkpointing.write_atomic(os.path.join(path, "state.json"), text)
+
+
+# ------------------------------------------------------------------ before the first step
+
+
+def journal_before_training(output_dir: str, ledger: PrivacyLedger, entries: Sequence[LedgerEntry]) -> None:
+    """Before mechanisms that draw noise ahead of the first DP step (``entries``: one run's charge):
+    writes ``ledger.json`` with them already charged, then counts one more started run, so that no
+    kill, during or after them, once or repeatedly, can drop a run from the ledger."""
+    if not entries:
+        return
+    charged = PrivacyLedger.from_json(ledger.to_json())
+    for entry in entries:
+        charged.charge(entry)
+    checkpointing.write_atomic(os.path.join(output_dir, LEDGER), json.dumps(charged.to_json(), indent=1))
+    path = os.path.join(output_dir, CHECKPOINTS, BEFORE_TRAINING)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    started = _runs_started_before_training(output_dir) + 1
+    record = {"runs_started": started, "entries": [e.to_dict() for e in entries]}
+    checkpointing.write_atomic(path, json.dumps(record, indent=1))
+
+
+def _runs_started_before_training(output_dir: str) -> int:
+    path = os.path.join(output_dir, CHECKPOINTS, BEFORE_TRAINING)
+    if not os.path.exists(path):
+        return 0
+    try:
+        with open(path) as f:
+            return int(json.load(f)["runs_started"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"{path} is damaged ({error}): the mechanisms the killed runs started cannot be "
+                              "counted, so it cannot be resumed safely; start a new output_dir") from None
+
+
+def charge_interrupted_before_training(output_dir: str, ledger: PrivacyLedger, planned: Sequence[LedgerEntry],
+                                       strategy: tf.distribute.Strategy) -> int:
+    """In a run resumed before its first checkpoint: records ``planned`` (one run of the mechanisms
+    that draw noise before training; the same config) once for every run the killed runs started
+    (the largest count over workers), under the phase ``interrupted``; returns that count. Their
+    releases (a mask on disk, the steps that used it) may have been observed, and the resumed run
+    runs them again (under a new secret seed unless the config fixes one: then the same draw,
+    charged twice, an over-count)."""
+    if not planned:
+        return 0
+    started = distribute.largest_over_workers(strategy, _runs_started_before_training(output_dir))
+    for _ in range(started):
+        for entry in planned:
+            ledger.charge(dataclasses.replace(entry, phase="interrupted"))
+    return started
+
+
+def charge_steps_before_first_checkpoint(dp, before_training: Sequence[LedgerEntry], run_dir: str) -> None:
+    """A run killed before its first checkpoint starts over; the steps (of ``dp.mechanism``) and the
+    mechanisms before training (``before_training``: one run's releases) it ran stay charged."""
+    runs = charge_interrupted_before_training(run_dir, dp.ledger, before_training, dp.distribute_strategy)
+    if runs:
+        print(f"== the mechanisms before training, run {runs} time(s) by the interrupted run(s), charged to the ledger")
+    lost = charge_interrupted_steps(run_dir, 0, dp.ledger, dp.mechanism, dp.distribute_strategy)
+    if lost:
+        dp.dp_step.assign(lost)  # fresh noise and batch keys; the journal keeps counting every step run
+        print(f"== {lost} step(s) of the interrupted run (before its first checkpoint) charged to the ledger")

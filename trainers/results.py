@@ -1,0 +1,51 @@
+"""What a finished ``sparta-train`` run reports in ``results.json`` (:func:`run_results`).
+
+The privacy numbers are the ledger's (what ran and was charged), next to the plan's (what was
+planned): a resumed run whose interrupted steps were charged may stop before the plan's end.
+"""
+
+from __future__ import annotations
+
+from sparta_tf.privacy.plan import PrivacyPlan
+
+
+def run_results(config: dict, dp, plan: PrivacyPlan, dataset, phase_seconds: dict, timings: dict, history) -> dict:
+    """``results.json``'s content after ``dp.fit``: test accuracy and loss, what the ledger spent (its
+    epsilon, None when not private, and why), the plan, the steps that ran and the timings."""
+    test_loss, test_accuracy = dp.evaluate(dataset.x_test, dataset.y_test, verbose=0)[:2]
+    return {
+        "method": config["method"]["name"],
+        "private": dp.ledger.is_private,
+        "nonprivate_reasons": list(dp.ledger.nonprivate_reasons),
+        "epsilon": dp.ledger.epsilon() if dp.ledger.is_private else None,  # None: not DP
+        "privacy_caveats": dp.ledger.caveats(),
+        "target_epsilon": plan.target_epsilon,
+        "delta": plan.delta,
+        "noise_multiplier": dp.mechanism.noise_multiplier,  # the plan's, as the steps ran them
+        "sample_rate": dp.mechanism.sample_rate,
+        "clip_norm": dp.mechanism.clip_norm,
+        "steps": dp.ledger.steps,
+        "optimizer_steps": int(dp.optimizer.iterations.numpy()),  # = plan.update_steps: the schedule's span
+        "epochs": plan.epochs,
+        **what_ran(dp, plan),
+        "n": plan.n,
+        "plan": plan.to_json(),
+        "test_accuracy": float(test_accuracy),
+        "test_loss": float(test_loss),
+        "trainable_fraction": dp.trainable_set.fraction_of(dp.model),
+        "seconds_per_phase": phase_seconds,
+        **timings,
+        "history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
+    }
+
+
+def what_ran(dp, plan: PrivacyPlan) -> dict:
+    """Training steps and epochs that really ran (a resumed run whose charged interrupted steps no
+    longer fit the budget stops early) against the plan."""
+    phases = {phase.name for phase in plan.phases}
+    ran = sum(entry.count for entry in dp.ledger.entries if entry.phase in phases)
+    stopped = dp.privacy_callback is not None and dp.privacy_callback.budget_exhausted
+    return {"planned_steps": plan.steps, "training_steps_run": ran,
+            "epochs_completed": round(ran / plan.steps_per_epoch, 4),
+            "stopped_early": ("the privacy budget ran out (steps of an interrupted run were charged)"
+                              if stopped else None)}
