@@ -760,18 +760,25 @@ def _fmt(x, spec):
     return format(x, spec) if isinstance(x, (int, float)) else "-"
 
 
+def _noted(results: List[dict], batch_size: int, separator: str):
+    """``(result, note)`` for each result at ``batch_size``: a failed variant's note, then its
+    while_loop fallbacks joined by ``separator``."""
+    for d in results:
+        if d["batch_size"] != batch_size:
+            continue
+        note = d["note"] if d["status"] != "ok" else ""
+        if d["while_loop_fallbacks"]:
+            note = (note + "; " if note else "") + "while_loop: " + separator.join(d["while_loop_fallbacks"])
+        yield d, note
+
+
 def markdown_table(results: List[dict], batch_size: int) -> str:
     rows = [
         "| variant | median ms/step | IQR ms | n | x keras | x same-framework non-private | examples/s "
         "| own cores busy | other CPU % | setup s | note |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for d in results:
-        if d["batch_size"] != batch_size:
-            continue
-        note = d["note"] if d["status"] != "ok" else ""
-        if d["while_loop_fallbacks"]:
-            note = (note + "; " if note else "") + "while_loop: " + ", ".join(d["while_loop_fallbacks"])
+    for d, note in _noted(results, batch_size, ", "):
         status = "" if d["status"] == "ok" else f"**{d['status']}** "
         rows.append(
             f"| {d['variant']} | {_fmt(d.get('median_ms'), '.1f')} | {_fmt(d.get('iqr_ms'), '.1f')} "
@@ -787,12 +794,7 @@ def console_table(results: List[dict], batch_size: int) -> str:
     head = (f"{'variant':18s} {'median ms':>10s} {'IQR ms':>8s} {'n':>3s} {'x keras':>8s} {'x np':>6s} "
             f"{'cores':>5s} {'other%':>6s}  note")
     lines = [head, "-" * len(head)]
-    for d in results:
-        if d["batch_size"] != batch_size:
-            continue
-        note = d["note"] if d["status"] != "ok" else ""
-        if d["while_loop_fallbacks"]:
-            note = (note + "; " if note else "") + "while_loop: " + ",".join(d["while_loop_fallbacks"])
+    for d, note in _noted(results, batch_size, ","):
         lines.append(
             f"{d['variant']:18s} {_fmt(d.get('median_ms'), '10.1f'):>10s} {_fmt(d.get('iqr_ms'), '8.1f'):>8s} "
             f"{d.get('n', 0):3d} {_fmt(d.get('ratio_vs_keras'), '8.2f'):>8s} "

@@ -1,4 +1,8 @@
-"""Small models the tests train: an MLP 8-32-32-4 with its data, and a Conv2D + GroupNorm net (6x6x2 inputs)."""
+"""Small models the tests train, their data, and the one-example tape gradients they are checked against.
+
+An MLP 8-32-32-4 with its data, a Conv2D + GroupNorm net (6x6x2 inputs), seeded Gaussian inputs with
+uniform labels for any input shape, and every example's gradient taken alone with ``tf.GradientTape``.
+"""
 
 import numpy as np
 import tensorflow as tf
@@ -6,11 +10,19 @@ import tensorflow as tf
 from sparta_tf.backend import variable_key
 
 LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+PER_EXAMPLE_LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
 
 
 def variable_name(variable) -> str:
     """A variable's unique name on either Keras line, without Keras 2's ``:0`` (``"conv1/kernel"``)."""
     return variable_key(variable).split(":")[0]
+
+
+def gaussian_data(n: int, shape: tuple, classes: int, seed: int = 0):
+    """``(x, y)``: ``n`` float32 inputs of ``shape`` drawn from N(0, 1), then ``n`` labels uniform in
+    ``0..classes-1`` (int64), both from ``np.random.default_rng(seed)`` in that order."""
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, *shape)).astype(np.float32), rng.integers(0, classes, n)
 
 
 def small_mlp() -> tf.keras.Model:
@@ -25,9 +37,8 @@ def small_mlp() -> tf.keras.Model:
 
 
 def small_data(n: int):
-    """``n`` Gaussian 8-feature examples and labels in 0..3, seeded."""
-    rng = np.random.default_rng(0)
-    return rng.normal(size=(n, 8)).astype(np.float32), rng.integers(0, 4, n)
+    """``n`` Gaussian 8-feature examples and labels in 0..3, seeded: :func:`small_mlp`'s data."""
+    return gaussian_data(n, (8,), 4)
 
 
 def conv_gn_model(seed: int = 0, classes: int = 3) -> tf.keras.Model:
@@ -40,3 +51,19 @@ def conv_gn_model(seed: int = 0, classes: int = 3) -> tf.keras.Model:
     h = layers.GlobalAveragePooling2D()(h)
     h = layers.Dense(5, activation="relu", name="hidden")(h)
     return tf.keras.Model(inputs, layers.Dense(classes, name="head")(h))
+
+
+def per_example_loss(y, logits):
+    """Cross-entropy of each example's logits, ``[B]`` (the engines' per-example loss)."""
+    return PER_EXAMPLE_LOSS(y, logits)
+
+
+def tape_gradients(model, x, y) -> list[np.ndarray]:
+    """Per trainable variable, ``[B, *variable.shape]``: row ``i`` is example ``i``'s gradient of
+    :func:`per_example_loss` taken alone with ``tf.GradientTape`` (float32, ``training=True``)."""
+    per_example = []
+    for i in range(len(x)):
+        with tf.GradientTape() as tape:
+            loss = PER_EXAMPLE_LOSS(y[i : i + 1], model(x[i : i + 1], training=True))[0]
+        per_example.append(tape.gradient(loss, model.trainable_variables))
+    return [np.stack([g[k].numpy() for g in per_example]) for k in range(len(model.trainable_variables))]

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
+from small_configs import set_key
 from sparta_tf.backend import keras_version
 from trainers import cli
 
@@ -24,21 +25,6 @@ BASE = {
     "privacy": {"target_epsilon": 8.0, "delta": 1e-4},
     "training": {"epochs": 3, "batch_size": 64, "learning_rate": 0.05, "seed": 0},
 }
-
-
-def _set(config, dotted, value):
-    node = config
-    *parents, last = dotted.split(".")
-    for part in parents:
-        node = node.setdefault(part, {})
-    if value is _DELETE:
-        node.pop(last, None)
-    else:
-        node[last] = value
-    return config
-
-
-_DELETE = object()
 
 
 def _npz(tmp, name, **arrays):
@@ -294,7 +280,7 @@ def _config(tmp_path, changes):
     config = copy.deepcopy(BASE)
     config["output_dir"] = str(tmp_path / "run")
     for key, value in changes.items():
-        _set(config, key, _resolve(value, tmp_path))
+        set_key(config, key, _resolve(value, tmp_path))
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     return path, config

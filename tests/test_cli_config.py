@@ -7,6 +7,7 @@ import sys
 import pytest
 import yaml
 
+from small_configs import DELETE, set_key
 from trainers.config import ConfigError, apply_overrides, check_against_data, load_config, validate
 
 BASE = {
@@ -19,27 +20,7 @@ BASE = {
 
 
 def with_change(path, value):
-    config = yaml.safe_load(yaml.safe_dump(BASE))
-    node = config
-    *parents, last = path.split(".")
-    for part in parents:
-        node = node.setdefault(part, {})
-    if value is DELETE:
-        node.pop(last, None)
-    else:
-        node[last] = value
-    return config
-
-
-class _Delete:
-    """Marks a key to remove; its repr is stable, so the test ids are the same in every process
-    (pytest-xdist's workers must collect identical ids)."""
-
-    def __repr__(self) -> str:
-        return "<deleted>"
-
-
-DELETE = _Delete()
+    return set_key(yaml.safe_load(yaml.safe_dump(BASE)), path, value)
 
 MALFORMED = [
     ("bogus", 1, "unknown section 'bogus'"),

@@ -4,31 +4,15 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
-import yaml
 
+from small_configs import tiny_config
+from small_runs import sparta_train, start_sparta_train, wait_mid_epoch_after
 from trainers import pretraining, run
 from trainers.config import validate
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def tiny_config(output_dir, method="sparta", epochs=3, **training):
-    return {
-        "data": {"source": "synthetic", "num_examples": 160, "num_classes": 3, "val_fraction": 0.1,
-                 "test_fraction": 0.2},
-        # ResNet-8-GN: the same layer kinds as ResNet-20-GN; a third of the layers to trace (2-3x faster runs)
-        "model": {"name": "cifar_resnet_gn", "depth": 8},
-        "method": {"name": method, "density": 0.25},
-        "privacy": {"target_epsilon": 8.0, "delta": 1e-3},
-        "training": {"epochs": epochs, "batch_size": 32, "learning_rate": 0.05, "seed": 0, **training},
-        "output_dir": str(output_dir),
-    }
-
 
 @pytest.mark.parametrize("method", ["sparta", "all", "last", "bitfit", "mp", "random", "dpsgd_grad", "oracle", "x_bitfit", "dp_frost", "dp_ssgd"])
 def test_every_method_runs_end_to_end(tmp_path, method):
@@ -112,43 +96,20 @@ def test_the_data_sets_caveats_join_the_seed_caveat_in_private_runs_only(tmp_pat
     assert run.privacy_caveats(config, dataset, private=True) == caveats[1:]
 
 
-def test_dry_run_prints_the_plan(tmp_path):
-    config = tiny_config(tmp_path / "dry")
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(config))
-    result = subprocess.run([sys.executable, "-m", "trainers", "--config", str(path), "--dry-run"],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+def test_dry_run_prints_the_plan(tmp_path, write_config):
+    result = sparta_train(write_config(tiny_config(tmp_path / "dry")), "--dry-run", timeout=300)
     assert result.returncode == 0, result.stderr
     for text in ("private training examples n =", "noise multiplier sigma =", "warmup", "selection", "sparse"):
         assert text in result.stdout
     assert not (tmp_path / "dry").exists()  # a dry run writes nothing
 
 
-def _wait_for_mid_epoch_after_checkpoint(out, per_epoch_guess, deadline):
-    journal = out / "checkpoints" / "journal.json"
-    latest = out / "checkpoints" / "latest"
-    while time.time() < deadline:
-        try:
-            if latest.exists() and latest.read_text() >= "epoch-0002":
-                step = json.loads(journal.read_text())["started_through"]
-                if step % per_epoch_guess not in (0, 1):
-                    return True
-        except (OSError, ValueError):
-            pass  # a file being replaced
-        time.sleep(0.02)
-    return False
-
-
-def test_sigkill_mid_epoch_then_resume_never_undercounts(tmp_path):
+def test_sigkill_mid_epoch_then_resume_never_undercounts(tmp_path, write_config):
     out = tmp_path / "killed"
-    config = tiny_config(out, "sparta", epochs=6, batch_size=12)
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(config))
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    process = subprocess.Popen([sys.executable, "-m", "trainers", "--config", str(path)], cwd=ROOT, env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    path = write_config(tiny_config(out, "sparta", epochs=6, batch_size=12))
+    process = start_sparta_train(path)
     try:
-        assert _wait_for_mid_epoch_after_checkpoint(out, 10, time.time() + 240), "no checkpoint in time"
+        assert wait_mid_epoch_after(out, 2, time.time() + 240), "no checkpoint in time"
     finally:
         process.send_signal(signal.SIGKILL)
         process.wait()
@@ -157,8 +118,7 @@ def test_sigkill_mid_epoch_then_resume_never_undercounts(tmp_path):
     journal_before = (out / "checkpoints" / "journal.json").read_text()
     # Regression: a fresh start in the killed run's directory overwrote its journal, so --resume later
     # charged none of the killed run's steps after its checkpoint. A fresh start must be refused.
-    fresh = subprocess.run([sys.executable, "-m", "trainers", "--config", str(path)], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=300)
+    fresh = sparta_train(path, timeout=300)
     assert fresh.returncode == 2 and "holds an interrupted run" in fresh.stderr, fresh.stderr[-1000:]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == state_before
     assert (out / "checkpoints" / "journal.json").read_text() == journal_before
@@ -166,8 +126,7 @@ def test_sigkill_mid_epoch_then_resume_never_undercounts(tmp_path):
     state = json.loads((out / "checkpoints" / latest / "state.json").read_text())
     started = json.loads((out / "checkpoints" / "journal.json").read_text())["started_through"]
 
-    result = subprocess.run([sys.executable, "-m", "trainers", "--config", str(path), "--resume"], cwd=ROOT,
-                            env=env, capture_output=True, text=True, timeout=300)
+    result = sparta_train(path, "--resume", timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     results = json.loads((out / "results.json").read_text())
     ledger = json.loads((out / "ledger.json").read_text())
@@ -184,18 +143,15 @@ def test_sigkill_mid_epoch_then_resume_never_undercounts(tmp_path):
     assert "resuming after epoch" in result.stdout
 
 
-def test_ctrl_c_mid_run_is_one_line_saying_how_to_resume(tmp_path):
+def test_ctrl_c_mid_run_is_one_line_saying_how_to_resume(tmp_path, write_config):
     """Regression: SIGINT ended the run with a KeyboardInterrupt traceback. It must print one line that
     says the run stopped and how to continue it, exit 130, and --resume must then finish the run."""
     out = tmp_path / "stopped"
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(tiny_config(out, "sparta", epochs=6, batch_size=12)))
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    process = subprocess.Popen([sys.executable, "-m", "trainers", "--config", str(path)], cwd=ROOT, env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal's
+    path = write_config(tiny_config(out, "sparta", epochs=6, batch_size=12))
+    process = start_sparta_train(path, stderr=subprocess.PIPE, text=True,
+                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal's
     try:
-        assert _wait_for_mid_epoch_after_checkpoint(out, 10, time.time() + 240), "no checkpoint in time"
+        assert wait_mid_epoch_after(out, 2, time.time() + 240), "no checkpoint in time"
         process.send_signal(signal.SIGINT)
         _, err = process.communicate(timeout=120)
     finally:
@@ -207,8 +163,7 @@ def test_ctrl_c_mid_run_is_one_line_saying_how_to_resume(tmp_path):
     assert process.returncode == 130 and "Traceback" not in err, err[-3000:]
     assert lines == [f"interrupted: the run in {out} stopped (Ctrl-C); every step it started is charged to its "
                      "ledger; continue it with the same command plus --resume"], err[-3000:]
-    resumed = subprocess.run([sys.executable, "-m", "trainers", "--config", str(path), "--resume"], cwd=ROOT,
-                             env=env, capture_output=True, text=True, timeout=300)
+    resumed = sparta_train(path, "--resume", timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert json.loads((out / "results.json").read_text())["epsilon"] <= 8.0 + 1e-6
 
@@ -256,7 +211,7 @@ def test_a_cached_pretrained_model_is_reused_only_under_its_configuration(tmp_pa
     assert source() == "stale"
 
 
-def test_a_corrected_config_in_the_output_dir_of_a_failed_run_pre_trains_again(tmp_path, capsys):
+def test_a_corrected_config_in_the_output_dir_of_a_failed_run_pre_trains_again(tmp_path, capsys, write_config):
     """Regression (through sparta-train): a run that pre-trained on 1-channel data, then failed, left its
     pretrained.keras; the corrected 3-channel config run into the same output_dir reused it and failed
     in Keras. The cache must be made again under the new configuration, and the run must finish."""
@@ -272,9 +227,7 @@ def test_a_corrected_config_in_the_output_dir_of_a_failed_run_pre_trains_again(t
                                        "channels": channels}}
         config["privacy"]["noise_multiplier"] = noise_multiplier
         config["export"] = {"enabled": False}
-        path = tmp_path / f"c{channels}.yaml"
-        path.write_text(yaml.safe_dump(config))
-        return str(path)
+        return write_config(config, f"c{channels}.yaml")
 
     assert cli.main(["--config", write(1, 0.1)]) == 2  # fails after pre-training: sigma misses the target
     assert "more than privacy.target_epsilon=8" in capsys.readouterr().err

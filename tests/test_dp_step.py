@@ -9,16 +9,11 @@ from sparta_tf.dp_model import DPModel
 from sparta_tf.losses import per_example_loss_fn
 from sparta_tf.model_checks import NotPerExampleSafeError
 from sparta_tf.per_example import make_engine
+from small_models import LOSS, conv_gn_model, gaussian_data
 from small_models import variable_name as key
-from small_models import conv_gn_model
 
 L = tf.keras.layers
-LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 PER_EXAMPLE_LOSS = per_example_loss_fn(LOSS)
-
-
-def small_model(seed=0):
-    return conv_gn_model(seed)
 
 
 def unnormalised_model(seed=0):
@@ -31,8 +26,8 @@ def unnormalised_model(seed=0):
 
 
 def data(n=16, seed=0):
-    rng = np.random.default_rng(seed)
-    return rng.normal(size=(n, 6, 6, 2)).astype("float32"), rng.integers(0, 3, n).astype("int32")
+    x, y = gaussian_data(n, (6, 6, 2), 3, seed)
+    return x, y.astype("int32")
 
 
 def one_step(dp, x, y, w):
@@ -80,7 +75,7 @@ def test_padding_contributes_exactly_zero_in_a_step(engine):
         (x, y, np.ones(8)),
         (np.concatenate([x, garbage]), np.concatenate([y, y]), np.r_[np.ones(8), np.zeros(8)]),
     ]:
-        model = small_model()
+        model = conv_gn_model()
         dp = DPModel(model, noise_multiplier=0.0, sample_rate=1.0, dataset_size=8, engine=engine, seed=3)
         dp.compile(tf.keras.optimizers.SGD(0.1), loss=LOSS)
         one_step(dp, xs, ys, ws)
@@ -91,7 +86,7 @@ def test_padding_contributes_exactly_zero_in_a_step(engine):
 
 
 def test_all_padding_batch_has_zero_clipped_sum():
-    model = small_model()
+    model = conv_gn_model()
     engine = make_engine(model, model.trainable_variables, materialise=True)
     x, y = data(4)
     result = engine(tf.constant(x), tf.constant(y), PER_EXAMPLE_LOSS, tf.zeros([4], bool))
@@ -102,13 +97,13 @@ def test_all_padding_batch_has_zero_clipped_sum():
 @pytest.mark.parametrize("engine", ["layerwise", "vectorized"])
 def test_no_noise_no_clipping_equals_plain_mean_gradient_step(engine):
     x, y = data(16)
-    plain = small_model()
+    plain = conv_gn_model()
     with tf.GradientTape() as tape:
         loss = LOSS(y, plain(x, training=True))
     grads = tape.gradient(loss, plain.trainable_variables)
     tf.keras.optimizers.SGD(0.3).apply_gradients(zip(grads, plain.trainable_variables))
 
-    model = small_model()
+    model = conv_gn_model()
     dp = DPModel(model, noise_multiplier=0.0, clip_norm=1e9, sample_rate=1.0, dataset_size=16, engine=engine)
     dp.compile(tf.keras.optimizers.SGD(0.3), loss=LOSS)
     one_step(dp, x, y, np.ones(16))
@@ -120,7 +115,7 @@ def test_micro_batches_accumulate_to_the_full_batch_step():
     x, y = data(16)
     results = []
     for physical in (None, 4):
-        model = small_model()
+        model = conv_gn_model()
         dp = DPModel(model, noise_multiplier=0.7, sample_rate=0.5, dataset_size=32,
                      physical_batch_size=physical, seed=11)
         dp.compile(tf.keras.optimizers.SGD(0.2), loss=LOSS)
@@ -159,7 +154,7 @@ def test_noise_is_reproducible_and_fresh_each_step():
     x, y = data(4)
     updates = []
     for _ in range(2):
-        model = small_model()
+        model = conv_gn_model()
         dp = DPModel(model, noise_multiplier=1.0, sample_rate=0.5, dataset_size=8, seed=42)
         dp.compile(tf.keras.optimizers.SGD(1.0), loss=LOSS)
         w0 = weights_of(model)
@@ -192,7 +187,7 @@ def test_regularization_losses_are_refused():
 
 
 def test_frozen_coordinates_bit_identical_after_fit_with_momentum():
-    model = small_model()
+    model = conv_gn_model()
     x, y = data(64)
     dp = DPModel(model, noise_multiplier=1.0, sample_rate=0.25, physical_batch_size=8, seed=2)
     head = model.get_layer("head")
@@ -213,7 +208,7 @@ def test_jit_compile_runs_and_matches_graph_mode():
     x, y = data(8)
     results = []
     for jit in (False, True):
-        model = small_model()
+        model = conv_gn_model()
         dp = DPModel(model, noise_multiplier=0.0, sample_rate=0.5, dataset_size=16, seed=9,
                      jit_compile=jit, engine="vectorized")
         dp.compile(tf.keras.optimizers.SGD(0.1), loss=LOSS)
@@ -230,7 +225,7 @@ def test_fit_on_a_dataset_the_sampler_did_not_make_for_this_rate_is_a_ledger_cav
     from sparta_tf.privacy.sampling import PoissonSampler
 
     x, y = data(16)
-    dp = DPModel(small_model(), noise_multiplier=1.0, sample_rate=0.25, dataset_size=16, physical_batch_size=8,
+    dp = DPModel(conv_gn_model(), noise_multiplier=1.0, sample_rate=0.25, dataset_size=16, physical_batch_size=8,
                  delta=1e-3, seed=3)
     dp.compile(tf.keras.optimizers.SGD(0.1), loss=LOSS)
     datasets = {"hand": lambda: tf.data.Dataset.from_tensors((x[:8], y[:8], np.ones(8, np.float32))).repeat(),
@@ -257,7 +252,7 @@ def test_mirrored_strategy_matches_single_device():
     results = []
     for strategy in (tf.distribute.get_strategy(), tf.distribute.MirroredStrategy([d.name for d in devices[:2]])):
         with strategy.scope():
-            model = small_model()
+            model = conv_gn_model()
             dp = DPModel(model, noise_multiplier=0.8, sample_rate=0.5, dataset_size=32,
                          physical_batch_size=8, seed=4)
             dp.compile(tf.keras.optimizers.SGD(0.2, momentum=0.9), loss=LOSS)
@@ -278,7 +273,7 @@ def test_step_is_traced_once_with_compiled_metrics():
             return super().train_step(data)
 
     x, y = data(64)
-    dp = CountingDPModel(small_model(), noise_multiplier=1.0, sample_rate=0.25, physical_batch_size=16, seed=3)
+    dp = CountingDPModel(conv_gn_model(), noise_multiplier=1.0, sample_rate=0.25, physical_batch_size=16, seed=3)
     dp.compile(tf.keras.optimizers.SGD(0.1), loss=LOSS, metrics=["accuracy"])
     history = dp.fit(x, y, epochs=2, verbose=0)
     assert len(traces) == 1
@@ -292,7 +287,7 @@ def test_step_is_traced_once_with_compiled_metrics():
 def test_metrics_count_only_real_examples_not_padding(micro):
     """Padding rows (weight 0) are left out of the compiled metrics as of the loss: Keras hands
     sample weights to weighted metrics only, so DPModel compiles every metric as weighted."""
-    model = small_model()
+    model = conv_gn_model()
     x, y = data(32)
     real = 20
     logits = model(x).numpy()
@@ -310,7 +305,7 @@ def test_metrics_count_only_real_examples_not_padding(micro):
 
 
 def test_metrics_and_weighted_metrics_are_merged_or_refused():
-    dp = DPModel(small_model(), noise_multiplier=1.0, sample_rate=0.5, dataset_size=8)
+    dp = DPModel(conv_gn_model(), noise_multiplier=1.0, sample_rate=0.5, dataset_size=8)
     dp.compile("sgd", loss=LOSS, metrics=["accuracy"], weighted_metrics=[tf.keras.metrics.SparseTopKCategoricalAccuracy(2)])
     x, y = data(8)
     history = dp.fit(x, y, epochs=1, verbose=0)

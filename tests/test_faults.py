@@ -5,20 +5,16 @@ import errno
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from unittest import mock
 
 import pytest
-import yaml
 
 from sparta_tf import checkpointing
+from small_runs import sparta_train, start_sparta_train
 from trainers import cli, run
 from trainers.config import validate
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
 EPOCHS, PER_EPOCH = 5, 10  # synthetic n = 120 train examples, batch 12 -> q = 0.1, 10 steps per epoch
 
 
@@ -36,8 +32,7 @@ def tiny(output_dir, method="sparta", epochs=EPOCHS, **training):
 
 def _kill_during(config_path, out, step, timeout=300):
     """Starts sparta-train and SIGKILLs it once the journal says ``step`` started."""
-    process = subprocess.Popen([sys.executable, "-m", "trainers", "--config", str(config_path)], cwd=ROOT,
-                               env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = start_sparta_train(config_path)
     journal = out / "checkpoints" / "journal.json"
     deadline = time.time() + timeout
     try:
@@ -58,18 +53,16 @@ def _kill_during(config_path, out, step, timeout=300):
 # warm-up (epoch 1), selection (epoch 2), the last epoch (epoch 5); a kill in the middle of the sparse phase
 # is tests/test_cli_run.py::test_sigkill_mid_epoch_then_resume_never_undercounts
 @pytest.mark.parametrize("phase, kill_at_step", [("warmup", 4), ("selection", 14), ("last-epoch", 46)])
-def test_kill_in_any_phase_then_resume_completes_without_undercounting(tmp_path, phase, kill_at_step):
+def test_kill_in_any_phase_then_resume_completes_without_undercounting(tmp_path, write_config, phase, kill_at_step):
     out = tmp_path / "run"
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(tiny(out)))
+    path = write_config(tiny(out))
     started = _kill_during(path, out, kill_at_step)
     on_disk = json.loads((out / "ledger.json").read_text())
     assert sum(e["count"] for e in on_disk["entries"]) >= started  # ledger.json charged every started step
     checkpoint = checkpointing.latest(str(out))
     checkpoint_step = 0 if checkpoint is None else checkpoint[1]["epoch"] * PER_EPOCH
 
-    result = subprocess.run([sys.executable, "-m", "trainers", "--config", str(path), "--resume"], cwd=ROOT,
-                            env=ENV, capture_output=True, text=True, timeout=600)
+    result = sparta_train(path, "--resume", timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     results = json.loads((out / "results.json").read_text())
     ledger = json.loads((out / "ledger.json").read_text())
@@ -83,16 +76,14 @@ def test_kill_in_any_phase_then_resume_completes_without_undercounting(tmp_path,
     assert os.path.exists(os.path.join(results["export_dir"], "saved_model.pb"))
 
 
-def test_a_kill_in_the_last_epoch_finishes_it_partially_when_the_budget_is_spent(tmp_path):
+def test_a_kill_in_the_last_epoch_finishes_it_partially_when_the_budget_is_spent(tmp_path, write_config):
     """The plan spends the whole budget; the interrupted steps charged on resume leave less than the
     last epoch: the resumed run trains what still fits, stops, and says so."""
     out = tmp_path / "run"
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(tiny(out, "bitfit")))
+    path = write_config(tiny(out, "bitfit"))
     started = _kill_during(path, out, 46)
     assert started >= 46
-    result = subprocess.run([sys.executable, "-m", "trainers", "--config", str(path), "--resume"], cwd=ROOT,
-                            env=ENV, capture_output=True, text=True, timeout=600)
+    result = sparta_train(path, "--resume", timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     results = json.loads((out / "results.json").read_text())
     assert results["epsilon"] <= 8.0 + 1e-6
@@ -123,36 +114,30 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path, caps
         run.train(config, resume=True)
 
 
-def test_a_checkpoint_of_another_model_and_a_damaged_journal_are_clear_errors(tmp_path, capsys):
+def test_a_checkpoint_of_another_model_and_a_damaged_journal_are_clear_errors(tmp_path, capsys, write_config):
     out, config = _finished_two_checkpoints(tmp_path)
     other = dict(config, model={"name": "cifar_resnet_gn", "depth": 14, "width": 4})
     (out / "config.json").unlink()  # no config to compare: the checkpoint itself must be refused
-    status = cli.main(["--config", _write(tmp_path, other), "--resume"])
+    status = cli.main(["--config", write_config(other), "--resume"])
     err = capsys.readouterr().err
     assert status == 1 and "cannot be restored" in err, err
     (out / "checkpoints" / "journal.json").write_text("{broken")
     (out / "config.json").unlink()  # the failed resume above recorded its config
-    status = cli.main(["--config", _write(tmp_path, config), "--resume"])
+    status = cli.main(["--config", write_config(config), "--resume"])
     err = capsys.readouterr().err
     assert status == 1 and "journal" in err and "is damaged" in err, err
 
 
-def _write(tmp_path, config):
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return str(path)
-
-
-def test_a_diverging_run_stops_with_an_error_and_exports_nothing(tmp_path, capsys):
+def test_a_diverging_run_stops_with_an_error_and_exports_nothing(tmp_path, capsys, write_config):
     out = tmp_path / "run"
     config = tiny(out, "all", epochs=2, learning_rate=1e30)
-    status = cli.main(["--config", _write(tmp_path, config)])
+    status = cli.main(["--config", write_config(config)])
     err = capsys.readouterr().err
     assert status == 1 and "training diverged" in err, err
     assert not (out / "results.json").exists() and not (out / "export").exists()
 
 
-def test_a_full_disk_is_a_one_line_error_and_leaves_no_temporaries(tmp_path, capsys):
+def test_a_full_disk_is_a_one_line_error_and_leaves_no_temporaries(tmp_path, capsys, write_config):
     out = tmp_path / "run"
     config = tiny(out, "bitfit", epochs=2)
     real = checkpointing.write_atomic
@@ -165,12 +150,12 @@ def test_a_full_disk_is_a_one_line_error_and_leaves_no_temporaries(tmp_path, cap
         return real(path, text)
 
     with mock.patch.object(checkpointing, "write_atomic", full_after_some_writes):
-        status = cli.main(["--config", _write(tmp_path, config)])
+        status = cli.main(["--config", write_config(config)])
     lines = capsys.readouterr().err.strip().splitlines()
     assert status == 1 and "No space left on device" in lines[-1] and "free disk space" in lines[-1], lines
     leftovers = [p for p in out.rglob("*") if p.name.startswith((".tmp-", ".partial-"))]
     assert not leftovers
-    status = cli.main(["--config", _write(tmp_path, config), "--resume"])  # space is back: it completes
+    status = cli.main(["--config", write_config(config), "--resume"])  # space is back: it completes
     assert status == 0 and (out / "results.json").exists()
 
 

@@ -8,6 +8,7 @@ import tensorflow as tf
 from sparta_tf.privacy import accounting
 from sparta_tf.privacy.ledger import PrivacyLedger
 from sparta_tf.selection import frost, frost_magnitudes, pgm
+from small_models import gaussian_data
 
 
 # ----------------------------------------------------------------- mechanisms
@@ -183,9 +184,7 @@ def _tiny_model():
 
 def test_frost_select_on_tiny_model():
     model = _tiny_model()
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(400, 6)).astype("float32")
-    y = rng.integers(0, 3, size=400)
+    x, y = gaussian_data(400, (6,), 3)
     ledger = PrivacyLedger(delta=1e-4)
     loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     selected, info = frost.frost_select(

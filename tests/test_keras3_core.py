@@ -21,7 +21,7 @@ import pytest
 import tensorflow as tf
 
 from layer_zoo import loss_fn, norms, reference_clipped_sum, reference_gradients
-from small_models import conv_gn_model
+from small_models import LOSS, conv_gn_model
 import sparta_tf as st
 from sparta_tf import backend, trainable
 from sparta_tf.groups import parameter_table
@@ -35,7 +35,6 @@ from sparta_tf.privacy.accounting import compute_epsilon
 from sparta_tf.trainable import TrainableSet
 
 L = tf.keras.layers
-LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 CLASSES = 3
 
 
@@ -47,11 +46,7 @@ def mlp(seed: int = 0) -> tf.keras.Model:
     return tf.keras.Model(inputs, L.Dense(CLASSES, name="head")(h))
 
 
-def conv_gn(seed: int = 0) -> tf.keras.Model:
-    return conv_gn_model(seed, CLASSES)
-
-
-MODELS = {"mlp": (mlp, (10,)), "conv_gn": (conv_gn, (6, 6, 2))}
+MODELS = {"mlp": (mlp, (10,)), "conv_gn": (lambda: conv_gn_model(classes=CLASSES), (6, 6, 2))}
 
 
 def batch(model_name: str, real: int, padding: int = 0, seed: int = 1):
@@ -242,7 +237,7 @@ def test_checkpoint_state_round_trips(tmp_path):
 
 
 def test_sparta_three_phases_freeze_unselected_coordinates(tmp_path):
-    model = conv_gn()
+    model = conv_gn_model(classes=CLASSES)
     x, y, _ = batch("conv_gn", real=64, seed=5)
     q, epochs, warmup = 0.25, 4, 1
     dp = DPModel(model, noise_multiplier=0.8, sample_rate=q, delta=1e-5, seed=0)
@@ -280,7 +275,7 @@ def test_sparta_three_phases_freeze_unselected_coordinates(tmp_path):
 
 
 def test_bias_terms_set_is_the_biases_and_norm_offsets():
-    model = conv_gn()
+    model = conv_gn_model(classes=CLASSES)
     names = {"/".join(key(v).split(":")[0].split("/")[-2:]) for v in bias_terms_set(model).variables}
     assert names == {"conv/bias", "gn/beta", "hidden/bias", "head/bias"}
 

@@ -31,17 +31,9 @@ OPTIONS = {"sparta": {"warmup_epochs": 1}, "dpsgd_grad": {"warmup_epochs": 1}, "
            "x_bitfit": {"full_epochs": 1}}
 
 
-def _model() -> tf.keras.Model:
-    return small_mlp()
-
-
-def _data():
-    return small_data(N)
-
-
 def _private(method: str, model=None, **kwargs):
     options = dict(OPTIONS.get(method, {}), **kwargs)
-    dp = sparta_tf.make_private(model or _model(), method=method, target_epsilon=8.0, delta=1e-5, epochs=EPOCHS,
+    dp = sparta_tf.make_private(model or small_mlp(), method=method, target_epsilon=8.0, delta=1e-5, epochs=EPOCHS,
                                 batch_size=BATCH, dataset_size=N, seed=0, **options)
     dp.compile(tf.keras.optimizers.SGD(0.5), loss=LOSS)
     return dp
@@ -49,10 +41,10 @@ def _private(method: str, model=None, **kwargs):
 
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_every_method_runs_its_plan(method, tmp_path):
-    model = _model()
+    model = small_mlp()
     before = [v.numpy().copy() for v in model.trainable_variables]
     dp = _private(method, model, mask_dir=str(tmp_path / "mask"))
-    x, y = _data()
+    x, y = small_data(N)
     history = dp.fit(x, y, verbose=0)
     assert len(history.history["loss"]) == EPOCHS
     assert list(dp.ledger.entries) == dp.plan.events()
@@ -66,16 +58,16 @@ def test_every_method_runs_its_plan(method, tmp_path):
 
 def test_a_privacy_callback_with_other_values_is_refused():
     dp = _private("bitfit")
-    x, y = _data()
+    x, y = small_data(N)
     other = PrivacyCallback(dp.ledger, DpSgdMechanism(dp.noise_multiplier * 0.5, dp.sample_rate), step_counter=dp.dp_step)
     with pytest.raises(ValueError, match="noise_multiplier .* leave it out"):
         dp.fit(x, y, verbose=0, callbacks=[other])
 
 
 def test_a_plain_dp_model_refuses_a_disagreeing_privacy_callback():
-    dp = sparta_tf.DPModel(_model(), noise_multiplier=1.0, sample_rate=BATCH / N, dataset_size=N, delta=1e-5, seed=0)
+    dp = sparta_tf.DPModel(small_mlp(), noise_multiplier=1.0, sample_rate=BATCH / N, dataset_size=N, delta=1e-5, seed=0)
     dp.compile(tf.keras.optimizers.SGD(0.5), loss=LOSS)
-    x, y = _data()
+    x, y = small_data(N)
     other = PrivacyCallback(dp.ledger, DpSgdMechanism(1.0, 0.5), step_counter=dp.dp_step)
     with pytest.raises(ValueError, match="sample_rate 0.5"):
         dp.fit(x, y, verbose=0, callbacks=[other])
@@ -83,7 +75,7 @@ def test_a_plain_dp_model_refuses_a_disagreeing_privacy_callback():
 
 def test_fit_of_another_length_and_a_second_fit_are_refused():
     dp = _private("bitfit")
-    x, y = _data()
+    x, y = small_data(N)
     with pytest.raises(ValueError, match="the plan is for 3 epochs"):
         dp.fit(x, y, epochs=5, verbose=0)
     dp.fit(x, y, verbose=0)
@@ -93,13 +85,13 @@ def test_fit_of_another_length_and_a_second_fit_are_refused():
 
 def test_a_noise_multiplier_over_the_target_is_refused():
     with pytest.raises(ValueError, match="noise_multiplier=0.3 spends .* more than target_epsilon=1"):
-        sparta_tf.make_private(_model(), method="all", target_epsilon=1.0, delta=1e-5, epochs=EPOCHS,
+        sparta_tf.make_private(small_mlp(), method="all", target_epsilon=1.0, delta=1e-5, epochs=EPOCHS,
                                batch_size=BATCH, dataset_size=N, noise_multiplier=0.3)
 
 
 def test_unknown_option_is_one_line():
     with pytest.raises(ValueError, match="has no option 'densty'"):
-        sparta_tf.make_private(_model(), method="sparta", target_epsilon=1.0, delta=1e-5, epochs=EPOCHS,
+        sparta_tf.make_private(small_mlp(), method="sparta", target_epsilon=1.0, delta=1e-5, epochs=EPOCHS,
                                batch_size=BATCH, dataset_size=N, densty=0.2)
 
 

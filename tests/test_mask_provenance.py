@@ -12,8 +12,8 @@ import sparta_tf as st
 from sparta_tf import methods
 from sparta_tf.groups import row_groups
 from sparta_tf.masks import MaskProvenance, load_mask, read_provenance, save_mask
-
-XENT = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+from small_models import LOSS as XENT
+from small_models import gaussian_data
 
 
 def _model(seed=0, width=6):
@@ -26,11 +26,6 @@ def _model(seed=0, width=6):
     return tf.keras.Model(inputs, tf.keras.layers.Dense(3, name="head")(x))
 
 
-def _data(n=48):
-    rng = np.random.default_rng(0)
-    return rng.normal(size=(n, 6, 6, 1)).astype(np.float32), rng.integers(0, 3, size=n)
-
-
 def _dp(model):
     dp = st.DPModel(model, noise_multiplier=1.0, sample_rate=0.25, delta=1e-5, seed=0)
     dp.compile(tf.keras.optimizers.SGD(0.05), loss=XENT)
@@ -39,7 +34,7 @@ def _dp(model):
 
 def test_an_oracle_mask_makes_the_run_that_loads_it_non_private(tmp_path):
     """Regression: the mask's `private: false` was read and dropped; the second run reported eps = 6.45."""
-    x, y = _data()
+    x, y = gaussian_data(48, (6, 6, 1), 3)
     first = _dp(_model())
     first.fit(x, y, epochs=3, verbose=0,
               callbacks=[st.callbacks.MethodCallback("oracle", warmup_epochs=1, mask_dir=str(tmp_path), verbose=0)])
@@ -54,7 +49,7 @@ def test_an_oracle_mask_makes_the_run_that_loads_it_non_private(tmp_path):
 
 
 def test_a_sparta_mask_brings_its_selection_cost_into_the_run_that_loads_it(tmp_path):
-    x, y = _data()
+    x, y = gaussian_data(48, (6, 6, 1), 3)
     first = _dp(_model())
     first.fit(x, y, epochs=3, verbose=0,
               callbacks=[st.callbacks.SpartaCallback(warmup_epochs=1, mask_dir=str(tmp_path), verbose=0)])

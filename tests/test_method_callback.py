@@ -20,14 +20,6 @@ from small_models import LOSS, small_data, small_mlp
 N, BATCH, EPOCHS = 64, 16, 2
 
 
-def _model() -> tf.keras.Model:
-    return small_mlp()
-
-
-def _data():
-    return small_data(N)
-
-
 def _plan(method):
     """As sparta-train's make_plan: the method's phases, mechanisms before training and budget share."""
     return make_privacy_plan(
@@ -50,7 +42,7 @@ def _plain_dp(model):
 
 
 def _refusal(dp, method) -> str:
-    x, y = _data()
+    x, y = small_data(N)
     before = [v.numpy() for v in dp.model.weights]
     with pytest.raises(ValueError) as error:
         dp.fit(x, y, epochs=1, callbacks=[sparta_tf.callbacks.MethodCallback(method)], verbose=0)
@@ -59,50 +51,50 @@ def _refusal(dp, method) -> str:
 
 
 def test_dp_frost_without_prepare_refuses_in_one_line():
-    message = _refusal(_plain_dp(_model()), make_method("dp_frost", verbose=0))
+    message = _refusal(_plain_dp(small_mlp()), make_method("dp_frost", verbose=0))
     assert "\n" not in message
     assert "'dp_frost'" in message and "method.prepare(dp, x, y, loss, plan)" in message
 
 
 def test_dp_ssgd_on_a_plain_dp_model_refuses_in_one_line():
-    message = _refusal(_plain_dp(_model()), make_method("dp_ssgd", prune="random", verbose=0))
+    message = _refusal(_plain_dp(small_mlp()), make_method("dp_ssgd", prune="random", verbose=0))
     assert "\n" not in message
     assert "'dp_ssgd'" in message and "SSGDModel" in message and "method.make_dp_model" in message
 
 
 def test_dp_ssgd_prepare_on_a_plain_dp_model_refuses_in_one_line():
-    x, y = _data()
+    x, y = small_data(N)
     method = make_method("dp_ssgd", prune="random", verbose=0)
     with pytest.raises(ValueError, match="SSGDModel") as error:
-        method.prepare(_plain_dp(_model()), x, y, LOSS, _plan(method))
+        method.prepare(_plain_dp(small_mlp()), x, y, LOSS, _plan(method))
     assert "\n" not in str(error.value)
 
 
 def test_dp_ssgd_without_pruning_still_refuses_a_plain_dp_model():
-    message = _refusal(_plain_dp(_model()), make_method("dp_ssgd", prune="none", verbose=0))
+    message = _refusal(_plain_dp(small_mlp()), make_method("dp_ssgd", prune="none", verbose=0))
     assert "\n" not in message and "SSGDModel" in message and "prepare" not in message
 
 
 def test_dp_ssgd_unprepared_ssgd_model_refuses():
     method = make_method("dp_ssgd", prune="random", verbose=0)
-    model = _model()
+    model = small_mlp()
     message = _refusal(_dp(method, model, _plan(method)), method)
     assert "\n" not in message and "method.prepare(dp, x, y, loss, plan)" in message
 
 
 def test_prepare_for_another_dp_model_does_not_count():
     method = make_method("dp_frost", gamma=0.3, q_ps=0.25, frost_iterations=2, verbose=0)
-    x, y = _data()
+    x, y = small_data(N)
     plan = _plan(method)
-    method.prepare(_dp(method, _model(), plan), x, y, LOSS, plan)
-    message = _refusal(_dp(method, _model(), plan), method)
+    method.prepare(_dp(method, small_mlp(), plan), x, y, LOSS, plan)
+    message = _refusal(_dp(method, small_mlp(), plan), method)
     assert "method.prepare did not run for this model" in message
 
 
 def test_dp_frost_prepared_trains_exactly_the_selected_partitions():
     method = make_method("dp_frost", gamma=0.3, q_ps=0.25, frost_iterations=2, verbose=0)
-    model = _model()
-    x, y = _data()
+    model = small_mlp()
+    x, y = small_data(N)
     plan = _plan(method)
     dp = _dp(method, model, plan)
     method.prepare(dp, x, y, LOSS, plan)
@@ -122,8 +114,8 @@ def test_dp_frost_prepared_trains_exactly_the_selected_partitions():
 
 def test_dp_ssgd_prepared_trains_the_pre_pruned_set():
     method = make_method("dp_ssgd", prune="random", prune_rate=0.5, drop_rate=0.5, verbose=0)
-    model = _model()
-    x, y = _data()
+    model = small_mlp()
+    x, y = small_data(N)
     plan = _plan(method)
     dp = _dp(method, model, plan)
     assert isinstance(dp, ssgd.SSGDModel)
@@ -145,8 +137,8 @@ def test_dp_ssgd_prepared_trains_the_pre_pruned_set():
 
 
 def test_bitfit_runs_without_prepare():
-    model = _model()
-    x, y = _data()
+    model = small_mlp()
+    x, y = small_data(N)
     dp = _plain_dp(model)
     before = {id(v): v.numpy() for v in model.weights}
     dp.fit(x, y, epochs=1, callbacks=[sparta_tf.callbacks.MethodCallback("bitfit", verbose=0)], verbose=0)

@@ -1,13 +1,14 @@
 """Layers that mix the examples of a batch are refused: by class and by a behaviour probe."""
 
+import functools
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from sparta_tf import DPModel, NotPerExampleSafeError
 from sparta_tf.model_checks import is_batch_normalization, probe_batch_mixing
-
-LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+from small_models import LOSS, gaussian_data
 
 
 def _with(layer, dropout=False):
@@ -19,9 +20,7 @@ def _with(layer, dropout=False):
     return tf.keras.Model(inputs, tf.keras.layers.Dense(3, name="head")(x))
 
 
-def _data(n=16):
-    rng = np.random.default_rng(0)
-    return rng.normal(size=(n, 6)).astype(np.float32), rng.integers(0, 3, size=n)
+_data = functools.partial(gaussian_data, 16, (6,), 3)  # 16 examples for _with's 6 inputs and 3 classes
 
 
 class BatchCentering(tf.keras.layers.Layer):

@@ -11,6 +11,8 @@ import time
 import numpy as np
 import pytest
 
+from small_configs import tiny_config
+from small_runs import wait_mid_epoch_after
 from sparta_tf.distribute import Cluster, ClusterError, parse_tf_config, wait_for_peers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,6 +22,12 @@ TIMEOUT_S = 240
 
 def tf_config(ports, index, job="worker"):
     return json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]}, "task": {"type": job, "index": index}})
+
+
+def worker_env(**extra):
+    """This process's environment with the repository first on PYTHONPATH, TF's C++ logs off, and ``extra``."""
+    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), TF_CPP_MIN_LOG_LEVEL="3",
+                **extra)
 
 
 def free_ports(k):
@@ -90,8 +98,7 @@ def start_cli_worker(tmp_path, ports, index=0, deadline_s=3):
 
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(dict(CLI_CONFIG, output_dir=str(tmp_path / "run"))))
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), TF_CPP_MIN_LOG_LEVEL="3",
-               TF_CONFIG=tf_config(ports, index), SPARTA_PEER_TIMEOUT_S=str(deadline_s))
+    env = worker_env(TF_CONFIG=tf_config(ports, index), SPARTA_PEER_TIMEOUT_S=str(deadline_s))
     return subprocess.Popen([sys.executable, "-m", "trainers", "--config", str(path)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
@@ -168,23 +175,19 @@ def test_the_peer_deadline_variable_is_checked_by_the_plan(monkeypatch):
 
 def run_job(out_dir, sigma, workers, seed="123"):
     """Runs the tiny job alone (workers=1) or as `workers` processes on 127.0.0.1; returns the chief's files."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), TF_CPP_MIN_LOG_LEVEL="3")
     ports = free_ports(workers)
     procs = []
     try:
         for index in range(workers):
-            worker_env = dict(env, TF_CONFIG=tf_config(ports, index)) if workers > 1 else env
+            env = worker_env(TF_CONFIG=tf_config(ports, index)) if workers > 1 else worker_env()
             strategy = "multi_worker" if workers > 1 else "default"
-            procs.append(subprocess.Popen([sys.executable, JOB, str(out_dir), str(sigma), strategy, seed], env=worker_env,
+            procs.append(subprocess.Popen([sys.executable, JOB, str(out_dir), str(sigma), strategy, seed], env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True))
         for proc in procs:
             output, _ = proc.communicate(timeout=TIMEOUT_S)
             assert proc.returncode == 0, output.decode()[-3000:]
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        kill_all(procs)
     weights = np.load(os.path.join(out_dir, "weights.npz"))
     with open(os.path.join(out_dir, "ledger.json")) as f:
         return [weights[k] for k in sorted(weights.files, key=lambda k: int(k.split("_")[1]))], json.load(f)
@@ -223,22 +226,17 @@ def test_without_a_seed_every_worker_uses_the_chiefs_secret_seed(tmp_path):
 
 
 def cli_config(out):
-    return {
-        "data": {"source": "synthetic", "num_examples": 160, "num_classes": 3, "val_fraction": 0.1,
-                 "test_fraction": 0.2},
-        "model": {"name": "cifar_resnet_gn", "depth": 8},
-        "method": {"name": "sparta", "density": 0.25, "warmup_epochs": 1},
-        "privacy": {"target_epsilon": 8.0, "delta": 1e-3},
-        "training": {"epochs": 5, "batch_size": 12, "learning_rate": 0.05, "seed": 0, "strategy": "multi_worker"},
-        "export": {"enabled": False},
-        "output_dir": str(out),
-    }
+    """:func:`small_configs.tiny_config` as SPARTA with one warm-up epoch, 5 epochs of batch 12 on the
+    multi-worker strategy, no export."""
+    config = tiny_config(out, "sparta", epochs=5, batch_size=12, strategy="multi_worker")
+    config["method"]["warmup_epochs"] = 1
+    config["export"] = {"enabled": False}
+    return config
 
 
 def start_workers(config_path, ports, *extra):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), TF_CPP_MIN_LOG_LEVEL="3")
     return [subprocess.Popen([sys.executable, "-m", "trainers", "--config", str(config_path), *extra], cwd=ROOT,
-                             env=dict(env, TF_CONFIG=tf_config(ports, i)), stdout=subprocess.PIPE,
+                             env=worker_env(TF_CONFIG=tf_config(ports, i)), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, start_new_session=True) for i in range(len(ports))]
 
 
@@ -258,20 +256,6 @@ def resume_all_to_the_end(config_path, exit_code=0) -> list[str]:
         kill_all(procs)
     assert [p.returncode for p in procs] == [exit_code, exit_code], "\n".join(o[-2500:] for o in outputs)
     return outputs
-
-
-def wait_mid_epoch_after(out, epoch, deadline):
-    journal, latest = out / "checkpoints" / "journal.json", out / "checkpoints" / "latest"
-    while time.time() < deadline:
-        try:
-            if latest.exists() and latest.read_text() >= f"epoch-{epoch:04d}":
-                per_epoch = json.loads((out / "plan.json").read_text())["steps_per_epoch"]
-                if json.loads(journal.read_text())["started_through"] % per_epoch not in (0, 1):
-                    return True
-        except (OSError, ValueError):
-            pass  # a file being replaced
-        time.sleep(0.02)
-    return False
 
 
 def test_kill_9_one_worker_then_resume_all_never_undercounts(tmp_path):

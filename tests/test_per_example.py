@@ -6,13 +6,9 @@ import tensorflow as tf
 
 from sparta_tf.per_example import LayerwiseEngine, VectorizedEngine, make_engine
 from sparta_tf.per_example.patches import extract_patches
+from small_models import per_example_loss, tape_gradients
 
 L = tf.keras.layers
-LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
-
-
-def per_example_loss(y, p):
-    return LOSS(y, p)
 
 
 def mixed_model():
@@ -29,15 +25,6 @@ def mixed_model():
     return tf.keras.Model(inputs, L.Dense(3, name="head")(h))
 
 
-def reference_grads(model, x, y):
-    grads = []
-    for i in range(len(x)):
-        with tf.GradientTape() as tape:
-            loss = LOSS(y[i : i + 1], model(x[i : i + 1], training=True))[0]
-        grads.append(tape.gradient(loss, model.trainable_variables))
-    return [np.stack([g[k].numpy() for g in grads]) for k in range(len(grads[0]))]
-
-
 @pytest.mark.parametrize("engine_cls", [LayerwiseEngine, VectorizedEngine])
 def test_engines_match_per_example_tape(engine_cls):
     tf.keras.utils.set_random_seed(0)
@@ -47,7 +34,7 @@ def test_engines_match_per_example_tape(engine_cls):
     engine = make_engine(model, model.trainable_variables, engine_cls.name)
     assert isinstance(engine, engine_cls)
     result = tf.function(lambda: engine(x, y, per_example_loss, tf.ones([5], bool)))()
-    for got, want in zip(result.grads, reference_grads(model, x, y)):
+    for got, want in zip(result.grads, tape_gradients(model, x, y)):
         np.testing.assert_allclose(got.numpy(), want, rtol=2e-4, atol=2e-5)
 
 
@@ -62,7 +49,7 @@ def test_layerwise_handles_a_subset_and_nested_models():
     x, y = tf.random.normal([4, 3]), tf.constant([0, 1, 1, 0])
     result = engine(x, y, per_example_loss, tf.ones([4], bool))
     assert [g.shape.as_list() for g in result.grads] == [[4, 5, 4], [4, 2]]
-    want = reference_grads(model, x, y)
+    want = tape_gradients(model, x, y)
     index = {id(v): k for k, v in enumerate(model.trainable_variables)}
     for got, var in zip(result.grads, subset):
         np.testing.assert_allclose(got.numpy(), want[index[id(var)]], rtol=1e-4, atol=1e-6)

@@ -17,6 +17,7 @@ from sparta_tf.dp_step.noise import gaussian_noise
 from sparta_tf.privacy.ledger import PrivacyLedger
 from sparta_tf.privacy.mechanism import DpSgdMechanism
 from sparta_tf.privacy.sampling import PoissonSampler
+from small_models import gaussian_data
 
 SEED = 1234
 
@@ -35,11 +36,6 @@ def _wide_model():
     hidden = tf.keras.layers.Dense(32, activation="relu")(inputs)
     hidden = tf.keras.layers.Dense(32, activation="relu")(hidden)
     return tf.keras.Model(inputs, tf.keras.layers.Dense(3, name="head")(hidden))
-
-
-def _data():
-    rng = np.random.default_rng(0)
-    return rng.normal(size=(32, 6)).astype(np.float32), rng.integers(0, 3, size=32)
 
 
 class _Recorder:
@@ -68,7 +64,7 @@ def test_every_stream_has_its_own_domain_and_unknown_names_fail():
 
 def test_dp_snip_noise_is_independent_of_dp_sgd_step_zero_noise():
     """Regression: with one explicit seed, DP-SNIP drew the same standard normals as DP-SGD step 0."""
-    x, y = _data()
+    x, y = gaussian_data(32, (6,), 3)
     snip, sgd = _Recorder(), _Recorder()
     with mock.patch.object(pruning_module, "gaussian_noise", snip):
         pruning_module.prune_dp_snip(_model(), x, y, "sparse_categorical_crossentropy", 0.5, noise_multiplier=1.0,

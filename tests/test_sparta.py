@@ -14,9 +14,10 @@ from sparta_tf.masks import MaskProvenance
 from sparta_tf.privacy.mechanism import DpSgdMechanism
 from sparta_tf.selection import SelectionScorer, kept_count
 from sparta_tf.trainable import VariableSelection
+from small_models import LOSS as XENT
+from small_models import gaussian_data
 from small_models import variable_name as key
 
-XENT = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 PLANTED = (2, 5, 11)
 
 
@@ -39,11 +40,6 @@ def planted_model(seed=0):
     return model
 
 
-def planted_data(n=256, seed=0):
-    rng = np.random.default_rng(seed)
-    return rng.normal(size=(n, 8)).astype("float32"), rng.integers(0, 2, n)
-
-
 def dp_model(model, sigma, seed=0, q=0.25, **kwargs):
     dp = st.DPModel(model, noise_multiplier=sigma, sample_rate=q, seed=seed, **kwargs)
     dp.compile(optimizer=tf.keras.optimizers.SGD(0.05, momentum=0.9), loss=XENT)
@@ -57,7 +53,7 @@ def selected_rows(selections, variable):
 
 def test_selection_recovers_planted_rows_at_small_noise():
     model = planted_model()
-    x, y = planted_data()
+    x, y = gaussian_data(256, (8,), 2)
     selector = st.selection.SpartaSelector(model, density=3 / 16)
     selections = selector.select_epoch(dp_model(model, sigma=1e-3), x, y)
     assert selected_rows(selections, model.get_layer("hidden").kernel) == set(PLANTED)
@@ -65,7 +61,7 @@ def test_selection_recovers_planted_rows_at_small_noise():
 
 def test_selection_is_chance_at_huge_noise():
     model = planted_model()
-    x, y = planted_data()
+    x, y = gaussian_data(256, (8,), 2)
     hits = []
     for seed in range(12):
         selector = st.selection.SpartaSelector(model, density=3 / 16)
@@ -77,7 +73,7 @@ def test_selection_is_chance_at_huge_noise():
 
 def test_selection_epoch_does_not_update_weights_and_counts_steps():
     model = planted_model()
-    x, y = planted_data()
+    x, y = gaussian_data(256, (8,), 2)
     before = [v.numpy().copy() for v in model.weights]
     dp = dp_model(model, sigma=1.0, delta=1e-5)
     st.selection.SpartaSelector(model).select_epoch(dp, x, y)
@@ -100,8 +96,7 @@ def _conv_model(seed=0):
 
 
 def _conv_data(n=96, seed=0):
-    rng = np.random.default_rng(seed)
-    return rng.normal(size=(n, 8, 8, 3)).astype("float32"), rng.integers(0, 3, n)
+    return gaussian_data(n, (8, 8, 3), 3, seed)
 
 
 def test_per_layer_density_and_overrides():

@@ -1,5 +1,6 @@
 """DP-SSGD: pre-pruning (random, Synflow, DP-SNIP) and gradient dropping."""
 
+import functools
 import inspect
 import math
 
@@ -15,6 +16,7 @@ from sparta_tf.ssgd import (
     prune_random,
     prune_synflow,
 )
+from small_models import gaussian_data
 
 N, D, H, K = 32, 6, 10, 3
 
@@ -27,9 +29,7 @@ def _model(seed=0):
     return tf.keras.Model(inputs, outputs)
 
 
-def _data(seed=0):
-    rng = np.random.default_rng(seed)
-    return rng.normal(size=(N, D)).astype(np.float32), rng.integers(0, K, size=N)
+_data = functools.partial(gaussian_data, N, (D,), K)
 
 
 def _ssgd(model, masks, drop_rate, drop_mode="random", momentum=0.9, lr=0.1, sigma=1.0, clip=1.0):

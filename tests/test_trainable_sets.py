@@ -5,18 +5,15 @@ import pytest
 import tensorflow as tf
 
 from sparta_tf import groups, trainable
-from sparta_tf.backend import depthwise_kernel, variable_key
+from sparta_tf.backend import depthwise_kernel
 from sparta_tf.optim import MaskedOptimizer, cosine_with_warmup
 from sparta_tf.per_example import LayerwiseEngine, VectorizedEngine, make_engine
 from sparta_tf.per_example.rules.conv2d import DEPTHWISE_MAX_ROWS
 from sparta_tf.trainable import TrainableSet
+from small_models import per_example_loss, tape_gradients
+from small_models import variable_name as _key
 
 L = tf.keras.layers
-LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
-
-
-def per_example_loss(y, p):
-    return LOSS(y, p)
 
 
 # ============================================================================ groups
@@ -42,11 +39,6 @@ ROW_GROUP_CASES = {
 
 def _kernel(layer):
     return depthwise_kernel(layer) if isinstance(layer, L.DepthwiseConv2D) else layer.kernel
-
-
-def _key(variable) -> str:
-    """The variable's unique name without Keras 2's ``:0`` (``"proj/kernel"`` on both lines)."""
-    return variable_key(variable).removesuffix(":0")
 
 
 def _model_around(layer_factory, input_shape):
@@ -243,15 +235,8 @@ def build_selections(model, config):
 
 
 def full_per_example_grads(model, x, y):
-    per_example = []
-    for i in range(len(x)):
-        with tf.GradientTape() as tape:
-            loss = LOSS(y[i : i + 1], model(x[i : i + 1], training=True))[0]
-        per_example.append(tape.gradient(loss, model.trainable_variables))
-    by_id = {}
-    for k, v in enumerate(model.trainable_variables):
-        by_id[id(v)] = np.stack([g[k].numpy() for g in per_example])
-    return by_id
+    """:func:`small_models.tape_gradients` keyed by ``id(variable)``."""
+    return dict(zip(map(id, model.trainable_variables), tape_gradients(model, x, y)))
 
 
 @pytest.fixture(scope="module")
