@@ -20,7 +20,9 @@ TensorFlow.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from sparta_tf.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:  # for type checkers and the API reference (static); at run time __getattr__ imports them
     from sparta_tf.callbacks import NonFiniteGuard
@@ -67,23 +69,6 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """A top-level name of :data:`__all__` or a submodule, imported on first access and cached."""
-    if name.startswith("__"):
-        raise AttributeError(f"module 'sparta_tf' has no attribute {name!r}")
-    if name in _PUBLIC:
-        importlib.import_module("sparta_tf.backend")  # first: checks the Keras behind tf.keras (one line if not)
-        value = getattr(importlib.import_module(_PUBLIC[name]), name)
-    else:
-        try:
-            value = importlib.import_module(f"sparta_tf.{name}")
-        except ModuleNotFoundError as error:
-            if error.name != f"sparta_tf.{name}":
-                raise
-            raise AttributeError(f"module 'sparta_tf' has no attribute {name!r}") from None
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_PUBLIC))
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _PUBLIC,
+                                    before=lambda: importlib.import_module("sparta_tf.backend"))
+"""The first export imported checks the Keras behind ``tf.keras`` (:mod:`sparta_tf.backend`; one line if unsupported)."""

@@ -18,8 +18,9 @@ without TensorFlow: ``sparta-train`` checks a config's ``data:`` section before 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from sparta_tf.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:  # for type checkers and the API reference (static); at run time __getattr__ imports them
     from sparta_tf.data.augment import augment, make_augmenter
@@ -53,22 +54,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """A public name of :data:`__all__` or a submodule, imported on first access and cached."""
-    if name.startswith("__"):
-        raise AttributeError(f"module 'sparta_tf.data' has no attribute {name!r}")
-    if name in _PUBLIC:
-        value = getattr(importlib.import_module(_PUBLIC[name]), name)
-    else:
-        try:
-            value = importlib.import_module(f"sparta_tf.data.{name}")
-        except ModuleNotFoundError as error:
-            if error.name != f"sparta_tf.data.{name}":
-                raise
-            raise AttributeError(f"module 'sparta_tf.data' has no attribute {name!r}") from None
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_PUBLIC))
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _PUBLIC)

@@ -36,8 +36,9 @@ importing the parts that build on them.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from sparta_tf.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:  # for type checkers and the API reference; at run time __getattr__ imports them
     from sparta_tf.dp_step.clip import BatchStatistic, ClippedSum
@@ -82,10 +83,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """A name of :data:`__all__`, imported from its part on first access and cached."""
-    if name not in _PARTS:
-        raise AttributeError(f"module 'sparta_tf.dp_step' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_PARTS[name]), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _PARTS)

@@ -11,7 +11,7 @@ ledger past ``ledger.target_epsilon``. A :class:`~sparta_tf.DPModel` builds its
 own callback from its mechanism (:mod:`sparta_tf.privacy.charging`); this class
 is public for plain Keras models.
 
-Keras 2.15 facts the design relies on (``Model.fit``):
+Facts of ``Model.fit`` the design relies on (Keras 2.15 and Keras 3 alike; the tests run on both):
 
 * ``params`` is ``{"verbose", "epochs", "steps"}``; the initial epoch is not in
   it, so the whole-run budget check happens at the first ``on_epoch_begin``
