@@ -35,6 +35,7 @@ from typing import Any
 import tensorflow as tf
 
 from sparta_tf.backend import KERAS3
+from sparta_tf.choices import STRATEGIES
 from sparta_tf.cluster import (  # noqa: F401  (the cluster is part of this module's API)
     Cluster,
     ClusterError,
@@ -44,7 +45,6 @@ from sparta_tf.cluster import (  # noqa: F401  (the cluster is part of this modu
     wait_for_peers,
 )
 
-STRATEGIES = ("default", "mirrored", "multi_worker")
 def _collective_strategy(options) -> tf.distribute.Strategy:
     """``MultiWorkerMirroredStrategy(communication_options=options)``, with SIGTERM's default action back.
 

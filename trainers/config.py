@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import yaml
 
-from sparta_tf import method_spec  # TensorFlow-free, as is sparta_tf.data.spec: nothing here imports TensorFlow
+from sparta_tf import choices, method_spec  # TensorFlow-free, as is sparta_tf.data.spec: nothing here imports TensorFlow
 from sparta_tf.data.spec import SOURCE_KEYS
 
 METHOD_NAMES = tuple(method_spec.SPECS)
@@ -109,8 +109,8 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "delta": Field(NUMBER, 1e-5, _open_fraction),
         "clip_norm": Field(NUMBER, 1.0, _positive),
         "noise_multiplier": Field(OPTIONAL_NUMBER, None, lambda v: None if v is None or v >= 0 else "must be >= 0"),
-        "accountant": Field((str,), "pld", _one_of("pld", "rdp")),
-        "sampling": Field((str,), "poisson", _one_of("poisson", "shuffle")),
+        "accountant": Field((str,), choices.ACCOUNTANTS[0], _one_of(*choices.ACCOUNTANTS)),
+        "sampling": Field((str,), choices.SAMPLING_MODES[0], _one_of(*choices.SAMPLING_MODES)),
     },
     "training": {
         "epochs": Field((int,), 50, _at_least_one),
@@ -125,8 +125,8 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "weight_decay": Field(NUMBER, 0.0, _non_negative),
         "seed": Field(OPTIONAL_INT, None, _seed),
         "jit_compile": Field((bool, str), "auto", lambda v: None if v in (True, False, "auto") else "must be true, false or auto"),
-        "engine": Field((str,), "auto", _one_of("auto", "bookkeeping", "layerwise", "vectorized")),
-        "strategy": Field((str,), "default", _one_of("default", "mirrored", "multi_worker")),
+        "engine": Field((str,), choices.ENGINES[0], _one_of(*choices.ENGINES)),
+        "strategy": Field((str,), choices.STRATEGIES[0], _one_of(*choices.STRATEGIES)),
         "deterministic": Field((bool,), False),
     },
     "export": {

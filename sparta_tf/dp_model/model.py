@@ -41,6 +41,7 @@ from typing import Sequence
 import tensorflow as tf
 
 from sparta_tf import distribute, keras_trainer
+from sparta_tf.choices import SAMPLING_MODES
 from sparta_tf.dp_model import fit_inputs
 from sparta_tf.dp_step import KEEP_ALL, GradientFilter, GradientRelease, MicroBatches, Release, ScoreRelease, StepParts
 from sparta_tf.losses import per_example_loss_fn
@@ -55,7 +56,6 @@ from sparta_tf.privacy.mechanism import DpSgdMechanism
 from sparta_tf.trainable import TrainableSet
 from sparta_tf.xla import JitCompile, resolve_jit_compile
 
-SAMPLING_MODES = ("poisson", "shuffle")
 
 
 class DPModel(tf.keras.Model):

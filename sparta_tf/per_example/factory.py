@@ -25,13 +25,13 @@ import logging
 
 import tensorflow as tf
 
+from sparta_tf.choices import ENGINES
 from sparta_tf.per_example.bookkeeping import BookkeepingEngine, make_bookkeeping_engine
 from sparta_tf.per_example.engines import LayerwiseEngine, VectorizedEngine
 from sparta_tf.trainable import TrainableSet, VariableSelection
 
 logger = logging.getLogger(__name__)
 
-ENGINES = ("auto", "bookkeeping", "layerwise", "vectorized")
 
 
 def as_selections(trainable) -> list[VariableSelection]:

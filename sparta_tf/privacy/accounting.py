@@ -57,8 +57,7 @@ import dp_accounting
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
-ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
-"""Names accepted wherever an ``accountant`` argument is taken."""
+from sparta_tf.choices import ACCOUNTANTS  # the names accepted wherever an ``accountant`` argument is taken
 
 PLD_INTERVALS: tuple[float, ...] = (1e-2, 10**-2.5, 1e-3, 10**-3.5, 1e-4, 10**-4.5, 1e-5)
 """PLD discretisation intervals tried by :class:`RefinedPLDAccountant`, coarse to fine."""
