@@ -218,17 +218,17 @@ def test_one_steps_epsilon_bounds_every_accountant_from_below_and_tightly(sigma,
 def test_a_fixed_noise_multiplier_over_the_target_is_refused_before_the_pld_work():
     import time
 
-    from sparta_tf.method_spec import Phase as TrainingPhase
+    from sparta_tf.method_spec import Phase
     from sparta_tf.privacy.plan import FixedNoiseOverBudgetError, make_privacy_plan
 
     start = time.monotonic()
     with pytest.raises(FixedNoiseOverBudgetError, match=r"noise_multiplier=0.01 spends epsilon > \d+ \(one step"):
-        make_privacy_plan(n=645, expected_batch_size=64, phases=[TrainingPhase("train", 15)], delta=1e-4,
+        make_privacy_plan(n=645, expected_batch_size=64, phases=[Phase("train", 15)], delta=1e-4,
                           target_epsilon=4.0, noise_multiplier=0.01)
     assert time.monotonic() - start < 5  # PLD on this run: minutes
     with pytest.raises(FixedNoiseOverBudgetError, match=r"noise_multiplier=0.6 spends epsilon=2\d\.\d+ over"):
-        make_privacy_plan(n=645, expected_batch_size=64, phases=[TrainingPhase("train", 15)], delta=1e-4,
+        make_privacy_plan(n=645, expected_batch_size=64, phases=[Phase("train", 15)], delta=1e-4,
                           target_epsilon=4.0, noise_multiplier=0.6)
-    plan = make_privacy_plan(n=645, expected_batch_size=64, phases=[TrainingPhase("train", 15)], delta=1e-4,
+    plan = make_privacy_plan(n=645, expected_batch_size=64, phases=[Phase("train", 15)], delta=1e-4,
                              target_epsilon=4.0, noise_multiplier=1.5)
     assert plan.epsilon <= 4.0
