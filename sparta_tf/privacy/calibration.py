@@ -27,8 +27,6 @@ CALIBRATION_RTOL: float = 1e-4
 _SIGMA_SEARCH_RANGE = (1e-2, 1e6)
 
 
-
-
 def calibrate_noise_multiplier(
     target_epsilon: float,
     delta: float,
