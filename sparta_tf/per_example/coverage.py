@@ -39,11 +39,11 @@ import tensorflow as tf
 from sparta_tf.backend import variable_key
 from sparta_tf.keras_layers import all_layers
 from sparta_tf.per_example.errors import UnsupportedLayerError
+from sparta_tf.per_example.probe import ABSOLUTE_FRACTION, traced_on_first_replica, within_bound
 from sparta_tf.per_example.rule_check import check_user_rules
 
 FLOAT_TOLERANCE = 1e-3
 ROUNDOFFS = 64
-ABSOLUTE_FRACTION = 1e-5
 PROBE_EXAMPLES = 4
 
 
@@ -62,8 +62,8 @@ def _owners(engine) -> dict[int, str]:
 
 
 def _traced_sums(engine, x, y, loss_fn, strategy):
-    """``(sum_i g_i, batch gradient)`` per selection from one traced pass, in a replica context of
-    ``strategy`` (mirrored variables are differentiated there) on the first replica's data."""
+    """``(sum_i g_i, batch gradient)`` per selection from one traced pass on the first replica's data
+    (:func:`~sparta_tf.per_example.probe.traced_on_first_replica`)."""
 
     def computation(x, y):
         valid = tf.ones(tf.shape(tf.nest.flatten(x)[0])[:1], tf.bool)
@@ -72,10 +72,7 @@ def _traced_sums(engine, x, y, loss_fn, strategy):
                        for s, g in zip(engine.selections, batch_gradients)]
         return sums, unconnected
 
-    # Traced, as the DP step is: a layer called inside a tf.while_loop is recorded once per step
-    # in eager mode but cannot be probed from outside the loop in a graph.
-    results = tf.function(lambda x, y: strategy.run(computation, args=(x, y)))(x, y)
-    return tf.nest.map_structure(lambda t: strategy.experimental_local_results(t)[0], results)
+    return traced_on_first_replica(strategy, computation, x, y)
 
 
 def check_coverage(engine, x, y, loss_fn, strategy: tf.distribute.Strategy | None = None) -> None:
@@ -95,9 +92,8 @@ def check_coverage(engine, x, y, loss_fn, strategy: tf.distribute.Strategy | Non
     relative_bound = tolerance(engine.model)
     owners = _owners(engine)
     for k, (selection, ours, truth) in enumerate(zip(engine.selections, sums, truths)):
-        error = np.linalg.norm(np.asarray(ours, np.float64) - truth)
-        if not error <= relative_bound * np.linalg.norm(truth) + ABSOLUTE_FRACTION * scale:
-            relative = error / max(np.linalg.norm(truth), 1e-30)
+        ok, relative = within_bound(ours, truth, relative_bound, ABSOLUTE_FRACTION * scale)
+        if not ok:
             raise UnsupportedLayerError(
                 f"per-example gradients of variable {variable_key(selection.variable)!r} (layer "
                 f"{owners.get(k, '?')!r}) do not add up to its batch gradient (relative error {relative:.2g}): "

@@ -27,11 +27,10 @@ import tensorflow as tf
 from sparta_tf.backend import tf_variable, variable_key
 from sparta_tf.per_example.engines import per_example_sum, record_output_gradients
 from sparta_tf.per_example.errors import UnsupportedLayerError
+from sparta_tf.per_example.probe import ABSOLUTE_FRACTION, traced_on_first_replica, within_bound
 from sparta_tf.per_example.registry import ghost_rule_for, registration_for, rule_for, rule_name
 from sparta_tf.per_example.rules.base import GhostRule
 from sparta_tf.precision import to_accumulation
-
-ABSOLUTE_FRACTION = 1e-5
 
 
 def checked_units(engine) -> list[tuple]:
@@ -111,14 +110,6 @@ def _reference(engine, units, x, y, loss_fn, batch: int) -> list:
     return out
 
 
-def _close(ours, truth, bound_tol: float, atol: float) -> tuple[bool, float]:
-    ours, truth = np.asarray(ours, np.float64), np.asarray(truth, np.float64)
-    if ours.shape != truth.shape:
-        return False, float("inf")
-    error = float(np.linalg.norm(ours - truth))
-    return error <= bound_tol * float(np.linalg.norm(truth)) + atol, error / max(float(np.linalg.norm(truth)), 1e-30)
-
-
 def check_user_rules(engine, x, y, loss_fn, strategy: tf.distribute.Strategy, tolerance: float) -> None:
     """Raises :class:`UnsupportedLayerError` for a registered rule that is not exact (module doc)."""
     units = checked_units(engine)
@@ -137,31 +128,32 @@ def check_user_rules(engine, x, y, loss_fn, strategy: tf.distribute.Strategy, to
         return ours, _reference(engine, units, x, y, loss_fn, batch)
 
     try:
-        results = tf.function(lambda x, y: strategy.run(computation, args=(x, y)))(x, y)
+        ours, reference = traced_on_first_replica(strategy, computation, x, y)
     except Exception as error:  # autograph wraps what a traced function raises
         if refusals:
             raise refusals[0] from error
         raise
-    ours, reference = tf.nest.map_structure(lambda t: strategy.experimental_local_results(t)[0], results)
     scale = max((float(np.max(np.abs(np.asarray(r)), initial=0.0)) for unit in reference for r in unit), default=0.0)
     atol = ABSOLUTE_FRACTION * scale
     for (layer, indices), got, truth in zip(units, ours, reference):
         keys = [variable_key(engine.selections[k].variable) for k in indices]
         for key, g, t in zip(keys, got["grads"] or [None] * len(keys), truth):
-            ok, relative = (False, 1.0) if g is None else _close(g, t, tolerance, atol * batch)
+            ok, relative = (False, 1.0) if g is None else within_bound(g, t, tolerance, atol * batch)
             if not ok:
                 raise _refuse(layer, f"gives wrong per-example gradients for variable {key!r} (relative error "
                                      f"{relative:.2g} against the one-example tape gradient)")
         if "norms" in got:
-            truth_norms = np.sqrt(sum(np.sum(np.reshape(np.asarray(t, np.float64), (batch, -1)) ** 2, axis=1) for t in truth))
-            ok, relative = _close(np.sqrt(np.maximum(np.asarray(got["norms"], np.float64), 0.0)), truth_norms,
-                                  tolerance, atol * batch)
+            truth_norms = np.sqrt(sum(np.sum(np.reshape(np.asarray(t, np.float64), (batch, -1)) ** 2, axis=1)
+                                      for t in truth))
+            norms = np.sqrt(np.maximum(np.asarray(got["norms"], np.float64), 0.0))
+            ok, relative = within_bound(norms, truth_norms, tolerance, atol * batch)
             if not ok:
                 raise _refuse(layer, f"gives wrong per-example norms (relative error {relative:.2g} against the "
                                      "one-example tape gradient)")
             w = np.asarray(weights, np.float64)
             for key, s, t in zip(keys, got["sums"], truth):
-                ok, relative = _close(s, np.tensordot(w, np.asarray(t, np.float64), axes=1), tolerance, atol * batch)
+                weighted_truth = np.tensordot(w, np.asarray(t, np.float64), axes=1)
+                ok, relative = within_bound(s, weighted_truth, tolerance, atol * batch)
                 if not ok:
                     raise _refuse(layer, f"gives a wrong weighted sum sum_i c_i g_i for variable {key!r} (relative "
                                          f"error {relative:.2g} against the one-example tape gradient)")
