@@ -97,9 +97,8 @@ import step_time as st  # noqa: E402  (puts the repo root on sys.path too)
 import tensorflow as tf  # noqa: E402
 
 from sparta_tf import methods  # noqa: E402
-from sparta_tf.groups import row_groups  # noqa: E402
 from sparta_tf.models import resnet18_gn, resnet20_gn, vit_tiny  # noqa: E402
-from sparta_tf.selection import SpartaSelector, random_selections  # noqa: E402
+
 
 def dense_mlp(input_shape, num_classes: int, width: int = 1024, depth: int = 3) -> tf.keras.Model:
     """The Dense-only MLP of the engine issue: flatten(3072) -> width x depth (ReLU) -> classes
