@@ -96,6 +96,8 @@ def make_private(
     seed: int | None = None,
     engine: str = "auto",
     jit_compile: Any = "auto",
+    augmult: int = 1,
+    augmentation: Any = None,
     run_dir: str | None = None,
     **method_options: Any,
 ):
@@ -118,6 +120,10 @@ def make_private(
       seed: the run seed every random stream derives from (None: a secret one from the OS).
       engine: the per-example engine (``"auto"``: book-keeping where it applies).
       jit_compile: ``"auto"`` (XLA on GPU/TPU, off on CPU), True or False.
+      augmult: ``K`` augmented views per example, their gradients averaged before clipping
+        (augmentation multiplicity; 1: none). The privacy analysis does not depend on ``K``.
+      augmentation: how a view is drawn (None: random flip + pad-and-crop of images), as for
+        :class:`~sparta_tf.DPModel`.
       run_dir: a directory for the step journal, a checkpoint per epoch and the ledger; running
         the same script again resumes a killed ``fit`` there. None: nothing written (except masks
         when ``mask_dir`` is given).
@@ -139,7 +145,7 @@ def make_private(
                        target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, accountant=accountant)
     return private_model(model, method, plan, run_dir=run_dir, clip_norm=clip_norm,
                          physical_batch_size=physical_batch_size, sampling=sampling, seed=seed, engine=engine,
-                         jit_compile=jit_compile)
+                         jit_compile=jit_compile, augmult=augmult, augmentation=augmentation)
 
 
 def private_model(model: tf.keras.Model, method: Method, plan: PrivacyPlan, *, run_dir: str | None = None,

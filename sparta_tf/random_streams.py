@@ -77,6 +77,7 @@ STREAMS: dict[str, Stream] = {
     "random_pruning": Stream(0x5250524E, False, "DP-SSGD's random pre-pruning"),  # "RPRN"
     "gradient_dropping": Stream(0x5EEDD809, False, "DP-SSGD's per-step coordinate dropping"),
     "augmentation": Stream(0x4155474D, False, "the seeds of the augmentation layers (flip, shift)"),  # "AUGM"
+    "augmult": Stream(0x41554D54, False, "the augmented views of augmentation multiplicity per DP step"),  # "AUMT"
     "synthetic_data": Stream(0x5EED0001, False, "the synthetic data source's patterns and labels", "pcg64"),
     "test_split": Stream(0x5EED0002, False, "the test split of a source without one", "pcg64"),
     "limit_train": Stream(0x5EED0003, False, "the examples data.limit_train keeps", "pcg64"),

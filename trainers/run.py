@@ -162,9 +162,32 @@ def make_plan(config: dict, dataset, method: Method) -> PrivacyPlan:
     return plan
 
 
-def describe(plan: PrivacyPlan, method: Method, model: tf.keras.Model) -> str:
+def describe(plan: PrivacyPlan, method: Method, model: tf.keras.Model, config: dict) -> str:
     trainable = {phase.name: method.planned_trainable(phase, model) for phase in method.phases(plan.epochs)}
-    return plan.describe(trainable, _count(model))
+    lines = [plan.describe(trainable, _count(model)), augmult_line(config, plan)]
+    return "\n".join(line for line in lines if line)
+
+
+def augmentation_of(config: dict) -> dict | None:
+    """The view augmentation of ``training.augmult`` (random flip + pad-and-crop, its options from
+    ``training.augmult_flip`` / ``augmult_pad``), None without augmentation multiplicity."""
+    training = config["training"]
+    if training["augmult"] == 1:
+        return None
+    return {"flip": training["augmult_flip"], "pad": training["augmult_pad"]}
+
+
+def augmult_line(config: dict, plan: PrivacyPlan) -> str | None:
+    """The dry run's line on augmentation multiplicity (None without it)."""
+    training = config["training"]
+    if training["augmult"] == 1:
+        return None
+    from sparta_tf.dp_step.views import AugmentationMultiplicity
+    from sparta_tf.privacy.sampling import default_physical_batch_size
+
+    views = AugmentationMultiplicity(training["augmult"], augmentation_of(config), seed=0)
+    physical = training["physical_batch_size"] or default_physical_batch_size(plan.n, plan.sample_rate)
+    return views.describe(physical)
 
 
 def make_optimizer(config: dict, schedule_steps: int) -> tf.keras.optimizers.Optimizer:
@@ -202,7 +225,7 @@ def dry_run(config: dict) -> PrivacyPlan:
     model = build_private_model(config, dataset, None)
     method = build_method(config, None, model)
     plan = make_plan(config, dataset, method)
-    print(describe(plan, method, model))
+    print(describe(plan, method, model, config))
     _warn_of_caveats(config, dataset, plan.private)
     print(strategy_line(config["training"]["strategy"]))
     return plan
@@ -257,7 +280,7 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
     timings["prepare_s"] = time.perf_counter() - start
     method = build_method(config, output_dir, model)
     plan = make_plan(config, dataset, method)
-    print(describe(plan, method, model))
+    print(describe(plan, method, model, config))
     _warn_of_caveats(config, dataset, plan.private)
     print(strategy_line(config["training"]["strategy"]))
     checkpointing.write_atomic(os.path.join(output_dir, "plan.json"), json.dumps(plan.to_json(), indent=1))
@@ -265,7 +288,8 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
     privacy, training = config["privacy"], config["training"]
     dp = private_model(model, method, plan, run_dir=output_dir, seed=training["seed"], clip_norm=privacy["clip_norm"],
                        physical_batch_size=training["physical_batch_size"], sampling=privacy["sampling"],
-                       engine=training["engine"], jit_compile=training["jit_compile"])
+                       engine=training["engine"], jit_compile=training["jit_compile"],
+                       augmult=training["augmult"], augmentation=augmentation_of(config))
     dp.compile(make_optimizer(config, plan.update_steps), loss=LOSS, metrics=["accuracy"])
     if dp.private_run.previous is None:  # a fresh run (RunDirectory refuses a checkpoint without --resume)
         if run_dir.resume:

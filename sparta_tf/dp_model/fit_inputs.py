@@ -101,12 +101,15 @@ def probe_model(dp, x, y) -> None:
     """Before the first DP step, on a few real examples ``x, y`` (no padding), once per model:
     :func:`probe_batch_mixing` (training mode keeps examples apart) and
     :func:`~sparta_tf.per_example.coverage.check_coverage` (every trainable variable is seen,
-    exactly, by the engine's per-example rules). Both refuse the model with one line."""
+    exactly, by the engine's per-example rules), and that the augmentation of augmentation
+    multiplicity takes the inputs. They refuse the model with one line."""
     if dp._model_probed:
         return
     everything = TrainableSet.of_variables(dp.model.trainable_variables)
     engine = make_engine(dp.model, everything, dp.engine_name)  # refuses what it cannot plan
     probe_batch_mixing(dp.model, x)
+    if dp.views is not None:
+        dp.views.check(x)
     if dp._per_example_loss is not None:
         check_coverage(engine, x, y, dp._per_example_loss, dp.distribute_strategy)
     dp._model_probed = True

@@ -44,6 +44,7 @@ from sparta_tf import distribute, keras_trainer
 from sparta_tf.choices import SAMPLING_MODES
 from sparta_tf.dp_model import fit_inputs
 from sparta_tf.dp_step import KEEP_ALL, GradientFilter, GradientRelease, MicroBatches, Release, ScoreRelease, StepParts
+from sparta_tf.dp_step.views import AugmentationMultiplicity, check_multiplicity
 from sparta_tf.losses import per_example_loss_fn
 from sparta_tf.model_checks import reject_batch_mixing_layers
 from sparta_tf.optim.masked_optimizer import MaskedOptimizer
@@ -92,6 +93,14 @@ class DPModel(tf.keras.Model):
         variable has a leaf layer, :mod:`sparta_tf.per_example.bookkeeping`), ``"bookkeeping"``,
         or the materialising ``"layerwise"`` / ``"vectorized"`` (always in selection epochs).
       jit_compile: ``"auto"`` (XLA on GPU/TPU, off on CPU), True or False.
+      augmult: ``K``, augmented views per example (augmentation multiplicity, De et al. 2022;
+        :mod:`sparta_tf.dp_step.views`): each example's gradient is the mean over its ``K`` views,
+        then clipped once, so the privacy analysis is that of ``K = 1``; a micro-batch of ``P``
+        examples runs ``K P`` rows. 1 (the default): each example as is.
+      augmentation: how a view is drawn (:mod:`sparta_tf.data.view_augmentation`): None (random
+        flip + pad-and-crop of images, when ``augmult > 1``), ``{"flip": bool, "pad": int}`` for the
+        default's options, a Keras layer, or a function ``fn(x, seed)`` of one example. Given with
+        ``augmult=1``: one augmented view per example.
     """
 
     def __init__(
@@ -110,6 +119,8 @@ class DPModel(tf.keras.Model):
         seed: int | None = None,
         engine: str = "auto",
         jit_compile: JitCompile = "auto",
+        augmult: int = 1,
+        augmentation=None,
         name: str | None = None,
     ):
         super().__init__(name=name or f"dp_{model.name}")
@@ -129,6 +140,9 @@ class DPModel(tf.keras.Model):
             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
         )
         self._noise_seed = tf.Variable(seed, dtype=tf.int64, trainable=False, name="noise_seed")
+        check_multiplicity(augmult)
+        self._views = (AugmentationMultiplicity(augmult, augmentation, self._noise_seed)
+                       if augmult > 1 or augmentation is not None else None)
         self.ledger = (
             PrivacyLedger(self._mechanism.delta, accountant=accountant, target_epsilon=target_epsilon,
                           sampling=sampling)
@@ -171,6 +185,16 @@ class DPModel(tf.keras.Model):
                     doc="The run's :class:`~sparta_tf.privacy.plan.PrivacyPlan` (from ``make_private``), else None.")
     method = property(lambda self: None if self.private_run is None else self.private_run.method,
                       doc="The :class:`~sparta_tf.methods.Method` ``fit`` runs (from ``make_private``), else None.")
+
+    @property
+    def views(self) -> AugmentationMultiplicity | None:
+        """The step's augmentation multiplicity (None: each example as is)."""
+        return self._views
+
+    @property
+    def augmult(self) -> int:
+        """``K``, the augmented views per example (1 without augmentation multiplicity)."""
+        return 1 if self._views is None else self._views.views
 
     def call(self, inputs, training=None):
         return self.model(inputs, training=training)
@@ -309,7 +333,8 @@ class DPModel(tf.keras.Model):
         """The per-example engine of the current release and filter (:func:`~sparta_tf.per_example.make_engine`)."""
         release = self._release or self._gradient_release()
         materialise = release.needs_per_example_gradients() or self._gradient_filter.needs_per_example_gradients
-        return make_engine(self.model, release.selections(self.trainable_set), self.engine_name, materialise=materialise)
+        return make_engine(self.model, release.selections(self.trainable_set), self.engine_name,
+                           materialise=materialise, views=self.augmult)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         """Keras 3 builds the model from ``fit``'s first batch averaged over the replicas, which fails
@@ -336,6 +361,7 @@ class DPModel(tf.keras.Model):
             micro_batches=MicroBatches.per_replica(self.physical_batch_size),
             release=release,
             trainable_set=self.trainable_set,
+            views=self._views,
         )
 
     def train_step(self, data):

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import tensorflow as tf
 
-Statistic = Callable[..., list]  # (x, y, weights) of one micro-batch -> its sums
+Statistic = Callable[..., list]  # (x, y, weights, micro-batch index) of one micro-batch -> its sums
 
 
 class MicroBatches:
@@ -39,9 +39,9 @@ class MicroBatches:
         return cls(physical_batch_size // replicas)
 
     def sum(self, statistic: Statistic, x, y, weights: tf.Tensor, specs: Sequence[tf.TensorSpec]) -> list:
-        """``statistic(x, y, weights)`` summed over the micro-batches; ``specs``: its outputs' shapes."""
+        """``statistic(x, y, weights, j)`` summed over the micro-batches ``j``; ``specs``: its outputs' shapes."""
         if self.size is None:
-            return statistic(x, y, weights)
+            return statistic(x, y, weights, tf.constant(0))
         micro = self.size
         total = tf.shape(weights)[0]
         tf.debugging.assert_equal(
@@ -55,7 +55,7 @@ class MicroBatches:
 
         def body(i, sums):
             part = tf.nest.map_structure(lambda t: micro_batch(t, i), (x, y, weights))
-            new = statistic(*part)
+            new = statistic(*part, i)
             return i + 1, [a + b for a, b in zip(sums, new)]
 
         zeros = [tf.zeros(s.shape, s.dtype) for s in specs]

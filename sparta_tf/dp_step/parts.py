@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from sparta_tf.dp_step.keep import GradientFilter, KeepMasks
 from sparta_tf.dp_step.micro_batches import MicroBatches, all_reduce_sum
 from sparta_tf.dp_step.release import Release
+from sparta_tf.dp_step.views import AugmentationMultiplicity
 from sparta_tf.trainable import TrainableSet
 
 
@@ -14,13 +15,15 @@ from sparta_tf.trainable import TrainableSet
 class StepParts:
     """``engine``: computes ``g_i`` or ``S`` (:func:`~sparta_tf.per_example.make_engine`);
     ``gradient_filter``: ``I_s`` per step; ``micro_batches``: the sum over micro-batches;
-    ``release``: the statistic and what is released; ``trainable_set``: the coordinates ``I``."""
+    ``release``: the statistic and what is released; ``trainable_set``: the coordinates ``I``;
+    ``views``: augmentation multiplicity (:mod:`~sparta_tf.dp_step.views`; None: each example as is)."""
 
     engine: object
     gradient_filter: GradientFilter
     micro_batches: MicroBatches
     release: Release
     trainable_set: TrainableSet
+    views: AugmentationMultiplicity | None = None
 
     def keep_masks(self, step) -> KeepMasks | None:
         """``1_s`` of step ``step`` (None: ``I_s = I``)."""
@@ -31,9 +34,15 @@ class StepParts:
         ``on_batch(y, predictions, losses, weights)``: per (micro-)batch, for the metrics."""
         keep = self.keep_masks(step)
 
-        def statistic(x, y, weights):
-            result = self.release.statistic(self.engine, x, y, loss_fn, weights > 0, keep)
-            on_batch(y, result.predictions, result.losses, weights)
+        def statistic(x, y, weights, micro_batch):
+            valid = weights > 0
+            if self.views is not None:
+                x, y, valid = self.views.expand(x, y, valid, self.views.key(step, micro_batch))
+            result = self.release.statistic(self.engine, x, y, loss_fn, valid, keep)
+            if self.views is None:
+                on_batch(y, result.predictions, result.losses, weights)
+            else:
+                on_batch(y, *self.views.metric_rows(result.predictions, result.losses, weights))
             return result.sums
 
         sums = self.micro_batches.sum(statistic, x, y, weights, self.release.statistic_specs(self.trainable_set))

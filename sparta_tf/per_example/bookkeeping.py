@@ -41,7 +41,7 @@ from sparta_tf.per_example.engines import (
     RecordedPass,
     check_rows,
     per_example_sum,
-    record_output_gradients,
+    view_rows,
 )
 from sparta_tf.per_example.registry import ghost_rule_for
 from sparta_tf.per_example.rules.base import NormMethod, keep_examples, squared_sum
@@ -65,8 +65,8 @@ class BookkeepingEngine(HookedEngine):
 
     name = "bookkeeping"
 
-    def __init__(self, model: tf.keras.Model, selections: Sequence[VariableSelection], plan):
-        super().__init__(model, selections, plan)
+    def __init__(self, model: tf.keras.Model, selections: Sequence[VariableSelection], plan, views: int = 1):
+        super().__init__(model, selections, plan, views)
         self._cost_table: list[NormMethod] = []
         self._logged = False
 
@@ -88,15 +88,13 @@ class BookkeepingEngine(HookedEngine):
         (``sum_abs``), by the exact factorisation for Dense on 2-D input, else from one layer's
         per-example gradients at a time.
         """
-        return self._statistic(record_output_gradients(self.model, self.layers, x, y, loss_fn, valid),
-                               clip_norm, groups)
+        return self._statistic(self.record(x, y, loss_fn, valid), clip_norm, groups)
 
     def coverage_sums(self, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor):
         """``(sum_i g_i unclipped, the batch gradient of the same pass)`` per selection (compact;
         the batch gradient None where the loss does not depend on the variable), for
         :func:`sparta_tf.per_example.coverage.check_coverage`."""
-        recorded = record_output_gradients(self.model, self.layers, x, y, loss_fn, valid,
-                                           watch=[s.variable for s in self.selections])
+        recorded = self.record(x, y, loss_fn, valid, watch=[s.variable for s in self.selections])
         return self._statistic(recorded, None, None).sums, recorded.batch_gradients
 
     def _statistic(self, recorded: RecordedPass, clip_norm, groups) -> ClippedBatch:
@@ -159,13 +157,15 @@ class BookkeepingEngine(HookedEngine):
                 parts.append(norms)
                 table.extend(methods)
                 continue
-            # Shared layer (the per-example gradient sums over calls) or inside TimeDistributed (over rows).
+            # Shared layer (the per-example gradient sums over calls), views of one example or inside
+            # TimeDistributed (sums over rows): the layer's per-example gradients, materialised.
             for call, delta in recorded:
                 for k, g in zip(indices, rule.reference.per_example_grads(layer, call, delta, selections)):
                     g = per_example_sum(g, batch) if self.is_grouped(layer) else g
                     direct_grads[k] = g if k not in direct_grads else direct_grads[k] + g
             parts.extend(squared_sum(direct_grads[k]) for k in indices)
-            method = "direct_time_distributed" if self.is_grouped(layer) else "direct_shared_layer"
+            method = ("direct_views" if self.views > 1 else
+                      "direct_time_distributed" if self.is_grouped(layer) else "direct_shared_layer")
             table.extend(NormMethod(layer.name, variable_key(s.variable), method, None, None) for s in selections)
         return _total(parts), direct_grads, table
 
@@ -184,9 +184,11 @@ class BookkeepingEngine(HookedEngine):
             for call, delta in calls.get(id(layer), []):
                 if delta is None:
                     continue
-                scale = tf.reshape(tf.cast(factors, delta.dtype), [-1] + [1] * (delta.shape.rank - 1))
-                delta_c = keep_examples(delta * scale, keep)
-                layer_sums = rule.weighted_sums(layer, call, delta_c, keep, [self.selections[k] for k in rest])
+                scale = tf.reshape(tf.cast(view_rows(factors, self.views), delta.dtype),
+                                   [-1] + [1] * (delta.shape.rank - 1))
+                row_keep = view_rows(keep, self.views)
+                delta_c = keep_examples(delta * scale, row_keep)
+                layer_sums = rule.weighted_sums(layer, call, delta_c, row_keep, [self.selections[k] for k in rest])
                 for k, s in zip(rest, layer_sums):
                     sums[k] = s if sums[k] is None else sums[k] + s
         return [_as_statistic(total, s) for total, s in zip(sums, self.selections)]
@@ -220,7 +222,7 @@ def _as_statistic(total, selection: VariableSelection) -> tf.Tensor:
     return tf.reshape(tf.cast(total, dtype), selection.compact_shape)
 
 
-def make_bookkeeping_engine(model: tf.keras.Model, selections: Sequence[VariableSelection]):
+def make_bookkeeping_engine(model: tf.keras.Model, selections: Sequence[VariableSelection], views: int = 1):
     """``(BookkeepingEngine, None)``, or ``(None, reason)`` when a selected variable is not owned
     by a leaf layer (then no per-layer rule can see its inputs and output gradients) or is owned
     by several (tied weights: see :func:`_shared_selections`)."""
@@ -232,7 +234,7 @@ def make_bookkeeping_engine(model: tf.keras.Model, selections: Sequence[Variable
         return None, (f"variable {variable_key(selections[shared[0]].variable)!r} is owned by more than one layer "
                       "(tied weights): its per-example norm needs every layer's part summed first, which "
                       "per-layer norms cannot give")
-    return BookkeepingEngine(model, selections, plan), None
+    return BookkeepingEngine(model, selections, plan, views), None
 
 
 def _shared_selections(plan) -> list[int]:

@@ -21,6 +21,12 @@ Two engines compute the same quantity:
 * :class:`VectorizedEngine`: ``tf.vectorized_map`` over examples of the
   gradient of a batch-of-one forward pass. Works for any Keras model.
 
+With ``views = K > 1`` (augmentation multiplicity, :mod:`sparta_tf.dp_step.views`) an example is
+``K`` consecutive rows of ``x`` and ``y`` (row ``i K + k``: view ``k`` of example ``i``) and
+``valid`` has one entry per example: every engine computes ``g_i = (1/K) sum_k grad L(v_ik)``,
+the gradient of the mean loss over the example's views (the layer-wise rules see ``K B`` rows and
+sum each example's rows, as for ``TimeDistributed``), and returns one loss (the mean) per example.
+
 :func:`~sparta_tf.per_example.factory.make_engine` picks the engine.
 """
 
@@ -59,9 +65,11 @@ class RecordedPass(NamedTuple):
     batch_gradients: list  # of the watched variables (None where unconnected); [] when none watched
 
 
-def finite_rows(x, valid: tf.Tensor):
+def finite_rows(x, valid: tf.Tensor, views: int = 1):
     """``(x, usable)``: ``usable = valid`` and every floating-point input of the example finite;
-    the inputs of examples that are not usable (padding, NaN or inf) set to zero.
+    the inputs of examples that are not usable (padding, NaN or inf) set to zero. With ``views = K``
+    an example is ``K`` consecutive rows of ``x`` (``valid``: one per example), usable when all
+    its rows are.
 
     An example that is not usable contributes exactly zero anyway; zeroing its inputs first keeps
     its values out of every batched operation. Some lowerings mix rows of a batched op (XLA
@@ -70,18 +78,31 @@ def finite_rows(x, valid: tf.Tensor):
     make other examples' norms non-finite and drop them: one example would change the others'
     contributions."""
     x = tf.nest.map_structure(tf.convert_to_tensor, x)
-    usable = tf.convert_to_tensor(valid)
+    usable = view_rows(tf.convert_to_tensor(valid), views)
     for t in tf.nest.flatten(x):
         if t.dtype.is_floating:
             usable = tf.logical_and(usable, tf.reduce_all(tf.math.is_finite(
                 tf.reshape(t, tf.stack([tf.shape(t)[0], -1]))), axis=1))
+    if views > 1:
+        usable = tf.reduce_all(tf.reshape(usable, [-1, views]), axis=1)
+    rows = view_rows(usable, views)
 
     def zeroed(t):
         if not t.dtype.is_floating:
             return t
-        return tf.where(tf.reshape(usable, [-1] + [1] * (t.shape.rank - 1)), t, tf.zeros_like(t))
+        return tf.where(tf.reshape(rows, [-1] + [1] * (t.shape.rank - 1)), t, tf.zeros_like(t))
 
     return tf.nest.map_structure(zeroed, x), usable
+
+
+def view_rows(per_example: tf.Tensor, views: int) -> tf.Tensor:
+    """``[B, ...] -> [K B, ...]``: each example's entry repeated over its ``K`` view rows."""
+    return per_example if views == 1 else tf.repeat(per_example, views, axis=0)
+
+
+def example_mean(per_row: tf.Tensor, views: int) -> tf.Tensor:
+    """``[K B] -> [B]``: the mean over each example's ``K`` view rows."""
+    return per_row if views == 1 else tf.reduce_mean(tf.reshape(per_row, [-1, views]), axis=1)
 
 
 def _owned_weights(layer) -> list[tf.Variable]:
@@ -126,10 +147,11 @@ class HookedEngine:
     (:func:`per_example_sum`).
     """
 
-    def __init__(self, model: tf.keras.Model, selections: Sequence[VariableSelection], plan):
+    def __init__(self, model: tf.keras.Model, selections: Sequence[VariableSelection], plan, views: int = 1):
         self.model = model
         self.selections = list(selections)
         self.plan = plan
+        self.views = views
         wrappers, self._grouped = _layers_inside_time_distributed(model)
         for wrapper in wrappers:
             install_reshape_hook(wrapper)
@@ -138,8 +160,13 @@ class HookedEngine:
         self.layers = [layer for layer, _, _ in plan]
 
     def is_grouped(self, layer) -> bool:
-        """True for a layer that a ``TimeDistributed`` applies to several rows per example."""
-        return id(layer) in self._grouped
+        """True for a layer that sees several rows per example: the views of augmentation
+        multiplicity, or a ``TimeDistributed`` around it."""
+        return self.views > 1 or id(layer) in self._grouped
+
+    def record(self, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor, watch=()) -> "RecordedPass":
+        """:func:`record_output_gradients` of the engine's layers (and views)."""
+        return record_output_gradients(self.model, self.layers, x, y, loss_fn, valid, watch=watch, views=self.views)
 
 
 class LayerwiseEngine(HookedEngine):
@@ -181,13 +208,12 @@ class LayerwiseEngine(HookedEngine):
         return plan, None
 
     def __call__(self, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor) -> PerExampleGradients:
-        return self._per_example(record_output_gradients(self.model, self.layers, x, y, loss_fn, valid))
+        return self._per_example(self.record(x, y, loss_fn, valid))
 
     def coverage_sums(self, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor):
         """``(sum_i g_i, the batch gradient of the same pass)`` per selection (see
         :func:`sparta_tf.per_example.coverage.check_coverage`)."""
-        recorded = record_output_gradients(self.model, self.layers, x, y, loss_fn, valid,
-                                           watch=[s.variable for s in self.selections])
+        recorded = self.record(x, y, loss_fn, valid, watch=[s.variable for s in self.selections])
         result = self._per_example(recorded)
         return [tf.reduce_sum(g, axis=0) for g in result.grads], recorded.batch_gradients
 
@@ -201,10 +227,10 @@ class LayerwiseEngine(HookedEngine):
                 if delta is None:
                     continue
                 call_grads = rule.per_example_grads(layer, call, delta, selections)
+                if id(layer) not in self._grouped:  # not inside TimeDistributed: one row per view
+                    check_rows(layer, call_grads[0], losses, self.views)
                 if self.is_grouped(layer):
                     call_grads = [per_example_sum(g, batch) for g in call_grads]
-                else:
-                    check_rows(layer, call_grads[0], losses)
                 for k, g in zip(indices, call_grads):
                     grads[k] = g if grads[k] is None else grads[k] + g
         grads = [
@@ -225,19 +251,22 @@ def per_example_sum(rows: tf.Tensor, batch: tf.Tensor) -> tf.Tensor:
     return summed
 
 
-def check_rows(layer, per_example: tf.Tensor, losses: tf.Tensor) -> None:
-    """Refuses a layer whose call saw another number of rows than the batch's examples (a reshape
-    that folds examples together outside ``TimeDistributed``): its per-row norms are not per example."""
+def check_rows(layer, per_example: tf.Tensor, losses: tf.Tensor, views: int = 1) -> None:
+    """Refuses a layer whose call saw another number of rows than the batch's examples (times their
+    ``views``) (a reshape that folds examples together outside ``TimeDistributed``): its per-row
+    norms are not per example."""
     rows, batch = per_example.shape[0], losses.shape[0]
-    if rows is not None and batch is not None and rows != batch:
+    if rows is not None and batch is not None and rows != batch * views:
         raise UnsupportedLayerError(
-            f"layer {layer.name!r} was called on {rows} rows for a batch of {batch} examples (a reshape folds "
+            f"layer {layer.name!r} was called on {rows} rows for a batch of {batch * views} rows (a reshape folds "
             "examples together), so its per-row gradients are not per-example ones; apply it with "
             "tf.keras.layers.TimeDistributed, or keep the batch axis first")
 
 
-def record_output_gradients(model, layers, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor, watch=()) -> RecordedPass:
-    """One batched forward and one batched backward pass of ``sum_i valid_i L_i``.
+def record_output_gradients(model, layers, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor, watch=(),
+                            views: int = 1) -> RecordedPass:
+    """One batched forward and one batched backward pass of ``sum_i valid_i L_i``
+    (``views = K > 1``: ``L_i = (1/K) sum_k L(v_ik)`` over the example's ``K`` view rows).
 
     Returns the :class:`RecordedPass`: per layer its calls and ``delta = [dL_1/dz_1, ...,
     dL_B/dz_B]`` at each call's probe point (no layer mixes examples, so the gradient of the sum
@@ -246,14 +275,17 @@ def record_output_gradients(model, layers, x, y, loss_fn: PerExampleLoss, valid:
     on; the losses; the predictions; the usable examples (:func:`finite_rows`, whose zeroed
     inputs the pass ran on). With ``watch`` (variables), also their batch gradients of the same pass.
     """
-    x, valid = finite_rows(x, valid)
+    x, valid = finite_rows(x, valid, views)
     watch = [tf_variable(v) for v in watch]
     with tf.GradientTape(watch_accessed_variables=False, persistent=False) as tape:
         tape.watch(list(watch))
         with recording(tape, layers) as rec:
             predictions = model(x, training=True)
         losses = loss_fn(y, predictions)
-        total = tf.reduce_sum(tf.where(valid, losses, tf.zeros_like(losses)))
+        total = tf.reduce_sum(tf.where(view_rows(valid, views), losses, tf.zeros_like(losses)))
+        if views > 1:
+            total = total / tf.cast(views, total.dtype)
+    losses = example_mean(losses, views)
     sources = [call.probe for call in rec.calls]
     gradients = tape.gradient(total, sources + list(watch))
     deltas, variable_grads = gradients[: len(sources)], gradients[len(sources):]
@@ -277,7 +309,7 @@ class VectorizedEngine:
 
     name = "vectorized"
 
-    def __init__(self, model: tf.keras.Model, selections: Sequence[VariableSelection]):
+    def __init__(self, model: tf.keras.Model, selections: Sequence[VariableSelection], views: int = 1):
         recurrent = [layer.name for layer in all_layers(model)
                      if is_recurrent(layer)]
         if recurrent:
@@ -288,23 +320,40 @@ class VectorizedEngine:
         self.model = model
         self.selections = list(selections)
         self.variables = [tf_variable(s.variable) for s in self.selections]
+        self.views = views
 
     def __call__(self, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor) -> PerExampleGradients:
-        x, valid = finite_rows(x, valid)  # padding is removed by the clipping step
+        x, valid = finite_rows(x, valid, self.views)  # padding is removed by the clipping step
+        views = self.views
 
         def one_example(example):
-            x_i, y_i = tf.nest.map_structure(lambda t: t[None], example)
+            # an example: a batch of one row, or of its K view rows (whose mean loss it takes)
+            x_i, y_i = example if views > 1 else tf.nest.map_structure(lambda t: t[None], example)
             with tf.GradientTape(watch_accessed_variables=False) as tape:
                 tape.watch(self.variables)
                 prediction = self.model(x_i, training=True)
-                loss = loss_fn(y_i, prediction)[0]
+                loss = tf.reduce_mean(loss_fn(y_i, prediction)) if views > 1 else loss_fn(y_i, prediction)[0]
             grads = tape.gradient(
                 loss, self.variables, unconnected_gradients=tf.UnconnectedGradients.ZERO
             )
             grads = [to_accumulation(tf.convert_to_tensor(g)) for g in grads]
-            prediction = tf.nest.map_structure(lambda t: t[0], prediction)
+            if views == 1:
+                prediction = tf.nest.map_structure(lambda t: t[0], prediction)
             return grads, loss, prediction
 
-        grads, losses, predictions = tf.vectorized_map(one_example, (x, y))
+        examples = (x, y) if views == 1 else tf.nest.map_structure(lambda t: _by_example(t, views), (x, y))
+        grads, losses, predictions = tf.vectorized_map(one_example, examples)
+        if views > 1:
+            predictions = tf.nest.map_structure(_by_row, predictions)
         grads = [s.compact(g, batch_dims=1) for s, g in zip(self.selections, grads)]
         return PerExampleGradients(grads, losses, predictions, valid)
+
+
+def _by_example(rows: tf.Tensor, views: int) -> tf.Tensor:
+    """``[K B, ...] -> [B, K, ...]``."""
+    return tf.reshape(rows, tf.concat([[-1, views], tf.shape(rows)[1:]], 0))
+
+
+def _by_row(grouped: tf.Tensor) -> tf.Tensor:
+    """``[B, K, ...] -> [K B, ...]``."""
+    return tf.reshape(grouped, tf.concat([[-1], tf.shape(grouped)[2:]], 0))

@@ -41,8 +41,8 @@ def as_selections(trainable) -> list[VariableSelection]:
     return [t if isinstance(t, VariableSelection) else VariableSelection(t) for t in trainable]
 
 
-def make_engine(model: tf.keras.Model, trainable, engine: str = "auto", *, materialise: bool = False
-                ) -> BookkeepingEngine | LayerwiseEngine | VectorizedEngine:
+def make_engine(model: tf.keras.Model, trainable, engine: str = "auto", *, materialise: bool = False,
+                views: int = 1) -> BookkeepingEngine | LayerwiseEngine | VectorizedEngine:
     """The per-example engine of a step over ``trainable`` of ``model``.
 
     ``trainable``: a :class:`~sparta_tf.trainable.TrainableSet`, a list of selections, or a list
@@ -52,25 +52,27 @@ def make_engine(model: tf.keras.Model, trainable, engine: str = "auto", *, mater
     ``materialise``: the step needs every ``g_i`` (the engine is then called as
     ``engine(x, y, loss_fn, valid).grads``); ``engine="bookkeeping"`` then means ``"auto"``, since
     book-keeping never forms ``g_i``. Without it, the step takes the clipped sum
-    (:func:`~sparta_tf.per_example.bookkeeping.clipped_batch`, any engine).
+    (:func:`~sparta_tf.per_example.bookkeeping.clipped_batch`, any engine). ``views``: rows per
+    example (augmentation multiplicity, :mod:`sparta_tf.dp_step.views`); every engine then takes
+    an example's gradient as the mean over its view rows.
     """
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r} is not one of {ENGINES}")
     selections = as_selections(trainable)
     if engine == "vectorized":
-        return VectorizedEngine(model, selections)
+        return VectorizedEngine(model, selections, views)
     if materialise and engine == "bookkeeping":
         engine = "auto"
     if engine in ("auto", "bookkeeping") and not materialise:
-        bookkeeping, reason = make_bookkeeping_engine(model, selections)
+        bookkeeping, reason = make_bookkeeping_engine(model, selections, views)
         if bookkeeping is not None:
             return bookkeeping
         if engine == "bookkeeping":
             raise ValueError(f"engine='bookkeeping' cannot handle this model: {reason}; use engine='auto'")
     plan, reason = LayerwiseEngine.plan_for(model, selections)
     if plan is not None:
-        return LayerwiseEngine(model, selections, plan)
+        return LayerwiseEngine(model, selections, plan, views)
     if engine == "layerwise":
         raise ValueError(f"engine='layerwise' cannot handle this model: {reason}; use engine='auto'")
     logger.warning("per-example gradients: using tf.vectorized_map (%s)", reason)
-    return VectorizedEngine(model, selections)
+    return VectorizedEngine(model, selections, views)

@@ -1,0 +1,110 @@
+"""Augmentation multiplicity on every layer a user writes: each example's K views are one example.
+
+For each model of :mod:`layer_zoo`, under ``engine="auto"`` and a materialising engine, jit off
+and on, the views drawn inside the traced step (:class:`~sparta_tf.dp_step.views.AugmentationMultiplicity`):
+
+* the clipped sum equals the K-view one-example reference: every view's gradient taken alone with
+  ``tf.GradientTape`` (float64), averaged over the example's views, clipped once, summed;
+* padding rows (NaN-filled) contribute exactly zero, and changing the other rows of the batch
+  leaves one example's contribution bit-identical;
+* one example's contribution has norm at most ``C``.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from layer_zoo import CASES, loss_fn, norms, reference_clipped_sum
+from sparta_tf.dp_step.views import AugmentationMultiplicity
+from sparta_tf.per_example import make_engine
+from sparta_tf.per_example.bookkeeping import clipped_batch
+
+VIEWS = 2
+FLOAT_TOLERANCE = 1e-5
+LOW_PRECISION_TOLERANCE = 3e-2
+MATERIALISING = {"subclassed_add_weight": "vectorized"}
+KEY = tf.constant([3, 7], tf.int64)
+
+
+def jitter(example, seed):
+    """A view of one example: its floating-point inputs plus Gaussian noise (std 0.1) from ``seed``;
+    token ids as they are."""
+    def view(t):
+        if not t.dtype.is_floating:
+            return t
+        return t + tf.cast(0.1 * tf.random.stateless_normal(tf.shape(t), seed), t.dtype)
+
+    return tf.nest.map_structure(view, example)
+
+
+def _views() -> AugmentationMultiplicity:
+    return AugmentationMultiplicity(VIEWS, jitter, seed=0)
+
+
+def _step(case, engine, jit: bool):
+    views = _views()
+
+    def step(x, y, valid, clip_norm):
+        rows, labels, usable = views.expand(x, y, valid, KEY)
+        return clipped_batch(engine, rows, labels, loss_fn, usable, clip_norm).sums, rows, labels
+
+    signature = [case.signature(), tf.TensorSpec([None], tf.int64), tf.TensorSpec([None], tf.bool),
+                 tf.TensorSpec([], tf.float32)]
+    return tf.function(step, input_signature=signature, jit_compile=jit)
+
+
+def view_reference_gradients(model, rows, labels, valid) -> list[list[np.ndarray]]:
+    """Per real example: the mean over its views (``rows``, as the step drew them: XLA's random
+    numbers are not TensorFlow's) of each view's gradient taken alone (float64)."""
+    variables = model.trainable_variables
+    per_example = []
+    for i in np.flatnonzero(valid):
+        total = None
+        for k in range(VIEWS):
+            row = i * VIEWS + k
+            view = tf.nest.map_structure(lambda t: t[row : row + 1], rows)
+            with tf.GradientTape() as tape:
+                loss = loss_fn(labels[row : row + 1], model(view, training=True))[0]
+            grads = tape.gradient(loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            grads = [np.asarray(tf.convert_to_tensor(g), np.float64) / VIEWS for g in grads]
+            total = grads if total is None else [a + b for a, b in zip(total, grads)]
+        per_example.append(total)
+    return per_example
+
+
+def _flat(sums) -> list[np.ndarray]:
+    return [np.asarray(s, np.float64) for s in sums]
+
+
+@pytest.mark.parametrize("engine_name", ["auto", "materialising"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_k_view_clipped_sum_equals_the_one_example_reference(name, engine_name):
+    case = CASES[name]
+    tf.keras.utils.set_random_seed(0)
+    model = case.build()
+    x, y, valid = case.batch(seed=1)
+    chosen = "auto" if engine_name == "auto" else MATERIALISING.get(name, "layerwise")
+    engine = make_engine(model, model.trainable_variables, chosen, views=VIEWS)
+    tolerance = LOW_PRECISION_TOLERANCE if case.low_precision else FLOAT_TOLERANCE
+    for jit in (False, True):
+        step = _step(case, engine, jit)
+        _, rows, labels = step(x, y, valid, np.float32(1.0))
+        reference = view_reference_gradients(model, rows, labels, valid)
+        example_norms = norms(reference)
+        for clip_norm in (np.median(example_norms), example_norms.max() * 2):
+            ours = _flat(step(x, y, valid, np.float32(clip_norm))[0])
+            expected = reference_clipped_sum(reference, clip_norm)
+            scale = max(float(np.max(np.abs(e))) for e in expected)
+            for variable, a, b in zip(model.trainable_variables, ours, expected):
+                error = float(np.max(np.abs(a - b), initial=0.0)) / scale
+                assert error <= tolerance, f"{variable.name} jit={jit} C={clip_norm:.3g}: {error:.2e}"
+
+        single = np.arange(len(valid)) == 0
+        clip_norm = np.float32(example_norms[0] / 10)
+        first = _flat(step(x, y, single, clip_norm)[0])
+        others_x, _, _ = case.batch(seed=2, padding_fill="values")
+        mixed = tf.nest.map_structure(lambda a, b: np.concatenate([a[:1], b[1:]]), x, others_x)
+        again = _flat(step(mixed, y, single, clip_norm)[0])
+        for variable, a, b in zip(model.trainable_variables, first, again):
+            np.testing.assert_array_equal(a, b, err_msg=f"{variable.name} jit={jit}: depends on other rows")
+        assert np.sqrt(sum(float(np.sum(a * a)) for a in first)) <= clip_norm, f"jit={jit}: ||S|| > C"
