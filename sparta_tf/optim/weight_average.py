@@ -26,11 +26,13 @@ with ``use_ema_weights=True`` validation during ``fit`` evaluates the averaged w
 on ``on_test_begin``, the raw ones put back exactly on ``on_test_end``), and after ``fit`` the model
 holds the averages (so ``evaluate``, ``save`` and ``export_for_serving`` use them);
 :meth:`WeightAverage.use_raw` puts the raw weights back. The averages and ``t`` are part of
-``DPModel.checkpoint_state()``: a resumed run continues the same average.
+``DPModel.checkpoint_state()``: a resumed run continues the same average (after a ``fit`` that left
+the averages in the model, call :meth:`WeightAverage.use_raw` before checkpointing the training state).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import tensorflow as tf
@@ -58,15 +60,15 @@ class WeightAverage(tf.Module):
         check_decay(decay)
         self.decay = float(decay)
         self._strategy = tf.distribute.get_strategy()
-        self._variables = list(variables)
+        self._model = _ModelVariables(tuple(variables))  # untracked: the model checkpoints its own variables
         self.averages = [
             tf.Variable(tf_variable(v).read_value(), trainable=False,
                         name="ema_" + variable_key(v).replace("/", "_").replace(":", "_"))
-            for v in self._variables
+            for v in self._model.variables
         ]
         self.updates = tf.Variable(0, dtype=tf.int64, trainable=False, name="ema_updates",
                                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
-        self._index = {id(v): k for k, v in enumerate(self._variables)}
+        self._index = {id(v): k for k, v in enumerate(self._model.variables)}
         self._raw: list[tf.Tensor] | None = None  # the raw weights while the model holds the averages
 
     # ------------------------------------------------------------ the step
@@ -107,7 +109,7 @@ class WeightAverage(tf.Module):
         """``A <- W`` for every variable (before the first averaging update: the average starts from
         the weights training starts from, after any change a method's preparation made)."""
         with self._strategy.scope():
-            for variable, average in zip(self._variables, self.averages):
+            for variable, average in zip(self._model.variables, self.averages):
                 average.assign(tf_variable(variable).read_value())
 
     def use_averages(self) -> None:
@@ -116,8 +118,8 @@ class WeightAverage(tf.Module):
         if self._raw is not None:
             return
         with self._strategy.scope():
-            self._raw = [tf.identity(tf_variable(v).read_value()) for v in self._variables]
-            for variable, average in zip(self._variables, self.averages):
+            self._raw = [tf.identity(tf_variable(v).read_value()) for v in self._model.variables]
+            for variable, average in zip(self._model.variables, self.averages):
                 tf_variable(variable).assign(average.read_value())
 
     def use_raw(self) -> None:
@@ -125,9 +127,17 @@ class WeightAverage(tf.Module):
         if self._raw is None:
             return
         with self._strategy.scope():
-            for variable, raw in zip(self._variables, self._raw):
+            for variable, raw in zip(self._model.variables, self._raw):
                 tf_variable(variable).assign(raw)
         self._raw = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _ModelVariables:
+    """The averaged model's variables, held where ``tf.Module`` does not track them (a checkpoint of the
+    weight average holds the averages and the counter, not a second copy of the model)."""
+
+    variables: tuple
 
 
 def _update_fn(selection: VariableSelection):
