@@ -60,7 +60,7 @@ class WeightAverage(tf.Module):
         check_decay(decay)
         self.decay = float(decay)
         self._strategy = tf.distribute.get_strategy()
-        self._model = _ModelVariables(tuple(variables))  # untracked: the model checkpoints its own variables
+        self._model = _ModelWeights(tuple(variables))  # untracked: the model checkpoints its own variables
         self.averages = [
             tf.Variable(tf_variable(v).read_value(), trainable=False,
                         name="ema_" + variable_key(v).replace("/", "_").replace(":", "_"))
@@ -69,7 +69,6 @@ class WeightAverage(tf.Module):
         self.updates = tf.Variable(0, dtype=tf.int64, trainable=False, name="ema_updates",
                                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
         self._index = {id(v): k for k, v in enumerate(self._model.variables)}
-        self._raw: list[tf.Tensor] | None = None  # the raw weights while the model holds the averages
 
     # ------------------------------------------------------------ the step
 
@@ -103,7 +102,7 @@ class WeightAverage(tf.Module):
     @property
     def holds_averages(self) -> bool:
         """True while the model's weights are the averages (:meth:`use_averages`)."""
-        return self._raw is not None
+        return self._model.raw is not None
 
     def start_from_weights(self) -> None:
         """``A <- W`` for every variable (before the first averaging update: the average starts from
@@ -115,29 +114,31 @@ class WeightAverage(tf.Module):
     def use_averages(self) -> None:
         """The model's weights become the averages (exact copies); the raw weights are kept aside for
         :meth:`use_raw`. Nothing happens when the model holds the averages already."""
-        if self._raw is not None:
+        if self._model.raw is not None:
             return
         with self._strategy.scope():
-            self._raw = [tf.identity(tf_variable(v).read_value()) for v in self._model.variables]
+            self._model.raw = [tf.identity(tf_variable(v).read_value()) for v in self._model.variables]
             for variable, average in zip(self._model.variables, self.averages):
                 tf_variable(variable).assign(average.read_value())
 
     def use_raw(self) -> None:
         """Puts the raw weights kept by :meth:`use_averages` back, bit for bit (nothing when they are in)."""
-        if self._raw is None:
+        if self._model.raw is None:
             return
         with self._strategy.scope():
-            for variable, raw in zip(self._model.variables, self._raw):
+            for variable, raw in zip(self._model.variables, self._model.raw):
                 tf_variable(variable).assign(raw)
-        self._raw = None
+        self._model.raw = None
 
 
-@dataclasses.dataclass(frozen=True)
-class _ModelVariables:
-    """The averaged model's variables, held where ``tf.Module`` does not track them (a checkpoint of the
-    weight average holds the averages and the counter, not a second copy of the model)."""
+@dataclasses.dataclass
+class _ModelWeights:
+    """The averaged model's variables and, while the model holds the averages, its raw weights: held
+    where ``tf.Module`` does not track them (a checkpoint of the weight average holds the averages and
+    the counter, not a second copy of the model)."""
 
     variables: tuple
+    raw: list | None = None
 
 
 def _update_fn(selection: VariableSelection):
