@@ -197,9 +197,10 @@ class DPModel(tf.keras.Model):
         """What a resumable checkpoint must hold: weights, optimizer state, step counters, seed.
 
         ``{"model", "dp_step", "noise_seed", "iterations", "masked_optimizer", "weight_average"}``
-        (``masked_optimizer`` only after ``compile``, ``weight_average`` with ``ema``), for ``tf.train.Checkpoint``. The privacy
-        ledger is not a ``tf.Module``: save ``ledger.to_json()`` beside the checkpoint and restore it
-        (``PrivacyLedger.from_json``) with it; ``fit`` refuses a ``dp_step`` its ledger does not cover.
+        (``masked_optimizer`` only after ``compile``, ``weight_average`` with ``ema``), for
+        ``tf.train.Checkpoint``. The privacy ledger is not a ``tf.Module``: save ``ledger.to_json()``
+        beside the checkpoint and restore it (``PrivacyLedger.from_json``) with it; ``fit`` refuses a
+        ``dp_step`` its ledger does not cover.
         """
         state = {"model": self.model, "dp_step": self.dp_step, "noise_seed": self._noise_seed}
         if self._masked_optimizer is not None:
