@@ -21,6 +21,7 @@ from small_configs import tiny_config
 from small_models import LOSS, small_data, small_mlp
 from sparta_tf import DPModel, trainable
 from sparta_tf.groups import row_groups
+from sparta_tf.methods import METHODS
 from sparta_tf.optim.masked_optimizer import MaskedOptimizer
 from sparta_tf.trainable import TrainableSet
 from trainers.config import ConfigError, validate
@@ -118,6 +119,21 @@ def test_frozen_rows_are_bit_identical_in_the_average():
         mask = trained.get(id(variable), np.zeros(old.shape, bool))
         np.testing.assert_array_equal(average[~mask], old[~mask], err_msg=f"frozen part of {variable.name}")
         assert np.all(average[mask] != old[mask]), f"the average of {variable.name} did not move"
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_every_method_averages_its_updates(method, tmp_path):
+    options = {"warmup_epochs": 1} if method in ("sparta", "dpsgd_grad", "oracle") else (
+        {"full_epochs": 1} if method == "x_bitfit" else {})
+    dp = sparta_tf.make_private(small_mlp(), method=method, target_epsilon=8.0, delta=1e-5, epochs=EPOCHS,
+                                batch_size=BATCH, dataset_size=N, seed=0, ema=0.9, mask_dir=str(tmp_path / "mask"),
+                                **options)
+    dp.compile(tf.keras.optimizers.SGD(0.5), loss=LOSS)
+    x, y = small_data(N)
+    dp.fit(x, y, verbose=0)
+    assert int(dp.weight_average.updates.numpy()) == int(dp.optimizer.iterations.numpy()) == dp.plan.update_steps
+    assert dp.weight_average.holds_averages
+    assert list(dp.ledger.entries) == dp.plan.events()
 
 
 def test_sparta_averages_only_its_updates_and_keeps_unselected_rows_bit_identical():
