@@ -99,6 +99,8 @@ def make_private(
     augmult: int = 1,
     augmentation: Any = None,
     run_dir: str | None = None,
+    ema: float | None = None,
+    use_ema_weights: bool = True,
     **method_options: Any,
 ):
     """A DP model for ``model`` whose ``fit`` runs ``method`` within ``(target_epsilon, delta)``.
@@ -127,6 +129,10 @@ def make_private(
       run_dir: a directory for the step journal, a checkpoint per epoch and the ledger; running
         the same script again resumes a killed ``fit`` there. None: nothing written (except masks
         when ``mask_dir`` is given).
+      ema: a decay in (0, 1) (e.g. 0.999) to keep an exponential moving average of the weights
+        (:mod:`sparta_tf.optim.weight_average`; post-processing, no privacy cost); None (default): none.
+      use_ema_weights: with ``ema``, validation and the model after ``fit`` (evaluate, save, export) use
+        the averaged weights (default True); False: the raw weights.
       **method_options: the method's options (``warmup_epochs``, ``density``, ... for sparta), as
         :func:`sparta_tf.methods.make_method` takes them.
 
@@ -145,7 +151,8 @@ def make_private(
                        target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, accountant=accountant)
     return private_model(model, method, plan, run_dir=run_dir, clip_norm=clip_norm,
                          physical_batch_size=physical_batch_size, sampling=sampling, seed=seed, engine=engine,
-                         jit_compile=jit_compile, augmult=augmult, augmentation=augmentation)
+                         jit_compile=jit_compile, augmult=augmult, augmentation=augmentation, ema=ema,
+                         use_ema_weights=use_ema_weights)
 
 
 def private_model(model: tf.keras.Model, method: Method, plan: PrivacyPlan, *, run_dir: str | None = None,

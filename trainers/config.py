@@ -20,7 +20,8 @@ vision settings where it has one):
   (``config["notes"]``), not refused.
 * ``privacy``: target epsilon, delta, clip norm, accountant, sampling.
 * ``training``: epochs, batch sizes, optimizer, learning rates, schedule, seed, XLA,
-  bit-reproducible arithmetic (``deterministic``, :mod:`sparta_tf.determinism`).
+  bit-reproducible arithmetic (``deterministic``, :mod:`sparta_tf.determinism`), weight averaging
+  (``ema``, ``use_ema_weights``: :mod:`sparta_tf.optim.weight_average`).
 * ``output_dir`` (required), ``export``.
 """
 
@@ -131,6 +132,9 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "augmult_pad": Field((int,), 4, _non_negative),
         "strategy": Field((str,), choices.STRATEGIES[0], _one_of(*choices.STRATEGIES)),
         "deterministic": Field((bool,), False),
+        "ema": Field(OPTIONAL_NUMBER, None, lambda v: None if 0 < v < 1 else "must be a decay in (0, 1), e.g. 0.999, "
+                     "or null for no weight averaging"),
+        "use_ema_weights": Field((bool,), True),
     },
     "export": {
         "enabled": Field((bool,), True),

@@ -2,6 +2,11 @@
 
 The privacy numbers are the ledger's (what ran and was charged), next to the plan's (what was
 planned): a resumed run whose interrupted steps were charged may stop before the plan's end.
+
+With weight averaging (``training.ema``), ``test_accuracy`` is that of the weights the model and the
+export hold (``test_weights``: ``"ema"`` or ``"raw"``, from ``training.use_ema_weights``), and
+``test_accuracy_raw_weights`` / ``test_accuracy_ema_weights`` are both, from the same run: the average
+is post-processing, so both numbers have the run's one (epsilon, delta).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ def run_results(config: dict, dp, plan: PrivacyPlan, dataset, phase_seconds: dic
         "plan": plan.to_json(),
         "test_accuracy": float(test_accuracy),
         "test_loss": float(test_loss),
+        **averaged_weights_results(dp, dataset, float(test_accuracy)),
         "trainable_fraction": dp.trainable_set.fraction_of(dp.model),
         "seconds_per_phase": phase_seconds,
         **timings,
@@ -49,3 +55,19 @@ def what_ran(dp, plan: PrivacyPlan) -> dict:
             "epochs_completed": round(ran / plan.steps_per_epoch, 4),
             "stopped_early": ("the privacy budget ran out (steps of an interrupted run were charged)"
                               if stopped else None)}
+
+
+def averaged_weights_results(dp, dataset, test_accuracy: float) -> dict:
+    """With a weight average: which weights ``test_accuracy`` measured and the test accuracy of the raw
+    and the averaged weights (the other one evaluated by swapping, then swapped back); else nothing."""
+    average = dp.weight_average
+    if average is None:
+        return {}
+    held, other = ("ema", "raw") if average.holds_averages else ("raw", "ema")
+    to_other, back = ((average.use_raw, average.use_averages) if held == "ema"
+                      else (average.use_averages, average.use_raw))
+    to_other()
+    accuracy = {held: test_accuracy, other: float(dp.evaluate(dataset.x_test, dataset.y_test, verbose=0)[1])}
+    back()
+    return {"test_weights": held, "test_accuracy_raw_weights": accuracy["raw"],
+            "test_accuracy_ema_weights": accuracy["ema"]}

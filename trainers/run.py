@@ -289,7 +289,8 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
     dp = private_model(model, method, plan, run_dir=output_dir, seed=training["seed"], clip_norm=privacy["clip_norm"],
                        physical_batch_size=training["physical_batch_size"], sampling=privacy["sampling"],
                        engine=training["engine"], jit_compile=training["jit_compile"],
-                       augmult=training["augmult"], augmentation=augmentation_of(config))
+                       augmult=training["augmult"], augmentation=augmentation_of(config), ema=training["ema"],
+                       use_ema_weights=training["use_ema_weights"])
     dp.compile(make_optimizer(config, plan.update_steps), loss=LOSS, metrics=["accuracy"])
     if dp.private_run.previous is None:  # a fresh run (RunDirectory refuses a checkpoint without --resume)
         if run_dir.resume:

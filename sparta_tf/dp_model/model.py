@@ -48,6 +48,7 @@ from sparta_tf.dp_step.views import AugmentationMultiplicity, check_multiplicity
 from sparta_tf.losses import per_example_loss_fn
 from sparta_tf.model_checks import reject_batch_mixing_layers
 from sparta_tf.optim.masked_optimizer import MaskedOptimizer
+from sparta_tf.optim.weight_average import AveragedWeights, WeightAverage, check_decay
 from sparta_tf.per_example import BookkeepingEngine, make_engine
 from sparta_tf.precision import require_ieee_float32_matmuls
 from sparta_tf.privacy import charging
@@ -101,6 +102,12 @@ class DPModel(tf.keras.Model):
         flip + pad-and-crop of images, when ``augmult > 1``), ``{"flip": bool, "pad": int}`` for the
         default's options, a Keras layer, or a function ``fn(x, seed)`` of one example. Given with
         ``augmult=1``: one augmented view per example.
+      ema: a decay in (0, 1) (e.g. 0.999): an exponential moving average of the weights follows every
+        DP-SGD update on the trainable set (:attr:`weight_average`,
+        :mod:`sparta_tf.optim.weight_average`; post-processing, no privacy cost). None (default): none.
+      use_ema_weights: with ``ema``, validation during ``fit`` evaluates the averaged weights and after
+        ``fit`` the model holds them (``evaluate``, ``save``, export); False: the model keeps the raw
+        weights. Default True.
     """
 
     def __init__(
@@ -121,6 +128,8 @@ class DPModel(tf.keras.Model):
         jit_compile: JitCompile = "auto",
         augmult: int = 1,
         augmentation=None,
+        ema: float | None = None,
+        use_ema_weights: bool = True,
         name: str | None = None,
     ):
         super().__init__(name=name or f"dp_{model.name}")
@@ -128,6 +137,9 @@ class DPModel(tf.keras.Model):
         if sampling not in SAMPLING_MODES:
             raise ValueError(f"sampling={sampling!r} is not one of {SAMPLING_MODES}")
         self.model = model
+        check_decay(ema)
+        self._ema, self._use_ema_weights = ema, use_ema_weights
+        self.weight_average: WeightAverage | None = None  # built by compile when ema is set
         self._mechanism = DpSgdMechanism(noise_multiplier, sample_rate, clip_norm, dataset_size, delta)
         self.physical_batch_size = physical_batch_size
         self.sampling = sampling
@@ -208,15 +220,18 @@ class DPModel(tf.keras.Model):
     def checkpoint_state(self) -> dict[str, tf.Module]:
         """What a resumable checkpoint must hold: weights, optimizer state, step counters, seed.
 
-        ``{"model", "dp_step", "noise_seed", "iterations", "masked_optimizer"}``
-        (``masked_optimizer`` only after ``compile``), for ``tf.train.Checkpoint``. The privacy
-        ledger is not a ``tf.Module``: save ``ledger.to_json()`` beside the checkpoint and restore it
-        (``PrivacyLedger.from_json``) with it; ``fit`` refuses a ``dp_step`` its ledger does not cover.
+        ``{"model", "dp_step", "noise_seed", "iterations", "masked_optimizer", "weight_average"}``
+        (``masked_optimizer`` only after ``compile``, ``weight_average`` with ``ema``), for
+        ``tf.train.Checkpoint``. The privacy ledger is not a ``tf.Module``: save ``ledger.to_json()``
+        beside the checkpoint and restore it (``PrivacyLedger.from_json``) with it; ``fit`` refuses a
+        ``dp_step`` its ledger does not cover.
         """
         state = {"model": self.model, "dp_step": self.dp_step, "noise_seed": self._noise_seed}
         if self._masked_optimizer is not None:
             state["iterations"] = self.optimizer.iterations
             state["masked_optimizer"] = self._masked_optimizer
+        if self.weight_average is not None:
+            state["weight_average"] = self.weight_average
         return state
 
     @property
@@ -301,6 +316,8 @@ class DPModel(tf.keras.Model):
         self._masked_optimizer = MaskedOptimizer(self.optimizer)
         with self.distribute_strategy.scope():
             self._masked_optimizer.build(self.trainable_set)
+            if self._ema is not None:
+                self.weight_average = WeightAverage(self._ema, self.model.trainable_variables)
 
     # ------------------------------------------------------------- train step
 
@@ -350,7 +367,8 @@ class DPModel(tf.keras.Model):
 
     def _gradient_release(self) -> GradientRelease:
         """DP-SGD's release of :attr:`mechanism` (``sigma, C, q, n``) to the optimizer."""
-        return GradientRelease.of_mechanism(self._mechanism, self._noise_seed, self._masked_optimizer)
+        return GradientRelease.of_mechanism(self._mechanism, self._noise_seed, self._masked_optimizer,
+                                            self.weight_average)
 
     def step_parts(self) -> StepParts:
         """The parts a step traced now runs with (:mod:`sparta_tf.dp_step`); configuration only."""
@@ -414,6 +432,8 @@ class DPModel(tf.keras.Model):
         if isinstance(x, tf.data.Dataset):
             kwargs.setdefault("shuffle", False)  # the batches are the sampler's (Keras 3 warns on shuffle=True)
         self.privacy_callback = charging.model_callback(self, callbacks, steps_per_epoch, on_budget_exhausted)
+        if self.weight_average is not None:
+            callbacks.append(AveragedWeights(self.weight_average, self._use_ema_weights))
         callbacks = fit_inputs.fit_callbacks(self.privacy_callback, callbacks, verbose)
         return super().fit(
             x, y, epochs=epochs, verbose=verbose, callbacks=callbacks,

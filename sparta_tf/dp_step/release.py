@@ -8,6 +8,7 @@ micro-batches) and what is done with its sum ``S_t``:
       s(B) = sum_i c_i g_i[I_s]                            (:class:`~sparta_tf.dp_step.clip.ClippedSum`)
       g~_t = 1_s (.) (S_t + N(0, sigma^2 C^2 I)) / (q n)    (noise, normalisation, the filter)
       theta <- optimizer(theta, g~_t)                      (coordinates in I_s only)
+      A[I] <- A[I] + (1 - b_t)(theta[I] - A[I])           (with a weight average: :mod:`sparta_tf.optim.weight_average`)
 
 * :class:`ScoreRelease` (a selection epoch, :mod:`sparta_tf.selection.scoring`): ``s(B)`` is the
   scorer's statistic (e.g. ``sum_i c_i |g_i|``), and the scorer adds ``N(0, sigma^2 C^2 I)`` and
@@ -27,6 +28,7 @@ from sparta_tf.dp_step.keep import KeepMasks, restrict
 from sparta_tf.dp_step.noise import GaussianNoise
 from sparta_tf.dp_step.normalise import ExpectedBatchNormalisation
 from sparta_tf.optim.masked_optimizer import MaskedOptimizer
+from sparta_tf.optim.weight_average import WeightAverage
 from sparta_tf.per_example.bookkeeping import BookkeepingEngine
 from sparta_tf.precision import accumulation_dtype
 from sparta_tf.trainable import TrainableSet
@@ -55,23 +57,28 @@ class Release(Protocol):
 
 
 class GradientRelease:
-    """DP-SGD: ``theta <- optimizer(theta, 1_s (.) (S_t + noise) / (q n))`` (see the module doc)."""
+    """DP-SGD: ``theta <- optimizer(theta, 1_s (.) (S_t + noise) / (q n))``, then ``average`` (a
+    :class:`~sparta_tf.optim.weight_average.WeightAverage`, or None) follows ``theta`` on the trainable
+    set (see the module doc)."""
 
     uses_gradient_filter = True
 
     def __init__(self, clip: ClippedSum, noise: GaussianNoise, normalise: ExpectedBatchNormalisation,
-                 optimizer: MaskedOptimizer):
+                 optimizer: MaskedOptimizer, average: WeightAverage | None = None):
         self.clip = clip
         self.noise = noise
         self.normalise = normalise
         self.optimizer = optimizer
+        self.average = average
 
     @classmethod
-    def of_mechanism(cls, mechanism, seed: tf.Variable | tf.Tensor, optimizer: MaskedOptimizer) -> "GradientRelease":
+    def of_mechanism(cls, mechanism, seed: tf.Variable | tf.Tensor, optimizer: MaskedOptimizer,
+                     average: WeightAverage | None = None) -> "GradientRelease":
         """DP-SGD's release of ``mechanism`` (a :class:`~sparta_tf.privacy.mechanism.DpSgdMechanism`:
-        ``C``, ``sigma``, ``q n``), its noise drawn from ``seed``, applied by ``optimizer``."""
+        ``C``, ``sigma``, ``q n``), its noise drawn from ``seed``, applied by ``optimizer``, averaged
+        by ``average`` (None: no weight average)."""
         return cls(ClippedSum(mechanism.clip_norm), GaussianNoise(mechanism, seed),
-                   ExpectedBatchNormalisation(mechanism), optimizer)
+                   ExpectedBatchNormalisation(mechanism), optimizer, average)
 
     def selections(self, trainable_set: TrainableSet) -> list:
         return trainable_set.selections
@@ -92,6 +99,8 @@ class GradientRelease:
 
     def release(self, sums, step, keep):
         self.optimizer.apply(self.noisy_gradient(sums, step, keep), keep=keep)
+        if self.average is not None:
+            self.average.update(self.optimizer.selections)
 
 
 class ScoreRelease:

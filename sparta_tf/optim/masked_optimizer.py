@@ -95,7 +95,9 @@ def _check_options(optimizer) -> None:
                 "not per example; remove it (DPModel clips per example with clip_norm)"
             )
     if getattr(optimizer, "use_ema", False):
-        raise ValueError("optimizer use_ema=True is not supported; remove it")
+        raise ValueError("optimizer use_ema=True: Keras' EMA averages in apply_gradients, which DP training does not "
+                         "call; remove it and average with make_private(..., ema=0.999) / DPModel(..., ema=0.999) "
+                         "(sparta-train: training.ema)")
 
 
 def _selection_key(selection: VariableSelection) -> str:
@@ -149,6 +151,11 @@ class MaskedOptimizer(tf.Module):
         self._keys = keys
 
     @property
+    def selections(self) -> list[VariableSelection]:
+        """The selections of the last :meth:`build` (the trainable set ``apply`` updates)."""
+        return list(self._selections)
+
+    @property
     def state_size(self) -> int:
         """Number of scalars of optimizer state (for tests and reports)."""
         return sum(int(np.prod(v.shape.as_list())) for slots in self.slots.values() for v in slots)
@@ -193,30 +200,30 @@ class MaskedOptimizer(tf.Module):
         self.keras_optimizer.iterations.assign_add(1)
 
     def _update_fn(self, selection: VariableSelection):
-        element_indices = _element_indices(selection)
+        indices = element_indices(selection)
 
         def update(variable, grad, lr, step, *slots):
             grad = tf.cast(tf.convert_to_tensor(grad), variable.dtype)  # the noisy release, post-processed
             lr = tf.cast(lr, variable.dtype)
             step = tf.cast(step, variable.dtype)
-            decrement = self._decayed_decrement(variable, element_indices, grad, lr, step, slots)
-            return _subtract(variable, element_indices, decrement)
+            decrement = self._decayed_decrement(variable, indices, grad, lr, step, slots)
+            return _subtract(variable, indices, decrement)
 
         return update
 
     def _kept_update_fn(self, selection: VariableSelection):
         """The update of :meth:`_update_fn` on the kept coordinates only (weights and state)."""
-        element_indices = _element_indices(selection)
+        indices = element_indices(selection)
 
         def update(variable, grad, keep, lr, step, *slots):
             grad = tf.convert_to_tensor(grad)
             keep = tf.convert_to_tensor(keep)
             before = [tf.identity(s.read_value()) for s in slots]
-            decrement = self._decayed_decrement(variable, element_indices, grad, lr, step, slots)
+            decrement = self._decayed_decrement(variable, indices, grad, lr, step, slots)
             decrement = tf.where(keep, decrement, tf.zeros_like(decrement))
             for slot, old in zip(slots, before):
                 slot.assign(tf.where(keep, slot.read_value(), old))
-            return _subtract(variable, element_indices, decrement)
+            return _subtract(variable, indices, decrement)
 
         return update
 
@@ -254,7 +261,7 @@ def _subtract(variable, element_indices, decrement):
     return variable.scatter_nd_sub(element_indices, tf.reshape(decrement, [-1]))
 
 
-def _element_indices(selection: VariableSelection) -> tf.Tensor | None:
+def element_indices(selection: VariableSelection) -> tf.Tensor | None:
     """``[k, rank]`` indices of the selection's coordinates (compact order); None when dense."""
     flat = selection.flat_indices
     if flat is None:
