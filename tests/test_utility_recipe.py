@@ -138,7 +138,7 @@ def test_cells_that_differ_in_more_than_the_recipe_are_left_out_and_todays_absen
 def test_recipe_report_sets_the_new_recipe_beside_todays_report_in_the_same_folder(tmp_path):
     profile = utility.PROFILES["recipe-smoke"]
     today = [_run(m, 8.0, 0, a) for m, a in (("sparta", 0.6), ("all", 0.5), ("nonprivate", 0.9))]
-    recipe = [_run(m, 8.0, 0, a, raw, recipe=True) for m, a, raw in (("sparta", 0.7, 0.65), ("all", 0.55, 0.5))]
+    recipe = [_run("sparta", 8.0, 0, 0.7, 0.65, recipe=True)]
     for name, prof, runs in (("smoke", utility.PROFILES["smoke"], today), ("recipe-smoke", profile, recipe)):
         stored = {"profile": utility._comparable(prof), "delta": utility.DELTA, "elapsed_s": 5.0, "runs": runs,
                   "missing": []}
