@@ -1123,7 +1123,8 @@ def _recipe_section(records: list, report: "Report") -> list[str]:
     track = split_report_name(report.name)[0]
     today = recorded_runs(report.out_dir, f"{track}-{today_name}")
     methods = profile_methods(profile)
-    runs, unlike = utility_recipe.variant_runs(today, records, methods, profile["seeds"])
+    runs, unlike = utility_recipe.variant_runs(today, records, methods, profile["epsilons"],
+                                                 profile["seeds"])
     options = ", ".join(f"training.{key} = {value}" for key, value in profile.get("training", {}).items())
     lines = ["", f"## Today's recipe against the new one ({options})", "",
              f"`{utility_recipe.TODAY}`: the {today_name!r} profile's runs (`{track}-{today_name}.json`, its tuned rates) on "

@@ -40,13 +40,14 @@ RECIPE_SETTINGS = ("training.augmult", "training.augmult_flip", "training.augmul
                    "output_dir", "pretrain.checkpoint")
 
 
-def variant_runs(today: Sequence[dict], recipe: Sequence[dict], methods: Sequence[str],
+def variant_runs(today: Sequence[dict], recipe: Sequence[dict], methods: Sequence[str], epsilons: Sequence[float],
                  seeds: Sequence[int]) -> tuple[list[dict], dict]:
     """``(runs, unlike)``: the ``main`` records of ``methods`` relabelled ``method`` -> ``(method,
     variant)`` (variant :data:`TODAY`, :data:`AUGMULT` or :data:`EMA`), today's restricted to the recipe's
-    planned ``seeds``, with ``test_accuracy`` the variant's; ``unlike``, the cells left out (see
-    :func:`utility_analysis.unlike_pairs`) with their differing settings."""
-    today_main = [r for r in today if r["kind"] == "main" and r["method"] in methods and r["seed"] in seeds]
+    planned ``epsilons`` and ``seeds``, with ``test_accuracy`` the variant's; ``unlike``, the cells left
+    out (see :func:`utility_analysis.unlike_pairs`) with their differing settings."""
+    today_main = [r for r in today if r["kind"] == "main" and r["method"] in methods and r["seed"] in seeds
+                  and float(r["target_epsilon"]) in epsilons]
     recipe_main = [r for r in recipe if r["kind"] == "main" and r["method"] in methods]
     unlike = utility_analysis.unlike_pairs(today_main, recipe_main, RECIPE_SETTINGS)
     runs = [dict(r, method=(r["method"], TODAY)) for r in today_main if _key(r) not in unlike]

@@ -96,12 +96,15 @@ def _run(method, eps, seed, accuracy, raw=None, kind="main", seconds=600.0, reci
 
 
 def test_recipe_table_pairs_today_augmult_and_ema_by_seed_with_t_intervals():
-    today = [_run("sparta", 2.0, s, a) for s, a in enumerate((0.70, 0.72, 0.74, 0.99))]  # seed 3: not in the plan
+    today = ([_run("sparta", 2.0, s, a) for s, a in enumerate((0.70, 0.72, 0.74, 0.99))]  # seed 3: not in the plan
+             + [_run("sparta", 1.0, s, 0.6) for s in range(3)])  # nor epsilon 1
     recipe = [_run("sparta", 2.0, s, ema, raw, recipe=True) for s, (ema, raw) in
               enumerate(((0.75, 0.73), (0.76, 0.75), (0.80, 0.76)))]
-    runs, unlike = utility_recipe.variant_runs(today, recipe, ["sparta"], (0, 1, 2))
+    runs, unlike = utility_recipe.variant_runs(today, recipe, ["sparta"], (2.0, 8.0), (0, 1, 2))
     assert unlike == {}
-    row = utility_recipe.recipe_table(runs, ["sparta"]).splitlines()[2]
+    table = utility_recipe.recipe_table(runs, ["sparta"]).splitlines()
+    assert len(table) == 3  # the header, its rule and one row: sparta at epsilon 2
+    row = table[2]
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[:5] == ["sparta", "2", "72.00 ± 2.00 (3)", "74.67 ± 1.53 (3)", "77.00 ± 2.65 (3)"]
     # augmult - today: +3, +3, +2 -> mean 2.67, sd 0.577, t(0.975, 2) = 4.303: half-width 1.43, excludes 0
@@ -116,7 +119,7 @@ def test_gap_to_nonprivate_and_cost_per_run_under_each_recipe():
              + [_run("nonprivate", 8.0, s, 0.86, seconds=300) for s in range(3)])
     recipe = [_run("sparta", 8.0, s, 0.82, 0.80, seconds=1800, recipe=True) for s in range(3)]
     recipe.append(dict(recipe[0], kind="tune"))  # the tuning run is the (eps 2 / here 8, seed 0) cell: counted once
-    runs, _ = utility_recipe.variant_runs(today, recipe, ["sparta"], (0, 1, 2))
+    runs, _ = utility_recipe.variant_runs(today, recipe, ["sparta"], (2.0, 8.0), (0, 1, 2))
     gap = utility_recipe.gap_table(runs, today).splitlines()[2]
     # non-private minus SPARTA, each on three seeds: 86 - 78 today, 86 - 80 augmult, 86 - 82 augmult + EMA
     assert gap == ("| 8 | 86.00 ± 0.00 (3) | +8.00 [+8.00, +8.00] (n=3) | +6.00 [+6.00, +6.00] (n=3) "
@@ -128,7 +131,7 @@ def test_gap_to_nonprivate_and_cost_per_run_under_each_recipe():
 def test_cells_that_differ_in_more_than_the_recipe_are_left_out_and_todays_absent_cells_listed():
     today = [_run("all", 2.0, s, 0.7) for s in range(2)]
     recipe = [_run("all", 2.0, 0, 0.8, 0.75, recipe=True), _run("all", 2.0, 1, 0.9, 0.8, recipe=True, epochs=40)]
-    runs, unlike = utility_recipe.variant_runs(today, recipe, ["all"], (0, 1, 2))
+    runs, unlike = utility_recipe.variant_runs(today, recipe, ["all"], (2.0,), (0, 1, 2))
     assert unlike == {("all", 2.0, 1): ["training.epochs"]}
     assert {r["seed"] for r in runs} == {0}
     assert utility_recipe.today_missing(today, ["all"], (2.0,), (0, 1, 2)) == [
