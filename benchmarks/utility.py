@@ -119,18 +119,20 @@ PROFILES = {
     # at least, instead of the standard grid's 3 plus its extensions).
     # EMA decay 0.999: with the warm-up b_t = min(decay, (1 + t) / (10 + t)), the warm-up governs all 400
     # steps (b_400 = 0.978): the average leans on the last ~45 steps (~2 epochs); any decay >= 0.98 runs alike.
-    # K, sized to ~12 CPU-hours (the issue): 9 tuning runs (+ any extensions) + 15 cells (3 methods x 2 eps x
-    # 3 seeds, less the 3 tuning runs they share) = 24 runs. Today's runs took 17 min each (median of the
-    # standard profile's sparta/all/mp runs, each beside another at --jobs 2, i.e. ~1 core each): 24 x 17 min
-    # = 6.8 h at K = 1. Measured (2-epoch runs of `all` at the standard sizes, one process, CPU time):
-    # K_COST_NOTE. So K = AUGMULT_K.
+    # K, sized to ~12 CPU-hours (the issue): 9 tuning runs (+ one a bracket extension) + 15 cells (3 methods x
+    # 2 eps x 3 seeds, less the 3 tuning runs they share) = 24 runs. Today's runs took ~17 min each (medians of
+    # the standard profile's sparta / all / mp runs: 14.6 / 18.7 / 17.6 min, each beside another at --jobs 2,
+    # ~1 core each): 24 x 17 min = 6.8 h at K = 1. Measured: 2-epoch runs of `all` at the standard sizes, one
+    # process, CPU seconds (the machine was shared): K = 1 152 s, K = 2 216 s (1.42x), K = 4 436 s (2.87x);
+    # a whole run amortises the fixed part (data, tracing), so about 1.5x and 3x: K = 4 would take ~20 h,
+    # K = 3 ~15 h, K = 2 ~10 h (+ ~25 min a bracket extension). So K = 2, the largest that fits.
     "recipe": {"epsilons": (2.0, 8.0), "seeds": (0, 1, 2), "epochs": 20, "batch_size": 250, "limit_train": 5556,
                "limit_test": 2000, "public_model": {"cifar10-transfer": "cifar5-resnet20-gn",
                                                     "mnist-to-fashion": "mnist-resnet20-gn"},
                "methods": ("sparta", "all", "mp"),
                "lr_grid": {"sparta": (0.03, 0.1, 0.3), "all": (0.01, 0.03, 0.1), "mp": (0.03, 0.1, 0.3)},
                "bracket_lr": True, "tune_epsilon": 2.0, "densities": (), "model": {"name": "pretrained"},
-               "training": {"augmult": 4, "ema": 0.999}, "today_profile": "standard"},
+               "training": {"augmult": 2, "ema": 0.999}, "today_profile": "standard"},
     # Smoke: seconds-scale, for CI only (the scripts must not rot).
     "smoke": {"epsilons": (8.0,), "seeds": (0,), "epochs": 3, "batch_size": 64, "limit_train": 256,
               "limit_test": 128, "pretrain_limit": 256, "pretrain_epochs": 1, "lr_grid": (0.1,),
