@@ -1134,7 +1134,9 @@ def _recipe_section(records: list, report: "Report") -> list[str]:
              "(rates re-tuned on the averaged weights' validation accuracy), the raw and the averaged weights of "
              "the same run (the average is post-processing: same ε). Test accuracy (%), mean ± std (seeds); "
              "differences in points, paired over seeds, [95% Student-t interval] (n); ▲/▼ only where the "
-             "interval excludes zero.", ""]
+             "interval excludes zero. (The accuracy table above has each run's `test_accuracy`: the weights "
+             "the model holds after training, the averaged ones with `training.use_ema_weights`, the default.)",
+             ""]
     table = utility_recipe.recipe_table(runs, methods)
     lines.append(table or f"(no run of either recipe recorded yet: `{track}-{today_name}.json` in {report.out_dir} "
                           "has today's)")
