@@ -123,9 +123,10 @@ PROFILES = {
     # 2 eps x 3 seeds, less the 3 tuning runs they share) = 24 runs. Today's runs took ~17 min each (medians of
     # the standard profile's sparta / all / mp runs: 14.6 / 18.7 / 17.6 min, each beside another at --jobs 2,
     # ~1 core each): 24 x 17 min = 6.8 h at K = 1. Measured: 2-epoch runs of `all` at the standard sizes, one
-    # process, CPU seconds (the machine was shared): K = 1 152 s, K = 2 216 s (1.42x), K = 4 436 s (2.87x);
-    # a whole run amortises the fixed part (data, tracing), so about 1.5x and 3x: K = 4 would take ~20 h,
-    # K = 3 ~15 h, K = 2 ~10 h (+ ~25 min a bracket extension). So K = 2, the largest that fits.
+    # process, CPU seconds (the machine was shared); first process K = 1 152 s, K = 4 436 s (2.87x), K = 2
+    # 216 s (1.42x); second process K = 1 136 s, K = 4 417 s (3.07x; 216 s is 1.59x of 136 s). So about 1.5x at
+    # K = 2 and 3x at K = 4: K = 4 would take ~20 h, K = 3 ~15 h, K = 2 ~10 h (+ ~25 min a bracket extension).
+    # So K = 2, the largest that fits.
     "recipe": {"epsilons": (2.0, 8.0), "seeds": (0, 1, 2), "epochs": 20, "batch_size": 250, "limit_train": 5556,
                "limit_test": 2000, "public_model": {"cifar10-transfer": "cifar5-resnet20-gn",
                                                     "mnist-to-fashion": "mnist-resnet20-gn"},
