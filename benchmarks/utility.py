@@ -48,6 +48,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import utility_analysis  # noqa: E402
+import utility_recipe  # noqa: E402
 import utility_report  # noqa: E402
 from sparta_tf.atomic_files import write_atomic  # noqa: E402
 from trainers.config import method_spec  # noqa: E402  (sparta_tf.method_spec, without importing TensorFlow)
@@ -107,10 +108,43 @@ PROFILES = {
                       "densities": (), "model": {"name": "pretrained"},
                       # the report sets these runs beside the standard profile's (the strong model)
                       "stronger_public_model_profile": "standard"},
+    # Recipe (issue 50): the DP training recipe of De et al. 2022 on the standard track, against the
+    # standard profile's runs ("today's recipe", `today_profile`): augmentation multiplicity (each
+    # example's gradient the mean over K flip + pad-4-and-crop views, clipped once) and an EMA of the
+    # weights. EMA is post-processing: one run gives both the raw weights' accuracy ("augmult") and the
+    # averaged weights' ("augmult + EMA"); validation, hence tuning, sees the averaged weights. The
+    # standard profile's data, model, T = 20 epochs, batch 250; sparta, all, mp at eps 2 and 8, seeds 0-2.
+    # Rates re-bracketed: each method's grid starts at its standard-profile rate (sparta 0.1, all 0.03,
+    # mp 0.1) and its LR_LADDER neighbours, extended while the best is at an edge (3 tuning runs a method
+    # at least, instead of the standard grid's 3 plus its extensions).
+    # EMA decay 0.999: with the warm-up b_t = min(decay, (1 + t) / (10 + t)), the warm-up governs all 400
+    # steps (b_400 = 0.978): the average leans on the last ~45 steps (~2 epochs); any decay >= 0.98 runs alike.
+    # K, sized to ~12 CPU-hours (the issue): 9 tuning runs (+ one a bracket extension) + 15 cells (3 methods x
+    # 2 eps x 3 seeds, less the 3 tuning runs they share) = 24 runs. Today's runs took ~17 min each (medians of
+    # the standard profile's sparta / all / mp runs: 14.6 / 18.7 / 17.6 min, each beside another at --jobs 2,
+    # ~1 core each): 24 x 17 min = 6.8 h at K = 1. Measured: 2-epoch runs of `all` at the standard sizes, one
+    # process, CPU seconds (the machine was shared); first process K = 1 152 s, K = 4 436 s (2.87x), K = 2
+    # 216 s (1.42x); second process K = 1 136 s, K = 4 417 s (3.07x; 216 s is 1.59x of 136 s). So about 1.5x at
+    # K = 2 and 3x at K = 4: K = 4 would take ~20 h, K = 3 ~15 h, K = 2 ~10 h (+ ~25 min a bracket extension).
+    # So K = 2, the largest that fits.
+    "recipe": {"epsilons": (2.0, 8.0), "seeds": (0, 1, 2), "epochs": 20, "batch_size": 250, "limit_train": 5556,
+               "limit_test": 2000, "public_model": {"cifar10-transfer": "cifar5-resnet20-gn",
+                                                    "mnist-to-fashion": "mnist-resnet20-gn"},
+               "methods": ("sparta", "all", "mp"),
+               "lr_grid": {"sparta": (0.03, 0.1, 0.3), "all": (0.01, 0.03, 0.1), "mp": (0.03, 0.1, 0.3)},
+               "bracket_lr": True, "tune_epsilon": 2.0, "densities": (), "model": {"name": "pretrained"},
+               "training": {"augmult": 2, "ema": 0.999}, "today_profile": "standard"},
     # Smoke: seconds-scale, for CI only (the scripts must not rot).
     "smoke": {"epsilons": (8.0,), "seeds": (0,), "epochs": 3, "batch_size": 64, "limit_train": 256,
               "limit_test": 128, "pretrain_limit": 256, "pretrain_epochs": 1, "lr_grid": (0.1,),
               "tune_epsilon": 8.0, "densities": (0.2,), "model": {"name": "cifar_resnet_gn", "depth": 8}},
+    # The recipe's smoke, for CI: the smoke profile with augmult and EMA, set beside the smoke profile's
+    # runs when its report is in the same --out-dir.
+    "recipe-smoke": {"epsilons": (8.0,), "seeds": (0,), "epochs": 3, "batch_size": 64, "limit_train": 256,
+                     "limit_test": 128, "pretrain_limit": 256, "pretrain_epochs": 1, "lr_grid": (0.1,),
+                     "tune_epsilon": 8.0, "densities": (), "model": {"name": "cifar_resnet_gn", "depth": 8},
+                     "methods": ("sparta",), "training": {"augmult": 2, "ema": 0.999},
+                     "today_profile": "smoke"},
 }
 
 
@@ -153,7 +187,7 @@ def base_config(track: str, profile: dict, data_dir: str, fashion_dir: str, work
         "model": model,
         "privacy": {"delta": DELTA, "clip_norm": 1.0},
         "training": {"epochs": profile["epochs"], "batch_size": profile["batch_size"], "momentum": 0.9,
-                     "schedule": "cosine", "warmup_fraction": 0.02},
+                     "schedule": "cosine", "warmup_fraction": 0.02, **profile.get("training", {})},
         "export": {"enabled": False},
     }
 
@@ -296,10 +330,16 @@ def _val_accuracy(results: dict) -> float:
     return float(values[-1])
 
 
+# What a run with weight averaging (``training.ema``) adds to its results and record: which weights
+# ``test_accuracy`` measured and both accuracies (``trainers/results.py``).
+AVERAGED_WEIGHTS_KEYS = ("test_weights", "test_accuracy_raw_weights", "test_accuracy_ema_weights")
+
+
 def _record(results, method, epsilon, seed, lr, density, kind, val=None) -> dict:
     return {"kind": kind, "method": method, "target_epsilon": epsilon, "seed": seed, "learning_rate": lr,
             "density": density, "private": results.get("private", True), "epsilon": results.get("epsilon"),
             "test_accuracy": results["test_accuracy"],
+            **{key: results[key] for key in AVERAGED_WEIGHTS_KEYS if key in results},
             "val_accuracy": val if val is not None else _val_accuracy(results),
             "trainable_fraction": results.get("trainable_fraction"), "seconds": results.get("wall_s"),
             "val_curve": _val_curve(results), "run_dir": results.get("cell", {}).get("output_dir"),
@@ -338,7 +378,8 @@ def restore_recorded_runs(records: list[dict], work_dir: str, source: str) -> in
                    "test_accuracy": record["test_accuracy"], "trainable_fraction": record["trainable_fraction"],
                    "history": {"val_accuracy": record.get("val_curve") or [record["val_accuracy"]]},
                    "wall_s": record["seconds"], "cell": config, "restored_from": source,
-                   "selected_rows": record.get("selected_rows")}
+                   "selected_rows": record.get("selected_rows"),
+                   **{key: record[key] for key in AVERAGED_WEIGHTS_KEYS if key in record}}
         _write_results(os.path.join(config["output_dir"], "results.json"), results)
         restored += 1
     return restored
@@ -438,9 +479,9 @@ class Cell(NamedTuple):
 def tuning_cells(base: dict, profile: dict, methods, work_dir: str) -> list[Cell]:
     """Every rate of the grid at the tuning epsilon, seed 0, default density, for every method.
 
-    ``methods``: a list (each tried on the profile's ``lr_grid``) or ``{method: its rates}``
+    ``methods``: a list (each tried on its grid, :func:`lr_grid_of`) or ``{method: its rates}``
     (the grids a bracketing search has extended)."""
-    grids = methods if isinstance(methods, dict) else {m: profile["lr_grid"] for m in methods}
+    grids = methods if isinstance(methods, dict) else {m: lr_grid_of(profile, m) for m in methods}
     cells = []
     for method, grid in grids.items():
         for lr in grid:
@@ -486,9 +527,10 @@ def tune(runner: "CellRunner", base: dict, profile: dict, methods: list, work_di
     """The tuning runs: the profile's grid for every method, then (``bracket_lr``) one more rate at
     a time for each method whose best rate is at an edge, until every chosen rate is bracketed.
     ``progress(cells, done)`` is called as runs finish."""
-    grids = {method: sorted(profile["lr_grid"]) for method in methods}
+    grids = {method: sorted(lr_grid_of(profile, method)) for method in methods}
     while True:
-        cells = middle_rates_first(tuning_cells(base, profile, grids, work_dir), profile["lr_grid"])
+        cells = middle_rates_first(tuning_cells(base, profile, grids, work_dir),
+                                   {method: lr_grid_of(profile, method) for method in methods})
         on_result = (lambda done, cells=cells: progress(cells, done)) if progress else None
         results = runner.run([("cell", cell) for cell in cells], on_result=on_result)  # finished runs: cached
         extensions = bracket_extensions(cells, results) if profile.get("bracket_lr") else {}
@@ -499,16 +541,24 @@ def tune(runner: "CellRunner", base: dict, profile: dict, methods: list, work_di
             grids[method] = sorted(grids[method] + [lr])
 
 
-def middle_rates_first(cells: list[Cell], grid) -> list[Cell]:
-    """Tuning runs ordered by how far their rate lies from the middle of the profile's grid (on the
-    log scale of ``LR_LADDER``), then by method: a tuning stopped part-way has every method at the
-    rate most likely to be chosen rather than some methods tuned and others not run."""
-    middle = sorted(grid)[len(grid) // 2]
+def middle_rates_first(cells: list[Cell], grids: dict) -> list[Cell]:
+    """Tuning runs ordered by how far their rate lies from the middle of its method's grid in the
+    profile (``grids``: ``{method: rates}``; on the log scale of ``LR_LADDER``), then by method: a
+    tuning stopped part-way has every method at the rate most likely to be chosen rather than some
+    methods tuned and others not run."""
+    middles = {method: sorted(grid)[len(grid) // 2] for method, grid in grids.items()}
 
-    def distance(lr: float) -> float:
-        return abs(math.log(lr / middle))
+    def distance(cell: Cell) -> float:
+        return abs(math.log(cell.lr / middles[cell.method]))
 
-    return sorted(cells, key=lambda c: (round(distance(c.lr), 6), c.lr, METHODS.index(c.method)))
+    return sorted(cells, key=lambda c: (round(distance(c), 6), c.lr, METHODS.index(c.method)))
+
+
+def lr_grid_of(profile: dict, method: str) -> tuple[float, ...]:
+    """The rates a method's tuning starts from: the profile's ``lr_grid``, one grid for every method or
+    ``{method: its grid}`` (a profile re-bracketing each method around a rate tuned before)."""
+    grid = profile["lr_grid"]
+    return tuple(grid[method]) if isinstance(grid, dict) else tuple(grid)
 
 
 def profile_methods(profile: dict) -> list[str]:
@@ -741,7 +791,7 @@ def planned_selection_budgets(base: dict, profile: dict) -> dict[str, dict]:
 
     budgets = {}
     for epsilon in profile["epsilons"]:
-        config = validate_config(cell_config(base, "sparta", epsilon, 0, profile["lr_grid"][0], DEFAULT_DENSITY,
+        config = validate_config(cell_config(base, "sparta", epsilon, 0, lr_grid_of(profile, "sparta")[0], DEFAULT_DENSITY,
                                              os.path.join(ROOT, "runs", "unused")))
         with contextlib.redirect_stdout(io.StringIO()):
             plan = run.dry_run(config)
@@ -905,7 +955,11 @@ def _seeds_line(profile: dict) -> str:
 
 def _profile_line(profile: dict, track: str) -> str:
     model = ", ".join(f"{k}={v}" for k, v in profile["model"].items())
-    grid = ", ".join(f"{lr:g}" for lr in profile["lr_grid"])
+    def rates(grid) -> str:
+        return ", ".join(f"{lr:g}" for lr in grid)
+
+    grid = ("; ".join(f"{method} {rates(lr_grid_of(profile, method))}" for method in profile["lr_grid"])
+            if isinstance(profile["lr_grid"], dict) else rates(profile["lr_grid"]))
     if profile.get("bracket_lr"):
         grid += " (extended along the ladder until each method's best rate is interior)"
     return (f"profile: model {model}; private training examples {profile['limit_train'] or 'all'} (10% of them "
@@ -913,7 +967,8 @@ def _profile_line(profile: dict, track: str) -> str:
             f"expected batch {profile['batch_size']} (Poisson); {_public_line(profile, track)}; "
             f"{_seeds_line(profile)}; lr grid {grid} (head 10x); density {DEFAULT_DENSITY:g} (sparta / mp / random"
             f"{_densities_line(profile)}); "
-            "C = 1, SGD momentum 0.9, cosine schedule with warm-up, T0 = max(1, epochs // 5).")
+            "C = 1, SGD momentum 0.9, cosine schedule with warm-up, T0 = max(1, epochs // 5)"
+            + "".join(f"; training.{key} = {value}" for key, value in profile.get("training", {}).items()) + ".")
 
 
 def _densities_line(profile: dict) -> str:
@@ -1061,6 +1116,48 @@ def _public_model_section(records: list, report: "Report") -> list[str]:
             table]
 
 
+def _recipe_section(records: list, report: "Report") -> list[str]:
+    """This profile's runs (``training`` options of a new recipe) beside those of ``today_profile`` (read
+    from its report in the same folder): the accuracies of both recipes, their paired differences, SPARTA's
+    gap to non-private fine-tuning under each, the cost per run and what is missing on either side."""
+    profile, today_name = report.profile, report.profile.get("today_profile")
+    if not today_name:
+        return []
+    track = split_report_name(report.name)[0]
+    today = recorded_runs(report.out_dir, f"{track}-{today_name}")
+    methods = profile_methods(profile)
+    runs, unlike = utility_recipe.variant_runs(today, records, methods, profile["epsilons"],
+                                                 profile["seeds"])
+    options = ", ".join(f"training.{key} = {value}" for key, value in profile.get("training", {}).items())
+    lines = ["", f"## Today's recipe against the new one ({options})", "",
+             f"`{utility_recipe.TODAY}`: the {today_name!r} profile's runs (`{track}-{today_name}.json`, its tuned rates) on "
+             f"this profile's seeds {list(profile['seeds'])}; `augmult` and `augmult + EMA`: this profile's runs "
+             "(rates re-tuned on the averaged weights' validation accuracy), the raw and the averaged weights of "
+             "the same run (the average is post-processing: same ε). Test accuracy (%), mean ± std (seeds); "
+             "differences in points, paired over seeds, [95% Student-t interval] (n); ▲/▼ only where the "
+             "interval excludes zero. (The accuracy table above has each run's `test_accuracy`: the weights "
+             "the model holds after training, the averaged ones with `training.use_ema_weights`, the default.)",
+             ""]
+    table = utility_recipe.recipe_table(runs, methods)
+    lines.append(table or f"(no run of either recipe recorded yet: `{track}-{today_name}.json` in {report.out_dir} "
+                          "has today's)")
+    if unlike:
+        differing = sorted({key for keys in unlike.values() for key in keys})
+        lines += ["", f"Left out: {len(unlike)} cell(s) whose two runs differ in more than the recipe and the tuned "
+                      f"rates ({', '.join(differing)}): {', '.join(f'{m} eps={e:g} seed={s}' for m, e, s in sorted(unlike))}."]
+    gap = utility_recipe.gap_table(runs, today)
+    if gap:
+        lines += ["", "### SPARTA's gap to non-private fine-tuning under each recipe", "", gap]
+    cost = utility_recipe.cost_table(today, records, methods)
+    if cost:
+        lines += ["", "### Cost per run", "", cost]
+    absent = utility_recipe.today_missing(today, methods, profile["epsilons"], profile["seeds"])
+    if absent:
+        lines += ["", f"Not in the {today_name!r} profile's report (nothing to pair with): {'; '.join(absent)}."]
+    return lines
+
+
+
 def _warmup_epochs(profile: dict) -> int:
     """SPARTA's warm-up epochs in the profile's runs (the method's default ``T0``)."""
     from sparta_tf.methods.selection_epoch import default_warmup_epochs  # imports TF: not at module import
@@ -1136,6 +1233,7 @@ def _write(report: Report, records: list, missing: list[dict] | None = ()) -> No
                       f"{_unplanned_cells(profile, [m for m in not_run if m not in recorded])}"]
     if paired:
         lines += ["", "## SPARTA minus each method, paired over shared seeds", "", paired]
+    lines += _recipe_section(records, report)
     lines += _why_sections(records, report)
     budgets = utility_analysis.budget_table(report.budgets)
     if budgets:

@@ -376,16 +376,18 @@ def public_model_table(strong: Sequence[dict], weak: Sequence[dict], methods: Se
 PER_MODEL_SETTINGS = ("model.weights", "output_dir", "training.learning_rate", "training.head_learning_rate")
 
 
-def unlike_pairs(strong: Sequence[dict], weak: Sequence[dict]) -> dict[tuple, list[str]]:
-    """``{(method, epsilon, seed): differing settings}`` of the cells run under both models whose two
-    configurations (the records' ``config``) differ in a setting outside :data:`PER_MODEL_SETTINGS`;
-    records without a configuration cannot be checked and are taken as they are."""
+def unlike_pairs(strong: Sequence[dict], weak: Sequence[dict],
+                 allowed: Sequence[str] = PER_MODEL_SETTINGS) -> dict[tuple, list[str]]:
+    """``{(method, epsilon, seed): differing settings}`` of the cells run under both models (or, in
+    general, under two profiles) whose two configurations (the records' ``config``) differ in a setting
+    outside ``allowed`` (dotted keys; default :data:`PER_MODEL_SETTINGS`); records without a
+    configuration cannot be checked and are taken as they are."""
     strong_configs = {_cell_key(r): r.get("config") for r in strong}
     unlike = {}
     for record in weak:
         other = strong_configs.get(_cell_key(record))
         if record.get("config") and other:
-            differing = [key for key in _differing_settings(other, record["config"]) if key not in PER_MODEL_SETTINGS]
+            differing = [key for key in _differing_settings(other, record["config"]) if key not in allowed]
             if differing:
                 unlike[_cell_key(record)] = differing
     return unlike

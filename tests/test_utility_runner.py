@@ -643,7 +643,8 @@ def test_report_names_the_methods_an_invocation_left_out_and_keeps_them_on_rewri
 
 def test_tuning_runs_the_middle_rate_of_every_method_first():
     cells = utility.tuning_cells({"training": {}, "privacy": {}}, utility.PROFILES["standard"], ["sparta", "all"], "/w")
-    ordered = utility.middle_rates_first(cells + [utility.Cell("tune", "all", 2.0, 0, 0.3, 0.2, {})], (0.01, 0.03, 0.1))
+    grids = {"sparta": (0.01, 0.03, 0.1), "all": (0.01, 0.03, 0.1)}
+    ordered = utility.middle_rates_first(cells + [utility.Cell("tune", "all", 2.0, 0, 0.3, 0.2, {})], grids)
     assert [(c.method, c.lr) for c in ordered] == [("sparta", 0.03), ("all", 0.03), ("sparta", 0.01), ("all", 0.01),
                                                     ("sparta", 0.1), ("all", 0.1), ("all", 0.3)]
 
