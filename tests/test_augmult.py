@@ -154,3 +154,16 @@ def test_sparta_train_runs_with_views(tmp_path, write_config):
     result = sparta_train(write_config(config), timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "test accuracy" in result.stdout
+
+
+def test_a_jit_compiled_step_with_micro_batches_trains_with_views():
+    x, y = gaussian_data(N, (6, 6, 2), 3)
+    model = conv_gn_model()
+    before = [v.numpy().copy() for v in model.trainable_variables]
+    dp = sparta_tf.DPModel(model, noise_multiplier=1.0, sample_rate=BATCH / N, delta=1e-5, seed=0, augmult=3,
+                           augmentation={"flip": True, "pad": 1}, physical_batch_size=8, jit_compile=True)
+    dp.compile(tf.keras.optimizers.SGD(0.5), loss=LOSS, metrics=["accuracy"])
+    history = dp.fit(x, y, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    assert all(not np.array_equal(b, v.numpy()) for b, v in zip(before, model.trainable_variables))
+    assert dp.ledger.steps == round(N / BATCH)
