@@ -295,3 +295,29 @@ def reference_clipped_sum(per_example, clip_norm: float) -> list[np.ndarray]:
 
 def norms(per_example) -> np.ndarray:
     return np.array([np.sqrt(sum(float(np.sum(g * g)) for g in grads)) for grads in per_example])
+
+
+def flat(sums) -> list[np.ndarray]:
+    """A step's sums as float64 arrays."""
+    return [np.asarray(s, np.float64) for s in sums]
+
+
+def assert_matches_reference(ours: list, expected: list, variables, tolerance: float, context: str) -> None:
+    """Every variable's sum within ``tolerance`` of the reference, relative to its largest coordinate."""
+    scale = max(float(np.max(np.abs(e))) for e in expected)
+    for variable, a, b in zip(variables, ours, expected):
+        error = float(np.max(np.abs(a - b), initial=0.0)) / scale
+        assert error <= tolerance, f"{variable.name} {context}: {error:.2e}"
+
+
+def assert_one_example_is_isolated_and_bounded(step, case: "Case", x, y, valid, clip_norm, variables, jit: bool) -> None:
+    """With only the first example real, its clipped sum (``step(x, y, valid, C) -> sums``) is
+    bit-identical whatever the other rows hold (NaN padding or other values), and at most ``C``."""
+    single = np.arange(len(valid)) == 0
+    first = flat(step(x, y, single, clip_norm))
+    others_x, _, _ = case.batch(seed=2, padding_fill="values")
+    mixed = tf.nest.map_structure(lambda a, b: np.concatenate([a[:1], b[1:]]), x, others_x)
+    again = flat(step(mixed, y, single, clip_norm))
+    for variable, a, b in zip(variables, first, again):
+        np.testing.assert_array_equal(a, b, err_msg=f"{variable.name} jit={jit}: depends on other rows")
+    assert np.sqrt(sum(float(np.sum(a * a)) for a in first)) <= clip_norm, f"jit={jit}: ||S|| > C"

@@ -16,7 +16,17 @@ import pytest
 import tensorflow as tf
 
 import sparta_tf
-from layer_zoo import CASES, L, loss_fn, norms, reference_clipped_sum, reference_gradients
+from layer_zoo import (
+    CASES,
+    L,
+    assert_matches_reference,
+    assert_one_example_is_isolated_and_bounded,
+    flat,
+    loss_fn,
+    norms,
+    reference_clipped_sum,
+    reference_gradients,
+)
 from sparta_tf.per_example import make_engine
 from sparta_tf.per_example.bookkeeping import clipped_batch
 from sparta_tf.per_example.errors import UnsupportedLayerError
@@ -41,10 +51,6 @@ def _step(case, engine, jit: bool):
     return tf.function(step, input_signature=signature, jit_compile=jit)
 
 
-def _flat(sums) -> list[np.ndarray]:
-    return [np.asarray(s, np.float64) for s in sums]
-
-
 @pytest.mark.parametrize("engine_name", ["auto", "materialising"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_clipped_sum_equals_the_one_example_reference(name, engine_name):
@@ -59,23 +65,13 @@ def test_clipped_sum_equals_the_one_example_reference(name, engine_name):
     for jit in (False, True):
         step = _step(case, engine, jit)
         for clip_norm in (example_norms.min() / 2, np.median(example_norms), example_norms.max() * 2):
-            ours = _flat(step(x, y, valid, np.float32(clip_norm)))
-            expected = reference_clipped_sum(reference, clip_norm)
-            scale = max(float(np.max(np.abs(e))) for e in expected)
-            for variable, a, b in zip(model.trainable_variables, ours, expected):
-                error = float(np.max(np.abs(a - b), initial=0.0)) / scale
-                assert error <= tolerance, f"{variable.name} jit={jit} C={clip_norm:.3g}: {error:.2e}"
+            ours = flat(step(x, y, valid, np.float32(clip_norm)))
+            assert_matches_reference(ours, reference_clipped_sum(reference, clip_norm), model.trainable_variables,
+                                     tolerance, f"jit={jit} C={clip_norm:.3g}")
 
         # Padding contributes exactly zero, and one example's contribution depends on its own row only.
-        single = np.arange(len(valid)) == 0
-        clip_norm = np.float32(example_norms[0] / 10)
-        first = _flat(step(x, y, single, clip_norm))
-        others_x, _, _ = case.batch(seed=2, padding_fill="values")
-        mixed = tf.nest.map_structure(lambda a, b: np.concatenate([a[:1], b[1:]]), x, others_x)
-        again = _flat(step(mixed, y, single, clip_norm))
-        for variable, a, b in zip(model.trainable_variables, first, again):
-            np.testing.assert_array_equal(a, b, err_msg=f"{variable.name} jit={jit}: depends on other rows")
-        assert np.sqrt(sum(float(np.sum(a * a)) for a in first)) <= clip_norm, f"jit={jit}: ||S|| > C"
+        assert_one_example_is_isolated_and_bounded(step, case, x, y, valid, np.float32(example_norms[0] / 10),
+                                                   model.trainable_variables, jit)
 
 
 def _stateful_lstm():
@@ -278,7 +274,7 @@ def test_clipped_sum_over_selected_rows_equals_the_one_example_reference(name, e
     clip_norm = float(np.median(norms(reference)))
     engine = (make_engine(model, selections, "auto") if engine_name == "auto"
               else make_engine(model, selections, "layerwise"))
-    ours = _flat(tf.function(lambda: clipped_batch(engine, x, y, loss_fn, valid, clip_norm).sums)())
+    ours = flat(tf.function(lambda: clipped_batch(engine, x, y, loss_fn, valid, clip_norm).sums)())
     expected = reference_clipped_sum(reference, clip_norm)
     scale = max(float(np.max(np.abs(e))) for e in expected)
     tolerance = LOW_PRECISION_TOLERANCE if case.low_precision else FLOAT_TOLERANCE
@@ -299,13 +295,13 @@ def test_convolution_norms_over_chunks_of_the_batch_equal_the_whole_batch(monkey
     model = case.build()
     x, y, valid = case.batch(seed=1)
     engine = make_engine(model, model.trainable_variables, "auto")
-    whole = _flat(tf.function(lambda: clipped_batch(engine, x, y, loss_fn, valid, 0.5).sums)())
+    whole = flat(tf.function(lambda: clipped_batch(engine, x, y, loss_fn, valid, 0.5).sums)())
     per_example = 4 * 6 * 18  # float32 patches: 3x2 output positions of a 3x3 kernel on 2 channels
     monkeypatch.setattr(chunking, "CHUNK_BYTES", 4 * per_example)  # chunks of 4 examples: 6 rows padded to 8
     calls = []
     monkeypatch.setattr(conv2d, "map_over_examples",
                         lambda *args: calls.append(args[2]) or chunking.map_over_examples(*args))
-    chunked = _flat(tf.function(lambda: clipped_batch(engine, x, y, loss_fn, valid, 0.5).sums)())
+    chunked = flat(tf.function(lambda: clipped_batch(engine, x, y, loss_fn, valid, 0.5).sums)())
     assert calls == [4]
     for a, b in zip(whole, chunked):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
