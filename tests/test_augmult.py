@@ -7,7 +7,8 @@
   replica, different otherwise; the default view is a flip and a shift of its own image;
 * bad options and an augmentation that cannot take the inputs are refused in one line before
   the first step, with nothing charged;
-* ``sparta-train --dry-run`` says what a micro-batch runs.
+* ``sparta-train --dry-run`` says what a micro-batch runs;
+* under ``tf.distribute``, identical views on two replicas train exactly as one view on one.
 """
 
 import numpy as np
@@ -167,3 +168,25 @@ def test_a_jit_compiled_step_with_micro_batches_trains_with_views():
     assert np.isfinite(history.history["loss"]).all()
     assert all(not np.array_equal(b, v.numpy()) for b, v in zip(before, model.trainable_variables))
     assert dp.ledger.steps == round(N / BATCH)
+
+
+def test_identical_views_on_two_replicas_train_as_one_view_on_one():
+    """K copies of each example (an identity augmentation) average to the example's own gradient: two
+    replicas with K = 2 move the weights as one replica with K = 1 (same sample, same noise)."""
+    devices = tf.config.list_logical_devices("CPU")
+    if len(devices) < 2:
+        pytest.skip("needs two logical CPU devices (set up in conftest before TF initialises)")
+    x, y = small_data(N)
+    weights = []
+    for strategy, augmult in ((tf.distribute.get_strategy(), 1),
+                              (tf.distribute.MirroredStrategy([d.name for d in devices[:2]]), 2)):
+        with strategy.scope():
+            tf.keras.utils.set_random_seed(0)
+            dp = sparta_tf.DPModel(small_mlp(), noise_multiplier=1.0, sample_rate=BATCH / N, delta=1e-5, seed=0,
+                                   physical_batch_size=32, augmult=augmult,
+                                   augmentation=(lambda x, seed: x) if augmult > 1 else None)
+            dp.compile(tf.keras.optimizers.SGD(0.5), loss=LOSS)
+        dp.fit(x, y, epochs=1, verbose=0)
+        weights.append([v.numpy() for v in dp.model.trainable_variables])
+    for one, two in zip(*weights):
+        np.testing.assert_allclose(one, two, rtol=1e-5, atol=1e-6)
