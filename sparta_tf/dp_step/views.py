@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from sparta_tf import random_streams
 from sparta_tf.data.view_augmentation import view_augmentation
-from sparta_tf.per_example.engines import finite_rows
+from sparta_tf.per_example.engines import finite_rows, view_rows
 
 STREAM = "augmult"
 
@@ -68,9 +68,9 @@ class AugmentationMultiplicity:
         every example, its label repeated, and the examples that are real and finite (the others'
         views are views of zeros)."""
         x, usable = finite_rows(x, valid)
-        repeated = tf.nest.map_structure(lambda t: tf.repeat(t, self.views, axis=0), x)
+        repeated = tf.nest.map_structure(lambda t: view_rows(t, self.views), x)
         views = self.augmentation(repeated, key)
-        labels = tf.nest.map_structure(lambda t: tf.repeat(t, self.views, axis=0), y)
+        labels = tf.nest.map_structure(lambda t: view_rows(t, self.views), y)
         return views, labels, usable
 
     def check(self, x) -> None:
@@ -94,7 +94,7 @@ class AugmentationMultiplicity:
     def metric_rows(self, predictions, losses: tf.Tensor, weights: tf.Tensor):
         """``(predictions, losses, weights)`` per view for the metrics: an example's loss (the mean
         over its views) and padding weight repeated over its ``K`` rows."""
-        return predictions, tf.repeat(losses, self.views), tf.repeat(weights, self.views)
+        return predictions, view_rows(losses, self.views), view_rows(weights, self.views)
 
     def describe(self, physical_batch_size: int | None) -> str:
         """One line for dry runs: the views and what a micro-batch runs."""

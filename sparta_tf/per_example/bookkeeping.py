@@ -41,7 +41,6 @@ from sparta_tf.per_example.engines import (
     RecordedPass,
     check_rows,
     per_example_sum,
-    view_rows,
 )
 from sparta_tf.per_example.registry import ghost_rule_for
 from sparta_tf.per_example.rules.base import NormMethod, keep_examples, squared_sum
@@ -184,11 +183,9 @@ class BookkeepingEngine(HookedEngine):
             for call, delta in calls.get(id(layer), []):
                 if delta is None:
                     continue
-                scale = tf.reshape(tf.cast(view_rows(factors, self.views), delta.dtype),
-                                   [-1] + [1] * (delta.shape.rank - 1))
-                row_keep = view_rows(keep, self.views)
-                delta_c = keep_examples(delta * scale, row_keep)
-                layer_sums = rule.weighted_sums(layer, call, delta_c, row_keep, [self.selections[k] for k in rest])
+                scale = tf.reshape(tf.cast(factors, delta.dtype), [-1] + [1] * (delta.shape.rank - 1))
+                delta_c = keep_examples(delta * scale, keep)
+                layer_sums = rule.weighted_sums(layer, call, delta_c, keep, [self.selections[k] for k in rest])
                 for k, s in zip(rest, layer_sums):
                     sums[k] = s if sums[k] is None else sums[k] + s
         return [_as_statistic(total, s) for total, s in zip(sums, self.selections)]
