@@ -22,6 +22,7 @@ from sparta_tf.methods import METHODS
 from small_configs import tiny_config
 from small_models import LOSS, conv_gn_model, gaussian_data, small_data, small_mlp
 from small_runs import sparta_train
+from two_replicas import two_cpu_replicas
 
 N, BATCH, EPOCHS = 64, 16, 3
 OPTIONS = {"sparta": {"warmup_epochs": 1}, "dpsgd_grad": {"warmup_epochs": 1}, "oracle": {"warmup_epochs": 1},
@@ -173,13 +174,11 @@ def test_a_jit_compiled_step_with_micro_batches_trains_with_views():
 def test_identical_views_on_two_replicas_train_as_one_view_on_one():
     """K copies of each example (an identity augmentation) average to the example's own gradient: two
     replicas with K = 2 move the weights as one replica with K = 1 (same sample, same noise)."""
-    devices = tf.config.list_logical_devices("CPU")
-    if len(devices) < 2:
-        pytest.skip("needs two logical CPU devices (set up in conftest before TF initialises)")
+    two_replicas = two_cpu_replicas()
     x, y = small_data(N)
     weights = []
     for strategy, augmult in ((tf.distribute.get_strategy(), 1),
-                              (tf.distribute.MirroredStrategy([d.name for d in devices[:2]]), 2)):
+                              (two_replicas, 2)):
         with strategy.scope():
             tf.keras.utils.set_random_seed(0)
             dp = sparta_tf.DPModel(small_mlp(), noise_multiplier=1.0, sample_rate=BATCH / N, delta=1e-5, seed=0,

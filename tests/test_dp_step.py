@@ -11,6 +11,7 @@ from sparta_tf.model_checks import NotPerExampleSafeError
 from sparta_tf.per_example import make_engine
 from small_models import LOSS, conv_gn_model, gaussian_data
 from small_models import variable_name as key
+from two_replicas import two_cpu_replicas
 
 L = tf.keras.layers
 PER_EXAMPLE_LOSS = per_example_loss_fn(LOSS)
@@ -243,14 +244,12 @@ def test_fit_on_a_dataset_the_sampler_did_not_make_for_this_rate_is_a_ledger_cav
 
 
 def test_mirrored_strategy_matches_single_device():
-    devices = tf.config.list_logical_devices("CPU")
-    if len(devices) < 2:
-        pytest.skip("needs two logical CPU devices (set up in conftest before TF initialises)")
+    two_replicas = two_cpu_replicas()
     x, y = data(16)
     w = np.r_[np.ones(13), np.zeros(3)].astype("float32")
     element = tf.data.Dataset.from_tensors((x, y, w))
     results = []
-    for strategy in (tf.distribute.get_strategy(), tf.distribute.MirroredStrategy([d.name for d in devices[:2]])):
+    for strategy in (tf.distribute.get_strategy(), two_replicas):
         with strategy.scope():
             model = conv_gn_model()
             dp = DPModel(model, noise_multiplier=0.8, sample_rate=0.5, dataset_size=32,

@@ -25,6 +25,7 @@ from sparta_tf.methods import METHODS
 from sparta_tf.optim.masked_optimizer import MaskedOptimizer
 from sparta_tf.trainable import TrainableSet
 from trainers.config import ConfigError, validate
+from two_replicas import two_cpu_replicas
 
 N, BATCH, EPOCHS = 64, 16, 3
 
@@ -90,12 +91,10 @@ def test_the_average_follows_the_numpy_reference_with_warm_up(jit_compile):
 
 
 def test_two_replicas_average_as_one():
-    devices = tf.config.list_logical_devices("CPU")
-    if len(devices) < 2:
-        pytest.skip("needs two logical CPU devices (set up in conftest before TF initialises)")
+    two_replicas = two_cpu_replicas()
     x, y = small_data(N)
     averages = []
-    for strategy in (tf.distribute.get_strategy(), tf.distribute.MirroredStrategy([d.name for d in devices[:2]])):
+    for strategy in (tf.distribute.get_strategy(), two_replicas):
         with strategy.scope():
             dp = dp_model(ema=0.5, physical_batch_size=32)
         dp.fit(x, y, epochs=2, verbose=0)
