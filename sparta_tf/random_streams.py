@@ -72,6 +72,10 @@ STREAMS: dict[str, Stream] = {
     "dp_snip_noise": Stream(0x534E4950, True, "DP-SNIP's one Gaussian release"),  # "SNIP"
     "frost_sampling": Stream(0x46525350, True, "DP-FROST's Poisson samples X_t"),  # "FRSP"
     "frost_noise": Stream(0x46524E5A, True, "DP-FROST's noisy partition magnitudes"),  # "FRNZ"
+    "tuning_count": Stream(0x54554E4B, True, "the number of candidate runs of a private tuning"),  # "TUNK"
+    "tuning_candidates": Stream(0x54554E48, True, "each tuning candidate's hyperparameters"),  # "TUNH"
+    "tuning_runs": Stream(0x54554E52, True, "each tuning candidate's run seed"),  # "TUNR"
+    "tuning_score_noise": Stream(0x54554E53, True, "the Gaussian noise of each candidate's validation score"),  # "TUNS"
     # -- public: data-independent choices
     "random_mask": Stream(0x524D534B, False, "the random method's rows / entries"),  # "RMSK"
     "random_pruning": Stream(0x5250524E, False, "DP-SSGD's random pre-pruning"),  # "RPRN"

@@ -20,8 +20,8 @@ from trainers.config import ConfigError, load_config
 from trainers.quiet import drop_rdp_convergence_notes, import_tensorflow
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="sparta-train", description=__doc__.splitlines()[0])
+def parse_args(argv=None, prog: str = "sparta-train", description: str | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=prog, description=description or __doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="YAML config, e.g. configs/quickstart.yaml")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config value (repeatable), e.g. --set privacy.target_epsilon=2")
@@ -31,13 +31,26 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    return run_command(parse_args(argv), lambda run, config, args: run.dry_run(config) if args.dry_run
+                       else run.train(config, resume=args.resume), tuning="ignored")
+
+
+def run_command(args: argparse.Namespace, job, tuning: str) -> int:
+    """Loads the config, imports TensorFlow and runs ``job(trainers.run, config, args)``, turning every
+    user error into one line and an exit status (2: config, 1: run, 130: Ctrl-C). ``tuning``: what a
+    ``tuning`` section means to the command ("ignored": a note; "required": a config error without it)."""
     try:
         config = load_config(args.config, args.overrides)
+        if tuning == "required" and "tuning" not in config:
+            raise ConfigError("the config has no tuning section: add one (tuning: {space: {training.learning_rate: "
+                              "[0.03, 0.1, 0.3]}, mean: 5}), or run sparta-train for one run")
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
-    for note in config["notes"]:
+    notes = list(config["notes"])
+    if tuning == "ignored" and "tuning" in config:
+        notes.append("the tuning section is sparta-tune's: sparta-train runs the config's own values once")
+    for note in notes:
         print(f"note: {note}", file=sys.stderr)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     drop_rdp_convergence_notes()
@@ -49,10 +62,7 @@ def main(argv=None) -> int:
         return INTERRUPTED
 
     try:
-        if args.dry_run:
-            run.dry_run(config)
-        else:
-            run.train(config, resume=args.resume)
+        job(run, config, args)
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2

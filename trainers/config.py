@@ -23,6 +23,7 @@ vision settings where it has one):
   bit-reproducible arithmetic (``deterministic``, :mod:`sparta_tf.determinism`), weight averaging
   (``ema``, ``use_ema_weights``: :mod:`sparta_tf.optim.weight_average`).
 * ``output_dir`` (required), ``export``.
+* ``tuning``: ``sparta-tune``'s search (:mod:`trainers.tuning_config`); ``sparta-train`` ignores it.
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "version": Field(OPTIONAL_INT, None, lambda v: None if v is None or v >= 1 else "must be >= 1"),
     },
 }
-TOP_LEVEL = ("data", "model", "pretrain", "method", "privacy", "training", "export", "output_dir", "notes")
+TOP_LEVEL = ("data", "model", "pretrain", "method", "privacy", "training", "export", "output_dir", "notes", "tuning")
 REQUIRED_TOP_LEVEL = ("data", "model", "output_dir")
 
 
@@ -280,6 +281,13 @@ def validate(raw: dict) -> dict:
             config[section] = _validate_section(section, raw.get(section) or {}, SCHEMA[section])
     config["notes"] = notes
     _check_cross_field(config)
+    if raw.get("tuning") is not None:
+        from trainers.tuning_config import TuningConfigError, validate_tuning
+
+        try:
+            config["tuning"] = validate_tuning(raw["tuning"], config, validate)
+        except TuningConfigError as error:
+            raise ConfigError(str(error)) from None
     return config
 
 

@@ -89,12 +89,14 @@ SEED_CAVEAT = ("training.seed is set: the DP noise and batches follow from it, s
                "secret seed")
 
 
-def privacy_caveats(config: dict, dataset, private: bool) -> list[str]:
+def privacy_caveats(config: dict, dataset, private: bool, seeded: bool | None = None) -> list[str]:
     """What a private run's guarantee assumes beyond the mechanism: a secret config when it fixes the
-    seed, and what the data set assumes (:meth:`Dataset.privacy_caveats`); none for a non-private run."""
+    seed (``seeded``; default: ``training.seed`` is set), and what the data set assumes
+    (:meth:`Dataset.privacy_caveats`); none for a non-private run."""
     if not private:
         return []
-    return ([SEED_CAVEAT] if config["training"]["seed"] is not None else []) + dataset.privacy_caveats()
+    seeded = config["training"]["seed"] is not None if seeded is None else seeded
+    return ([SEED_CAVEAT] if seeded else []) + dataset.privacy_caveats()
 
 
 def _warn_of_caveats(config: dict, dataset, private: bool) -> None:
@@ -254,10 +256,12 @@ def apply_process_settings(config: dict) -> None:
 def train(config: dict, resume: bool = False, hooks=None) -> dict:
     """Runs (or with ``resume`` continues) the configured run; returns ``results.json``'s content.
 
-    ``hooks`` is the seam for ``sparta-audit`` (:mod:`trainers.audit`): when
-    given, it has ``private_data(dataset) -> dataset`` (applied to the loaded
-    private data before the plan and the sample rate are made) and
-    ``callbacks() -> list`` (extra Keras callbacks for the DP ``fit``).
+    ``hooks`` is the seam for ``sparta-audit`` (:mod:`trainers.audit`) and ``sparta-tune``
+    (:mod:`trainers.tune`): when given, it has ``private_data(dataset) -> dataset`` (applied to the loaded
+    private data before the plan and the sample rate are made) and ``callbacks() -> list`` (extra Keras
+    callbacks for the DP ``fit``); optionally ``run_seed`` and ``run_seed_is_public`` (the DP run's seed
+    instead of ``training.seed``, which then seeds the data streams only) and ``after_fit(dp, dataset) -> dict``
+    (called once training ended, before the ledger is saved; its dict joins ``results.json``).
     """
     apply_process_settings(config)
     strategy = distribute.make_strategy(config["training"]["strategy"])  # before any other TensorFlow op
@@ -286,7 +290,8 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
     checkpointing.write_atomic(os.path.join(output_dir, "plan.json"), json.dumps(plan.to_json(), indent=1))
 
     privacy, training = config["privacy"], config["training"]
-    dp = private_model(model, method, plan, run_dir=output_dir, seed=training["seed"], clip_norm=privacy["clip_norm"],
+    seed = getattr(hooks, "run_seed", training["seed"])
+    dp = private_model(model, method, plan, run_dir=output_dir, seed=seed, clip_norm=privacy["clip_norm"],
                        physical_batch_size=training["physical_batch_size"], sampling=privacy["sampling"],
                        engine=training["engine"], jit_compile=training["jit_compile"],
                        augmult=training["augmult"], augmentation=augmentation_of(config), ema=training["ema"],
@@ -295,7 +300,8 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
     if dp.private_run.previous is None:  # a fresh run (RunDirectory refuses a checkpoint without --resume)
         if run_dir.resume:
             print(f"== --resume: no checkpoint in {output_dir}, starting from scratch")
-        for caveat in privacy_caveats(config, dataset, plan.private):
+        seeded = getattr(hooks, "run_seed_is_public", training["seed"] is not None)
+        for caveat in privacy_caveats(config, dataset, plan.private, seeded=seeded):
             dp.ledger.record_caveat(caveat)  # in the ledger, so a mask chosen now carries it too
     ledger_path = os.path.join(output_dir, checkpointing.LEDGER)
     callbacks = [sparta_tf.NonFiniteGuard(), tf.keras.callbacks.TensorBoard(os.path.join(output_dir, "tensorboard"))]
@@ -306,9 +312,12 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
                      callbacks=callbacks, verbose=1 if sys.stdout.isatty() else 2,
                      on_budget_exhausted=lambda: dp.ledger.save(ledger_path))
     timings["train_s"] = time.perf_counter() - start
+    after_fit = getattr(hooks, "after_fit", None)
+    extra = after_fit(dp, dataset) if after_fit is not None else {}
     dp.ledger.save(ledger_path)
     run = dp.private_run
     results = run_results(config, dp, plan, dataset, run.checkpoint.phase_seconds, timings, history) | run.prepare_info
+    results |= extra
     if config["export"]["enabled"]:
         from sparta_tf.export import export_for_serving
 

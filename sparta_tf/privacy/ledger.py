@@ -30,8 +30,9 @@ from typing import Any, Iterable, Sequence, Union
 import dp_accounting
 
 from sparta_tf.atomic_files import write_atomic
-from sparta_tf.privacy import accounting
+from sparta_tf.privacy import accounting, tuning
 from sparta_tf.privacy.accounting import PrivacyBudgetExceededError
+from sparta_tf.privacy.tuning import CandidateCount
 
 __all__ = ["LedgerEntry", "PrivacyLedger", "PrivacyBudgetExceededError"]
 
@@ -152,6 +153,7 @@ class PrivacyLedger:
         self._entries: tuple[LedgerEntry, ...] = ()
         self._nonprivate: list[str] = []
         self._caveats: list[str] = []
+        self._tuning: CandidateCount | None = None
 
     @property
     def target_epsilon(self) -> float | None:
@@ -201,6 +203,21 @@ class PrivacyLedger:
             self._nonprivate.append(reason)
         self._target_epsilon = None
 
+    def record_tuning(self, count: CandidateCount) -> None:
+        """Marks the recorded entries as *one candidate* of a private tuning that ran a random number of
+        candidates drawn from ``count`` and released the best (:mod:`sparta_tf.privacy.tuning`): epsilon
+        is then that of ``RepeatAndSelectDpEvent(entries, mean, shape)``, which only the RDP accountant
+        composes (the ledger switches to it). Once per ledger."""
+        if self._tuning is not None:
+            raise ValueError("this ledger already records a tuning; a tuning of tunings is not supported")
+        self._tuning = count
+        self.accountant = tuning.ACCOUNTANT
+
+    @property
+    def tuning(self) -> CandidateCount | None:
+        """The distribution of the number of candidates when the ledger records a private tuning (else None)."""
+        return self._tuning
+
     # ------------------------------------------------------------------ views
 
     @property
@@ -228,8 +245,10 @@ class PrivacyLedger:
         return self.sampling == POISSON
 
     def as_dp_event(self) -> dp_accounting.DpEvent:
-        """``ComposedDpEvent`` of one ``SelfComposedDpEvent`` per entry (+ ``NonPrivateDpEvent``s)."""
-        return _as_dp_event(self._entries, len(self._nonprivate))
+        """``ComposedDpEvent`` of one ``SelfComposedDpEvent`` per entry (+ ``NonPrivateDpEvent``s), inside
+        ``RepeatAndSelectDpEvent`` when the ledger records a tuning."""
+        event = _as_dp_event(self._entries, len(self._nonprivate))
+        return event if self._tuning is None else tuning.tuning_event(event, self._tuning)
 
     # ------------------------------------------------------------------ epsilon
 
@@ -260,6 +279,10 @@ class PrivacyLedger:
         if self._nonprivate:
             return math.inf
         # memoised by accounting.epsilon_of_event (keyed on the event, delta and accountant)
+        if self._tuning is not None:
+            if any(entry.noise_multiplier == 0 for entry in entries):
+                return math.inf
+            return tuning.tuning_epsilon(_as_dp_event(entries), self._tuning, self.delta)
         return _compute_epsilon(entries, self.delta, self.accountant)
 
     # ------------------------------------------------------------------ persistence
@@ -275,7 +298,7 @@ class PrivacyLedger:
             "entries": [entry.to_dict() for entry in self._entries],
             "nonprivate": list(self._nonprivate),
             "caveats": list(self._caveats),
-        }
+        } | ({} if self._tuning is None else {"tuning": self._tuning.to_dict()})
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> PrivacyLedger:
@@ -297,6 +320,8 @@ class PrivacyLedger:
             ledger.record_nonprivate(reason)
         for caveat in data.get("caveats", []):
             ledger.record_caveat(caveat)
+        if "tuning" in data:
+            ledger.record_tuning(CandidateCount.from_dict(data["tuning"]))
         return ledger
 
     def save(self, path: str | os.PathLike) -> None:
@@ -318,12 +343,15 @@ class PrivacyLedger:
             f"  delta         : {self.delta:g}",
             f"  accountant    : {self.accountant} (dp_accounting, add/remove-one neighbours)",
             f"  sampling      : {self.sampling}",
-            f"  mechanism runs: {self.steps}",
+            f"  mechanism runs: {self.steps}" + ("" if self._tuning is None else " (one candidate)"),
         ]
+        if self._tuning is not None:
+            lines.insert(2, f"  tuning        : the best of a {self._tuning.describe()} "
+                            "(RepeatAndSelectDpEvent); each candidate ran the mechanisms below")
         lines += [f"    {row}" for row in _summary_rows(self._entries)]
         lines += [f"  NOT differentially private: {reason}" for reason in self._nonprivate]
         if self.is_private:
-            lines.append(f"  covers        : {COVERAGE}")
+            lines.append(f"  covers        : {COVERAGE if self._tuning is None else TUNING_COVERAGE}")
         lines += [f"  WARNING: {caveat}" for caveat in self.caveats()]
         return "\n".join(lines)
 
@@ -354,6 +382,13 @@ COVERAGE = (
     "the run's seed stays secret (whoever knows it can recompute the noise; checkpoints hold it); "
     "not the logged metrics (training loss/accuracy are noiseless means over private batches; "
     "validation/test metrics come from examples never trained on): keep the run's logs and checkpoints private"
+)
+
+
+TUNING_COVERAGE = (
+    "the released candidate's weights (mask, export), its hyperparameters and its noisy validation score, for "
+    "the private training and validation splits, while the tuning's seeds stay secret; not the number of "
+    "candidates, the other candidates, or any candidate's logs and checkpoints: keep the tuning directory private"
 )
 
 

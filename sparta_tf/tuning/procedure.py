@@ -1,0 +1,226 @@
+"""The steps of a private tuning that the library (:func:`sparta_tf.tune_privately`) and ``sparta-tune``
+share: the secret draws, each candidate's noisy score, the selection and the released ledger.
+
+The privacy analysis is :mod:`sparta_tf.privacy.tuning`'s. What a tuning keeps to itself (the tuning
+directory, or nothing in memory): the seed, the number of candidates ``K``, every candidate's values,
+run, logs and score. What it releases: the best candidate's model, its values, its noisy score, and a
+ledger whose epsilon is the whole procedure's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from sparta_tf import random_streams
+from sparta_tf.privacy import tuning as tuning_privacy
+from sparta_tf.privacy.ledger import LedgerEntry, PrivacyLedger
+from sparta_tf.privacy.tuning import CandidateCount
+from sparta_tf.tuning import space as search_space
+
+SEED_CAVEAT = ("the tuning's seed was given (tuning.seed / tuning_seed): the number of candidates, their values, "
+               "their noise and their scores' noise follow from it, so the guarantee holds only while that "
+               "seed stays as secret as the data; leave it unset (the default) for a secret seed")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One candidate run: its drawn ``values`` and the seed of its DP training (secret)."""
+
+    values: dict
+    run_seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Draws:
+    """Everything random about a tuning that does not touch the data, drawn once before the first
+    candidate runs and kept (a resumed tuning never draws again): ``K ~ count`` from the
+    ``tuning_count`` stream, each candidate's values from ``tuning_candidates``, its run seed from
+    ``tuning_runs``; all from the tuning's own seed, never from a run seed in a config."""
+
+    seed: int
+    seed_given: bool
+    count: CandidateCount
+    candidates: tuple[Candidate, ...]
+
+    @classmethod
+    def draw(cls, count: CandidateCount, space: Mapping, seed: int | None = None) -> Draws:
+        given = seed is not None
+        seed = random_streams.resolve_seed(seed)
+        k = count.sample(random_streams.numpy_rng(seed, "tuning_count"))
+        values_rng = random_streams.numpy_rng(seed, "tuning_candidates")
+        run_seeds = random_streams.numpy_rng(seed, "tuning_runs").integers(0, random_streams.MAX_SEED, size=k)
+        candidates = tuple(Candidate(search_space.draw(space, values_rng), int(run_seed)) for run_seed in run_seeds)
+        return cls(seed, given, count, candidates)
+
+    def score_noise(self, index: int, score_noise: float) -> float:
+        """The Gaussian noise (std ``score_noise`` examples) of candidate ``index``'s score: the
+        ``tuning_score_noise`` stream's ``index``-th draw, so scoring a candidate again after a crash
+        releases the same value (no new release)."""
+        rng = random_streams.numpy_rng(self.seed, "tuning_score_noise")
+        return float(rng.normal(0.0, score_noise, size=len(self.candidates))[index])
+
+    def to_json(self) -> dict:
+        return {"seed": self.seed, "seed_given": self.seed_given, "count": self.count.to_dict(),
+                "candidates": [dataclasses.asdict(c) for c in self.candidates]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Draws:
+        return cls(int(data["seed"]), bool(data["seed_given"]), CandidateCount.from_dict(data["count"]),
+                   tuple(Candidate(dict(c["values"]), int(c["run_seed"])) for c in data["candidates"]))
+
+
+def default_score_noise(validation_size: int) -> float:
+    """``sqrt(n_val) / 2`` examples: the largest standard deviation the count of correct predictions on
+    ``n_val`` examples has by sampling alone (a binomial at accuracy 1/2), so the noise at most doubles the
+    variance of the score a non-private tuning would read."""
+    return math.sqrt(validation_size) / 2.0
+
+
+def check_validation_size(validation_size: int) -> None:
+    if validation_size < 1:
+        raise ValueError("the tuning scores candidates on a validation split and there is none: give validation "
+                         "data (data.val_fraction > 0 in a config)")
+
+
+def count_correct(model, x, y, batch_size: int = 256) -> int:
+    """How many of the examples ``x`` the model labels ``y`` (argmax of its outputs): each example adds
+    0 or 1, so adding or removing one example moves the count by at most 1."""
+    predictions = model.predict(x, batch_size=batch_size, verbose=0)
+    return int(np.sum(np.argmax(predictions, axis=-1) == np.asarray(y).reshape(-1)))
+
+
+def noisy_score(correct: int, noise: float, validation_size: int) -> float:
+    """The released score: ``(correct + noise) / n_val``, a noisy validation accuracy."""
+    return (correct + noise) / validation_size
+
+
+def best_index(scores: Sequence[float | None]) -> int | None:
+    """The candidate with the highest noisy score (the first among equals; None scores, diverged runs,
+    rank last); None when there is no candidate with a score."""
+    ranked = [(score, -index) for index, score in enumerate(scores) if score is not None and math.isfinite(score)]
+    return -max(ranked)[1] if ranked else None
+
+
+def plan_signature(entries: Sequence[LedgerEntry]) -> dict:
+    """What the analysis sees of a run: how many times each mechanism ``(sigma, q)`` ran."""
+    signature: dict = {}
+    for entry in entries:
+        key = (entry.noise_multiplier, entry.sample_rate)
+        signature[key] = signature.get(key, 0) + entry.count
+    return signature
+
+
+def score_entry(score_noise: float) -> LedgerEntry:
+    """The ledger entry of one noisy validation score: ``M_{1, score_noise}``
+    (:func:`~sparta_tf.privacy.tuning.score_event`)."""
+    tuning_privacy.score_event(score_noise)  # validates
+    return LedgerEntry(score_noise, 1.0, 1, tuning_privacy.SCORE_KIND, "tuning")
+
+
+def dominating_entries(ledgers: Sequence[Sequence[LedgerEntry]]) -> list[LedgerEntry]:
+    """Entries whose composition dominates every candidate's (for ``RepeatAndSelectDpEvent``'s one
+    repeated event): per distinct mechanism ``(sigma, q)`` the largest count any candidate ran. RDP adds
+    over a composition and every term is >= 0, so more runs of a mechanism never cost less; a candidate
+    killed and resumed, which repeats steps (all charged), is covered this way."""
+    counts: dict[tuple, int] = {}
+    kinds: dict[tuple, str] = {}
+    phases: dict[tuple, list] = {}
+    for entries in ledgers:
+        for key, count in plan_signature(entries).items():
+            counts[key] = max(counts.get(key, 0), count)
+        for entry in entries:
+            key = (entry.noise_multiplier, entry.sample_rate)
+            kinds.setdefault(key, entry.kind)
+            if entry.phase not in phases.setdefault(key, []):
+                phases[key].append(entry.phase)
+    return [LedgerEntry(sigma, q, count, kinds[(sigma, q)], "+".join(p or "-" for p in phases[(sigma, q)]))
+            for (sigma, q), count in counts.items()]
+
+
+def released_ledger(candidate_entries: Sequence[Sequence[LedgerEntry]], *, count: CandidateCount, delta: float,
+                    target_epsilon: float, sampling: str = "poisson", caveats: Sequence[str] = (),
+                    nonprivate: Sequence[str] = ()) -> PrivacyLedger:
+    """The ledger of the released model: ``RepeatAndSelectDpEvent`` of the entries that dominate every
+    candidate's (:func:`dominating_entries`; pass the planned per-run entries
+    among them, so that a tuning with no finished candidate is still charged its plan)."""
+    ledger = PrivacyLedger(delta, accountant=tuning_privacy.ACCOUNTANT, target_epsilon=target_epsilon,
+                           sampling=sampling)
+    for entry in dominating_entries(candidate_entries):
+        ledger.charge(entry)
+    for reason in nonprivate:
+        ledger.record_nonprivate(reason)
+    for caveat in caveats:
+        ledger.record_caveat(caveat)
+    ledger.record_tuning(count)
+    return ledger
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningBudget:
+    """How a tuning splits its budget: each candidate's plan is calibrated to ``per_run_epsilon`` (its
+    training) and its score adds ``score_noise``; the whole procedure spends ``epsilon <= target``."""
+
+    target_epsilon: float
+    delta: float
+    count: CandidateCount
+    score_noise: float
+    per_run_epsilon: float
+    per_run_entries: tuple[LedgerEntry, ...]
+    epsilon: float
+
+    @property
+    def planned_entries(self) -> list[LedgerEntry]:
+        """One candidate's planned entries: its training's, then its score's."""
+        return list(self.per_run_entries) + [score_entry(self.score_noise)]
+
+
+def calibrate_budget(plan_at, *, count: CandidateCount, target_epsilon: float, delta: float,
+                     score_noise: float) -> tuple[TuningBudget, Any]:
+    """The :class:`TuningBudget` and the candidates' plan: ``plan_at(eps)`` is a candidate's
+    :class:`~sparta_tf.privacy.plan.PrivacyPlan` calibrated to ``eps`` (RDP)."""
+    event_at = lambda eps: tuning_privacy.per_run_event(plan_at(eps).events(), score_noise)
+    per_run = tuning_privacy.calibrate_per_run_epsilon(event_at, count, target_epsilon, delta)
+    plan = plan_at(per_run)
+    epsilon = tuning_privacy.tuning_epsilon(tuning_privacy.per_run_event(plan.events(), score_noise), count, delta)
+    return TuningBudget(target_epsilon, delta, count, score_noise, per_run, tuple(plan.events()), epsilon), plan
+
+
+def check_signal(plan, budget: TuningBudget) -> float:
+    """Refuses (one line) a per-run noise that leaves nothing to learn
+    (:func:`~sparta_tf.privacy.tuning.per_run_signal` below :data:`~sparta_tf.privacy.tuning.MIN_SIGNAL`);
+    returns the signal."""
+    signal = tuning_privacy.per_run_signal(plan.noise_multiplier, plan.sample_rate * plan.n, plan.steps)
+    if signal < tuning_privacy.MIN_SIGNAL:
+        raise tuning_privacy.TuningBudgetError(
+            f"each candidate would train with noise multiplier {plan.noise_multiplier:.4g}: over its {plan.steps} "
+            f"steps even the largest clipped gradients sum to less than one coordinate's noise (sqrt(T) b / sigma "
+            f"= {signal:.3g} < {tuning_privacy.MIN_SIGNAL:g}), so no candidate can learn; raise the target epsilon, "
+            "lower the mean number of candidates, or train longer / with larger batches")
+    return signal
+
+
+def describe_budget(budget: TuningBudget, plan, space: Mapping, validation_size: int, untuned=None) -> str:
+    """The dry run's lines on the tuning: the distribution, the space, the score, each candidate's and the
+    whole procedure's epsilon, and (``untuned``: the plan of one run at the whole target) the price."""
+    signal = tuning_privacy.per_run_signal(plan.noise_multiplier, plan.sample_rate * plan.n, plan.steps)
+    lines = [
+        f"private tuning: release the best of a {budget.count.describe()} (RepeatAndSelectDpEvent, RDP)",
+        f"search space (each candidate draws independently): {search_space.describe(space)}",
+        f"score: correct predictions on the n_val = {validation_size} validation examples + N(0, "
+        f"{budget.score_noise:.3g}^2) (std {budget.score_noise / validation_size:.2%} of accuracy)",
+        f"each candidate: epsilon {budget.per_run_epsilon:.4g} (rdp) for its training, noise multiplier "
+        f"{plan.noise_multiplier:.4g}; signal sqrt(T) b / sigma = {signal:.4g} (refused below "
+        f"{tuning_privacy.MIN_SIGNAL:g})",
+        f"whole tuning: epsilon {budget.epsilon:.4g} of target {budget.target_epsilon:g} (delta {budget.delta:g})",
+    ]
+    if untuned is not None:
+        untuned_signal = tuning_privacy.per_run_signal(untuned.noise_multiplier, untuned.sample_rate * untuned.n,
+                                                       untuned.steps)
+        lines.append(f"price of tuning: one untuned run at epsilon {budget.target_epsilon:g} would have noise "
+                     f"multiplier {untuned.noise_multiplier:.4g} ({untuned.accountant}), signal {untuned_signal:.4g}: "
+                     f"each candidate trains with {plan.noise_multiplier / untuned.noise_multiplier:.2f}x its noise")
+    return "\n".join(lines)

@@ -1,0 +1,299 @@
+"""One ``sparta-tune`` tuning (:func:`tune`): a random number of ``sparta-train`` runs, the best released.
+
+1. Set-up, before any candidate runs (and before anything is written but ``config.json``): the checks of a
+   run, the data (for ``n`` and the validation split's size), the per-run budget
+   (:func:`sparta_tf.tuning.procedure.calibrate_budget`: each candidate's plan calibrated so that
+   ``RepeatAndSelectDpEvent`` of one candidate meets the config's ``privacy.target_epsilon``), the refusal
+   of a per-run noise that leaves nothing to learn, then the secret draws (the number of candidates, their
+   values and seeds), checked to run one mechanism, and written to ``tuning.json`` atomically. A resumed
+   tuning reads them back and never draws again.
+2. Each candidate: ``sparta-train``'s run (:func:`trainers.run.train`) of the config with its values, the
+   per-run budget and the RDP accountant, in ``candidates/NNN/`` (resumed there when a kill interrupted
+   it: every step it started is charged), then its noisy validation score, recorded in its ledger.
+3. The release: the best candidate's model (``model.keras``, ``export/``), its values and noisy score in
+   ``results.json``, and ``ledger.json``: ``RepeatAndSelectDpEvent`` of the entries that dominate every
+   candidate's (a candidate that ran more steps than planned raises it; the planned ones are the floor).
+
+Private (never released): ``tuning.json``, ``candidates/`` and the log.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+
+import tensorflow as tf
+
+from sparta_tf import checkpointing
+from sparta_tf.atomic_files import replace_atomically, write_atomic
+from sparta_tf.privacy.ledger import PrivacyLedger
+from sparta_tf.privacy.tuning import CandidateCount, TuningBudgetError
+from sparta_tf.tuning import procedure
+from trainers import run
+from trainers.config import ConfigError, validate
+from trainers.pretraining import PRETRAINED, check_pretraining
+from trainers.run_dir import RESULTS, RunDirectory
+from trainers.tuning_config import candidate_config
+
+STATE = "tuning.json"
+CANDIDATES = "candidates"
+MODEL = "model.keras"
+DIVERGED = "diverged.json"
+STATE_VERSION = 1
+
+
+# ----------------------------------------------------------------- set-up (shared with the dry run)
+
+
+def count_of(config: dict) -> CandidateCount:
+    tuning = config["tuning"]
+    return CandidateCount(tuning["mean"], math.inf if tuning["shape"] in ("inf", "infinity") else tuning["shape"])
+
+
+def per_run_config(config: dict, per_run_epsilon: float, values: dict | None = None, output_dir: str | None = None,
+                   pretrained: str | None = None) -> dict:
+    """A candidate's ``sparta-train`` config: ``values`` set, the per-run budget with the RDP accountant,
+    its own ``output_dir``, the tuning's shared pre-trained model."""
+    candidate = candidate_config(config, values or {})
+    candidate["privacy"] = dict(candidate["privacy"], target_epsilon=per_run_epsilon, accountant="rdp")
+    if output_dir is not None:
+        candidate["output_dir"] = output_dir
+    if pretrained is not None and candidate["pretrain"]["enabled"] and not candidate["pretrain"]["checkpoint"]:
+        candidate["pretrain"] = dict(candidate["pretrain"], checkpoint=pretrained)
+    return validate(candidate)
+
+
+class Setup:
+    """What :func:`set_up` finds: the data, the budget, the candidates' plan and the untuned one's."""
+
+    def __init__(self, config: dict):
+        run.preflight(config)
+        self.config, self._plans = config, {}
+        self.dataset = run.load_private_data(config)
+        self.validation_size = len(self.dataset.x_val)
+        try:
+            procedure.check_validation_size(self.validation_size)
+        except ValueError as error:
+            raise ConfigError(f"data.val_fraction: {error}") from None
+        check_pretraining(config, self.dataset, config["output_dir"])
+        self.model = run.build_private_model(config, self.dataset, None)
+        self.method = run.build_method(config, None, self.model)
+        noise = config["tuning"]["score_noise"] or procedure.default_score_noise(self.validation_size)
+        try:
+            self.budget, self.plan = procedure.calibrate_budget(
+                self.plan_at, count=count_of(config), target_epsilon=config["privacy"]["target_epsilon"],
+                delta=config["privacy"]["delta"], score_noise=noise)
+            self.signal = procedure.check_signal(self.plan, self.budget)
+        except TuningBudgetError as error:
+            raise ConfigError(f"tuning: {error}") from None
+        self.untuned = run.make_plan(config, self.dataset, self.method)
+
+    def plan_at(self, epsilon: float):
+        """A candidate's plan calibrated to ``epsilon`` (RDP; memoised: the bisection asks again at the end)."""
+        if epsilon not in self._plans:
+            self._plans[epsilon] = run.make_plan(per_run_config(self.config, epsilon), self.dataset, self.method)
+        return self._plans[epsilon]
+
+    def describe(self) -> str:
+        return "\n".join([
+            procedure.describe_budget(self.budget, self.plan, self.config["tuning"]["space"], self.validation_size,
+                                      self.untuned),
+            "each candidate's plan:",
+            run.describe(self.plan, self.method, self.model, self.config),
+        ])
+
+    def check_one_mechanism(self, draws: procedure.Draws) -> None:
+        """Every drawn candidate runs the reference candidate's mechanisms (the analysis repeats one)."""
+        reference = procedure.plan_signature(self.plan.events())
+        for candidate in draws.candidates:
+            candidate_plan = run.make_plan(per_run_config(self.config, self.budget.per_run_epsilon, candidate.values),
+                                           self.dataset, self.method)
+            if procedure.plan_signature(candidate_plan.events()) != reference:
+                raise ConfigError(f"tuning.space: a candidate with {candidate.values} runs other privacy mechanisms "
+                                  "than the others (its noise or steps differ); every candidate must run the same "
+                                  "mechanism: keep that key out of the space")
+
+
+def dry_run(config: dict) -> Setup:
+    """Every check of the tuning, the per-run budget and the price of tuning printed; writes nothing and
+    draws nothing."""
+    setup = Setup(config)
+    print(setup.describe())
+    return setup
+
+
+# ----------------------------------------------------------------- the tuning
+
+
+class CandidateHooks:
+    """The :func:`trainers.run.train` seam for one candidate: its secret run seed, and its noisy score."""
+
+    run_seed_is_public = False
+
+    def __init__(self, index: int, draws: procedure.Draws, score_noise: float, output_dir: str):
+        self.index, self.draws, self.score_noise, self.output_dir = index, draws, score_noise, output_dir
+        self.run_seed = draws.candidates[index].run_seed
+
+    def private_data(self, dataset):
+        return dataset
+
+    def callbacks(self) -> list:
+        return []
+
+    def after_fit(self, dp, dataset) -> dict:
+        correct = procedure.count_correct(dp.model, dataset.x_val, dataset.y_val)
+        dp.ledger.target_epsilon = None  # its budget covered the training; the tuning's ledger covers the score
+        score = procedure.noisy_score(correct, self.draws.score_noise(self.index, self.score_noise), len(dataset.x_val))
+        dp.ledger.charge(procedure.score_entry(self.score_noise))
+        replace_atomically(os.path.join(self.output_dir, MODEL), dp.model.save, suffix=".keras")
+        return {"tuning_score": score}
+
+
+def tune(config: dict, resume: bool = False) -> dict:
+    """Runs (or with ``resume`` continues) the configured tuning; returns the released ``results.json``."""
+    run.apply_process_settings(config)
+    output_dir = config["output_dir"]
+    with RunDirectory(output_dir, config, resume) as run_dir:
+        state_path = os.path.join(output_dir, STATE)
+        if os.path.exists(state_path) and not resume:
+            raise ConfigError(f"output_dir {output_dir} holds an interrupted tuning; pass --resume to continue it, "
+                              "or choose a new output_dir")
+        if os.path.exists(state_path):
+            state = _load_state(state_path, config)
+        else:
+            if resume:
+                print(f"== --resume: no tuning in {output_dir}, starting from scratch")
+            run_dir.write_config()
+            state = _set_up(config, state_path)
+        return _run(config, state)
+
+
+def _set_up(config: dict, state_path: str) -> dict:
+    setup = dry_run(config)
+    draws = procedure.Draws.draw(setup.budget.count, config["tuning"]["space"], config["tuning"]["seed"])
+    setup.check_one_mechanism(draws)
+    state = {"version": STATE_VERSION, "config": _sections(config), "draws": draws.to_json(),
+             "per_run_epsilon": setup.budget.per_run_epsilon, "score_noise": setup.budget.score_noise,
+             "planned_entries": [e.to_dict() for e in setup.budget.planned_entries],
+             "validation_size": setup.validation_size}
+    write_atomic(state_path, json.dumps(state, indent=1))  # before the first candidate starts
+    return state
+
+
+def _sections(config: dict) -> dict:
+    return {k: v for k, v in config.items() if k not in ("notes", "output_dir")}
+
+
+def _load_state(path: str, config: dict) -> dict:
+    with open(path) as f:
+        state = json.load(f)
+    if state.get("version") != STATE_VERSION:
+        raise ConfigError(f"{path} was written by another version of sparta-tune; start a new output_dir")
+    if state["config"] != json.loads(json.dumps(_sections(config))):
+        raise ConfigError(f"--resume: the tuning in {os.path.dirname(path)} was started with another config; resume "
+                          "it with the config it was started with")
+    return state
+
+
+def _run(config: dict, state: dict) -> dict:
+    from sparta_tf.callbacks import NonFiniteTrainingError
+    from sparta_tf.privacy.ledger import LedgerEntry
+
+    output_dir = config["output_dir"]
+    draws = procedure.Draws.from_json(state["draws"])
+    total = len(draws.candidates)
+    print(f"== tuning: {total} candidate run(s) (secret: keep this log and {output_dir} private)")
+    scores, ledgers, caveats, nonprivate = [], [[LedgerEntry.from_dict(e) for e in state["planned_entries"]]], [], []
+    for index, candidate in enumerate(draws.candidates):
+        candidate_dir = os.path.join(output_dir, CANDIDATES, f"{index:03d}")
+        print(f"== candidate {index + 1} of {total}: {candidate.values}")
+        results = _candidate(config, state, draws, index, candidate_dir)
+        if results is None:
+            scores.append(None)
+            continue
+        scores.append(results["tuning_score"])
+        ledger = PrivacyLedger.load(os.path.join(candidate_dir, checkpointing.LEDGER))
+        ledgers.append(list(ledger.entries))
+        caveats += [c for c in ledger.caveats() if c not in caveats]
+        nonprivate += [r for r in ledger.nonprivate_reasons if r not in nonprivate]
+        tf.keras.backend.clear_session()
+    return _release(config, state, draws, scores, ledgers, caveats, nonprivate)
+
+
+def _candidate(config: dict, state: dict, draws, index: int, candidate_dir: str) -> dict | None:
+    """The candidate's ``results.json`` (training it, or resuming it, first); None when it diverged."""
+    from sparta_tf.callbacks import NonFiniteTrainingError
+
+    results_path = os.path.join(candidate_dir, RESULTS)
+    if os.path.exists(os.path.join(candidate_dir, DIVERGED)):
+        return None
+    if not os.path.exists(results_path):
+        candidate_config_ = per_run_config(config, state["per_run_epsilon"], draws.candidates[index].values,
+                                           candidate_dir, os.path.join(config["output_dir"], PRETRAINED))
+        hooks = CandidateHooks(index, draws, state["score_noise"], candidate_dir)
+        try:
+            run.train(candidate_config_, resume=os.path.isdir(candidate_dir), hooks=hooks)
+        except NonFiniteTrainingError as error:
+            write_atomic(os.path.join(candidate_dir, DIVERGED), json.dumps({"error": str(error)}))
+            print(f"== candidate {index + 1} diverged ({error}); it ranks last")
+            return None
+    with open(results_path) as f:
+        return json.load(f)
+
+
+def _release(config: dict, state: dict, draws, scores, ledgers, caveats, nonprivate) -> dict:
+    output_dir = config["output_dir"]
+    privacy = config["privacy"]
+    if draws.seed_given:
+        caveats = caveats + [procedure.SEED_CAVEAT]
+    ledger = procedure.released_ledger(ledgers, count=draws.count, delta=privacy["delta"],
+                                       target_epsilon=privacy["target_epsilon"], sampling=privacy["sampling"],
+                                       caveats=caveats, nonprivate=nonprivate)
+    ledger.save(os.path.join(output_dir, checkpointing.LEDGER))
+    best = procedure.best_index(scores)
+    results = {"released": best is not None, "method": config["method"]["name"], "private": ledger.is_private,
+               "epsilon": ledger.epsilon() if ledger.is_private else None, "target_epsilon": privacy["target_epsilon"],
+               "delta": privacy["delta"], "accountant": ledger.accountant, "tuning": draws.count.to_dict(),
+               "per_run_epsilon": state["per_run_epsilon"], "score_noise": state["score_noise"],
+               "privacy_caveats": ledger.caveats()}
+    if best is None:
+        results["reason"] = "no candidate finished with a score (none drawn, or every one diverged)"
+    else:
+        best_dir = os.path.join(output_dir, CANDIDATES, f"{best:03d}")
+        with open(os.path.join(best_dir, RESULTS)) as f:
+            chosen = json.load(f)
+        results |= {"hyperparameters": draws.candidates[best].values, "validation_score": chosen["tuning_score"],
+                    "noise_multiplier": chosen["noise_multiplier"],
+                    **{k: v for k, v in chosen.items() if k.startswith("test_accuracy") or k == "test_weights"}}
+        _copy(os.path.join(best_dir, MODEL), os.path.join(output_dir, MODEL))
+        if chosen.get("export_dir"):
+            version = os.path.basename(chosen["export_dir"].rstrip("/"))
+            _copy(chosen["export_dir"], os.path.join(output_dir, "export", version))
+            results["export_dir"] = os.path.join(output_dir, "export", version)
+    write_atomic(os.path.join(output_dir, RESULTS), json.dumps(results, indent=1))
+    print(ledger.report())
+    if best is None:
+        print(f"== nothing released: {results['reason']}; the tuning spent epsilon {results['epsilon']:.4g}")
+    else:
+        print(f"== released the best candidate: {results['hyperparameters']}, noisy validation accuracy "
+              f"{results['validation_score']:.4f}, test accuracy {results.get('test_accuracy', float('nan')):.4f} at "
+              f"epsilon {results['epsilon']:.4g} (delta {privacy['delta']:g}); results in "
+              f"{os.path.join(output_dir, RESULTS)}")
+    return results
+
+
+def _copy(source: str, target: str) -> None:
+    """Copies a file or directory to ``target`` through a temporary sibling, then renames (a kill leaves
+    the old one or the new one)."""
+    temporary = target + ".partial"
+    if os.path.isdir(temporary):
+        shutil.rmtree(temporary)
+    elif os.path.exists(temporary):
+        os.remove(temporary)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    (shutil.copytree if os.path.isdir(source) else shutil.copy2)(source, temporary)
+    if os.path.isdir(target):
+        shutil.rmtree(target)
+    os.replace(temporary, target)
