@@ -34,11 +34,13 @@ if TYPE_CHECKING:  # for type checkers and the API reference (static); at run ti
     from sparta_tf.privacy import PrivacyLedger, calibrate_noise_multiplier, compute_epsilon
     from sparta_tf.privacy.plan import PrivacyPlan
     from sparta_tf.private_training import make_private
+    from sparta_tf.tuning.library import tune_privately
 
 __version__ = "0.3.0"
 
 _PUBLIC: dict[str, str] = {
     "make_private": "sparta_tf.private_training",
+    "tune_privately": "sparta_tf.tuning.library",
     "DPModel": "sparta_tf.dp_model",
     "PrivacyPlan": "sparta_tf.privacy.plan",
     "PrivacyLedger": "sparta_tf.privacy",
@@ -66,6 +68,7 @@ __all__ = [
     "cosine_with_warmup",
     "make_private",
     "register_layer_rule",
+    "tune_privately",
 ]
 
 

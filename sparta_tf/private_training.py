@@ -48,6 +48,7 @@ from sparta_tf.methods import Method, make_method
 from sparta_tf.privacy import charging
 from sparta_tf.privacy.ledger import PrivacyLedger
 from sparta_tf.privacy.plan import PrivacyPlan, make_privacy_plan, sample_rate
+from sparta_tf.privacy.tuning import Repetition
 
 MASK_DIR = "mask"
 
@@ -63,10 +64,13 @@ def plan_method(
     noise_multiplier: float | None = None,
     accountant: str = "pld",
     nonprivate_reasons: tuple[str, ...] | list[str] = (),
+    tuning: Repetition | None = None,
 ) -> PrivacyPlan:
     """The :class:`PrivacyPlan` of ``epochs`` epochs of ``method`` on ``dataset_size`` examples with
     expected batch ``batch_size``. A given ``noise_multiplier`` that would spend more than
-    ``target_epsilon`` is refused (:class:`~sparta_tf.privacy.plan.FixedNoiseOverBudgetError`, one line)."""
+    ``target_epsilon`` is refused (:class:`~sparta_tf.privacy.plan.FixedNoiseOverBudgetError`, one line).
+    ``tuning``: the plan of one candidate of a private tuning whose whole procedure meets the target
+    (:func:`~sparta_tf.privacy.plan.make_privacy_plan`)."""
     n = int(dataset_size)
     if n < 1:
         raise ValueError(f"dataset_size={dataset_size!r}: need at least 1 private training example")
@@ -75,7 +79,7 @@ def plan_method(
         target_epsilon=target_epsilon, accountant=accountant, noise_multiplier=noise_multiplier,
         before_training=method.mechanisms_before_training(n, sample_rate(n, batch_size)),
         training_share=method.training_share,
-        nonprivate_reasons=list(method.nonprivate_reasons()) + list(nonprivate_reasons),
+        nonprivate_reasons=list(method.nonprivate_reasons()) + list(nonprivate_reasons), tuning=tuning,
     )
 
 
@@ -167,7 +171,7 @@ def private_model(model: tf.keras.Model, method: Method, plan: PrivacyPlan, *, r
         seed = previous[1]["seed"]
     dp = method.make_dp_model(
         model, noise_multiplier=plan.noise_multiplier, sample_rate=plan.sample_rate, dataset_size=plan.n,
-        delta=plan.delta, target_epsilon=plan.target_epsilon, accountant=plan.accountant, seed=seed, **dp_options,
+        delta=plan.delta, target_epsilon=plan.run_budget, accountant=plan.accountant, seed=seed, **dp_options,
     )
     for reason in plan.nonprivate_reasons:
         dp.ledger.record_nonprivate(reason)
@@ -250,7 +254,7 @@ def restore_run(previous: tuple[str, dict], dp, method_callback, plan: PrivacyPl
     path, state = previous
     epoch = state["epoch"]
     dp.ledger = PrivacyLedger.from_json(state["ledger"])
-    dp.ledger.target_epsilon = plan.target_epsilon if dp.ledger.is_private else None
+    dp.ledger.target_epsilon = plan.run_budget if dp.ledger.is_private else None
     # Recreates the trainable set (and optimizer slots) of that epoch's phase; a run killed after its last
     # epoch restores into the last phase and trains no more.
     method_callback.on_epoch_begin(min(epoch, plan.epochs - 1))

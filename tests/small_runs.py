@@ -28,8 +28,8 @@ def wait_mid_epoch_after(out, epoch: int, deadline: float) -> bool:
     return False
 
 
-def _command(config_path, args) -> list[str]:
-    return [sys.executable, "-m", "trainers", "--config", str(config_path), *args]
+def _command(config_path, args, module: str = "trainers") -> list[str]:
+    return [sys.executable, "-m", module, "--config", str(config_path), *args]
 
 
 def sparta_train(config_path, *args: str, timeout: float) -> subprocess.CompletedProcess:
@@ -44,3 +44,15 @@ def start_sparta_train(config_path, **popen) -> subprocess.Popen:
     is discarded unless ``popen`` (``subprocess.Popen`` keywords) says otherwise."""
     return subprocess.Popen(_command(config_path, ()), cwd=ROOT, env=ENV,
                             **{"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, **popen})
+
+
+def sparta_tune(config_path, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    """``sparta-tune --config CONFIG_PATH *ARGS`` in a fresh process, as :func:`sparta_train`."""
+    return subprocess.run(_command(config_path, args, "trainers.tune_cli"), cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def start_sparta_tune(config_path) -> subprocess.Popen:
+    """The process of :func:`sparta_tune` (no further arguments), started and not waited for."""
+    return subprocess.Popen(_command(config_path, (), "trainers.tune_cli"), cwd=ROOT, env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -146,14 +146,16 @@ def build_method(config: dict, output_dir: str | None, model: tf.keras.Model) ->
     return method
 
 
-def make_plan(config: dict, dataset, method: Method) -> PrivacyPlan:
-    """The run's :class:`PrivacyPlan`: the method's phases and mechanisms, the data's privacy status."""
+def make_plan(config: dict, dataset, method: Method, tuning=None) -> PrivacyPlan:
+    """The run's :class:`PrivacyPlan`: the method's phases and mechanisms, the data's privacy status
+    (``tuning``: a ``sparta-tune`` candidate's, :class:`~sparta_tf.privacy.tuning.Repetition`)."""
     privacy, training = config["privacy"], config["training"]
     try:
         plan = plan_method(
             method, dataset_size=len(dataset.x_train), batch_size=training["batch_size"], epochs=training["epochs"],
             delta=privacy["delta"], target_epsilon=privacy["target_epsilon"], accountant=privacy["accountant"],
             noise_multiplier=privacy["noise_multiplier"], nonprivate_reasons=dataset.nonprivate_reasons(),
+            tuning=tuning,
         )
     except FixedNoiseOverBudgetError as error:
         raise ConfigError(f"privacy.noise_multiplier={privacy['noise_multiplier']} spends {error.spent} over the "
@@ -283,7 +285,7 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
     model = build_private_model(config, dataset, output_dir)
     timings["prepare_s"] = time.perf_counter() - start
     method = build_method(config, output_dir, model)
-    plan = make_plan(config, dataset, method)
+    plan = make_plan(config, dataset, method, getattr(hooks, "tuning", None))
     print(describe(plan, method, model, config))
     _warn_of_caveats(config, dataset, plan.private)
     print(strategy_line(config["training"]["strategy"]))

@@ -1,14 +1,14 @@
 """One ``sparta-tune`` tuning (:func:`tune`): a random number of ``sparta-train`` runs, the best released.
 
 1. Set-up, before any candidate runs (and before anything is written but ``config.json``): the checks of a
-   run, the data (for ``n`` and the validation split's size), the per-run budget
-   (:func:`sparta_tf.tuning.procedure.calibrate_budget`: each candidate's plan calibrated so that
-   ``RepeatAndSelectDpEvent`` of one candidate meets the config's ``privacy.target_epsilon``), the refusal
+   run, the data (for ``n`` and the validation split's size), a candidate's plan (calibrated by the plan
+   with the tuning, :class:`~sparta_tf.privacy.tuning.Repetition`, so that ``RepeatAndSelectDpEvent`` of one
+   candidate meets the config's ``privacy.target_epsilon``), the refusal
    of a per-run noise that leaves nothing to learn, then the secret draws (the number of candidates, their
    values and seeds), checked to run one mechanism, and written to ``tuning.json`` atomically. A resumed
    tuning reads them back and never draws again.
-2. Each candidate: ``sparta-train``'s run (:func:`trainers.run.train`) of the config with its values, the
-   per-run budget and the RDP accountant, in ``candidates/NNN/`` (resumed there when a kill interrupted
+2. Each candidate: ``sparta-train``'s run (:func:`trainers.run.train`) of the config with its values and
+   the tuned plan, in ``candidates/NNN/`` (resumed there when a kill interrupted
    it: every step it started is charged), then its noisy validation score, recorded in its ledger.
 3. The release: the best candidate's model (``model.keras``, ``export/``), its values and noisy score in
    ``results.json``, and ``ledger.json``: ``RepeatAndSelectDpEvent`` of the entries that dominate every
@@ -29,7 +29,7 @@ import tensorflow as tf
 from sparta_tf import checkpointing
 from sparta_tf.atomic_files import replace_atomically, write_atomic
 from sparta_tf.privacy.ledger import PrivacyLedger
-from sparta_tf.privacy.tuning import CandidateCount, TuningBudgetError
+from sparta_tf.privacy.tuning import CandidateCount, Repetition, TuningBudgetError
 from sparta_tf.tuning import procedure
 from trainers import run
 from trainers.config import ConfigError, validate
@@ -52,12 +52,19 @@ def count_of(config: dict) -> CandidateCount:
     return CandidateCount(tuning["mean"], math.inf if tuning["shape"] in ("inf", "infinity") else tuning["shape"])
 
 
-def per_run_config(config: dict, per_run_epsilon: float, values: dict | None = None, output_dir: str | None = None,
+def repetition_of(config: dict, validation_size: int) -> Repetition:
+    """The tuning around each candidate: the number of candidates' distribution and the score's noise."""
+    noise = config["tuning"]["score_noise"] or procedure.default_score_noise(validation_size)
+    return Repetition(count_of(config), float(noise))
+
+
+def per_run_config(config: dict, values: dict | None = None, output_dir: str | None = None,
                    pretrained: str | None = None) -> dict:
-    """A candidate's ``sparta-train`` config: ``values`` set, the per-run budget with the RDP accountant,
-    its own ``output_dir``, the tuning's shared pre-trained model."""
+    """A candidate's ``sparta-train`` config: ``values`` set, the RDP accountant (the tuning's), its own
+    ``output_dir``, the tuning's shared pre-trained model. Its plan is made with the tuning
+    (:class:`CandidateHooks`), so its noise is the tuning's."""
     candidate = candidate_config(config, values or {})
-    candidate["privacy"] = dict(candidate["privacy"], target_epsilon=per_run_epsilon, accountant="rdp")
+    candidate["privacy"] = dict(candidate["privacy"], accountant="rdp")
     if output_dir is not None:
         candidate["output_dir"] = output_dir
     if pretrained is not None and candidate["pretrain"]["enabled"] and not candidate["pretrain"]["checkpoint"]:
@@ -70,7 +77,7 @@ class Setup:
 
     def __init__(self, config: dict):
         run.preflight(config)
-        self.config, self._plans = config, {}
+        self.config = config
         self.dataset = run.load_private_data(config)
         self.validation_size = len(self.dataset.x_val)
         try:
@@ -80,26 +87,25 @@ class Setup:
         check_pretraining(config, self.dataset, config["output_dir"])
         self.model = run.build_private_model(config, self.dataset, None)
         self.method = run.build_method(config, None, self.model)
-        noise = config["tuning"]["score_noise"] or procedure.default_score_noise(self.validation_size)
+        self.repetition = repetition_of(config, self.validation_size)
         try:
-            self.budget, self.plan = procedure.calibrate_budget(
-                self.plan_at, count=count_of(config), target_epsilon=config["privacy"]["target_epsilon"],
-                delta=config["privacy"]["delta"], score_noise=noise)
-            self.signal = procedure.check_signal(self.plan, self.budget)
+            self.plan = self.plan_of({})
+            self.signal = procedure.check_signal(self.plan)
         except TuningBudgetError as error:
             raise ConfigError(f"tuning: {error}") from None
         self.untuned = run.make_plan(config, self.dataset, self.method)
 
-    def plan_at(self, epsilon: float):
-        """A candidate's plan calibrated to ``epsilon`` (RDP; memoised: the bisection asks again at the end)."""
-        if epsilon not in self._plans:
-            self._plans[epsilon] = run.make_plan(per_run_config(self.config, epsilon), self.dataset, self.method)
-        return self._plans[epsilon]
+    def plan_of(self, values: dict):
+        """The plan of a candidate with ``values``, calibrated for the tuning."""
+        candidate = per_run_config(self.config, values)
+        method = self.method if not values else run.build_method(candidate, None, self.model)
+        return procedure.tuned_plan(lambda repetition: run.make_plan(candidate, self.dataset, method, repetition),
+                                    self.repetition, self.config["privacy"]["target_epsilon"],
+                                    self.config["privacy"]["delta"])
 
     def describe(self) -> str:
         return "\n".join([
-            procedure.describe_budget(self.budget, self.plan, self.config["tuning"]["space"], self.validation_size,
-                                      self.untuned),
+            procedure.describe_tuning(self.plan, self.config["tuning"]["space"], self.validation_size, self.untuned),
             "each candidate's plan:",
             run.describe(self.plan, self.method, self.model, self.config),
         ])
@@ -108,9 +114,7 @@ class Setup:
         """Every drawn candidate runs the reference candidate's mechanisms (the analysis repeats one)."""
         reference = procedure.plan_signature(self.plan.events())
         for candidate in draws.candidates:
-            candidate_plan = run.make_plan(per_run_config(self.config, self.budget.per_run_epsilon, candidate.values),
-                                           self.dataset, self.method)
-            if procedure.plan_signature(candidate_plan.events()) != reference:
+            if procedure.plan_signature(self.plan_of(candidate.values).events()) != reference:
                 raise ConfigError(f"tuning.space: a candidate with {candidate.values} runs other privacy mechanisms "
                                   "than the others (its noise or steps differ); every candidate must run the same "
                                   "mechanism: keep that key out of the space")
@@ -132,8 +136,8 @@ class CandidateHooks:
 
     run_seed_is_public = False
 
-    def __init__(self, index: int, draws: procedure.Draws, score_noise: float, output_dir: str):
-        self.index, self.draws, self.score_noise, self.output_dir = index, draws, score_noise, output_dir
+    def __init__(self, index: int, draws: procedure.Draws, tuning: Repetition, output_dir: str):
+        self.index, self.draws, self.tuning, self.output_dir = index, draws, tuning, output_dir
         self.run_seed = draws.candidates[index].run_seed
 
     def private_data(self, dataset):
@@ -145,8 +149,9 @@ class CandidateHooks:
     def after_fit(self, dp, dataset) -> dict:
         correct = procedure.count_correct(dp.model, dataset.x_val, dataset.y_val)
         dp.ledger.target_epsilon = None  # its budget covered the training; the tuning's ledger covers the score
-        score = procedure.noisy_score(correct, self.draws.score_noise(self.index, self.score_noise), len(dataset.x_val))
-        dp.ledger.charge(procedure.score_entry(self.score_noise))
+        noise = self.tuning.score_noise
+        score = procedure.noisy_score(correct, self.draws.score_noise(self.index, noise), len(dataset.x_val))
+        dp.ledger.charge(procedure.score_entry(noise))
         replace_atomically(os.path.join(self.output_dir, MODEL), dp.model.save, suffix=".keras")
         return {"tuning_score": score}
 
@@ -172,11 +177,12 @@ def tune(config: dict, resume: bool = False) -> dict:
 
 def _set_up(config: dict, state_path: str) -> dict:
     setup = dry_run(config)
-    draws = procedure.Draws.draw(setup.budget.count, config["tuning"]["space"], config["tuning"]["seed"])
+    draws = procedure.Draws.draw(setup.repetition.count, config["tuning"]["space"], config["tuning"]["seed"])
     setup.check_one_mechanism(draws)
     state = {"version": STATE_VERSION, "config": _sections(config), "draws": draws.to_json(),
-             "per_run_epsilon": setup.budget.per_run_epsilon, "score_noise": setup.budget.score_noise,
-             "planned_entries": [e.to_dict() for e in setup.budget.planned_entries],
+             "per_run_epsilon": setup.plan.epsilon, "score_noise": setup.repetition.score_noise,
+             "noise_multiplier": setup.plan.noise_multiplier,
+             "planned_entries": [e.to_dict() for e in procedure.planned_entries(setup.plan)],
              "validation_size": setup.validation_size}
     write_atomic(state_path, json.dumps(state, indent=1))  # before the first candidate starts
     return state
@@ -230,9 +236,9 @@ def _candidate(config: dict, state: dict, draws, index: int, candidate_dir: str)
     if os.path.exists(os.path.join(candidate_dir, DIVERGED)):
         return None
     if not os.path.exists(results_path):
-        candidate_config_ = per_run_config(config, state["per_run_epsilon"], draws.candidates[index].values,
-                                           candidate_dir, os.path.join(config["output_dir"], PRETRAINED))
-        hooks = CandidateHooks(index, draws, state["score_noise"], candidate_dir)
+        candidate_config_ = per_run_config(config, draws.candidates[index].values, candidate_dir,
+                                           os.path.join(config["output_dir"], PRETRAINED))
+        hooks = CandidateHooks(index, draws, Repetition(draws.count, state["score_noise"]), candidate_dir)
         try:
             run.train(candidate_config_, resume=os.path.isdir(candidate_dir), hooks=hooks)
         except NonFiniteTrainingError as error:

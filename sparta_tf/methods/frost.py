@@ -52,7 +52,7 @@ class DpFrost(PreparedMethod, SetMethod, spec=SPECS["dp_frost"]):
             return {"frost_selected_partitions": "reloaded"}
         (selection,) = plan.before_training
         self.selected, info = frost.frost_select(
-            dp.model, x, y, loss, target_epsilon=plan.target_epsilon, delta=plan.delta,
+            dp.model, x, y, loss, target_epsilon=plan.run_budget, delta=plan.delta,
             sample_rate=plan.sample_rate, steps=plan.steps, gamma=self.gamma, method=self.frost_magnitude,
             alpha=self.frost_alpha, clip_norm=dp.clip_norm, r_eps=self.r_eps, iterations=self.frost_iterations,
             q_ps=self.q_ps, nu=self.nu, accountant=plan.accountant, ledger=dp.ledger, seed=dp.seed,

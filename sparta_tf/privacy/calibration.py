@@ -50,11 +50,14 @@ Fixed = tuple  # ((sigma, q, count), ...): mechanisms whose noise multiplier is 
 Unknown = tuple  # ((q, count), ...): mechanisms that share the noise multiplier being calibrated
 
 
-def composition_event(fixed: Fixed, unknown: Unknown, sigma: float) -> dp_accounting.DpEvent:
-    """``ComposedDpEvent`` of the fixed mechanisms and the unknown ones at noise multiplier ``sigma``."""
+def composition_event(fixed: Fixed, unknown: Unknown, sigma: float, wrap=None) -> dp_accounting.DpEvent:
+    """``ComposedDpEvent`` of the fixed mechanisms and the unknown ones at noise multiplier ``sigma``
+    (``wrap``: a function of that event whose epsilon is calibrated instead, e.g. a private tuning's
+    :class:`~sparta_tf.privacy.tuning.Repetition`)."""
     events = [accounting.dp_sgd_event(s, q, count) for s, q, count in fixed]
     events += [accounting.dp_sgd_event(sigma, q, count) for q, count in unknown]
-    return dp_accounting.ComposedDpEvent(events)
+    event = dp_accounting.ComposedDpEvent(events)
+    return event if wrap is None else wrap(event)
 
 
 def calibrate_composition(
@@ -64,9 +67,11 @@ def calibrate_composition(
     delta: float,
     accountant: str = "pld",
     rtol: float = CALIBRATION_RTOL,
+    wrap=None,
 ) -> float:
     """The one calibrator: smallest ``sigma`` such that ``fixed`` composed with ``unknown`` at ``sigma``
-    spends at most ``target_epsilon`` at ``delta``.
+    spends at most ``target_epsilon`` at ``delta`` (``wrap``: such that ``wrap`` of that composition
+    does, e.g. the private tuning around a run; its accountant must be RDP).
 
     ``fixed``: ``((sigma, q, count), ...)`` mechanisms already decided (e.g.
     DP-SNIP's release, a loaded mask's selection epoch, DP-SGD when
@@ -89,12 +94,26 @@ def calibrate_composition(
     unknown = tuple((float(accounting.check_sample_rate(q)), int(accounting.check_steps(c))) for q, c in unknown)
     if not any(count for _, count in unknown):
         raise ValueError("nothing to calibrate: no mechanism uses the unknown noise multiplier")
+    if wrap is not None and accountant != "rdp":
+        raise ValueError("a wrapped composition (a private tuning) is calibrated with the rdp accountant only")
     if fixed:
-        spent = accounting.epsilon_of_event(composition_event(fixed, (), 1.0), delta, accountant)
+        spent = accounting.epsilon_of_event(composition_event(fixed, (), 1.0, wrap), delta, accountant)
         if spent >= target:
             raise ValueError(f"the mechanisms with a fixed noise multiplier already spend epsilon={spent:.4g} "
                              f">= target {target:g}; raise their noise multiplier or the target epsilon")
+    if wrap is not None:
+        return _calibrated_wrapped(fixed, unknown, target, delta, rtol, wrap)
     return _calibrated(fixed, unknown, target, delta, accountant, rtol)
+
+
+@functools.lru_cache(maxsize=256)
+def _calibrated_wrapped(fixed: Fixed, unknown: Unknown, target: float, delta: float, rtol: float, wrap) -> float:
+    """:func:`calibrate_composition` with ``wrap`` (RDP): searched upwards from the root without it (the
+    wrap only adds epsilon, so its root lies above), memoised."""
+    lower = _calibrated(fixed, unknown, target, delta, "rdp", rtol) if not fixed else \
+        _calibrated_wrapped((), unknown, target, delta, rtol, wrap)
+    search = mechanism_calibration.LowerEndpointAndGuess(lower * (1 - 1e-3), 1.5 * lower)
+    return _solve(fixed, unknown, target, delta, "rdp", search, rtol, wrap)
 
 
 @functools.lru_cache(maxsize=256)
@@ -125,11 +144,12 @@ def _calibrated(fixed: Fixed, unknown: Unknown, target: float, delta: float, acc
 
 
 def _solve(fixed: Fixed, unknown: Unknown, target: float, delta: float, accountant: str,
-           bracket: mechanism_calibration.BracketInterval, rtol: float) -> float:
+           bracket: mechanism_calibration.BracketInterval, rtol: float, wrap=None) -> float:
     guess = getattr(bracket, "initial_guess", None) or getattr(bracket, "endpoint_2")
     try:
         return float(mechanism_calibration.calibrate_dp_mechanism(
-            lambda: accounting.make_accountant(accountant), lambda sigma: composition_event(fixed, unknown, sigma),
+            lambda: accounting.make_accountant(accountant),
+            lambda sigma: composition_event(fixed, unknown, sigma, wrap),
             target, delta, bracket_interval=bracket, tol=rtol * guess,
         ))
     except mechanism_calibration.NoBracketIntervalFoundError as error:

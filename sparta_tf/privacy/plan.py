@@ -33,6 +33,8 @@ from typing import Mapping, Sequence
 
 from sparta_tf.method_spec import Phase
 from sparta_tf.privacy import accounting, calibration
+from sparta_tf.privacy import tuning as tuning_privacy
+from sparta_tf.privacy.tuning import Repetition
 from sparta_tf.privacy.ledger import DEFAULT_KIND, LedgerEntry, PrivacyLedger
 from sparta_tf.privacy.sampling import steps_per_epoch
 
@@ -73,6 +75,22 @@ class PrivacyPlan:
     """The training phases, planned (:meth:`~sparta_tf.method_spec.Phase.planned`: with ``steps`` and
     ``epsilon_after``)."""
     nonprivate_reasons: tuple[str, ...] = ()
+    tuning: Repetition | None = None
+    """A private tuning's candidate: the noise multipliers are calibrated so that ``tuning`` of this run's
+    events (the whole procedure) meets ``target_epsilon``; each phase's ``epsilon_after`` is the run's own."""
+
+    @property
+    def run_budget(self) -> float | None:
+        """The budget a run of this plan keeps: ``target_epsilon``, or a tuning candidate's own epsilon
+        (its share of the tuning: a resumed candidate stops before it spends more than planned)."""
+        return self.epsilon if self.tuning is not None else self.target_epsilon
+
+    @property
+    def tuned_epsilon(self) -> float | None:
+        """The whole tuning's epsilon (RDP) when the plan is a tuning candidate's, else None."""
+        if self.tuning is None:
+            return None
+        return tuning_privacy.epsilon_of_tuning(self.events(), self.tuning, self.delta)
 
     @property
     def steps(self) -> int:
@@ -112,14 +130,17 @@ class PrivacyPlan:
         return self.before_training_entries() + training
 
     def to_json(self) -> dict:
+        tuning = None if self.tuning is None else self.tuning.to_dict() | {"epsilon": self.tuned_epsilon}
         return dataclasses.asdict(self) | {"steps": self.steps, "update_steps": self.update_steps,
-                                           "private": self.private,
+                                           "private": self.private, "tuning": tuning,
                                            "events": [e.to_dict() for e in self.events()]}
 
     def describe(self, trainable: Mapping[str, int | None] | None = None, total_parameters: int | None = None) -> str:
         """The plan as the dry run prints it; ``trainable``: coordinates trained per phase
         (None: chosen privately during the run) out of ``total_parameters``."""
         target = "none" if self.target_epsilon is None else f"{self.target_epsilon:g}"
+        if self.tuning is not None:
+            target += " for the whole tuning"
         lines = [
             f"private training examples n = {self.n}",
             f"sample rate q = {self.sample_rate:.6g} (expected batch {self.sample_rate * self.n:.1f}), "
@@ -167,8 +188,14 @@ def make_privacy_plan(
     before_training: Sequence[Mechanism] = (),
     training_share: float = 1.0,
     nonprivate_reasons: Sequence[str] = (),
+    tuning: Repetition | None = None,
 ) -> PrivacyPlan:
     """Calibrates every noise multiplier of a run and the epsilon after each phase (module doc).
+
+    ``tuning``: the run is one candidate of a private tuning (:class:`~sparta_tf.privacy.tuning.Repetition`):
+    every noise multiplier is calibrated so that the tuning around the run meets ``target_epsilon`` (RDP,
+    the accountant of ``RepeatAndSelectDpEvent``; the training's steps calibrated as one composition, so
+    candidates that split their phases differently get the same noise).
 
     A given ``noise_multiplier`` with a ``target_epsilon`` must meet it: :class:`FixedNoiseOverBudgetError`
     otherwise, at once (before the per-phase PLD work, which takes minutes at ``sigma = 0.01``) when one
@@ -182,13 +209,18 @@ def make_privacy_plan(
     per_epoch = steps_per_epoch(q)
     epochs = sum(p.epochs for p in phases)
     training = tuple((q, p.epochs * per_epoch) for p in phases if p.epochs)
+    if tuning is not None:
+        if noise_multiplier is not None or target_epsilon is None:
+            raise ValueError("a tuning candidate's plan calibrates its noise from the tuning's target_epsilon: "
+                             "give the target, not a noise multiplier")
+        accountant, training = tuning_privacy.ACCOUNTANT, ((q, epochs * per_epoch),)
     given = noise_multiplier is not None and target_epsilon is not None and not nonprivate_reasons
     if noise_multiplier is None:
         if target_epsilon is None:
             raise ValueError("give a target epsilon or a noise multiplier")
         known = () if training_share < 1 else _known(before_training)
         noise_multiplier = calibration.calibrate_composition(
-            known, training, training_share * target_epsilon, delta, accountant)
+            known, training, training_share * target_epsilon, delta, accountant, wrap=tuning)
     if given:
         steps = [(noise_multiplier, q)] if training else []
         steps += [(sigma, rate) for sigma, rate, _ in _known(before_training)]
@@ -196,7 +228,8 @@ def make_privacy_plan(
         if bound > target_epsilon:
             raise FixedNoiseOverBudgetError(noise_multiplier, target_epsilon,
                                             f"epsilon > {bound:.4g} (one step alone, at delta={delta:g})")
-    before = tuple(_calibrated_before(before_training, noise_multiplier, training, target_epsilon, delta, accountant))
+    before = tuple(_calibrated_before(before_training, noise_multiplier, training, target_epsilon, delta, accountant,
+                                      tuning))
     ledger = PrivacyLedger(delta, accountant=accountant)
     for reason in nonprivate_reasons:
         ledger.record_nonprivate(reason)
@@ -209,7 +242,7 @@ def make_privacy_plan(
         ledger.record(noise_multiplier, q, steps, DEFAULT_KIND, phase.name)
         planned.append(phase.planned(steps, ledger.epsilon()))
     plan = PrivacyPlan(n, q, per_epoch, epochs, float(noise_multiplier), delta, target_epsilon, accountant,
-                       before, tuple(planned), tuple(nonprivate_reasons))
+                       before, tuple(planned), tuple(nonprivate_reasons), tuning)
     if given and plan.epsilon > target_epsilon * (1 + 1e-9):
         raise FixedNoiseOverBudgetError(noise_multiplier, target_epsilon, f"epsilon={plan.epsilon:.4g}")
     return plan
@@ -246,7 +279,7 @@ def _known(mechanisms: Sequence[Mechanism]) -> tuple:
 
 
 def _calibrated_before(before: Sequence[Mechanism], sigma: float, training: tuple, target: float | None,
-                       delta: float, accountant: str):
+                       delta: float, accountant: str, tuning: Repetition | None = None):
     """``before`` with every missing noise multiplier calibrated to fill the budget."""
     unknown = tuple((m.sample_rate, m.count) for m in before if m.noise_multiplier is None)
     if not unknown:
@@ -254,6 +287,6 @@ def _calibrated_before(before: Sequence[Mechanism], sigma: float, training: tupl
     if target is None:
         raise ValueError("a mechanism before training has no noise multiplier and there is no target epsilon")
     fixed = _known(before) + tuple((sigma, q, count) for q, count in training)
-    calibrated = calibration.calibrate_composition(fixed, unknown, target, delta, accountant)
+    calibrated = calibration.calibrate_composition(fixed, unknown, target, delta, accountant, wrap=tuning)
     return [m if m.noise_multiplier is not None else dataclasses.replace(m, noise_multiplier=calibrated)
             for m in before]

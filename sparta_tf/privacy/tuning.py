@@ -26,10 +26,9 @@ each counted at most once, so add/remove of one example moves it by at most 1) p
 ``score_noise`` examples, the ledger entry ``M_{1, score_noise}`` (``kind="tuning_score"``). The
 guarantee then covers the training and the validation splits alike.
 
-:func:`calibrate_per_run_epsilon` finds the per-run budget ``eps_run`` (each candidate's plan is
-calibrated to it, so each method keeps its own split of the budget) such that the whole procedure meets
-``(epsilon, delta)``; :func:`per_run_signal` is the test behind refusing a per-run noise that leaves
-nothing to learn.
+The plan calibrates a candidate's noise multipliers so that :class:`Repetition` of its events (the
+whole procedure) meets ``(epsilon, delta)`` (each method keeps its own split of the budget);
+:func:`per_run_signal` is the test behind refusing a per-run noise that leaves nothing to learn.
 """
 
 from __future__ import annotations
@@ -178,37 +177,44 @@ def score_event(score_noise: float) -> dp_accounting.DpEvent:
     return dp_accounting.GaussianDpEvent(score_noise)
 
 
+def epsilon_of_tuning(entries: Sequence, repetition: "Repetition", delta: float) -> float:
+    """``epsilon(delta)`` of the tuning whose candidates each run ``entries`` (a ledger's) and a score."""
+    return tuning_epsilon(per_run_event(entries, repetition.score_noise), repetition.count, delta)
+
+
 def per_run_event(entries: Sequence, score_noise: float) -> dp_accounting.DpEvent:
     """One candidate: its training's ledger entries (``as_dp_event()`` each), then its score."""
     events = [entry.as_dp_event() for entry in entries if entry.count]
     return dp_accounting.ComposedDpEvent(events + [score_event(score_noise)])
 
 
+@dataclasses.dataclass(frozen=True)
+class Repetition:
+    """The tuning around one candidate: ``RepeatAndSelectDpEvent(candidate o score, mean, shape)``. Called
+    on a candidate's training event it returns the whole tuning's event; the plan calibrates its noise
+    multipliers through it (:func:`sparta_tf.privacy.plan.make_privacy_plan`'s ``tuning``), so that the
+    tuning, not one run, meets the target. Hashable: calibrations are memoised on it."""
+
+    count: CandidateCount
+    score_noise: float
+
+    def __post_init__(self) -> None:
+        score_event(self.score_noise)  # validates
+
+    def __call__(self, training: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
+        return tuning_event(dp_accounting.ComposedDpEvent([training, score_event(self.score_noise)]), self.count)
+
+    def floor(self, delta: float) -> float:
+        """The tuning's epsilon when its candidates' training costs nothing (infinite noise): what repeating
+        and scoring cost by themselves; no target at or below it can be met."""
+        return accounting.epsilon_of_event(self(dp_accounting.NoOpDpEvent()), delta, ACCOUNTANT)
+
+    def to_dict(self) -> dict:
+        return {"count": self.count.to_dict(), "score_noise": self.score_noise}
+
+
 class TuningBudgetError(accounting.PrivacyBudgetExceededError):
-    """No per-run budget makes the tuning meet the target, or the one that does leaves nothing to learn."""
-
-
-def calibrate_per_run_epsilon(per_run_at: Callable[[float], dp_accounting.DpEvent], count: CandidateCount,
-                              target_epsilon: float, delta: float, rtol: float = 1e-3) -> float:
-    """The largest per-run budget ``eps_run`` (to ``rtol``) with ``tuning_epsilon(per_run_at(eps_run)) <=
-    target_epsilon``; ``per_run_at(eps)``: one candidate's event when its plan is calibrated to ``eps``
-    (increasing in ``eps``). Bisection on ``log eps_run`` in ``(0, target]``; the tuning's epsilon is
-    checked at the returned value."""
-    target = accounting.check_target_epsilon(target_epsilon)
-    delta = accounting.check_delta(delta)
-    spent = lambda eps: tuning_epsilon(per_run_at(eps), count, delta)
-    high = target
-    low = target / 2.0
-    while spent(low) > target:
-        high, low = low, low / 2.0
-        if low < target * 1e-4:
-            raise TuningBudgetError(
-                f"no per-run budget fits target_epsilon={target:g} with a {count.describe()} (even per-run "
-                f"epsilon {low:.2g}); raise the target, or lower the mean number of candidates or its shape")
-    while high / low > 1.0 + rtol:
-        middle = math.sqrt(low * high)
-        low, high = (middle, high) if spent(middle) <= target else (low, middle)
-    return low
+    """No per-run noise makes the tuning meet the target, or the one that does leaves nothing to learn."""
 
 
 def per_run_signal(noise_multiplier: float, expected_batch_size: float, steps: int) -> float:

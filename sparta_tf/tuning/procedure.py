@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
 from sparta_tf import random_streams
 from sparta_tf.privacy import tuning as tuning_privacy
 from sparta_tf.privacy.ledger import LedgerEntry, PrivacyLedger
-from sparta_tf.privacy.tuning import CandidateCount
+from sparta_tf.privacy.tuning import CandidateCount, Repetition
 from sparta_tf.tuning import space as search_space
 
 SEED_CAVEAT = ("the tuning's seed was given (tuning.seed / tuning_seed): the number of candidates, their values, "
@@ -159,37 +159,25 @@ def released_ledger(candidate_entries: Sequence[Sequence[LedgerEntry]], *, count
     return ledger
 
 
-@dataclasses.dataclass(frozen=True)
-class TuningBudget:
-    """How a tuning splits its budget: each candidate's plan is calibrated to ``per_run_epsilon`` (its
-    training) and its score adds ``score_noise``; the whole procedure spends ``epsilon <= target``."""
-
-    target_epsilon: float
-    delta: float
-    count: CandidateCount
-    score_noise: float
-    per_run_epsilon: float
-    per_run_entries: tuple[LedgerEntry, ...]
-    epsilon: float
-
-    @property
-    def planned_entries(self) -> list[LedgerEntry]:
-        """One candidate's planned entries: its training's, then its score's."""
-        return list(self.per_run_entries) + [score_entry(self.score_noise)]
+def planned_entries(plan) -> list[LedgerEntry]:
+    """One candidate's planned entries (a tuning candidate's :class:`~sparta_tf.privacy.plan.PrivacyPlan`):
+    its training's, then its score's."""
+    return list(plan.events()) + [score_entry(plan.tuning.score_noise)]
 
 
-def calibrate_budget(plan_at, *, count: CandidateCount, target_epsilon: float, delta: float,
-                     score_noise: float) -> tuple[TuningBudget, Any]:
-    """The :class:`TuningBudget` and the candidates' plan: ``plan_at(eps)`` is a candidate's
-    :class:`~sparta_tf.privacy.plan.PrivacyPlan` calibrated to ``eps`` (RDP)."""
-    event_at = lambda eps: tuning_privacy.per_run_event(plan_at(eps).events(), score_noise)
-    per_run = tuning_privacy.calibrate_per_run_epsilon(event_at, count, target_epsilon, delta)
-    plan = plan_at(per_run)
-    epsilon = tuning_privacy.tuning_epsilon(tuning_privacy.per_run_event(plan.events(), score_noise), count, delta)
-    return TuningBudget(target_epsilon, delta, count, score_noise, per_run, tuple(plan.events()), epsilon), plan
+def tuned_plan(plan_with, repetition: Repetition, target_epsilon: float, delta: float):
+    """``plan_with(repetition)``, a candidate's plan calibrated for the tuning; a target at or below what
+    repeating and scoring cost by themselves (:meth:`Repetition.floor`) refused first, in one line."""
+    floor = repetition.floor(delta)
+    if floor >= target_epsilon:
+        raise tuning_privacy.TuningBudgetError(
+            f"no per-run noise meets target_epsilon={target_epsilon:g}: a {repetition.count.describe()} and its "
+            f"noisy scores spend epsilon {floor:.3g} by themselves; raise the target, lower the mean number of "
+            "candidates or the shape, or give a larger score_noise")
+    return plan_with(repetition)
 
 
-def check_signal(plan, budget: TuningBudget) -> float:
+def check_signal(plan) -> float:
     """Refuses (one line) a per-run noise that leaves nothing to learn
     (:func:`~sparta_tf.privacy.tuning.per_run_signal` below :data:`~sparta_tf.privacy.tuning.MIN_SIGNAL`);
     returns the signal."""
@@ -203,24 +191,25 @@ def check_signal(plan, budget: TuningBudget) -> float:
     return signal
 
 
-def describe_budget(budget: TuningBudget, plan, space: Mapping, validation_size: int, untuned=None) -> str:
+def describe_tuning(plan, space: Mapping | list, validation_size: int, untuned=None) -> str:
     """The dry run's lines on the tuning: the distribution, the space, the score, each candidate's and the
     whole procedure's epsilon, and (``untuned``: the plan of one run at the whole target) the price."""
+    repetition = plan.tuning
     signal = tuning_privacy.per_run_signal(plan.noise_multiplier, plan.sample_rate * plan.n, plan.steps)
     lines = [
-        f"private tuning: release the best of a {budget.count.describe()} (RepeatAndSelectDpEvent, RDP)",
+        f"private tuning: release the best of a {repetition.count.describe()} (RepeatAndSelectDpEvent, RDP)",
         f"search space (each candidate draws independently): {search_space.describe(space)}",
         f"score: correct predictions on the n_val = {validation_size} validation examples + N(0, "
-        f"{budget.score_noise:.3g}^2) (std {budget.score_noise / validation_size:.2%} of accuracy)",
-        f"each candidate: epsilon {budget.per_run_epsilon:.4g} (rdp) for its training, noise multiplier "
+        f"{repetition.score_noise:.3g}^2) (std {repetition.score_noise / validation_size:.2%} of accuracy)",
+        f"each candidate: epsilon {plan.epsilon:.4g} (rdp) for its training, noise multiplier "
         f"{plan.noise_multiplier:.4g}; signal sqrt(T) b / sigma = {signal:.4g} (refused below "
         f"{tuning_privacy.MIN_SIGNAL:g})",
-        f"whole tuning: epsilon {budget.epsilon:.4g} of target {budget.target_epsilon:g} (delta {budget.delta:g})",
+        f"whole tuning: epsilon {plan.tuned_epsilon:.4g} of target {plan.target_epsilon:g} (delta {plan.delta:g})",
     ]
     if untuned is not None:
         untuned_signal = tuning_privacy.per_run_signal(untuned.noise_multiplier, untuned.sample_rate * untuned.n,
                                                        untuned.steps)
-        lines.append(f"price of tuning: one untuned run at epsilon {budget.target_epsilon:g} would have noise "
+        lines.append(f"price of tuning: one untuned run at epsilon {plan.target_epsilon:g} would have noise "
                      f"multiplier {untuned.noise_multiplier:.4g} ({untuned.accountant}), signal {untuned_signal:.4g}: "
                      f"each candidate trains with {plan.noise_multiplier / untuned.noise_multiplier:.2f}x its noise")
     return "\n".join(lines)

@@ -1,0 +1,138 @@
+"""``sparta-tune`` (issue 51): every method tunes through the CLI; the dry run shows the price of tuning
+and writes nothing; a tuning killed with SIGKILL resumes with the same candidates and never under-counts;
+the tuning section's mistakes are one line."""
+
+import json
+import math
+import os
+import signal
+import time
+
+import pytest
+
+from sparta_tf.methods import METHODS
+from sparta_tf.privacy.ledger import PrivacyLedger
+from sparta_tf.privacy.tuning import CandidateCount, per_run_event, tuning_epsilon
+from sparta_tf.tuning import procedure
+from small_configs import set_key, tiny_config
+from small_runs import sparta_train, sparta_tune, start_sparta_tune, wait_mid_epoch_after
+from trainers import tune
+from trainers.config import ConfigError, validate
+
+OPTIONS = {"x_bitfit": {"full_epochs": 1}}
+
+
+def tuning_config(out, method="sparta", epochs=3, mean=1.5, seed=0, **training) -> dict:
+    """:func:`tiny_config` with a learning-rate tuning (seed 0 at mean 1.5: one candidate; mean 2: two)."""
+    config = tiny_config(out, method, epochs=epochs, **training)
+    config["method"].update(OPTIONS.get(method, {}))
+    config["tuning"] = {"space": {"training.learning_rate": [0.03, 0.1]}, "mean": mean, "seed": seed}
+    return config
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_every_method_tunes_through_the_cli(method, tmp_path):
+    results = tune.tune(validate(tuning_config(tmp_path / "t", method)))
+    out = tmp_path / "t"
+    assert results["released"] and results["hyperparameters"]["training.learning_rate"] in (0.03, 0.1)
+    ledger = PrivacyLedger.load(out / "ledger.json")
+    assert ledger.tuning == CandidateCount(1.5, "geometric")
+    assert (out / "model.keras").exists() and (out / "export").is_dir()
+    released = json.loads((out / "results.json").read_text())
+    assert "candidates" not in released and all("candidates" not in str(v) for v in released.values())
+    if method == "oracle":
+        assert not results["private"] and results["epsilon"] is None
+        return
+    assert results["epsilon"] <= 8.0 * (1 + 1e-9) and results["epsilon"] == ledger.epsilon()
+
+
+def test_the_dry_run_prints_the_price_of_tuning_and_writes_nothing(tmp_path, write_config):
+    out = tmp_path / "dry"
+    result = sparta_tune(write_config(tuning_config(out, mean=4)), "--dry-run", timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for text in ("private tuning: release the best of a geometric number of candidate runs, mean 4",
+                 "each candidate: epsilon", "whole tuning: epsilon", "price of tuning: one untuned run at epsilon 8",
+                 "x its noise", "noise multiplier sigma ="):
+        assert text in result.stdout, result.stdout
+    assert not out.exists()
+
+
+def test_a_tuning_that_leaves_nothing_to_learn_is_refused_in_one_line(tmp_path, write_config):
+    config = set_key(tuning_config(tmp_path / "t", mean=50), "privacy.target_epsilon", 0.02)
+    result = sparta_tune(write_config(config), "--dry-run", timeout=600)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("config error")]
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("config error: tuning: "), result.stderr
+    assert "no candidate can learn" in lines[0] or "no per-run budget" in lines[0]
+
+
+def test_sigkill_mid_candidate_then_resume_keeps_the_draws_and_never_undercounts(tmp_path, write_config):
+    out = tmp_path / "killed"
+    path = write_config(tuning_config(out, epochs=6, mean=2, seed=0, batch_size=12))
+    process = start_sparta_tune(path)
+    second = out / "candidates" / "001"
+    try:
+        assert wait_mid_epoch_after(second, 2, time.time() + 400), "the second candidate did not get going in time"
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    assert not (out / "results.json").exists()
+    state_before = (out / "tuning.json").read_text()
+    first_results = (out / "candidates" / "000" / "results.json").stat().st_mtime_ns
+    fresh = sparta_tune(path, timeout=300)
+    assert fresh.returncode == 2 and "holds an interrupted tuning" in fresh.stderr, fresh.stderr[-1000:]
+
+    result = sparta_tune(path, "--resume", timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (out / "tuning.json").read_text() == state_before  # the same K, values and seeds: nothing drawn again
+    assert (out / "candidates" / "000" / "results.json").stat().st_mtime_ns == first_results  # not run again
+    state = json.loads(state_before)
+    count = CandidateCount.from_dict(state["draws"]["count"])
+    released = PrivacyLedger.load(out / "ledger.json")
+    killed = PrivacyLedger.load(second / "ledger.json")
+    assert any(entry.phase == "interrupted" for entry in killed.entries)  # the killed steps stay charged
+    for index in range(len(state["draws"]["candidates"])):
+        candidate = PrivacyLedger.load(out / "candidates" / f"{index:03d}" / "ledger.json")
+        mine, theirs = procedure.plan_signature(candidate.entries), procedure.plan_signature(released.entries)
+        assert all(theirs.get(key, 0) >= count_ for key, count_ in mine.items())
+        training = [e for e in candidate.entries if e.kind != "tuning_score"]
+        assert released.epsilon() >= tuning_epsilon(per_run_event(training, state["score_noise"]), count,
+                                                    released.delta) - 1e-12
+    assert released.epsilon() <= 8.0 * (1 + 1e-9)
+    results = json.loads((out / "results.json").read_text())
+    assert results["released"] and results["epsilon"] == released.epsilon()
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("tuning.space", {"training.epochs": [2, 3]}, "tuning.space.training.epochs changes the number of steps"),
+    ("tuning.space", {"privacy.target_epsilon": [2, 8]}, "changes the budget"),
+    ("tuning.space", {"training.nope": [1]}, "training has no key 'nope'"),
+    ("tuning.space", {"learning_rate": [1]}, "name a key as section.key"),
+    ("tuning.space", {"training.learning_rate": [-1.0]}, "is not a valid config"),
+    ("tuning.space", None, "tuning.space is required"),
+    ("tuning.mean", 0.5, "tuning.mean=0.5 must be a number >= 1"),
+    ("tuning.shape", "binomial", "tuning.shape='binomial'"),
+    ("tuning.score_noise", 0, "tuning.score_noise=0 must be > 0"),
+    ("tuning.extra", 1, "unknown key tuning.extra"),
+    ("privacy.noise_multiplier", 1.0, "privacy.noise_multiplier is set"),
+])
+def test_tuning_section_mistakes_are_one_line(tmp_path, key, value, message):
+    with pytest.raises(ConfigError) as error:
+        validate(set_key(tuning_config(tmp_path), key, value))
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_sparta_tune_needs_a_tuning_section_and_sparta_train_notes_it(tmp_path, write_config):
+    plain = sparta_tune(write_config(tiny_config(tmp_path / "a")), "--dry-run", timeout=300)
+    assert plain.returncode == 2 and "the config has no tuning section" in plain.stderr
+    noted = sparta_train(write_config(tuning_config(tmp_path / "b", epochs=1, method="bitfit")), "--dry-run",
+                         timeout=300)
+    assert noted.returncode == 0 and "the tuning section is sparta-tune's" in noted.stderr
+
+
+def test_a_space_key_that_changes_the_mechanism_of_some_candidates_is_refused(tmp_path, capsys):
+    config = tuning_config(tmp_path / "t", "dp_frost")
+    config["tuning"]["space"] = {"method.r_eps": [0.2, 0.5]}
+    with pytest.raises(ConfigError, match="runs other privacy mechanisms"):
+        tune.tune(validate(config))
+    assert not os.path.exists(tmp_path / "t" / tune.STATE)
+    assert math.isfinite(procedure.default_score_noise(100))

@@ -1,0 +1,83 @@
+"""``sparta_tf.tune_privately`` (issue 51): every method tunes on the quickstart data (scikit-learn's digits,
+the README's private classes 5-9) and releases one candidate whose ledger is the whole procedure's; the
+score reads the validation split only; keys that would change the mechanism are refused."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import sparta_tf
+from sparta_tf.data import load_dataset
+from sparta_tf.methods import METHODS
+from sparta_tf.privacy.tuning import CandidateCount, per_run_event, tuning_epsilon
+from sparta_tf.tuning import library, procedure
+
+OPTIONS = {"sparta": {"warmup_epochs": 1}, "dpsgd_grad": {"warmup_epochs": 1}, "oracle": {"warmup_epochs": 1},
+           "x_bitfit": {"full_epochs": 1}}
+SEED = 4  # two candidates at mean 2 (geometric): a selection happens
+
+
+@pytest.fixture(scope="module")
+def digits():
+    data = load_dataset({"source": "digits", "classes": [5, 6, 7, 8, 9], "val_fraction": 0.2, "limit_train": 400},
+                        seed=0)
+    return data
+
+
+def build_model():
+    tf.keras.utils.set_random_seed(0)
+    return tf.keras.Sequential([tf.keras.Input((8, 8, 1)), tf.keras.layers.Flatten(),
+                                tf.keras.layers.Dense(16, activation="relu", name="d1"),
+                                tf.keras.layers.Dense(5, name="head")])
+
+
+def tune(digits, method="sparta", **kwargs):
+    arguments = dict(validation_data=(digits.x_val, digits.y_val), space={"learning_rate": [0.1, 0.5]},
+                     target_epsilon=8.0, delta=1e-3, epochs=3, batch_size=64, method=method, mean=2.0,
+                     tuning_seed=SEED, **OPTIONS.get(method, {}))
+    arguments.update(kwargs)
+    return sparta_tf.tune_privately(build_model, digits.x_train, digits.y_train, **arguments)
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_every_method_tunes_and_releases_one_candidate(method, digits):
+    result = tune(digits, method)
+    count = CandidateCount(2.0, "geometric")
+    assert result.model is not None and result.hyperparameters["learning_rate"] in (0.1, 0.5)
+    assert result.model.ledger is result.ledger and result.ledger.tuning == count
+    assert 0.0 <= result.score <= 1.0 + 0.2  # a noisy accuracy
+    if method == "oracle":  # non-private selection: the tuning says so
+        assert not result.ledger.is_private and result.epsilon == np.inf
+        return
+    assert result.epsilon <= 8.0 * (1 + 1e-9)
+    planned = [e for e in result.ledger.entries if e.kind != "tuning_score"]
+    assert result.epsilon == pytest.approx(tuning_epsilon(per_run_event(planned, procedure.default_score_noise(
+        len(digits.y_val))), count, 1e-3), rel=1e-9)
+    assert result.model.evaluate(digits.x_test, digits.y_test, verbose=0) is not None
+
+
+def test_the_score_reads_the_validation_split_only(digits, monkeypatch):
+    seen = []
+    original = procedure.count_correct
+
+    def spy(model, x, y, batch_size=256):
+        seen.append((x, y))
+        return original(model, x, y, batch_size)
+
+    monkeypatch.setattr(procedure, "count_correct", spy)
+    tune(digits)
+    assert seen and all(x is digits.x_val and y is digits.y_val for x, y in seen)
+
+
+def test_space_names_that_change_the_mechanism_are_refused(digits):
+    for name in ("epochs", "batch_size", "noise_multiplier", "target_epsilon"):
+        with pytest.raises(ValueError, match=f"space.{name} would change the privacy mechanism"):
+            tune(digits, space={name: [1, 2]})
+    with pytest.raises(ValueError, match="validation"):
+        tune(digits, validation_data=(digits.x_val[:0], digits.y_val[:0]))
+
+
+def test_the_tuning_seed_given_is_a_caveat_and_the_default_is_secret(digits):
+    assert procedure.SEED_CAVEAT in tune(digits, mean=1.2).ledger.caveats()
+    assert procedure.SEED_CAVEAT not in tune(digits, mean=1.2, tuning_seed=None).ledger.caveats()
+    assert library.default_optimizer().learning_rate.numpy() == pytest.approx(0.1)
