@@ -39,6 +39,8 @@ import utility  # noqa: E402
 from sparta_tf.atomic_files import write_atomic  # noqa: E402
 
 TRACK, PROFILE = "cifar10-transfer", "standard"
+SMOKE = {"methods": ("sparta",), "epsilons": (8.0,), "seeds": (0,), "mean": 1.5}
+"""``--smoke`` (CI): the smoke profile's tiny runs, one cell, so that the script cannot rot."""
 METHODS = ("sparta", "all")
 EPSILONS = (8.0, 2.0)
 SEEDS = (0, 1, 2)
@@ -48,11 +50,11 @@ MEAN, SHAPE = 3, "geometric"
 NAME = f"{TRACK}-tuned"
 
 
-def cell_config(base: dict, method: str, epsilon: float, seed: int, work_dir: str) -> dict:
+def cell_config(base: dict, method: str, epsilon: float, seed: int, work_dir: str, mean: float = MEAN) -> dict:
     config = utility.cell_config(base, method, epsilon, seed, GRIDS[method][0], utility.DEFAULT_DENSITY,
                                  os.path.join(work_dir, f"{method}-eps{epsilon:g}-seed{seed}"))
     config["tuning"] = {"space": [{"training.learning_rate": lr, "training.head_learning_rate": 10 * lr}
-                                  for lr in GRIDS[method]], "mean": MEAN, "shape": SHAPE, "seed": 1000 + seed}
+                                  for lr in GRIDS[method]], "mean": mean, "shape": SHAPE, "seed": 1000 + seed}
     return config
 
 
@@ -84,9 +86,12 @@ def run_tuning(config: dict) -> dict:
     return results | {"candidates": len(state["draws"]["candidates"]), "candidate_seconds": seconds}
 
 
-def today(method: str, epsilon: float) -> list[float]:
-    """The standard profile's test accuracies (seeds 0-2, rate tuned non-privately) at ``epsilon``."""
-    with open(os.path.join(ROOT, "benchmarks", "results", f"{TRACK}-{PROFILE}.json")) as f:
+def today(method: str, epsilon: float, profile: str = PROFILE) -> list[float]:
+    """The profile's test accuracies (seeds 0-2, rate tuned non-privately) at ``epsilon``."""
+    path = os.path.join(ROOT, "benchmarks", "results", f"{TRACK}-{profile}.json")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
         runs = json.load(f)["runs"]
     return [r["test_accuracy"] for r in runs if r["method"] == method and r["target_epsilon"] == epsilon
             and r["kind"] == "main" and r["seed"] in SEEDS]
@@ -103,8 +108,20 @@ def interval(values: list[float]) -> str:
     return f"{mean:.4f} ± {half:.4f} (n = {len(values)})"
 
 
-def report(records: list[dict], missing: list[str], out_dir: str) -> None:
-    write_atomic(os.path.join(out_dir, f"{NAME}.json"),
+def progress(config: dict) -> str:
+    """An unfinished tuning's progress: its finished candidates of its total (read from its private state)."""
+    out = config["output_dir"]
+    try:
+        with open(os.path.join(out, "tuning.json")) as f:
+            total = len(json.load(f)["draws"]["candidates"])
+    except OSError:
+        return "not started"
+    done = sum(os.path.exists(os.path.join(out, "candidates", f"{i:03d}", "results.json")) for i in range(total))
+    return f"{done} of {total} candidates done"
+
+
+def report(records: list[dict], missing: list[str], out_dir: str, name: str = NAME) -> None:
+    write_atomic(os.path.join(out_dir, f"{name}.json"),
                  json.dumps({"mean": MEAN, "shape": SHAPE, "grids": GRIDS, "runs": records, "missing": missing},
                             indent=1))
     lines = [f"# {TRACK}: privately tuned (sparta-tune) vs today's non-privately tuned rate", "",
@@ -112,6 +129,8 @@ def report(records: list[dict], missing: list[str], out_dir: str) -> None:
              "from the method's grid, the best by noisy validation accuracy released; training and selection "
              "within the total epsilon (delta 1e-5). Today's: the standard profile's runs at the rate chosen "
              "non-privately at epsilon 2 on the same validation split. 95% t-intervals over seeds.", "",
+             "Run (resumes): `python benchmarks/tuning.py --data-dir ../shared/data --jobs 2`; the tuning seeds are "
+             "public (1000 + seed) so that the benchmark reproduces, which the released ledgers note.", "",
              "| method | epsilon | privately tuned (covered) | today's rate (not covered) | rates released | "
              "per-run epsilon | candidates (total) | CPU-hours |", "|---|---|---|---|---|---|---|---|"]
     for method in METHODS:
@@ -123,14 +142,14 @@ def report(records: list[dict], missing: list[str], out_dir: str) -> None:
             rates = [r["hyperparameters"]["training.learning_rate"] for r in mine if r.get("released")]
             hours = sum(sum(r["candidate_seconds"]) for r in mine) / 3600
             lines.append(f"| {method} | {epsilon:g} | {interval(accuracies) if accuracies else '-'} | "
-                         f"{interval(today(method, epsilon))} | {rates} | {mine[0]['per_run_epsilon']:.3g} | "
+                         f"{interval(today(method, epsilon)) if today(method, epsilon) else '-'} | {rates} | {mine[0]['per_run_epsilon']:.3g} | "
                          f"{sum(r['candidates'] for r in mine)} | {hours:.1f} |")
     total = sum(sum(r["candidate_seconds"]) for r in records) / 3600
     lines += ["", f"Cost so far: {sum(r['candidates'] for r in records)} candidate runs, {total:.1f} CPU-hours "
               "(each run's preparation + training wall time, about one core each)."]
     if missing:
-        lines += ["", f"Missing (not yet run; resumable): {', '.join(missing)}."]
-    write_atomic(os.path.join(out_dir, f"{NAME}.md"), "\n".join(lines) + "\n")
+        lines += ["", f"Missing (resumable with the command above): {'; '.join(missing)}."]
+    write_atomic(os.path.join(out_dir, f"{name}.md"), "\n".join(lines) + "\n")
 
 
 def main(argv=None) -> int:
@@ -139,19 +158,35 @@ def main(argv=None) -> int:
     parser.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "tuning", NAME))
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
     parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--report", action="store_true", help="rewrite the report from the finished tunings and "
+                        "the progress of the others; run nothing")
+    parser.add_argument("--smoke", action="store_true", help="one tiny cell on the smoke profile's sizes (CI)")
     args = parser.parse_args(argv)
-    base = utility.base_config(TRACK, utility.PROFILES[PROFILE], args.data_dir, "", args.work_dir)
-    cells = [(m, e, s) for s in SEEDS for e in EPSILONS for m in METHODS]
+    profile = utility.PROFILES["smoke" if args.smoke else PROFILE]
+    base = utility.base_config(TRACK, profile, args.data_dir, "", args.work_dir)
+    methods, epsilons, seeds = (SMOKE["methods"], SMOKE["epsilons"], SMOKE["seeds"]) if args.smoke else \
+        (METHODS, EPSILONS, SEEDS)
+    name = f"{TRACK}-tuned-smoke" if args.smoke else NAME
+    cells = [(m, e, s) for s in seeds for e in epsilons for m in methods]
+    mean = SMOKE["mean"] if args.smoke else MEAN
+    configs = {cell: cell_config(copy.deepcopy(base), *cell, args.work_dir, mean) for cell in cells}
     records: dict[tuple, dict] = {}
-    names = {cell: f"{cell[0]} eps {cell[1]:g} seed {cell[2]}" for cell in cells}
+    names = {cell: f"{cell[0]} eps {cell[1]:g} seed {cell[2]} ({progress(configs[cell])})" for cell in cells}
+    if args.report:
+        for cell in cells:
+            if os.path.exists(os.path.join(configs[cell]["output_dir"], "results.json")):
+                records[cell] = {"method": cell[0], "target_epsilon": cell[1], "seed": cell[2],
+                                 **run_tuning(configs[cell])}
+        report([records[c] for c in cells if c in records], [names[c] for c in cells if c not in records],
+               args.out_dir, name)
+        return 0
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        futures = {pool.submit(run_tuning, cell_config(copy.deepcopy(base), *cell, args.work_dir)): cell
-                   for cell in cells}
+        futures = {pool.submit(run_tuning, configs[cell]): cell for cell in cells}
         for future in concurrent.futures.as_completed(futures):
             cell = futures[future]
             records[cell] = {"method": cell[0], "target_epsilon": cell[1], "seed": cell[2], **future.result()}
             ordered = [records[c] for c in cells if c in records]
-            report(ordered, [names[c] for c in cells if c not in records], args.out_dir)
+            report(ordered, [names[c] for c in cells if c not in records], args.out_dir, name)
     return 0
 
 

@@ -213,6 +213,8 @@ def config_tables() -> str:
         if section == "method":
             out += (_method_section_from_spec(spec_module, defaults["method"]["name"]) if spec_module is not None
                     else _method_section_from_options(config))
+        elif section == "tuning":
+            out += _tuning_section()
         elif not schema.get(section):
             out.append(f"Free-form: the keys are checked by the {section} loader "
                        f"([`{section}` keys](#{section}-keys)).")
@@ -221,6 +223,14 @@ def config_tables() -> str:
     out.append("\n## `data` keys {#data-keys}\n")
     out.append(data_keys_table())
     return "\n".join(out) + "\n"
+
+
+def _tuning_section() -> list[str]:
+    """The ``tuning`` section's keys (``trainers/tuning_config.py``'s ``DEFAULTS``, read without importing it)."""
+    defaults = _literal_assignments(ROOT / "trainers" / "tuning_config.py").get("DEFAULTS", {})
+    rows = ["Read by `sparta-tune` only ([Tuning hyperparameters privately](../tuning.md)); `sparta-train` "
+            "ignores it with a note.", "", "| key | default |", "|---|---|"]
+    return rows + [f"| `tuning.{key}` | `{_yaml_value(value)}` |" for key, value in defaults.items()]
 
 
 # --- the CLI reference ----------------------------------------------------------------------------

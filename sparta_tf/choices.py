@@ -18,3 +18,24 @@ ENGINES: tuple[str, ...] = ("auto", "bookkeeping", "layerwise", "vectorized")
 
 STRATEGIES: tuple[str, ...] = ("default", "mirrored", "multi_worker")
 """The ``tf.distribute`` strategies a run can use (:mod:`sparta_tf.distribute`)."""
+
+CANDIDATE_DISTRIBUTIONS: dict[str, float] = {"geometric": 1.0, "logarithmic": 0.0, "poisson": float("inf")}
+"""The distributions of a private tuning's number of candidates that have a name, by their shape
+(:class:`sparta_tf.privacy.tuning.CandidateCount`; any other shape in ``(0, inf)`` is a truncated
+negative binomial)."""
+
+
+def candidate_shape(shape) -> float:
+    """``shape`` (a number ``>= 0``, ``"inf"``, or a name of :data:`CANDIDATE_DISTRIBUTIONS`) as a float in
+    ``[0, inf]``, else a one-line ValueError."""
+    if isinstance(shape, str):
+        if shape in ("inf", "infinity"):
+            return float("inf")
+        if shape not in CANDIDATE_DISTRIBUTIONS:
+            raise ValueError(f"shape={shape!r}: give a number >= 0 (0 logarithmic, 1 geometric, inf Poisson, "
+                             f"else a truncated negative binomial) or one of {sorted(CANDIDATE_DISTRIBUTIONS)}")
+        return CANDIDATE_DISTRIBUTIONS[shape]
+    if isinstance(shape, bool) or not isinstance(shape, (int, float)) or shape != shape or shape < 0:
+        raise ValueError(f"shape={shape!r} must be a number >= 0 (0 logarithmic, 1 geometric, inf Poisson, "
+                         "else a truncated negative binomial)")
+    return float(shape)

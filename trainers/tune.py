@@ -20,7 +20,6 @@ Private (never released): ``tuning.json``, ``candidates/`` and the log.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 
@@ -49,7 +48,7 @@ STATE_VERSION = 1
 
 def count_of(config: dict) -> CandidateCount:
     tuning = config["tuning"]
-    return CandidateCount(tuning["mean"], math.inf if tuning["shape"] in ("inf", "infinity") else tuning["shape"])
+    return CandidateCount(tuning["mean"], tuning["shape"])
 
 
 def repetition_of(config: dict, validation_size: int) -> Repetition:
@@ -280,13 +279,13 @@ def _release(config: dict, state: dict, draws, scores, ledgers, caveats, nonpriv
             results["export_dir"] = os.path.join(output_dir, "export", version)
     write_atomic(os.path.join(output_dir, RESULTS), json.dumps(results, indent=1))
     print(ledger.report())
+    spent = f"epsilon {results['epsilon']:.4g}" if results["private"] else "NO privacy guarantee"
     if best is None:
-        print(f"== nothing released: {results['reason']}; the tuning spent epsilon {results['epsilon']:.4g}")
+        print(f"== nothing released: {results['reason']}; the tuning spent {spent}")
     else:
         print(f"== released the best candidate: {results['hyperparameters']}, noisy validation accuracy "
               f"{results['validation_score']:.4f}, test accuracy {results.get('test_accuracy', float('nan')):.4f} at "
-              f"epsilon {results['epsilon']:.4g} (delta {privacy['delta']:g}); results in "
-              f"{os.path.join(output_dir, RESULTS)}")
+              f"{spent} (delta {privacy['delta']:g}); results in {os.path.join(output_dir, RESULTS)}")
     return results
 
 

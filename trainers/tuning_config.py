@@ -24,7 +24,7 @@ import math
 import numbers
 from typing import Any
 
-from sparta_tf.privacy.tuning import check_shape
+from sparta_tf.choices import candidate_shape
 from sparta_tf.tuning.space import check_space, corners, names
 
 TUNABLE_SECTIONS = ("training", "method", "privacy")
@@ -67,7 +67,7 @@ def validate_tuning(raw: Any, config: dict, validate) -> dict:
         raise TuningConfigError("tuning.space is required, e.g. {training.learning_rate: [0.03, 0.1, 0.3]}")
     try:
         tuning["space"] = check_space(tuning["space"], "tuning.space")
-        shape = check_shape(_number_or_name(tuning["shape"]))
+        shape = candidate_shape(tuning["shape"])
     except ValueError as error:
         raise TuningConfigError(str(error) if str(error).startswith("tuning.") else f"tuning.{error}") from None
     mean = tuning["mean"]
@@ -97,12 +97,6 @@ def validate_tuning(raw: Any, config: dict, validate) -> dict:
         raise TuningConfigError("privacy.noise_multiplier is set: a tuning calibrates each candidate's noise from "
                                 "privacy.target_epsilon (the whole tuning's budget); leave it null")
     return tuning
-
-
-def _number_or_name(shape: Any) -> Any:
-    if isinstance(shape, str) and shape in ("inf", "infinity"):
-        return math.inf
-    return shape
 
 
 def _check_key(key: str, config: dict) -> None:

@@ -83,7 +83,7 @@ class PrivacyPlan:
     def run_budget(self) -> float | None:
         """The budget a run of this plan keeps: ``target_epsilon``, or a tuning candidate's own epsilon
         (its share of the tuning: a resumed candidate stops before it spends more than planned)."""
-        return self.epsilon if self.tuning is not None else self.target_epsilon
+        return self.epsilon if self.tuning is not None and self.private else self.target_epsilon
 
     @property
     def tuned_epsilon(self) -> float | None:

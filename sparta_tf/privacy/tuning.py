@@ -41,12 +41,13 @@ from typing import Callable, Sequence
 import dp_accounting
 import numpy as np
 
+from sparta_tf.choices import CANDIDATE_DISTRIBUTIONS, candidate_shape
 from sparta_tf.privacy import accounting
 
 ACCOUNTANT = "rdp"
 """The only accountant of ``RepeatAndSelectDpEvent`` in dp-accounting (its PLD accountant refuses it)."""
 
-DISTRIBUTIONS: dict[str, float] = {"poisson": math.inf, "geometric": 1.0, "logarithmic": 0.0}
+DISTRIBUTIONS = CANDIDATE_DISTRIBUTIONS
 """Names of the shapes with a name of their own (any other shape in ``(0, inf)`` is a truncated negative
 binomial)."""
 
@@ -61,15 +62,7 @@ _GAMMA_BISECTIONS = 200
 
 def check_shape(shape: float | str) -> float:
     """``shape`` as a float in ``[0, inf]`` (or one of :data:`DISTRIBUTIONS`' names), else a one-line ValueError."""
-    if isinstance(shape, str):
-        if shape not in DISTRIBUTIONS:
-            raise ValueError(f"shape={shape!r}: give a number >= 0 (0 logarithmic, 1 geometric, inf Poisson, "
-                             f"else a truncated negative binomial) or one of {sorted(DISTRIBUTIONS)}")
-        return DISTRIBUTIONS[shape]
-    if isinstance(shape, bool) or not isinstance(shape, numbers.Real) or math.isnan(shape) or shape < 0:
-        raise ValueError(f"shape={shape!r} must be a number >= 0 (0 logarithmic, 1 geometric, inf Poisson, "
-                         "else a truncated negative binomial)")
-    return float(shape)
+    return candidate_shape(shape)
 
 
 @dataclasses.dataclass(frozen=True)
