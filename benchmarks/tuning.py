@@ -141,8 +141,9 @@ def report(records: list[dict], missing: list[str], out_dir: str, name: str = NA
             accuracies = [r["test_accuracy"] for r in mine if r.get("released")]
             rates = [r["hyperparameters"]["training.learning_rate"] for r in mine if r.get("released")]
             hours = sum(sum(r["candidate_seconds"]) for r in mine) / 3600
+            previous = today(method, epsilon)
             lines.append(f"| {method} | {epsilon:g} | {interval(accuracies) if accuracies else '-'} | "
-                         f"{interval(today(method, epsilon)) if today(method, epsilon) else '-'} | {rates} | {mine[0]['per_run_epsilon']:.3g} | "
+                         f"{interval(previous) if previous else '-'} | {rates} | {mine[0]['per_run_epsilon']:.3g} | "
                          f"{sum(r['candidates'] for r in mine)} | {hours:.1f} |")
     total = sum(sum(r["candidate_seconds"]) for r in records) / 3600
     lines += ["", f"Cost so far: {sum(r['candidates'] for r in records)} candidate runs, {total:.1f} CPU-hours "

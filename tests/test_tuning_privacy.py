@@ -35,7 +35,8 @@ def direct_epsilon(sigma, q, steps, score_noise, mean, shape, delta):
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_the_procedures_epsilon_is_dp_accountings(shape):
-    entries = [LedgerEntry(1.1, 0.05, 300, "dp_sgd_step", "warmup"), LedgerEntry(1.1, 0.05, 100, "dp_sgd_step", "sparse")]
+    entries = [LedgerEntry(1.1, 0.05, 300, "dp_sgd_step", "warmup"),
+               LedgerEntry(1.1, 0.05, 100, "dp_sgd_step", "sparse")]
     count = CandidateCount(4.0, shape)
     ours = tuning_epsilon(per_run_event(entries, 12.0), count, 1e-5)
     assert ours == pytest.approx(direct_epsilon(1.1, 0.05, 400, 12.0, 4.0, shape, 1e-5), rel=1e-9)
@@ -163,10 +164,9 @@ def test_the_space_draws_each_value_with_its_law_and_refuses_bad_entries():
 
 
 def test_the_released_ledger_dominates_every_candidate_including_one_that_ran_more():
-    planned = [LedgerEntry(1.2, 0.05, 80, "dp_sgd_step", "warmup"), LedgerEntry(1.2, 0.05, 320, "dp_sgd_step", "sparse"),
-               procedure.score_entry(12.0)]
-    resumed = [LedgerEntry(1.2, 0.05, 85, "dp_sgd_step", "warmup"), LedgerEntry(1.2, 0.05, 320, "dp_sgd_step", "sparse"),
-               procedure.score_entry(12.0)]
+    sparse = LedgerEntry(1.2, 0.05, 320, "dp_sgd_step", "sparse")
+    planned = [LedgerEntry(1.2, 0.05, 80, "dp_sgd_step", "warmup"), sparse, procedure.score_entry(12.0)]
+    resumed = [LedgerEntry(1.2, 0.05, 85, "dp_sgd_step", "warmup"), sparse, procedure.score_entry(12.0)]
     count = CandidateCount(3.0, 1.0)
     ledger = procedure.released_ledger([planned, planned[:1], resumed], count=count, delta=1e-5, target_epsilon=8.0)
     for candidate in (planned, resumed):

@@ -85,20 +85,27 @@ def tune_privately(
 
     Args:
       build_model: returns a fresh Keras model (e.g. the pre-trained backbone with a new head) per candidate.
-      x, y: the private training split (``y``: integer labels, as the score compares ``argmax``).
+      x: the private training split's inputs.
+      y: its integer labels (the score compares them with ``argmax`` of the outputs).
       validation_data: ``(x_val, y_val)``, private examples never trained on; the score's split.
       space: names to draw -> a list, ``{"log_uniform": [low, high]}`` or ``{"uniform": [low, high]}``
         (or a list of points, :mod:`sparta_tf.tuning.space`). A name is an argument of ``optimizer``
         (``learning_rate``, ``momentum``) or a :func:`make_private` option (``clip_norm``, ``ema``, the
         method's options such as ``density``); not one of :data:`FIXED`.
-      target_epsilon, delta: the budget of the whole tuning.
-      epochs, batch_size, method: as for :func:`make_private`, the same for every candidate.
-      mean, shape: the distribution of the number of candidates (:class:`CandidateCount`).
+      target_epsilon: the epsilon of the whole tuning.
+      delta: its delta.
+      epochs: epochs of every candidate, as for :func:`make_private`.
+      batch_size: every candidate's expected batch size.
+      method: every candidate's method.
+      mean: the mean number of candidates (:class:`~sparta_tf.privacy.tuning.CandidateCount`).
+      shape: that distribution's shape (``"geometric"``, ``"logarithmic"``, ``"poisson"`` or a number >= 0).
       optimizer: builds a candidate's optimizer from its drawn optimizer arguments.
-      loss, metrics: for ``compile`` (default loss: sparse categorical cross-entropy on logits).
+      loss: for ``compile`` (default: sparse categorical cross-entropy on logits).
+      metrics: for ``compile``.
       score_noise: std (examples) of the noisy validation count; None: ``sqrt(n_val) / 2``.
       tuning_seed: the secret seed of the draws (None: a fresh one from the OS; a given one becomes a
         caveat in the ledger).
+      verbose: ``fit``'s verbosity.
       **make_private_options: every candidate's other :func:`make_private` options.
     """
     x_val, y_val = validation_data
