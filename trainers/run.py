@@ -262,8 +262,10 @@ def train(config: dict, resume: bool = False, hooks=None) -> dict:
     (:mod:`trainers.tune`): when given, it has ``private_data(dataset) -> dataset`` (applied to the loaded
     private data before the plan and the sample rate are made) and ``callbacks() -> list`` (extra Keras
     callbacks for the DP ``fit``); optionally ``run_seed`` and ``run_seed_is_public`` (the DP run's seed
-    instead of ``training.seed``, which then seeds the data streams only) and ``after_fit(dp, dataset) -> dict``
-    (called once training ended, before the ledger is saved; its dict joins ``results.json``).
+    instead of ``training.seed``, which then seeds the data streams only), ``tuning`` (the plan is a tuning
+    candidate's), ``check_plan(plan)`` (may refuse the plan before anything runs) and
+    ``after_fit(dp, dataset) -> dict`` (called once training ended, before the ledger is saved; its dict joins
+    ``results.json``).
     """
     apply_process_settings(config)
     strategy = distribute.make_strategy(config["training"]["strategy"])  # before any other TensorFlow op
@@ -286,6 +288,8 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
     timings["prepare_s"] = time.perf_counter() - start
     method = build_method(config, output_dir, model)
     plan = make_plan(config, dataset, method, getattr(hooks, "tuning", None))
+    if hasattr(hooks, "check_plan"):
+        hooks.check_plan(plan)
     print(describe(plan, method, model, config))
     _warn_of_caveats(config, dataset, plan.private)
     print(strategy_line(config["training"]["strategy"]))

@@ -135,9 +135,20 @@ class CandidateHooks:
 
     run_seed_is_public = False
 
-    def __init__(self, index: int, draws: procedure.Draws, tuning: Repetition, output_dir: str):
+    def __init__(self, index: int, draws: procedure.Draws, tuning: Repetition, output_dir: str,
+                 noise_multiplier: float | None):
         self.index, self.draws, self.tuning, self.output_dir = index, draws, tuning, output_dir
         self.run_seed = draws.candidates[index].run_seed
+        self.noise_multiplier = noise_multiplier
+
+    def check_plan(self, plan) -> None:
+        """The candidate runs the noise the tuning planned (a tuning resumed by another version of sparta-tune
+        could calibrate another, and two noises would cost twice)."""
+        if self.noise_multiplier is not None and abs(plan.noise_multiplier - self.noise_multiplier) > \
+                1e-9 * self.noise_multiplier:
+            raise ConfigError(f"--resume: this candidate would train with noise multiplier {plan.noise_multiplier:.6g}, "
+                              f"the tuning planned {self.noise_multiplier:.6g}; resume it with the sparta-tune version "
+                              "that started it")
 
     def private_data(self, dataset):
         return dataset
@@ -237,7 +248,8 @@ def _candidate(config: dict, state: dict, draws, index: int, candidate_dir: str)
     if not os.path.exists(results_path):
         candidate_config_ = per_run_config(config, draws.candidates[index].values, candidate_dir,
                                            os.path.join(config["output_dir"], PRETRAINED))
-        hooks = CandidateHooks(index, draws, Repetition(draws.count, state["score_noise"]), candidate_dir)
+        hooks = CandidateHooks(index, draws, Repetition(draws.count, state["score_noise"]), candidate_dir,
+                               state.get("noise_multiplier"))
         try:
             run.train(candidate_config_, resume=os.path.isdir(candidate_dir), hooks=hooks)
         except NonFiniteTrainingError as error:
