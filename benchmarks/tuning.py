@@ -163,6 +163,22 @@ def report(records: list[dict], missing: list[str], out_dir: str, name: str = NA
     write_atomic(os.path.join(out_dir, f"{name}.md"), "\n".join(lines) + "\n")
 
 
+def committed_records(out_dir: str, name: str, cells: list, configs: dict) -> dict:
+    """The finished tunings of the committed report whose directory is gone (another machine): kept, not run
+    again. A tuning whose directory exists is read (or resumed) there instead."""
+    path = os.path.join(out_dir, f"{name}.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        runs = json.load(f)["runs"]
+    kept = {}
+    for run in runs:
+        cell = (run["method"], run["target_epsilon"], run["seed"])
+        if cell in configs and not os.path.exists(configs[cell]["output_dir"]):
+            kept[cell] = run
+    return kept
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--data-dir", default=os.path.join(ROOT, "..", "shared", "data"))
@@ -184,18 +200,18 @@ def main(argv=None) -> int:
     seed_base = SMOKE["seed_base"] if args.smoke else SEED_BASE
     profile_name = "smoke" if args.smoke else PROFILE
     configs = {cell: cell_config(copy.deepcopy(base), *cell, args.work_dir, mean, seed_base) for cell in cells}
-    records: dict[tuple, dict] = {}
+    records = committed_records(args.out_dir, name, cells, configs)
     names = {cell: f"{cell[0]} eps {cell[1]:g} seed {cell[2]} ({progress(configs[cell])})" for cell in cells}
     if args.report:
         for cell in cells:
-            if os.path.exists(os.path.join(configs[cell]["output_dir"], "results.json")):
+            if cell not in records and os.path.exists(os.path.join(configs[cell]["output_dir"], "results.json")):
                 records[cell] = {"method": cell[0], "target_epsilon": cell[1], "seed": cell[2],
                                  **run_tuning(configs[cell])}
         report([records[c] for c in cells if c in records], [names[c] for c in cells if c not in records],
                args.out_dir, name, mean, profile_name)
         return 0
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        futures = {pool.submit(run_tuning, configs[cell]): cell for cell in cells}
+        futures = {pool.submit(run_tuning, configs[cell]): cell for cell in cells if cell not in records}
         for future in concurrent.futures.as_completed(futures):
             cell = futures[future]
             records[cell] = {"method": cell[0], "target_epsilon": cell[1], "seed": cell[2], **future.result()}
