@@ -179,3 +179,16 @@ def test_the_best_is_the_highest_noisy_score_first_among_equals():
     assert procedure.best_index([0.5, 0.7, 0.7, None]) == 1
     assert procedure.best_index([None, float("nan")]) is None
     assert procedure.best_index([]) is None
+
+
+def test_a_budget_share_below_the_tunings_own_cost_is_refused_in_one_line():
+    """DP-FROST's training gets r_eps of the target; when the tuning around the run costs more than that share
+    alone, the calibration says so (it used to search up to a noise where dp-accounting's RDP fails)."""
+    from sparta_tf.methods import make_method
+    from sparta_tf.private_training import plan_method
+
+    with pytest.raises(ValueError) as error:
+        plan_method(make_method("dp_frost", r_eps=0.2), dataset_size=115, batch_size=32, epochs=3, delta=1e-3,
+                    target_epsilon=8.0, tuning=Repetition(CandidateCount(1.5), 1.8))
+    assert str(error.value).startswith("the tuning around the run alone spends epsilon=")
+    assert "\n" not in str(error.value)

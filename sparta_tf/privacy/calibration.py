@@ -96,11 +96,15 @@ def calibrate_composition(
         raise ValueError("nothing to calibrate: no mechanism uses the unknown noise multiplier")
     if wrap is not None and accountant != "rdp":
         raise ValueError("a wrapped composition (a private tuning) is calibrated with the rdp accountant only")
-    if fixed:
+    if fixed or wrap is not None:  # what no noise multiplier can lower: the fixed mechanisms and the wrap's cost
         spent = accounting.epsilon_of_event(composition_event(fixed, (), 1.0, wrap), delta, accountant)
-        if spent >= target:
+        if spent >= target and wrap is None:
             raise ValueError(f"the mechanisms with a fixed noise multiplier already spend epsilon={spent:.4g} "
                              f">= target {target:g}; raise their noise multiplier or the target epsilon")
+        if spent >= target:
+            with_fixed = " with the mechanisms of a fixed noise multiplier" if fixed else ""
+            raise ValueError(f"the tuning around the run{with_fixed} alone spends epsilon={spent:.4g} >= target "
+                             f"{target:g}; raise the target epsilon, or lower the tuning's mean number of candidates")
     if wrap is not None:
         return _calibrated_wrapped(fixed, unknown, target, delta, rtol, wrap)
     return _calibrated(fixed, unknown, target, delta, accountant, rtol)
