@@ -7,6 +7,8 @@ the sampling mode in :class:`~sparta_tf.DPModel`, the engine in
 config against the same tuples. Standard library only. The first value of each is the default.
 """
 
+import numbers
+
 ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
 """dp-accounting's privacy-loss-distribution accountant (tight) or its RDP accountant."""
 
@@ -35,7 +37,18 @@ def candidate_shape(shape) -> float:
             raise ValueError(f"shape={shape!r}: give a number >= 0 (0 logarithmic, 1 geometric, inf Poisson, "
                              f"else a truncated negative binomial) or one of {sorted(CANDIDATE_DISTRIBUTIONS)}")
         return CANDIDATE_DISTRIBUTIONS[shape]
-    if isinstance(shape, bool) or not isinstance(shape, (int, float)) or shape != shape or shape < 0:
+    if isinstance(shape, bool) or not isinstance(shape, numbers.Real) or shape != shape or shape < 0:
         raise ValueError(f"shape={shape!r} must be a number >= 0 (0 logarithmic, 1 geometric, inf Poisson, "
                          "else a truncated negative binomial)")
     return float(shape)
+
+
+def candidate_mean(mean, shape: float) -> float:
+    """``mean`` (of the number of candidates, for the distribution of ``shape``) as a float, else a one-line
+    ValueError: dp-accounting's analysis needs ``mean >= 1``, and only the geometric and Poisson
+    distributions have mean 1 without being a single run."""
+    if isinstance(mean, bool) or not isinstance(mean, numbers.Real) or not 1 <= mean < float("inf"):
+        raise ValueError(f"mean={mean!r} must be a number >= 1 (the mean number of candidate runs, e.g. 5)")
+    if shape != float("inf") and mean == 1 and shape != 1:
+        raise ValueError("mean=1 is one run: give a mean > 1")
+    return float(mean)

@@ -30,6 +30,7 @@ from sparta_tf.atomic_files import replace_atomically, write_atomic
 from sparta_tf.privacy.ledger import PrivacyLedger
 from sparta_tf.privacy.tuning import CandidateCount, Repetition, TuningBudgetError
 from sparta_tf.tuning import procedure
+from sparta_tf.tuning.space import corners
 from trainers import run
 from trainers.config import ConfigError, validate
 from trainers.pretraining import PRETRAINED, check_pretraining
@@ -72,7 +73,8 @@ def per_run_config(config: dict, values: dict | None = None, output_dir: str | N
 
 
 class Setup:
-    """What :func:`set_up` finds: the data, the budget, the candidates' plan and the untuned one's."""
+    """What the set-up finds (the dry run and :func:`tune`): the data, the candidates' plan (every corner of
+    the space checked to run its mechanisms) and the untuned run's."""
 
     def __init__(self, config: dict):
         run.preflight(config)
@@ -92,6 +94,7 @@ class Setup:
             self.signal = procedure.check_signal(self.plan)
         except TuningBudgetError as error:
             raise ConfigError(f"tuning: {error}") from None
+        self.check_one_mechanism(corners(config["tuning"]["space"]))
         self.untuned = run.make_plan(config, self.dataset, self.method)
 
     def plan_of(self, values: dict):
@@ -109,14 +112,12 @@ class Setup:
             run.describe(self.plan, self.method, self.model, self.config),
         ])
 
-    def check_one_mechanism(self, draws: procedure.Draws) -> None:
-        """Every drawn candidate runs the reference candidate's mechanisms (the analysis repeats one)."""
-        reference = procedure.plan_signature(self.plan.events())
-        for candidate in draws.candidates:
-            if procedure.plan_signature(self.plan_of(candidate.values).events()) != reference:
-                raise ConfigError(f"tuning.space: a candidate with {candidate.values} runs other privacy mechanisms "
-                                  "than the others (its noise or steps differ); every candidate must run the same "
-                                  "mechanism: keep that key out of the space")
+    def check_one_mechanism(self, candidates) -> None:
+        """Every candidate (each ``values`` of ``candidates``) runs the reference candidate's mechanisms."""
+        try:
+            procedure.check_one_mechanism(self.plan, self.plan_of, candidates, "tuning.space")
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
 
 
 def dry_run(config: dict) -> Setup:
@@ -157,11 +158,8 @@ class CandidateHooks:
         return []
 
     def after_fit(self, dp, dataset) -> dict:
-        correct = procedure.count_correct(dp.model, dataset.x_val, dataset.y_val)
-        dp.ledger.target_epsilon = None  # its budget covered the training; the tuning's ledger covers the score
-        noise = self.tuning.score_noise
-        score = procedure.noisy_score(correct, self.draws.score_noise(self.index, noise), len(dataset.x_val))
-        dp.ledger.charge(procedure.score_entry(noise))
+        score = procedure.score_candidate(dp, dataset.x_val, dataset.y_val, self.draws, self.index,
+                                          self.tuning.score_noise)
         replace_atomically(os.path.join(self.output_dir, MODEL), dp.model.save, suffix=".keras")
         return {"tuning_score": score}
 
@@ -188,7 +186,7 @@ def tune(config: dict, resume: bool = False) -> dict:
 def _set_up(config: dict, state_path: str) -> dict:
     setup = dry_run(config)
     draws = procedure.Draws.draw(setup.repetition.count, config["tuning"]["space"], config["tuning"]["seed"])
-    setup.check_one_mechanism(draws)
+    setup.check_one_mechanism([candidate.values for candidate in draws.candidates])
     state = {"version": STATE_VERSION, "config": _sections(config), "draws": draws.to_json(),
              "per_run_epsilon": setup.plan.epsilon, "score_noise": setup.repetition.score_noise,
              "noise_multiplier": setup.plan.noise_multiplier,
@@ -214,28 +212,23 @@ def _load_state(path: str, config: dict) -> dict:
 
 
 def _run(config: dict, state: dict) -> dict:
-    from sparta_tf.callbacks import NonFiniteTrainingError
     from sparta_tf.privacy.ledger import LedgerEntry
 
     output_dir = config["output_dir"]
     draws = procedure.Draws.from_json(state["draws"])
     total = len(draws.candidates)
     print(f"== tuning: {total} candidate run(s) (secret: keep this log and {output_dir} private)")
-    scores, ledgers, caveats, nonprivate = [], [[LedgerEntry.from_dict(e) for e in state["planned_entries"]]], [], []
+    tally = procedure.Tally([LedgerEntry.from_dict(e) for e in state["planned_entries"]])
     for index, candidate in enumerate(draws.candidates):
         candidate_dir = os.path.join(output_dir, CANDIDATES, f"{index:03d}")
         print(f"== candidate {index + 1} of {total}: {candidate.values}")
         results = _candidate(config, state, draws, index, candidate_dir)
         if results is None:
-            scores.append(None)
+            tally.add(None)
             continue
-        scores.append(results["tuning_score"])
-        ledger = PrivacyLedger.load(os.path.join(candidate_dir, checkpointing.LEDGER))
-        ledgers.append(list(ledger.entries))
-        caveats += [c for c in ledger.caveats() if c not in caveats]
-        nonprivate += [r for r in ledger.nonprivate_reasons if r not in nonprivate]
+        tally.add(results["tuning_score"], PrivacyLedger.load(os.path.join(candidate_dir, checkpointing.LEDGER)))
         tf.keras.backend.clear_session()
-    return _release(config, state, draws, scores, ledgers, caveats, nonprivate)
+    return _release(config, state, draws, tally)
 
 
 def _candidate(config: dict, state: dict, draws, index: int, candidate_dir: str) -> dict | None:
@@ -260,16 +253,13 @@ def _candidate(config: dict, state: dict, draws, index: int, candidate_dir: str)
         return json.load(f)
 
 
-def _release(config: dict, state: dict, draws, scores, ledgers, caveats, nonprivate) -> dict:
+def _release(config: dict, state: dict, draws, tally: procedure.Tally) -> dict:
     output_dir = config["output_dir"]
     privacy = config["privacy"]
-    if draws.seed_given:
-        caveats = caveats + [procedure.SEED_CAVEAT]
-    ledger = procedure.released_ledger(ledgers, count=draws.count, delta=privacy["delta"],
-                                       target_epsilon=privacy["target_epsilon"], sampling=privacy["sampling"],
-                                       caveats=caveats, nonprivate=nonprivate)
+    ledger = tally.released_ledger(draws, delta=privacy["delta"], target_epsilon=privacy["target_epsilon"],
+                                   sampling=privacy["sampling"])
     ledger.save(os.path.join(output_dir, checkpointing.LEDGER))
-    best = procedure.best_index(scores)
+    best = tally.best
     results = {"released": best is not None, "method": config["method"]["name"], "private": ledger.is_private,
                "epsilon": ledger.epsilon() if ledger.is_private else None, "target_epsilon": privacy["target_epsilon"],
                "delta": privacy["delta"], "accountant": ledger.accountant, "tuning": draws.count.to_dict(),

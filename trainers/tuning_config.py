@@ -24,7 +24,7 @@ import math
 import numbers
 from typing import Any
 
-from sparta_tf.choices import candidate_shape
+from sparta_tf.choices import candidate_mean, candidate_shape
 from sparta_tf.tuning.space import check_space, corners, names
 
 TUNABLE_SECTIONS = ("training", "method", "privacy")
@@ -67,15 +67,9 @@ def validate_tuning(raw: Any, config: dict, validate) -> dict:
         raise TuningConfigError("tuning.space is required, e.g. {training.learning_rate: [0.03, 0.1, 0.3]}")
     try:
         tuning["space"] = check_space(tuning["space"], "tuning.space")
-        shape = candidate_shape(tuning["shape"])
+        candidate_mean(tuning["mean"], candidate_shape(tuning["shape"]))
     except ValueError as error:
         raise TuningConfigError(str(error) if str(error).startswith("tuning.") else f"tuning.{error}") from None
-    mean = tuning["mean"]
-    if isinstance(mean, bool) or not isinstance(mean, numbers.Real) or not 1 <= mean < math.inf:
-        raise TuningConfigError(f"tuning.mean={mean!r} must be a number >= 1 (the mean number of candidate runs, "
-                                "e.g. 5)")
-    if shape != math.inf and mean == 1 and shape != 1:
-        raise TuningConfigError("tuning.mean=1 is one run: give a mean > 1")
     if tuning["score"] != "accuracy":
         raise TuningConfigError(f"tuning.score={tuning['score']!r} must be accuracy (the noisy count of correct "
                                 "validation predictions)")

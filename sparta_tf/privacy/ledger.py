@@ -279,11 +279,7 @@ class PrivacyLedger:
         if self._nonprivate:
             return math.inf
         # memoised by accounting.epsilon_of_event (keyed on the event, delta and accountant)
-        if self._tuning is not None:
-            if any(entry.noise_multiplier == 0 for entry in entries):
-                return math.inf
-            return tuning.tuning_epsilon(_as_dp_event(entries), self._tuning, self.delta)
-        return _compute_epsilon(entries, self.delta, self.accountant)
+        return _compute_epsilon(entries, self.delta, self.accountant, self._tuning)
 
     # ------------------------------------------------------------------ persistence
 
@@ -398,12 +394,16 @@ def _as_dp_event(entries: Sequence[LedgerEntry], nonprivate: int = 0) -> dp_acco
     return dp_accounting.ComposedDpEvent(events)
 
 
-def _compute_epsilon(entries: Sequence[LedgerEntry], delta: float, accountant: str) -> float:
-    if not entries:
+def _compute_epsilon(entries: Sequence[LedgerEntry], delta: float, accountant: str,
+                     repeated: CandidateCount | None = None) -> float:
+    """Epsilon of the entries' composition, or (``repeated``) of the tuning that repeats it."""
+    if not entries and repeated is None:
         return 0.0
     if any(entry.noise_multiplier == 0 for entry in entries):
         return math.inf
-    return accounting.epsilon_of_event(_as_dp_event(entries), delta, accountant)
+    event = _as_dp_event(entries)
+    return accounting.epsilon_of_event(event if repeated is None else tuning.tuning_event(event, repeated), delta,
+                                       accountant)
 
 
 def _summary_rows(entries: Sequence[LedgerEntry]) -> list[str]:

@@ -35,21 +35,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
-from typing import Callable, Sequence
+from typing import Sequence
 
 import dp_accounting
 import numpy as np
 
-from sparta_tf.choices import CANDIDATE_DISTRIBUTIONS, candidate_shape
+from sparta_tf.choices import CANDIDATE_DISTRIBUTIONS, candidate_mean, candidate_shape
 from sparta_tf.privacy import accounting
 
 ACCOUNTANT = "rdp"
 """The only accountant of ``RepeatAndSelectDpEvent`` in dp-accounting (its PLD accountant refuses it)."""
-
-DISTRIBUTIONS = CANDIDATE_DISTRIBUTIONS
-"""Names of the shapes with a name of their own (any other shape in ``(0, inf)`` is a truncated negative
-binomial)."""
 
 SCORE_KIND = "tuning_score"
 """The ledger ``kind`` of a candidate's noisy validation score."""
@@ -60,11 +55,6 @@ MIN_SIGNAL = 1.0
 _GAMMA_BISECTIONS = 200
 
 
-def check_shape(shape: float | str) -> float:
-    """``shape`` as a float in ``[0, inf]`` (or one of :data:`DISTRIBUTIONS`' names), else a one-line ValueError."""
-    return candidate_shape(shape)
-
-
 @dataclasses.dataclass(frozen=True)
 class CandidateCount:
     """The distribution ``D(mean, shape)`` of the number of candidate runs ``K`` (module doc)."""
@@ -73,18 +63,12 @@ class CandidateCount:
     shape: float = 1.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", check_shape(self.shape))
-        mean = self.mean
-        if isinstance(mean, bool) or not isinstance(mean, numbers.Real) or not 1.0 <= float(mean) < math.inf:
-            raise ValueError(f"mean={mean!r}: the mean number of candidate runs must be a finite number >= 1 "
-                             "(e.g. 5: dp-accounting's analysis needs >= 1)")
-        if self.shape < math.inf and float(mean) == 1.0 and self.shape != 1.0:
-            raise ValueError(f"mean=1 with shape={self.shape:g} is a single run: use mean > 1, or no tuning")
-        object.__setattr__(self, "mean", float(mean))
+        object.__setattr__(self, "shape", candidate_shape(self.shape))
+        object.__setattr__(self, "mean", candidate_mean(self.mean, self.shape))
 
     @property
     def name(self) -> str:
-        for name, shape in DISTRIBUTIONS.items():
+        for name, shape in CANDIDATE_DISTRIBUTIONS.items():
             if self.shape == shape:
                 return name
         return "truncated negative binomial"

@@ -138,14 +138,11 @@ def tune_privately(
 
     _, plan = method_and_plan({})
     procedure.check_signal(plan)
-    reference = procedure.plan_signature(plan.events())
-    for point in corners(space):
-        if procedure.plan_signature(method_and_plan(point)[1].events()) != reference:
-            raise ValueError(f"space: a candidate with {point} runs other privacy mechanisms than the others (its "
-                             "noise or steps differ); keep that name out of the space")
+    plan_of = lambda values: method_and_plan(values)[1]
+    procedure.check_one_mechanism(plan, plan_of, corners(space), "space")
     draws = procedure.Draws.draw(repetition.count, space, tuning_seed)
-    ledgers, best, best_score, best_values, caveats, nonprivate = [procedure.planned_entries(plan)], None, None, \
-        None, [], []
+    procedure.check_one_mechanism(plan, plan_of, [candidate.values for candidate in draws.candidates], "space")
+    tally, best = procedure.Tally(procedure.planned_entries(plan)), None
     for index, candidate in enumerate(draws.candidates):
         optimizer_values, _, dp_options = split(candidate.values)
         chosen, candidate_plan = method_and_plan(candidate.values)
@@ -154,23 +151,16 @@ def tune_privately(
         dp = private_model(model, chosen, candidate_plan, seed=candidate.run_seed, **dp_options)
         dp.compile(optimizer(**optimizer_values), loss=loss, metrics=metrics)
         dp.fit(x, y, verbose=verbose)
-        correct = procedure.count_correct(dp.model, x_val, y_val)
-        score = procedure.noisy_score(correct, draws.score_noise(index, repetition.score_noise), validation_size)
-        dp.ledger.target_epsilon = None  # its budget covered the training; the tuning's ledger covers the score
-        dp.ledger.charge(procedure.score_entry(repetition.score_noise))
-        ledgers.append(list(dp.ledger.entries))
-        caveats += [c for c in dp.ledger.caveats() if c not in caveats]
-        nonprivate += [r for r in dp.ledger.nonprivate_reasons if r not in nonprivate]
-        if procedure.best_index([best_score, score]) == 1:
-            best, best_score, best_values = dp, score, candidate.values
-    if draws.seed_given:
-        caveats.append(procedure.SEED_CAVEAT)
-    ledger = procedure.released_ledger(ledgers, count=repetition.count, delta=delta, target_epsilon=target_epsilon,
-                                       sampling=make_private_options.get("sampling", "poisson"), caveats=caveats,
-                                       nonprivate=nonprivate)
-    if best is not None:
-        best.ledger = ledger
-    return TuningResult(best, best_values, best_score, ledger, plan.epsilon)
+        tally.add(procedure.score_candidate(dp, x_val, y_val, draws, index, repetition.score_noise), dp.ledger)
+        if tally.best == index:
+            best = dp
+    ledger = tally.released_ledger(draws, delta=delta, target_epsilon=target_epsilon,
+                                   sampling=make_private_options.get("sampling", "poisson"))
+    winner = tally.best
+    if winner is None:
+        return TuningResult(None, None, None, ledger, plan.epsilon)
+    best.ledger = ledger
+    return TuningResult(best, draws.candidates[winner].values, tally.scores[winner], ledger, plan.epsilon)
 
 
 def _dp_model_option(name: str) -> bool:

@@ -26,6 +26,37 @@ SEED_CAVEAT = ("the tuning's seed was given (tuning.seed / tuning_seed): the num
                "seed stays as secret as the data; leave it unset (the default) for a secret seed")
 
 
+class Tally:
+    """What the release needs from the candidates, in their order: each one's noisy score (None: diverged)
+    and ledger entries (the plan's first: the floor when none finished), caveats and reasons it is not
+    private."""
+
+    def __init__(self, planned: Sequence[LedgerEntry]):
+        self.scores: list[float | None] = []
+        self.entries: list[list[LedgerEntry]] = [list(planned)]
+        self.caveats: list[str] = []
+        self.nonprivate: list[str] = []
+
+    def add(self, score: float | None, ledger: PrivacyLedger | None = None) -> None:
+        self.scores.append(score)
+        if ledger is not None:
+            self.entries.append(list(ledger.entries))
+            self.caveats += [c for c in ledger.caveats() if c not in self.caveats]
+            self.nonprivate += [r for r in ledger.nonprivate_reasons if r not in self.nonprivate]
+
+    @property
+    def best(self) -> int | None:
+        """:func:`best_index` of the scores so far."""
+        return best_index(self.scores)
+
+    def released_ledger(self, draws: Draws, *, delta: float, target_epsilon: float,
+                        sampling: str = "poisson") -> PrivacyLedger:
+        """:func:`released_ledger` of the candidates so far (with :data:`SEED_CAVEAT` for a given seed)."""
+        caveats = self.caveats + ([SEED_CAVEAT] if draws.seed_given else [])
+        return released_ledger(self.entries, count=draws.count, delta=delta, target_epsilon=target_epsilon,
+                               sampling=sampling, caveats=caveats, nonprivate=self.nonprivate)
+
+
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """One candidate run: its drawn ``values`` and the seed of its DP training (secret)."""
@@ -98,11 +129,32 @@ def noisy_score(correct: int, noise: float, validation_size: int) -> float:
     return (correct + noise) / validation_size
 
 
+def score_candidate(dp, x_val, y_val, draws: Draws, index: int, score_noise: float) -> float:
+    """Candidate ``index``'s noisy validation accuracy (:func:`count_correct`, the noise of
+    :meth:`Draws.score_noise`), charged to its ledger as :func:`score_entry`. The candidate's own budget
+    covered its training; the tuning's ledger covers the score, so the candidate's budget is dropped."""
+    correct = count_correct(dp.model, x_val, y_val)
+    dp.ledger.target_epsilon = None
+    dp.ledger.charge(score_entry(score_noise))
+    return noisy_score(correct, draws.score_noise(index, score_noise), len(y_val))
+
+
 def best_index(scores: Sequence[float | None]) -> int | None:
     """The candidate with the highest noisy score (the first among equals; None scores, diverged runs,
     rank last); None when there is no candidate with a score."""
     ranked = [(score, -index) for index, score in enumerate(scores) if score is not None and math.isfinite(score)]
     return -max(ranked)[1] if ranked else None
+
+
+def check_one_mechanism(reference, plan_of, candidates, where: str) -> None:
+    """A one-line ValueError (naming the space as ``where``) unless every candidate's plan (``plan_of(values)``
+    for each ``values`` of ``candidates``) runs ``reference``'s mechanisms: the analysis repeats one."""
+    signature = plan_signature(reference.events())
+    for values in candidates:
+        if plan_signature(plan_of(values).events()) != signature:
+            raise ValueError(f"{where}: a candidate with {values} runs other privacy mechanisms than the others (its noise "
+                             "or steps differ); every candidate must run the same mechanism: keep that key out of "
+                             "the space")
 
 
 def plan_signature(entries: Sequence[LedgerEntry]) -> dict:
