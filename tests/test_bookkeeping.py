@@ -60,6 +60,8 @@ MODELS = {
     "conv2d_same": lambda: _conv_model(L.Conv2D(5, 3, padding="same")),
     "conv2d_valid_stride": lambda: _conv_model(L.Conv2D(5, 3, strides=2, padding="valid")),
     "conv2d_dilation": lambda: _conv_model(L.Conv2D(5, 3, dilation_rate=2, padding="same")),
+    "conv2d_one_position": lambda: _conv_model(L.Conv2D(5, 3, padding="same"), shape=(1, 1, 4)),
+    "conv1d_one_position": lambda: _sequence_model(L.Conv1D(4, 5, padding="valid")),
     "conv2d_groups": lambda: _conv_model(L.Conv2D(6, 3, groups=2, padding="same")),
     "depthwise": lambda: _conv_model(L.DepthwiseConv2D(3, padding="same")),
     "separable": lambda: _conv_model(L.SeparableConv2D(5, 3, padding="same")),
@@ -176,12 +178,15 @@ def _kernel_sized_tensors(graph, batch, kernels):
     return found
 
 
-def test_a_step_of_rule_covered_layers_never_materialises_per_example_kernel_gradients():
+@pytest.mark.parametrize("shape", [(4, 4, 24), (1, 1, 24)], ids=["ghost", "one_position"])
+def test_a_step_of_rule_covered_layers_never_materialises_per_example_kernel_gradients(shape):
+    """On a 1x1 map (a 3x3 convolution at ResNet50V2's last stage on 32x32 images) the kernel's norm is
+    rank one, ``||P(a_i)||^2 ||delta_i||^2``: never its ``B x 3 x 3 x c_in x c_out`` per-example gradients."""
     batch = 7
-    model = tf.keras.Sequential([tf.keras.Input((4, 4, 24)), L.Conv2D(40, 3, padding="same", use_bias=False),
+    model = tf.keras.Sequential([tf.keras.Input(shape), L.Conv2D(40, 3, padding="same", use_bias=False),
                                  L.GroupNormalization(4), L.Flatten(), L.Dense(33), L.Dense(5)])
     engine = make_engine(model, model.trainable_variables)
-    x, y = tf.random.normal([batch, 4, 4, 24]), tf.zeros([batch], tf.int32)
+    x, y = tf.random.normal([batch, *shape]), tf.zeros([batch], tf.int32)
     graph = tf.function(lambda: engine.clipped_sum(x, y, loss_fn, tf.ones([batch], bool), 1.0).sums) \
         .get_concrete_function().graph
     kernels = [v.shape for v in model.trainable_variables if "kernel" in v.name]

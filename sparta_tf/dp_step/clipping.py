@@ -28,6 +28,8 @@ from typing import Sequence
 
 import tensorflow as tf
 
+from sparta_tf.example_rows import keep_examples
+
 SAFETY_MARGIN = 1e-6
 
 
@@ -88,7 +90,6 @@ def clipped_sum(
         raise ValueError(f"order={order!r}: clipping supports the L1 and L2 norms (order 1 or 2)")
     sums = []
     for g in _common_accumulation(grads):
-        mask = tf.reshape(keep, [-1] + [1] * (g.shape.rank - 1))
-        g = tf.where(mask, g, tf.zeros_like(g))
+        g = keep_examples(g, keep)
         sums.append(tf.tensordot(tf.cast(factors, g.dtype), g, axes=1))
     return sums, norms

@@ -37,6 +37,7 @@ from typing import Callable, NamedTuple, Sequence
 import tensorflow as tf
 
 from sparta_tf.backend import owned_variables, tf_variable
+from sparta_tf.example_rows import keep_examples
 from sparta_tf.keras_layers import all_layers
 from sparta_tf.per_example.errors import UnsupportedLayerError
 from sparta_tf.per_example.recording import install_hook, install_reshape_hook, recording
@@ -90,7 +91,7 @@ def finite_rows(x, valid: tf.Tensor, views: int = 1):
     def zeroed(t):
         if not t.dtype.is_floating:
             return t
-        return tf.where(tf.reshape(rows, [-1] + [1] * (t.shape.rank - 1)), t, tf.zeros_like(t))
+        return keep_examples(t, rows)
 
     return tf.nest.map_structure(zeroed, x), usable
 

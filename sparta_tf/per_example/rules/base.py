@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 import tensorflow as tf
 
 from sparta_tf.backend import tf_variable, variable_key
+from sparta_tf.example_rows import keep_examples  # noqa: F401  (rules import it from here)
 from sparta_tf.per_example.arguments import split_arguments
 from sparta_tf.precision import to_accumulation
 
@@ -234,12 +235,6 @@ def keep_materialised(materialised: dict | None, grads) -> None:
     """Records ``(position, per-example gradients)`` pairs a rule computed anyway."""
     if materialised is not None:
         materialised.update(grads)
-
-
-def keep_examples(t: Tensor, keep: Tensor) -> Tensor:
-    """``t`` with the examples that are not kept set to exactly zero."""
-    mask = tf.reshape(keep, [-1] + [1] * (t.shape.rank - 1))
-    return tf.where(mask, t, tf.zeros_like(t))
 
 
 class GhostRule:

@@ -190,12 +190,12 @@ class Conv2DGhostRule(GhostRule):
             if selection.kind == "entries":
                 method = "direct"
             methods.append(NormMethod(layer.name, variable_key(selection.variable), method, ghost, direct))
-            if method == "ghost":
+            if method in ("ghost", "rank_one"):  # never forms this layer's per-example gradients
                 patches = extract_patches(tf.cast(call.inputs, d.dtype), tuple(layer.kernel_size),
                                           tuple(layer.strides), tuple(layer.dilation_rate), layer.padding.upper())
                 batch = tf.shape(d)[0]
                 norms.append(linear_squared_norms(tf.reshape(patches, [batch, positions, fan_in]),
-                                                  tf.reshape(d, [batch, positions, d.shape[-1]]), "ghost"))
+                                                  tf.reshape(d, [batch, positions, d.shape[-1]]), method))
                 continue
             grads = self._direct_grads(layer, call, delta, selection, positions, fan_in)
             keep_materialised(materialised, [(position, grads)])

@@ -151,10 +151,10 @@ class ConvolutionGhostRule(GhostRule):
                 d = flat_positions(selected_rows(delta, selection))
                 fan_in = math.prod(layer.kernel.shape.as_list()[:-1])
                 method, ghost, direct = ghost_norms.choose_linear_norm(static_positions(delta), fan_in, d.shape[-1])
-                if method == "ghost":
+                if method in ("ghost", "rank_one"):  # never forms this layer's per-example gradients
                     patches = self.reference.patches(layer, call.inputs, delta.dtype)
-                    norms.append(linear_squared_norms(patches, d, "ghost"))
-                    methods.append(NormMethod(layer.name, variable_key(selection.variable), "ghost", ghost, direct))
+                    norms.append(linear_squared_norms(patches, d, method))
+                    methods.append(NormMethod(layer.name, variable_key(selection.variable), method, ghost, direct))
                     continue
             grads = self.reference.per_example_grads(layer, call, delta, [selection])[0]
             keep_materialised(materialised, [(position, grads)])
