@@ -210,6 +210,17 @@ CASES: dict[str, Case] = {
         L.Conv2DTranspose(3, 3, strides=2, padding="same", activation="relu")(x))), (IMAGE,), sizes=((4, 4),)),
     "depthwise_conv2d": Case(lambda: _on(IMAGE, lambda x: _pool_image(
         L.DepthwiseConv2D(3, depth_multiplier=2, activation="relu")(x))), (IMAGE,), sizes=((5, 5),)),
+    # static maps: the examples folded into the channels (output map >= kernel), per-tap sums (smaller)
+    "depthwise_conv2d_strides_same": Case(lambda: _on((7, 6, 2), lambda x: _pool_image(
+        L.DepthwiseConv2D(3, strides=2, padding="same", depth_multiplier=3)(x))), ((7, 6, 2),)),
+    "depthwise_conv2d_small_map": Case(lambda: _on((2, 3, 2), lambda x: _pool_image(
+        L.DepthwiseConv2D(3, padding="same", depth_multiplier=2)(x))), ((2, 3, 2),)),
+    "depthwise_conv2d_small_map_strides": Case(lambda: _on((3, 3, 2), lambda x: _pool_image(
+        L.DepthwiseConv2D(3, strides=2, padding="same")(x))), ((3, 3, 2),)),
+    "depthwise_conv2d_dilated": Case(lambda: _on(IMAGE, lambda x: _pool_image(
+        L.DepthwiseConv2D(2, dilation_rate=2, padding="same", use_bias=False)(x))), (IMAGE,), sizes=((6, 5),)),
+    "separable_conv2d_strides": Case(lambda: _on((7, 7, 2), lambda x: _pool_image(
+        L.SeparableConv2D(4, 3, strides=2, depth_multiplier=2)(x))), ((7, 7, 2),)),
     "separable_conv2d": Case(lambda: _on(IMAGE, lambda x: _pool_image(
         L.SeparableConv2D(4, 3, padding="same", activation="relu")(x))), (IMAGE,), sizes=((5, 5),)),
     # embeddings, masks, attention

@@ -96,7 +96,7 @@ def _use_shifted_views(layer, delta: Tensor) -> bool:
     return positions >= SHIFTED_MIN_POSITIONS and tuple(layer.dilation_rate) == (1, 1)
 
 
-def _padded_input(layer, inputs: Tensor, dtype) -> Tensor:
+def padded_input(layer, inputs: Tensor, dtype) -> Tensor:
     """The input padded exactly as the forward convolution pads it."""
     (kh, kw), (sh, sw) = tuple(layer.kernel_size), tuple(layer.strides)
     padding = layer.padding.upper()
@@ -113,7 +113,7 @@ def kernel_grads_shifted(layer, inputs: Tensor, delta: Tensor) -> Tensor:
     ``(u, v, c_in)`` order gives the ``[B, kh*kw*c_in, c]`` of the im2col form.
     """
     (kh, kw), (sh, sw) = tuple(layer.kernel_size), tuple(layer.strides)
-    a = _padded_input(layer, inputs, delta.dtype)
+    a = padded_input(layer, inputs, delta.dtype)
     out_h, out_w = delta.shape[1], delta.shape[2]
     batch = tf.shape(delta)[0]
     flat_delta = tf.reshape(delta, [batch, -1, delta.shape[-1]])
@@ -155,7 +155,7 @@ def kernel_grads_depthwise(layer, inputs: Tensor, delta: Tensor) -> Tensor:
     dilated by ``s``; its ``VALID`` output is exactly ``[c, kh, kw, B]``.
     """
     (kh, kw), (sh, sw) = tuple(layer.kernel_size), tuple(layer.strides)
-    x = tf.transpose(_padded_input(layer, inputs, delta.dtype), [3, 1, 2, 0])  # [c_in, Hp, Wp, B]
+    x = tf.transpose(padded_input(layer, inputs, delta.dtype), [3, 1, 2, 0])  # [c_in, Hp, Wp, B]
     filters = tf.transpose(delta, [1, 2, 0, 3])  # [H', W', B, rows]
     per_row = [
         tf.nn.depthwise_conv2d(x, filters[..., r : r + 1], [1, 1, 1, 1], "VALID", dilations=[sh, sw])[:, :kh, :kw, :]
