@@ -52,3 +52,31 @@ def candidate_mean(mean, shape: float) -> float:
     if shape != float("inf") and mean == 1 and shape != 1:
         raise ValueError("mean=1 is one run: give a mean > 1")
     return float(mean)
+
+
+MEMORY_UNITS: dict[str, int] = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+                                "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+"""The units a memory size may be written in (``"512MiB"``, ``"2GB"``)."""
+
+
+def memory_bytes(size, name: str = "max_memory") -> int | None:
+    """``size`` (bytes as a number ``>= 0``, a string such as ``"2GiB"``, or None: the default) as an
+    int number of bytes or None, else a one-line ValueError naming ``name``."""
+    if size is None:
+        return None
+    if isinstance(size, str):
+        text = size.strip()
+        unit = next((u for u in sorted(MEMORY_UNITS, key=len, reverse=True) if text.endswith(u)), None)
+        number = text[: len(text) - len(unit)].strip() if unit else text
+        try:
+            value = float(number) * MEMORY_UNITS[unit or "B"]
+        except ValueError:
+            value = float("nan")
+    elif isinstance(size, bool) or not isinstance(size, numbers.Real):
+        value = float("nan")
+    else:
+        value = float(size)
+    if value != value or value < 0 or value == float("inf"):
+        raise ValueError(f"{name}={size!r}: give a size in bytes >= 0, e.g. 2000000000 or '2GiB' "
+                         f"(units {', '.join(MEMORY_UNITS)}), or leave it unset for the machine's default")
+    return int(value)

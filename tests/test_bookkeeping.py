@@ -91,10 +91,11 @@ def _selections(model, rows: bool):
     return selections
 
 
-def _compare(model, selections, x, y, valid, clip_norm, margin=0.0):
-    """Book-keeping against the layer-wise engine. ``margin``: how far above the exact squared
-    norms ours may lie (the ghost norm's rounding margin, ``gram_squared_norms``); never below."""
-    bookkeeping = make_engine(model, selections, "auto")
+def _compare(model, selections, x, y, valid, clip_norm, margin=0.0, max_memory=None):
+    """Book-keeping (``max_memory=0``: the two-pass step) against the layer-wise engine. ``margin``:
+    how far above the exact squared norms ours may lie (the ghost norm's rounding margin,
+    ``gram_squared_norms``); never below."""
+    bookkeeping = make_engine(model, selections, "auto", max_memory=max_memory)
     assert isinstance(bookkeeping, BookkeepingEngine)
     reference = make_engine(model, selections, "layerwise")
     ours = tf.function(lambda: clipped_batch(bookkeeping, x, y, loss_fn, valid, clip_norm))()
@@ -198,10 +199,43 @@ def test_a_step_of_rule_covered_layers_never_materialises_per_example_kernel_gra
     assert _kernel_sized_tensors(reference_graph, batch, kernels)
 
 
-def test_padded_and_non_finite_examples_contribute_exactly_zero():
+@pytest.mark.parametrize("rows", [False, True], ids=["whole", "rows"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_the_two_pass_step_equals_the_materialising_engine(name, rows):
+    """No room to keep output gradients (``max_memory=0``): norms and sums computed inside two
+    backward passes, still exact; a layer whose output cannot be tapped (a separable convolution's
+    two probes) keeps its output gradient."""
+    tf.random.set_seed(1)
+    model = MODELS[name]()
+    x, y = _inputs(model), tf.constant([0, 1, 2, 0, 1])
+    valid = tf.constant([True, True, True, True, False])
+    for clip_norm in (1e-3, 1e3):
+        engine = _compare(model, _selections(model, rows), x, y, valid, clip_norm, margin=2e-5, max_memory=0)
+        plan = engine.memory_plan()
+        assert plan.mode == "two_pass" and plan.kept_bytes < plan.one_pass_bytes
+        assert "streamed" in {row.output_gradient for row in engine.cost_table()}
+
+
+def test_the_memory_budget_picks_one_or_two_passes_and_the_plan_says_what_is_kept():
+    model = tf.keras.Sequential([tf.keras.Input((8, 8, 3)), L.Conv2D(8, 3, padding="same"), L.GroupNormalization(2),
+                                 L.ReLU(), L.Conv2D(8, 3, padding="same"), L.Flatten(), L.Dense(4)])
+    x, y, valid = tf.random.normal([6, 8, 8, 3]), tf.constant([0, 1, 2, 3, 0, 1]), tf.ones([6], bool)
+    # what one pass keeps: every probed output gradient, float32 (conv, group norm, conv, dense)
+    one_pass = 4 * 6 * (8 * 8 * 8 * 3 + 4)
+    for budget, mode, kept in [(one_pass, "one_pass", one_pass), (one_pass - 1, "two_pass", 0)]:
+        engine = make_engine(model, model.trainable_variables, max_memory=budget)
+        tf.function(lambda: engine.clipped_sum(x, y, loss_fn, valid, 1.0).sums)()
+        assert engine.memory_plan() == (mode, budget, one_pass, kept)
+        assert engine.memory_plan().kept_bytes <= budget
+        expected = "streamed" if mode == "two_pass" else "kept"
+        assert {row.output_gradient for row in engine.cost_table()} == {expected}
+
+
+@pytest.mark.parametrize("max_memory", [None, 0], ids=["one_pass", "two_pass"])
+def test_padded_and_non_finite_examples_contribute_exactly_zero(max_memory):
     tf.random.set_seed(3)
     model = MODELS["conv2d_same"]()
-    engine = make_engine(model, _selections(model, rows=True))
+    engine = make_engine(model, _selections(model, rows=True), max_memory=max_memory)
     x = _inputs(model)
     y = tf.constant([0, 1, 2, 0, 1])
     valid = tf.constant([True, True, False, True, False])
@@ -213,10 +247,27 @@ def test_padded_and_non_finite_examples_contribute_exactly_zero():
         np.testing.assert_array_equal(a.numpy(), b.numpy())  # bit-identical: padding cannot leak
 
 
-def test_every_example_contributes_at_most_the_clip_norm():
+@pytest.mark.parametrize("max_memory", [None, 0], ids=["one_pass", "two_pass"])
+def test_an_example_whose_gradient_overflows_is_dropped_without_touching_the_others(max_memory):
+    """A finite input whose activations overflow: its norm is not finite, so it is dropped; in the
+    two-pass step its ``nan`` output gradients are zeroed at every tap, not summed into the others'."""
+    tf.random.set_seed(5)
+    model = MODELS["conv2d_same"]()
+    engine = make_engine(model, _selections(model, rows=False), max_memory=max_memory)
+    x, y = _inputs(model), tf.constant([0, 1, 2, 0, 1])
+    step = tf.function(lambda x, valid: engine.clipped_sum(x, y, loss_fn, valid, 1.0).sums)
+    huge = tf.tensor_scatter_nd_update(x, [[1]], [tf.fill(x.shape[1:], 3e38)])
+    without = step(x, tf.constant([True, False, True, True, True]))
+    for a, b in zip(without, step(huge, tf.ones([5], bool))):
+        assert np.all(np.isfinite(b.numpy()))
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("max_memory", [None, 0], ids=["one_pass", "two_pass"])
+def test_every_example_contributes_at_most_the_clip_norm(max_memory):
     tf.random.set_seed(4)
     model = MODELS["dense_3d"]()
-    engine = make_engine(model, model.trainable_variables)
+    engine = make_engine(model, model.trainable_variables, max_memory=max_memory)
     x = 100.0 * _inputs(model)
     y = tf.argmin(model(x), axis=-1, output_type=tf.int32)  # the least likely class: a large gradient
     for i in range(3):

@@ -41,7 +41,7 @@ from typing import Sequence
 import tensorflow as tf
 
 from sparta_tf import distribute, keras_trainer
-from sparta_tf.choices import SAMPLING_MODES
+from sparta_tf.choices import SAMPLING_MODES, memory_bytes
 from sparta_tf.dp_model import fit_inputs
 from sparta_tf.dp_step import KEEP_ALL, GradientFilter, GradientRelease, MicroBatches, Release, ScoreRelease, StepParts
 from sparta_tf.dp_step.views import AugmentationMultiplicity, check_multiplicity
@@ -93,6 +93,11 @@ class DPModel(tf.keras.Model):
       engine: how the clipped sum is computed: ``"auto"`` (book-keeping where every trainable
         variable has a leaf layer, :mod:`sparta_tf.per_example.bookkeeping`), ``"bookkeeping"``,
         or the materialising ``"layerwise"`` / ``"vectorized"`` (always in selection epochs).
+      max_memory: the bytes of layer output gradients the book-keeping engine's one-pass step
+        may keep (an int, or a string such as ``"2GiB"``); a step that would keep more runs in two
+        passes, keeping none for one more backward pass (:mod:`sparta_tf.per_example.streaming`).
+        None (default): a quarter of the GPU's memory, else of the host's available memory
+        (:mod:`sparta_tf.per_example.memory_budget`); :meth:`engine_memory_plan` says what a step chose.
       jit_compile: ``"auto"`` (XLA on GPU/TPU, off on CPU), True or False.
       augmult: ``K``, augmented views per example (augmentation multiplicity, De et al. 2022;
         :mod:`sparta_tf.dp_step.views`): each example's gradient is the mean over its ``K`` views,
@@ -125,6 +130,7 @@ class DPModel(tf.keras.Model):
         accountant: str = "pld",
         seed: int | None = None,
         engine: str = "auto",
+        max_memory: int | str | None = None,
         jit_compile: JitCompile = "auto",
         augmult: int = 1,
         augmentation=None,
@@ -144,6 +150,7 @@ class DPModel(tf.keras.Model):
         self.physical_batch_size = physical_batch_size
         self.sampling = sampling
         self.engine_name = engine
+        self.max_memory = memory_bytes(max_memory)
         self._jit_compile_setting = jit_compile
         seed = distribute.agree_on_seed(tf.distribute.get_strategy(), seed)
         self._seed = seed
@@ -346,12 +353,19 @@ class DPModel(tf.keras.Model):
         before the first step or with a materialising engine."""
         return self._engine.cost_table() if isinstance(self._engine, BookkeepingEngine) else []
 
+    def engine_memory_plan(self):
+        """How the book-keeping engine's last traced step kept its output gradients
+        (:class:`~sparta_tf.per_example.memory_budget.MemoryPlan`: one or two passes, the budget, what
+        one pass would keep and what the step keeps, in bytes); None before a step was traced or with
+        a materialising engine."""
+        return self._engine.memory_plan() if isinstance(self._engine, BookkeepingEngine) else None
+
     def _make_engine(self):
         """The per-example engine of the current release and filter (:func:`~sparta_tf.per_example.make_engine`)."""
         release = self._release or self._gradient_release()
         materialise = release.needs_per_example_gradients() or self._gradient_filter.needs_per_example_gradients
         return make_engine(self.model, release.selections(self.trainable_set), self.engine_name,
-                           materialise=materialise, views=self.augmult)
+                           materialise=materialise, views=self.augmult, max_memory=self.max_memory)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         """Keras 3 builds the model from ``fit``'s first batch averaged over the replicas, which fails

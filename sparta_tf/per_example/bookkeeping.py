@@ -39,9 +39,14 @@ from sparta_tf.per_example.engines import (
     LayerwiseEngine,
     PerExampleLoss,
     RecordedPass,
+    accumulation_delta,
     check_rows,
+    finite_rows,
     per_example_sum,
 )
+from sparta_tf.per_example.memory_budget import MemoryPlan, default_memory_budget
+from sparta_tf.per_example.recording import recording
+from sparta_tf.per_example.streaming import NORMS, SUMS, Streaming, kept_bytes
 from sparta_tf.per_example.registry import ghost_rule_for
 from sparta_tf.per_example.rules.base import NormMethod, keep_examples, squared_sum
 from sparta_tf.precision import accumulation_dtype, to_accumulation
@@ -64,18 +69,87 @@ class BookkeepingEngine(HookedEngine):
 
     name = "bookkeeping"
 
-    def __init__(self, model: tf.keras.Model, selections: Sequence[VariableSelection], plan, views: int = 1):
+    def __init__(self, model: tf.keras.Model, selections: Sequence[VariableSelection], plan, views: int = 1,
+                 max_memory: int | None = None):
         super().__init__(model, selections, plan, views)
+        self.max_memory = default_memory_budget() if max_memory is None else int(max_memory)
         self._cost_table: list[NormMethod] = []
+        self._memory_plan: MemoryPlan | None = None
         self._logged = False
 
     def cost_table(self) -> list[NormMethod]:
         """Per selected variable: how its per-example norms are computed (after a step was traced)."""
         return list(self._cost_table)
 
+    def memory_plan(self) -> "MemoryPlan | None":
+        """How the last traced step kept its output gradients (None before a step was traced)."""
+        return self._memory_plan
+
     def clipped_sum(self, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor, clip_norm: float) -> ClippedBatch:
-        """``sum_i c_i g_i`` of a (micro-)batch, ``c_i = min(1, C/||g_i||)`` (0 for padding)."""
-        return self.selection_statistic(x, y, loss_fn, valid, clip_norm)
+        """``sum_i c_i g_i`` of a (micro-)batch, ``c_i = min(1, C/||g_i||)`` (0 for padding).
+
+        One pass when the output gradients it keeps fit in ``max_memory`` bytes, else two passes
+        (:mod:`~sparta_tf.per_example.streaming`) for every layer whose output can be tapped."""
+        if self.views > 1:  # an example's rows are summed per layer: its output gradients are kept
+            return self.selection_statistic(x, y, loss_fn, valid, clip_norm)
+        x, valid = finite_rows(x, valid)
+        streaming = Streaming({id(layer): (rule, [self.selections[k] for k in indices])
+                               for layer, rule, indices in self.plan if not self.is_grouped(layer)})
+        with tf.GradientTape(watch_accessed_variables=False, persistent=True) as tape:
+            with recording(tape, self.layers, streaming) as rec:
+                predictions = self.model(x, training=True)
+            losses = loss_fn(y, predictions)
+            total = tf.reduce_sum(tf.where(valid, losses, tf.zeros_like(losses)))
+        streamed = self._streamed_calls(rec.calls)
+        kept = [call for call in rec.calls if all(call is not s for s in streamed)]
+        streaming.mode, streaming.batch_rows, streaming.streamed = NORMS, losses, {id(c) for c in streamed}
+        gradients = tape.gradient(total, [c.tap.norm_sink for c in streamed] + [c.probe for c in kept])
+        streaming.mode = None
+        calls: dict[int, list] = {}
+        for call, delta in zip(kept, gradients[len(streamed):]):
+            calls.setdefault(id(call.layer), []).append((call, accumulation_delta(call.probe, delta)))
+        squared, direct_grads, table = self._squared_norms(calls, losses)
+        squared = _total([p for p in [squared, *gradients[: len(streamed)]] if p is not None])
+        if squared is None:
+            squared = tf.zeros([tf.shape(losses)[0]], tf.float32)
+        factors, keep = clipping.clip_factors(squared, clip_norm, valid)
+        sums = self._raw_weighted_sums(calls, factors, keep, direct_grads)
+        if streamed:
+            streaming.mode, streaming.keep, streaming.factors = SUMS, keep, factors
+            sinks = [(k, sink) for call in streamed
+                     for k, sink in zip(self._indices_of(call.layer), call.tap.sum_sinks)]
+            streamed_sums = tape.gradient(losses, [sink for _, sink in sinks],
+                                          output_gradients=tf.cast(keep, losses.dtype))
+            streaming.mode = None
+            for (k, _), total_k in zip(sinks, streamed_sums):
+                sums[k] = total_k if sums[k] is None else sums[k] + total_k
+        self._remember(table + streaming.methods)
+        sums = [_as_statistic(total_k, s) for total_k, s in zip(sums, self.selections)]
+        return ClippedBatch(sums, squared, losses, predictions)
+
+    def _indices_of(self, layer) -> list[int]:
+        return next(indices for planned, _, indices in self.plan if planned is layer)
+
+    def _streamed_calls(self, calls) -> list:
+        """The calls whose output gradients the step taps instead of keeping: none when what one pass
+        keeps fits in ``max_memory`` (or is unknown when the step is traced, unless ``max_memory`` is
+        0); else every call with a tap of a layer called once (the norm of a layer called twice
+        needs both calls' gradients). A step with a low-precision layer output (bfloat16, float16)
+        runs in one pass: its second backward pass could round the recomputed output gradients
+        otherwise than the first (XLA fuses the two passes differently), and a contribution
+        clipped by the first pass's norm could then exceed ``C`` by that rounding."""
+        counts = Counter(id(call.layer) for call in calls)
+        tappable = [call for call in calls if call.tap is not None and counts[id(call.layer)] == 1
+                    and not self.is_grouped(call.layer)]
+        if any(probe.dtype not in (tf.float32, tf.float64) for call in calls for probe in tf.nest.flatten(call.probe)):
+            tappable = []
+        one_pass = kept_bytes(calls)
+        too_big = self.max_memory == 0 or (one_pass is not None and one_pass > self.max_memory)
+        two_pass = too_big and bool(tappable)
+        streamed = tappable if two_pass else []
+        left = kept_bytes([c for c in calls if all(c is not s for s in streamed)])
+        self._memory_plan = MemoryPlan("two_pass" if two_pass else "one_pass", self.max_memory, one_pass, left)
+        return streamed
 
     def selection_statistic(self, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor, clip_norm: float | None,
                             groups=None) -> ClippedBatch:
@@ -171,6 +245,11 @@ class BookkeepingEngine(HookedEngine):
     # ------------------------------------------------------------------- sums
 
     def _weighted_sums(self, calls, factors: tf.Tensor, keep: tf.Tensor, direct_grads: dict) -> list:
+        return [_as_statistic(total, s) for total, s in
+                zip(self._raw_weighted_sums(calls, factors, keep, direct_grads), self.selections)]
+
+    def _raw_weighted_sums(self, calls, factors: tf.Tensor, keep: tf.Tensor, direct_grads: dict) -> list:
+        """``sum_i c_i g_i`` per selection from the kept output gradients (None for a selection none reaches)."""
         sums: list = [None] * len(self.selections)
         for layer, rule, indices in self.plan:
             for k in indices:  # per-example gradients a norm rule computed anyway: sum them
@@ -188,7 +267,7 @@ class BookkeepingEngine(HookedEngine):
                 layer_sums = rule.weighted_sums(layer, call, delta_c, keep, [self.selections[k] for k in rest])
                 for k, s in zip(rest, layer_sums):
                     sums[k] = s if sums[k] is None else sums[k] + s
-        return [_as_statistic(total, s) for total, s in zip(sums, self.selections)]
+        return sums
 
     def _remember(self, table: list[NormMethod]) -> None:
         self._cost_table = table
@@ -219,7 +298,8 @@ def _as_statistic(total, selection: VariableSelection) -> tf.Tensor:
     return tf.reshape(tf.cast(total, dtype), selection.compact_shape)
 
 
-def make_bookkeeping_engine(model: tf.keras.Model, selections: Sequence[VariableSelection], views: int = 1):
+def make_bookkeeping_engine(model: tf.keras.Model, selections: Sequence[VariableSelection], views: int = 1,
+                            max_memory: int | None = None):
     """``(BookkeepingEngine, None)``, or ``(None, reason)`` when a selected variable is not owned
     by a leaf layer (then no per-layer rule can see its inputs and output gradients) or is owned
     by several (tied weights: see :func:`_shared_selections`)."""
@@ -231,7 +311,7 @@ def make_bookkeeping_engine(model: tf.keras.Model, selections: Sequence[Variable
         return None, (f"variable {variable_key(selections[shared[0]].variable)!r} is owned by more than one layer "
                       "(tied weights): its per-example norm needs every layer's part summed first, which "
                       "per-layer norms cannot give")
-    return BookkeepingEngine(model, selections, plan, views), None
+    return BookkeepingEngine(model, selections, plan, views, max_memory), None
 
 
 def _shared_selections(plan) -> list[int]:

@@ -292,11 +292,11 @@ def record_output_gradients(model, layers, x, y, loss_fn: PerExampleLoss, valid:
     deltas, variable_grads = gradients[: len(sources)], gradients[len(sources):]
     per_layer_calls: dict[int, list] = {}
     for call, delta in zip(rec.calls, deltas):
-        per_layer_calls.setdefault(id(call.layer), []).append((call, _accumulation_delta(call.probe, delta)))
+        per_layer_calls.setdefault(id(call.layer), []).append((call, accumulation_delta(call.probe, delta)))
     return RecordedPass(per_layer_calls, losses, predictions, valid, list(variable_grads))
 
 
-def _accumulation_delta(probe, delta):
+def accumulation_delta(probe, delta):
     """``delta`` cast to the accumulation dtype; None when no part of the probe reaches the loss,
     zeros for the parts that do not (a structure of probes)."""
     if all(d is None for d in tf.nest.flatten(delta)):

@@ -42,7 +42,7 @@ def as_selections(trainable) -> list[VariableSelection]:
 
 
 def make_engine(model: tf.keras.Model, trainable, engine: str = "auto", *, materialise: bool = False,
-                views: int = 1) -> BookkeepingEngine | LayerwiseEngine | VectorizedEngine:
+                views: int = 1, max_memory: int | None = None) -> BookkeepingEngine | LayerwiseEngine | VectorizedEngine:
     """The per-example engine of a step over ``trainable`` of ``model``.
 
     ``trainable``: a :class:`~sparta_tf.trainable.TrainableSet`, a list of selections, or a list
@@ -54,7 +54,9 @@ def make_engine(model: tf.keras.Model, trainable, engine: str = "auto", *, mater
     book-keeping never forms ``g_i``. Without it, the step takes the clipped sum
     (:func:`~sparta_tf.per_example.bookkeeping.clipped_batch`, any engine). ``views``: rows per
     example (augmentation multiplicity, :mod:`sparta_tf.dp_step.views`); every engine then takes
-    an example's gradient as the mean over its view rows.
+    an example's gradient as the mean over its view rows. ``max_memory``: the bytes of output
+    gradients the book-keeping engine's one-pass step may keep before it runs in two passes
+    (:mod:`~sparta_tf.per_example.memory_budget`; None: the machine's default).
     """
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r} is not one of {ENGINES}")
@@ -64,7 +66,7 @@ def make_engine(model: tf.keras.Model, trainable, engine: str = "auto", *, mater
     if materialise and engine == "bookkeeping":
         engine = "auto"
     if engine in ("auto", "bookkeeping") and not materialise:
-        bookkeeping, reason = make_bookkeeping_engine(model, selections, views)
+        bookkeeping, reason = make_bookkeeping_engine(model, selections, views, max_memory)
         if bookkeeping is not None:
             return bookkeeping
         if engine == "bookkeeping":

@@ -33,10 +33,11 @@ _HOOK_ATTRIBUTE = "_sparta_per_example_hook"
 class Recording:
     """The probes and inputs of one recording forward pass."""
 
-    def __init__(self, tape: tf.GradientTape, layers: set[int]):
+    def __init__(self, tape: tf.GradientTape, layers: set[int], streaming=None):
         self.tape = tape
         self.layer_ids = layers
         self.calls: list[RecordedCall] = []
+        self.streaming = streaming  # a two-pass step's taps (sparta_tf.per_example.streaming), or None
 
     def probe(self, layer, args, kwargs, output, original_call):
         """``output`` with a zero probe added to each floating-point tensor in it (recorded)."""
@@ -54,6 +55,8 @@ class Recording:
         probed = list(leaves)
         for k, probe in zip(positions, probes):
             probed[k] = leaves[k] + probe
+        if single and self.streaming is not None and id(layer) in self.streaming.rules:
+            probed[0] = self.streaming.tap(self, self.calls[-1], probed[0])
         return probed[0] if single else tf.nest.pack_sequence_as(output, probed)
 
 
@@ -65,11 +68,12 @@ def _active_recording_for(layer) -> Recording | None:
 
 
 @contextlib.contextmanager
-def recording(tape: tf.GradientTape, layers) -> Iterator[Recording]:
-    """Within this context, calls of hooked ``layers`` are recorded on ``tape``."""
+def recording(tape: tf.GradientTape, layers, streaming=None) -> Iterator[Recording]:
+    """Within this context, calls of hooked ``layers`` are recorded on ``tape`` (with ``streaming``:
+    their single-tensor outputs also go through its taps)."""
     if getattr(_STATE, "recording", None) is not None:
         raise RuntimeError("per-example recordings cannot be nested")
-    _STATE.recording = Recording(tape, {id(layer) for layer in layers})
+    _STATE.recording = Recording(tape, {id(layer) for layer in layers}, streaming)
     try:
         yield _STATE.recording
     finally:

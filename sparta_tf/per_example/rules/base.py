@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 import tensorflow as tf
 
 from sparta_tf.backend import tf_variable, variable_key
-from sparta_tf.example_rows import keep_examples  # noqa: F401  (rules import it from here)
+from sparta_tf.example_rows import keep_examples
 from sparta_tf.per_example.arguments import split_arguments
 from sparta_tf.precision import to_accumulation
 
@@ -133,6 +133,7 @@ class RecordedCall:
         self.probe = probe
         self.original_call = original_call
         self.output_positions = output_positions
+        self.tap = None  # the sinks of a two-pass step's tap (sparta_tf.per_example.streaming)
 
     @property
     def inputs(self) -> Tensor:
@@ -223,6 +224,7 @@ class NormMethod(NamedTuple):
     method: str  # rank_one / ghost / direct / elementwise / per_layer_vjp
     ghost_cost: int | None
     direct_cost: int | None
+    output_gradient: str = "kept"  # kept until the clip factors are known, or "streamed" (two passes)
 
 
 def squared_sum(t: Tensor) -> Tensor:
@@ -249,6 +251,10 @@ class GhostRule:
     """
 
     reference: LayerRule = VJP_RULE
+    sums_any_selection = False
+    """True for a rule whose ``weighted_sums`` takes any of its layer's selections; else it takes
+    those whose norms ``squared_norms`` factorised (did not materialise), the others' sums being the
+    base class's (the two-pass step, :mod:`~sparta_tf.per_example.streaming`, asks for every one)."""
 
     def __init__(self, reference: LayerRule | None = None):
         if reference is not None:
@@ -279,6 +285,10 @@ class GhostRule:
         return tf.reduce_sum(group.to_row_view(tf.abs(grads), batch_dims=1), axis=[0, 1])
 
     def weighted_sums(self, layer, call, delta_c, keep, selections) -> list[Tensor]:
-        """``S = sum_i c_i g_i``; the base rule's ``squared_norms`` materialises ``g_i``, which the
-        engine sums itself, so only rules that factorise override this."""
-        raise NotImplementedError(f"{type(self).__name__} sums materialised per-example gradients")
+        """``S = sum_i c_i g_i`` from ``delta_c = c * delta``: the reference's per-example gradients of
+        ``delta_c`` (``g_i`` is linear in ``delta_i``), those of examples not kept set to zero, summed.
+        The one-pass engine sums the gradients ``squared_norms`` materialised instead; the two-pass
+        step (:mod:`~sparta_tf.per_example.streaming`), which keeps nothing, calls this. Rules whose
+        algebra factorises override it with one batched op."""
+        grads = self.reference.per_example_grads(layer, call, delta_c, selections)
+        return [tf.reduce_sum(to_accumulation(keep_examples(g, keep)), axis=0) for g in grads]

@@ -172,6 +172,8 @@ CONV2D_RULE = Conv2DRule()
 class Conv2DGhostRule(GhostRule):
     """Conv2D (channels last, ``groups = 1``), probed after the convolution (before bias)."""
 
+    sums_any_selection = True
+
     reference = CONV2D_RULE
 
     def squared_norms(self, layer, call, delta, selections, materialised: dict | None = None):

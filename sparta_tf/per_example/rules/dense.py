@@ -72,6 +72,8 @@ class EinsumLayout(NamedTuple):
 class LinearGhostRule(GhostRule):
     """Dense and Dense-like EinsumDense, probed before the activation: ``z_i = a_i W + b`` on ``[T, in]``."""
 
+    sums_any_selection = True
+
     reference = DENSE_RULE
 
     def __init__(self, einsum: "EinsumLayout | None" = None):
