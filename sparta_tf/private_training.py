@@ -99,6 +99,7 @@ def make_private(
     sampling: str = "poisson",
     seed: int | None = None,
     engine: str = "auto",
+    max_memory: int | str | None = None,
     jit_compile: Any = "auto",
     augmult: int = 1,
     augmentation: Any = None,
@@ -125,6 +126,9 @@ def make_private(
       sampling: ``"poisson"`` (what the accountant assumes) or ``"shuffle"``.
       seed: the run seed every random stream derives from (None: a secret one from the OS).
       engine: the per-example engine (``"auto"``: book-keeping where it applies).
+      max_memory: the bytes of layer output gradients a book-keeping step may keep (an int or
+        ``"2GiB"``); above it the step runs in two backward passes and keeps none. None: a quarter of
+        the GPU's, else the host's available memory (as for :class:`~sparta_tf.DPModel`).
       jit_compile: ``"auto"`` (XLA on GPU/TPU, off on CPU), True or False.
       augmult: ``K`` augmented views per example, their gradients averaged before clipping
         (augmentation multiplicity; 1: none). The privacy analysis does not depend on ``K``.
@@ -155,7 +159,7 @@ def make_private(
                        target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, accountant=accountant)
     return private_model(model, method, plan, run_dir=run_dir, clip_norm=clip_norm,
                          physical_batch_size=physical_batch_size, sampling=sampling, seed=seed, engine=engine,
-                         jit_compile=jit_compile, augmult=augmult, augmentation=augmentation, ema=ema,
+                         max_memory=max_memory, jit_compile=jit_compile, augmult=augmult, augmentation=augmentation, ema=ema,
                          use_ema_weights=use_ema_weights)
 
 

@@ -364,6 +364,28 @@ def test_dp_model_uses_the_bookkeeping_engine_by_default_and_shows_its_choices()
     assert methods[variable_key(model.layers[0].kernel)] == "rank_one"
 
 
+def test_dp_model_takes_a_memory_budget_and_says_how_its_step_kept_output_gradients():
+    from sparta_tf import DPModel
+
+    with pytest.raises(ValueError, match=r"^max_memory='2 gigs': give a size in bytes >= 0[^\n]*$"):
+        DPModel(MODELS["dense_2d"](), clip_norm=1.0, noise_multiplier=1.0, sample_rate=0.5, max_memory="2 gigs")
+    results, x = {}, tf.random.normal([4, 6])
+    for budget in ("1GiB", 0):
+        tf.keras.utils.set_random_seed(6)
+        model = MODELS["dense_2d"]()
+        dp_model = DPModel(model, clip_norm=1.0, noise_multiplier=1.0, sample_rate=0.5, dataset_size=8, seed=1,
+                           max_memory=budget)
+        dp_model.compile(tf.keras.optimizers.SGD(0.1),
+                         loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        assert dp_model.engine_memory_plan() is None
+        dp_model.train_on_batch(x, tf.constant([0, 1, 2, 0]), sample_weight=tf.ones([4]))
+        results[budget] = (dp_model.engine_memory_plan(), [v.numpy() for v in model.trainable_variables])
+    assert results["1GiB"][0].mode == "one_pass" and results["1GiB"][0].budget == 2**30
+    assert results[0][0].mode == "two_pass" and results[0][0].kept_bytes == 0
+    for one, two in zip(results["1GiB"][1], results[0][1]):  # the same step (same noise), up to rounding
+        np.testing.assert_allclose(one, two, rtol=1e-5, atol=1e-6)
+
+
 def test_the_engine_is_built_before_the_step_is_traced():
     """DPModel builds its engine just before the train step is traced (EinsumDense layouts included)."""
     from sparta_tf import DPModel

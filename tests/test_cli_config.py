@@ -69,6 +69,8 @@ MALFORMED = [
     ("training.weight_decay", -1e-4, "training.weight_decay=-0.0001 must be >= 0"),
     ("training.jit_compile", "yes", "training.jit_compile='yes' must be true, false or auto"),
     ("training.engine", "fast", "training.engine='fast' must be one of"),
+    ("training.max_memory", "2 gigs", "training.max_memory='2 gigs' must be a size in bytes >= 0, e.g. 2000000000 or '2GiB'"),
+    ("training.max_memory", -1, "training.max_memory=-1 must be a size in bytes >= 0"),
     ("training.lr", 0.1, "unknown key training.lr"),
     ("pretrain.epochs", 0, "pretrain.epochs=0 must be >= 1"),
     ("pretrain.optimizer", "lamb", "pretrain.optimizer='lamb' must be one of"),
@@ -94,6 +96,14 @@ def test_malformed_config_gives_one_line_error(path, value, message):
     text = str(error.value)
     assert message in text
     assert "\n" not in text
+
+
+@pytest.mark.parametrize("size,expected", [("2GiB", 2 * 2**30), ("512 MiB", 512 * 2**20), ("1.5GB", 1_500_000_000),
+                                           (0, 0), (10**9, 10**9), (None, None)])
+def test_max_memory_is_read_the_same_by_the_config_and_the_library(size, expected):
+    from sparta_tf.choices import memory_bytes
+    assert validate(with_change("training.max_memory", size))["training"]["max_memory"] == size
+    assert memory_bytes(size) == expected
 
 
 def test_x_bitfit_needs_a_bias_phase():

@@ -88,6 +88,16 @@ def _seed(value):
                                                  "or null for a secret seed")
 
 
+def _memory_size(value):
+    """training.max_memory: bytes (a number or a string with a unit), or null for the machine's default."""
+    try:
+        choices.memory_bytes(value)
+    except ValueError:
+        return (f"must be a size in bytes >= 0, e.g. 2000000000 or '2GiB' (units {', '.join(choices.MEMORY_UNITS)}), "
+                "or null for the machine's default (a quarter of the GPU's or the host's available memory)")
+    return None
+
+
 NUMBER = (int, float)
 OPTIONAL_NUMBER = (int, float, type(None))
 OPTIONAL_INT = (int, type(None))
@@ -128,6 +138,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "seed": Field(OPTIONAL_INT, None, _seed),
         "jit_compile": Field((bool, str), "auto", lambda v: None if v in (True, False, "auto") else "must be true, false or auto"),
         "engine": Field((str,), choices.ENGINES[0], _one_of(*choices.ENGINES)),
+        "max_memory": Field((int, float, str, type(None)), None, _memory_size),
         "augmult": Field((int,), 1, _at_least_one),
         "augmult_flip": Field((bool,), True),
         "augmult_pad": Field((int,), 4, _non_negative),

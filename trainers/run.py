@@ -34,8 +34,10 @@ import numpy as np
 import tensorflow as tf
 
 import sparta_tf
-from sparta_tf import checkpointing, determinism, distribute
+from sparta_tf import checkpointing, choices, determinism, distribute
 from sparta_tf.methods import Method, make_method
+from sparta_tf.per_example import memory_budget
+from sparta_tf.privacy.sampling import default_physical_batch_size
 from sparta_tf.private_training import plan_method, private_model
 from sparta_tf.privacy.plan import FixedNoiseOverBudgetError, PrivacyPlan
 from trainers.config import ConfigError, check_against_data
@@ -230,9 +232,18 @@ def dry_run(config: dict) -> PrivacyPlan:
     method = build_method(config, None, model)
     plan = make_plan(config, dataset, method)
     print(describe(plan, method, model, config))
+    print(memory_line(config, plan, model))
     _warn_of_caveats(config, dataset, plan.private)
     print(strategy_line(config["training"]["strategy"]))
     return plan
+
+
+def memory_line(config: dict, plan: PrivacyPlan, model: tf.keras.Model) -> str:
+    """What a full-DP book-keeping step of ``model`` keeps at the run's physical batch, against
+    ``training.max_memory`` (:func:`sparta_tf.per_example.memory_budget.describe`)."""
+    training = config["training"]
+    batch = training["physical_batch_size"] or default_physical_batch_size(plan.n, plan.sample_rate)
+    return memory_budget.describe(model, batch * training["augmult"], choices.memory_bytes(training["max_memory"]))
 
 
 def strategy_line(name: str) -> str:
@@ -299,7 +310,8 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
     seed = getattr(hooks, "run_seed", training["seed"])
     dp = private_model(model, method, plan, run_dir=output_dir, seed=seed, clip_norm=privacy["clip_norm"],
                        physical_batch_size=training["physical_batch_size"], sampling=privacy["sampling"],
-                       engine=training["engine"], jit_compile=training["jit_compile"],
+                       engine=training["engine"], max_memory=training["max_memory"],
+                       jit_compile=training["jit_compile"],
                        augmult=training["augmult"], augmentation=augmentation_of(config), ema=training["ema"],
                        use_ema_weights=training["use_ema_weights"])
     dp.compile(make_optimizer(config, plan.update_steps), loss=LOSS, metrics=["accuracy"])

@@ -12,6 +12,7 @@ memory (``MemAvailable`` in ``/proc/meminfo``), else 4 GiB.
 from __future__ import annotations
 
 import functools
+import math
 import pathlib
 import shutil
 import subprocess
@@ -61,3 +62,46 @@ def _available_host_bytes() -> int | None:
         return None
     line = next((ln for ln in lines if ln.startswith("MemAvailable:")), None)
     return int(line.split()[1]) * 1024 if line else None
+
+
+def output_gradient_bytes(model: tf.keras.Model, batch: int) -> int | None:
+    """Before any step: what a one-pass step over every weight of ``model`` keeps at a physical
+    ``batch``: the output gradient of every call of every layer that owns weights (4 bytes a
+    coordinate; the output of a layer's ``convolution_op`` or pre-activation has its output's shape).
+    None for a model whose layers' output shapes are not known before a call (a subclassed model)."""
+    from sparta_tf.backend import owned_variables  # noqa: PLC0415  (keeps this module's imports light)
+    from sparta_tf.keras_layers import all_layers  # noqa: PLC0415
+
+    total = 0
+    for layer in all_layers(model):
+        if not owned_variables(layer):
+            continue
+        nodes = getattr(layer, "_inbound_nodes", None) or []
+        if not nodes:
+            return None
+        for node in nodes:
+            outputs = getattr(node, "output_tensors", None)
+            outputs = getattr(node, "outputs", []) if outputs is None else outputs
+            for output in tf.nest.flatten(outputs):
+                shape = getattr(output, "shape", None)
+                if shape is None or None in tuple(shape)[1:]:
+                    return None
+                total += batch * int(math.prod(tuple(shape)[1:])) * 4
+    return total
+
+
+def describe(model: tf.keras.Model, batch: int, max_memory: int | None) -> str:
+    """The dry run's line on the book-keeping step's memory: what one pass keeps and whether it fits."""
+    budget = default_memory_budget() if max_memory is None else max_memory
+    kept = output_gradient_bytes(model, batch)
+    source = "max_memory" if max_memory is not None else "default max_memory (a quarter of the machine's memory)"
+    if kept is None:
+        return (f"memory: the output gradients one pass keeps are known when the step is traced "
+                f"(DPModel.engine_memory_plan()); budget {_mib(budget)} ({source})")
+    mode = "one pass" if kept <= budget and budget > 0 else "two backward passes, keeping none"
+    return (f"memory: one pass keeps {_mib(kept)} of layer output gradients at a physical batch of {batch}; "
+            f"{source} {_mib(budget)}: {mode}")
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.0f} MiB"
