@@ -181,7 +181,9 @@ Step = Callable[[], float]
 
 
 def _fit_path_step(model: tf.keras.Model, ds: tf.data.Dataset) -> Step:
-    iterator, train_function = iter(ds), model.make_train_function()
+    iterator = iter(ds)
+    model.make_train_function()  # Keras 3 sets model.train_function and returns None
+    train_function = model.train_function
 
     def step() -> float:
         return float(tf.nest.flatten(train_function(iterator))[0])
@@ -218,7 +220,7 @@ class NoisyKerasModel(tf.keras.Model):
     def train_step(self, data):
         x, y = data
         with tf.GradientTape() as tape:
-            loss = self.compiled_loss(y, self.model(x, training=True))
+            loss = self.compute_loss(x=x, y=y, y_pred=self.model(x, training=True))
         variables = self.model.trainable_variables
         gradients = tape.gradient(loss, variables)
         stddev = NOISE_MULTIPLIER * CLIP_NORM / tf.cast(tf.shape(y)[0], tf.float32)
