@@ -27,6 +27,10 @@ def _zero_noise(shapes, stddev, seed, step, dtype=tf.float32, stream=None):
     return [tf.zeros(shape, d) for shape, d in zip(shapes, dtypes)]
 
 
+def _zero_noise_draws(shapes, stddev, seed, step, dtype=tf.float32, stream=None):
+    return [lambda z=z: z for z in _zero_noise(shapes, stddev, seed, step, dtype, stream)]
+
+
 def _no_clipping(squared_norms, clip_norm, valid):
     keep = tf.logical_and(valid, tf.math.is_finite(squared_norms))
     return tf.where(keep, tf.ones_like(squared_norms), tf.zeros_like(squared_norms)), keep
@@ -36,6 +40,7 @@ def _no_clipping(squared_norms, clip_norm, valid):
 def broken_mechanism(noise: bool = True, clipping: bool = True):
     """Within the block, DP steps built from now on run without noise and/or without clipping."""
     patches = [(name, "gaussian_noise", _zero_noise) for name in NOISE_USERS if not noise]
+    patches += [("sparta_tf.dp_step.noise", "noise_draws", _zero_noise_draws)] if not noise else []
     patches += [(name, "clip_factors", _no_clipping) for name in CLIP_USERS if not clipping]
     saved = []
     try:

@@ -1,7 +1,8 @@
 """Every layer a user writes: the DP step's clipped sum is exact, or the model is refused in one line.
 
 For each model of :mod:`layer_zoo` (fused activations, masks, recurrent layers, wrappers, mixed
-precision, unknown dimensions), under ``engine="auto"`` and a materialising engine, jit off and on,
+precision, unknown dimensions), under ``engine="auto"`` (one pass; two passes, ``max_memory=0``, under
+XLA) and a materialising engine, jit off and on,
 traced with the batch and every dimension the model leaves open unknown:
 
 * the clipped sum equals the one-example tape reference (float64) at clip norms where every,
@@ -64,7 +65,9 @@ def test_clipped_sum_equals_the_one_example_reference(name, engine_name):
     example_norms = norms(reference)
     engine = _engine(model, name, engine_name)
     tolerance = LOW_PRECISION_TOLERANCE if case.low_precision else FLOAT_TOLERANCE
-    for jit in (False, True):
+    # the two-pass step under XLA only (where the two backward passes could be fused differently and
+    # round apart); test_bookkeeping runs it without XLA on every rule
+    for jit in ((True,) if engine_name == "two_pass" else (False, True)):
         step = _step(case, engine, jit)
         for clip_norm in (example_norms.min() / 2, np.median(example_norms), example_norms.max() * 2):
             ours = flat(step(x, y, valid, np.float32(clip_norm)))
