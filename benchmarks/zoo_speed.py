@@ -316,7 +316,7 @@ def cost_summary(dp) -> Dict[str, int]:
 
 
 def time_model(name: str, spec: ZooModel, variants: List[str], rounds: int, seed: int) -> dict:
-    built, result = {}, {"model": name, "batch_size": spec.batch, "variants": {}}
+    built, result = {}, {"model": name, "batch_size": spec.batch, "commit": _commit(), "variants": {}}
     for variant in variants:
         entry = result["variants"].setdefault(variant, {})
         t0 = time.perf_counter()
@@ -480,7 +480,7 @@ def markdown(results: List[dict], machine: str) -> str:
         if keras.get("memory_growth_mib") is not None:
             keras_cell += f", {keras['memory_growth_mib']:.0f} MiB"
         methods_cell = ", ".join(f"{k} {n}" for k, n in v.get("dp-full", {}).get("norm_methods", {}).items())
-        lines.append(f"| {r['model']} | {r['batch_size']} | {r.get('parameters', 0) / 1e6:.2f}M | {keras_cell} | "
+        lines.append(f"| {r['model']}{' (' + r['commit'] + ')' if r.get('commit') else ''} | {r['batch_size']} | {r.get('parameters', 0) / 1e6:.2f}M | {keras_cell} | "
                      f"{_cell(v.get('keras-noise', {}))} | {_cell(v.get('dp-full', {}))} | "
                      f"{_cell(v.get('dp-two-pass', {}))} | {_cell(v.get('sparse-20', {}))} | "
                      f"{_cell(v.get('tfp-ghost', {}))} | {_cell(v.get('tfp-plain', {}))} | {methods_cell} | "
@@ -499,6 +499,15 @@ def update_readme(table: str) -> None:
     head, rest = text.split(README_BEGIN, 1)
     _, tail = rest.split(README_END, 1)
     README.write_text(f"{head}{README_BEGIN}\n{table}{README_END}{tail}")
+
+
+def _commit() -> str:
+    """The code's commit (the row of a model measured before a later change says so)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=ROOT, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 def _machine() -> str:
