@@ -68,6 +68,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from sparta_tf import DPModel, methods  # noqa: E402
+from sparta_tf.backend import KERAS3, keras_version  # noqa: E402
 from sparta_tf.dp_step.noise import gaussian_noise  # noqa: E402
 from sparta_tf.groups import row_groups  # noqa: E402
 from sparta_tf.models import replace_batchnorm, resnet20_gn, vit_tiny, wrn_gn  # noqa: E402
@@ -80,7 +81,13 @@ POOL = 3  # distinct random batches cycled through
 DATASET_SIZE = 50_000
 RESULTS = HERE / "results" / "zoo_speed-vm"
 README = ROOT / "docs" / "speed.md"  # the page whose table --readme / --readme-only rewrite
-README_BEGIN, README_END = "<!-- zoo-speed:begin -->", "<!-- zoo-speed:end -->"
+RESULTS_KERAS3 = HERE / "results" / "zoo_speed-keras3-vm"  # the default --out on the Keras 3 line
+
+
+def readme_markers(results_path: pathlib.Path) -> tuple[str, str]:
+    """The markers of docs/speed.md between which the table of ``results_path`` goes (one pair per line)."""
+    name = "zoo-speed-keras3" if "keras3" in results_path.name else "zoo-speed"
+    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
 # model -> the largest acceptable dp-full / keras step ratio (issue targets; 2.0 for every other model)
 TIME_TARGETS = {"mlp_fused": 1.5, "mlp_split": 1.5, "resnet20_gn": 1.3, "vit_tiny": 1.5}
 MEMORY_TARGETS = {"resnet20_gn": 1.5}  # dp-full / keras peak RSS growth (2.0 for every other model)
@@ -492,13 +499,14 @@ def markdown(results: List[dict], machine: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def update_readme(table: str) -> None:
+def update_readme(table: str, results_path: pathlib.Path) -> None:
+    begin, end = readme_markers(results_path)
     text = README.read_text()
-    if README_BEGIN not in text or README_END not in text:
-        raise SystemExit(f"{README.relative_to(ROOT)} has no {README_BEGIN} ... {README_END} markers")
-    head, rest = text.split(README_BEGIN, 1)
-    _, tail = rest.split(README_END, 1)
-    README.write_text(f"{head}{README_BEGIN}\n{table}{README_END}{tail}")
+    if begin not in text or end not in text:
+        raise SystemExit(f"{README.relative_to(ROOT)} has no {begin} ... {end} markers")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    README.write_text(f"{head}{begin}\n{table}{end}{tail}")
 
 
 def _commit() -> str:
@@ -511,7 +519,7 @@ def _commit() -> str:
 
 
 def _machine() -> str:
-    return f"{os.cpu_count()} CPU cores, TensorFlow {tf.__version__}"
+    return f"{os.cpu_count()} CPU cores, TensorFlow {tf.__version__}, Keras {keras_version()}"
 
 
 
@@ -528,7 +536,8 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="results path without suffix")
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS_KERAS3 if KERAS3 else RESULTS,
+                        help="results path without suffix (default: zoo_speed-vm, zoo_speed-keras3-vm on Keras 3)")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--rerun", action="store_true", help="ignore cached results of the models asked for")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, 1 round (CI)")
@@ -542,7 +551,7 @@ def main(argv=None) -> int:
     json_path, md_path = args.out.with_suffix(".json"), args.out.with_suffix(".md")
     cached = json.loads(json_path.read_text()) if json_path.exists() else {"results": []}
     if args.readme_only:
-        update_readme(markdown(cached["results"], cached.get("machine", "")))
+        update_readme(markdown(cached["results"], cached.get("machine", "")), args.out)
         return 0
     zoo = SMOKE if args.smoke else {name: MODELS[name] for name in args.models}
     rounds = 1 if args.smoke else args.rounds
@@ -563,7 +572,7 @@ def main(argv=None) -> int:
         md_path.write_text(markdown(ordered, payload["machine"]))
         print("  " + "; ".join(_verdicts(result)), flush=True)
     if args.readme:
-        update_readme(markdown(json.loads(json_path.read_text())["results"], _machine()))
+        update_readme(markdown(json.loads(json_path.read_text())["results"], _machine()), args.out)
     return 0
 
 
