@@ -44,10 +44,11 @@ from sparta_tf.per_example.engines import (
     finite_rows,
     per_example_sum,
 )
-from sparta_tf.per_example.memory_budget import MemoryPlan, default_memory_budget
+from sparta_tf.per_example.memory_budget import MemoryPlan, default_memory_budget, output_gradient_bytes
 from sparta_tf.per_example.recording import recording
 from sparta_tf.per_example.streaming import NORMS, SUMS, Streaming, kept_bytes
 from sparta_tf.per_example.registry import ghost_rule_for
+from sparta_tf.per_example.rules.recurrent import is_recurrent
 from sparta_tf.per_example.rules.base import NormMethod, keep_examples, squared_sum
 from sparta_tf.precision import accumulation_dtype, to_accumulation
 from sparta_tf.trainable import VariableSelection
@@ -90,7 +91,7 @@ class BookkeepingEngine(HookedEngine):
 
         One pass when the output gradients it keeps fit in ``max_memory`` bytes, else two passes
         (:mod:`~sparta_tf.per_example.streaming`) for every layer whose output can be tapped."""
-        if self.views > 1:  # an example's rows are summed per layer: its output gradients are kept
+        if self.views > 1 or self._fits_in_one_pass(x):  # no taps: the one-pass recording as it is
             return self.selection_statistic(x, y, loss_fn, valid, clip_norm)
         x, valid = finite_rows(x, valid)
         streaming = Streaming({id(layer): (rule, [self.selections[k] for k in indices])
@@ -126,6 +127,20 @@ class BookkeepingEngine(HookedEngine):
         self._remember(table + streaming.methods)
         sums = [_as_statistic(total_k, s) for total_k, s in zip(sums, self.selections)]
         return ClippedBatch(sums, squared, losses, predictions)
+
+    def _fits_in_one_pass(self, x) -> bool:
+        """True when the model's layer output shapes, known before the step, put what one pass keeps
+        within ``max_memory`` (``views > 1``: an example's rows are summed per layer, so its output
+        gradients are kept anyway). The step then records without taps; otherwise it decides from
+        the recorded calls (:meth:`_streamed_calls`)."""
+        batch = tf.nest.flatten(x)[0].shape[0]
+        if self.max_memory == 0 or batch is None or any(is_recurrent(layer) for layer in self.layers):
+            return False  # a recurrent layer's probes are its steps', which its output shape does not show
+        predicted = output_gradient_bytes(self.model, batch)
+        if predicted is None or predicted > self.max_memory:
+            return False
+        self._memory_plan = MemoryPlan("one_pass", self.max_memory, predicted, predicted)
+        return True
 
     def _indices_of(self, layer) -> list[int]:
         return next(indices for planned, _, indices in self.plan if planned is layer)
