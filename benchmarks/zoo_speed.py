@@ -84,10 +84,13 @@ README = ROOT / "docs" / "speed.md"  # the page whose table --readme / --readme-
 RESULTS_KERAS3 = HERE / "results" / "zoo_speed-keras3-vm"  # the default --out on the Keras 3 line
 
 
+README_BEGIN, README_END = "<!-- zoo-speed:begin -->", "<!-- zoo-speed:end -->"
+README_KERAS3_BEGIN, README_KERAS3_END = "<!-- zoo-speed-keras3:begin -->", "<!-- zoo-speed-keras3:end -->"
+
+
 def readme_markers(results_path: pathlib.Path) -> tuple[str, str]:
     """The markers of docs/speed.md between which the table of ``results_path`` goes (one pair per line)."""
-    name = "zoo-speed-keras3" if "keras3" in results_path.name else "zoo-speed"
-    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    return (README_KERAS3_BEGIN, README_KERAS3_END) if "keras3" in results_path.name else (README_BEGIN, README_END)
 # model -> the largest acceptable dp-full / keras step ratio (issue targets; 2.0 for every other model)
 TIME_TARGETS = {"mlp_fused": 1.5, "mlp_split": 1.5, "resnet20_gn": 1.3, "vit_tiny": 1.5}
 MEMORY_TARGETS = {"resnet20_gn": 1.5}  # dp-full / keras peak RSS growth (2.0 for every other model)
