@@ -101,8 +101,7 @@ class BookkeepingEngine(HookedEngine):
                 predictions = self.model(x, training=True)
             losses = loss_fn(y, predictions)
             total = tf.reduce_sum(tf.where(valid, losses, tf.zeros_like(losses)))
-        streamed = self._streamed_calls(rec.calls)
-        kept = [call for call in rec.calls if all(call is not s for s in streamed)]
+        streamed, kept = self._streamed_calls(rec.calls)
         streaming.mode, streaming.batch_rows, streaming.streamed = NORMS, losses, {id(c) for c in streamed}
         gradients = tape.gradient(total, [c.tap.norm_sink for c in streamed] + [c.probe for c in kept])
         streaming.mode = None
@@ -145,8 +144,9 @@ class BookkeepingEngine(HookedEngine):
     def _indices_of(self, layer) -> list[int]:
         return next(indices for planned, _, indices in self.plan if planned is layer)
 
-    def _streamed_calls(self, calls) -> list:
-        """The calls whose output gradients the step taps instead of keeping: none when what one pass
+    def _streamed_calls(self, calls) -> tuple[list, list]:
+        """``(streamed, kept)``: the calls whose output gradients the step taps instead of keeping, and
+        the others. None is streamed when what one pass
         keeps fits in ``max_memory`` (or is unknown when the step is traced, unless ``max_memory`` is
         0); else every call with a tap of a layer called once (the norm of a layer called twice
         needs both calls' gradients). A step with a low-precision layer output (bfloat16, float16)
@@ -162,9 +162,11 @@ class BookkeepingEngine(HookedEngine):
         too_big = self.max_memory == 0 or (one_pass is not None and one_pass > self.max_memory)
         two_pass = too_big and bool(tappable)
         streamed = tappable if two_pass else []
-        left = kept_bytes([c for c in calls if all(c is not s for s in streamed)])
-        self._memory_plan = MemoryPlan("two_pass" if two_pass else "one_pass", self.max_memory, one_pass, left)
-        return streamed
+        streamed_ids = {id(c) for c in streamed}
+        kept = [c for c in calls if id(c) not in streamed_ids]
+        self._memory_plan = MemoryPlan("two_pass" if two_pass else "one_pass", self.max_memory, one_pass,
+                                       kept_bytes(kept))
+        return streamed, kept
 
     def selection_statistic(self, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor, clip_norm: float | None,
                             groups=None) -> ClippedBatch:

@@ -20,6 +20,9 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
+from sparta_tf.backend import owned_variables
+from sparta_tf.keras_layers import all_layers
+
 DEFAULT_FRACTION = 0.25
 """The share of the machine's memory the one-pass step's output gradients may take by default."""
 
@@ -69,9 +72,6 @@ def output_gradient_bytes(model: tf.keras.Model, batch: int) -> int | None:
     ``batch``: the output gradient of every call of every layer that owns weights (4 bytes a
     coordinate; the output of a layer's ``convolution_op`` or pre-activation has its output's shape).
     None for a model whose layers' output shapes are not known before a call (a subclassed model)."""
-    from sparta_tf.backend import owned_variables  # noqa: PLC0415  (keeps this module's imports light)
-    from sparta_tf.keras_layers import all_layers  # noqa: PLC0415
-
     total = 0
     for layer in all_layers(model):
         if not owned_variables(layer):
