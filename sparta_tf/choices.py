@@ -21,6 +21,11 @@ ENGINES: tuple[str, ...] = ("auto", "bookkeeping", "layerwise", "vectorized")
 STRATEGIES: tuple[str, ...] = ("default", "mirrored", "multi_worker")
 """The ``tf.distribute`` strategies a run can use (:mod:`sparta_tf.distribute`)."""
 
+def one_of_problem(value, options: tuple) -> str | None:
+    """What is wrong with ``value`` as one of ``options`` (None: it is one)."""
+    return None if value in options else f"must be one of {', '.join(map(str, options))}"
+
+
 CANDIDATE_DISTRIBUTIONS: dict[str, float] = {"geometric": 1.0, "logarithmic": 0.0, "poisson": float("inf")}
 """The distributions of a private tuning's number of candidates that have a name, by their shape
 (:class:`sparta_tf.privacy.tuning.CandidateCount`; any other shape in ``(0, inf)`` is a truncated

@@ -66,14 +66,17 @@ def reject_batch_mixing_layers(model: tf.keras.Model) -> None:
     and clipping per-example gradients no longer bounds any single example's
     influence: the DP guarantee would be void.
     """
-    for layer in all_layers(model):
-        if is_batch_normalization(layer) and layer.trainable:
-            raise NotPerExampleSafeError(
-                f"layer {layer.name!r} ({type(layer).__name__}) is BatchNormalization in training mode: "
-                "it mixes the examples of a batch, which breaks per-example clipping and the DP guarantee; "
-                "replace it with GroupNormalization/LayerNormalization, or freeze it "
-                "(layer.trainable = False) to run it in inference mode"
-            )
+    found = [layer for layer in all_layers(model) if is_batch_normalization(layer) and layer.trainable]
+    if found:
+        first = found[0]
+        which = (f"layer {first.name!r} ({type(first).__name__}) is" if len(found) == 1 else
+                 f"{len(found)} layers ({first.name!r}, {type(first).__name__}, and {len(found) - 1} more) are")
+        raise NotPerExampleSafeError(
+            f"{which} BatchNormalization in training mode, which mixes the examples of a batch and breaks "
+            "per-example clipping and the DP guarantee; convert them with "
+            "sparta_tf.models.replace_batchnorm(model, \"groupnorm\") (GroupNormalization, same weights otherwise) "
+            "or freeze them with replace_batchnorm(model, \"freeze\") (inference mode)"
+        )
 
 
 # Kept for callers of the earlier name.

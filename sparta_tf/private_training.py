@@ -43,7 +43,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from sparta_tf import checkpointing, distribute
+from sparta_tf import checkpointing, distribute, run_checks
 from sparta_tf.methods import Method, make_method
 from sparta_tf.privacy import charging
 from sparta_tf.privacy.ledger import PrivacyLedger
@@ -154,6 +154,10 @@ def make_private(
             raise ValueError("pass options to the Method itself, or pass the method by name with its options")
     else:
         method = make_method(method, **method_options)
+    run_checks.check_run(run_checks.LIBRARY, epochs=epochs, batch_size=batch_size, noise_multiplier=noise_multiplier,
+                         engine=engine, private=method.private)
+    run_checks.check_against_data(run_checks.LIBRARY, dataset_size=dataset_size, batch_size=batch_size, delta=delta)
+    run_checks.check_method_run(run_checks.LIBRARY, method.name, method.option_values, epochs)
     method.check(model)
     plan = plan_method(method, dataset_size=dataset_size, batch_size=batch_size, epochs=epochs, delta=delta,
                        target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, accountant=accountant)
@@ -222,8 +226,6 @@ class PrivateRun:
                              "leave it out")
         if any(isinstance(c, MethodCallback) for c in callbacks):
             raise ValueError("make_private's model runs its method itself; remove the MethodCallback")
-        if dp.optimizer is None or dp.loss is None:
-            raise ValueError("compile the model returned by make_private (optimizer and loss) before fit")
         previous = self.previous
         first_epoch = previous[1]["epoch"] if previous else 0
         distribute.check_same_checkpoint(dp.distribute_strategy, first_epoch if previous else None)

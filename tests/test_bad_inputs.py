@@ -136,7 +136,7 @@ CASES = [
     ("epochs-zero", {"training.epochs": 0}, 2, "training.epochs=0 must be >= 1"),
     ("epochs-float", {"training.epochs": 2.5}, 2, "training.epochs=2.5 must be an integer"),
     ("epochs-text", {"training.epochs": "ten"}, 2, "training.epochs='ten' must be an integer"),
-    ("batch-zero", {"training.batch_size": 0}, 2, "training.batch_size=0 must be >= 1"),
+    ("batch-zero", {"training.batch_size": 0}, 2, "training.batch_size=0 must be a number > 0"),
     ("batch-larger-than-n", {"training.batch_size": 100000}, 2, "is larger than the training set"),
     ("physical-zero", {"training.physical_batch_size": 0}, 2, "training.physical_batch_size=0 must be >= 1"),
     ("optimizer", {"training.optimizer": "rmsprop"}, 2, "training.optimizer='rmsprop' must be one of"),

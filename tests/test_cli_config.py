@@ -58,7 +58,7 @@ MALFORMED = [
     ("privacy.noise_multiplier", 0, "privacy.noise_multiplier=0 gives no privacy"),
     ("training.epochs", 0, "training.epochs=0 must be >= 1"),
     ("training.epochs", True, "training.epochs=True must be an integer"),
-    ("training.batch_size", 0, "training.batch_size=0 must be >= 1"),
+    ("training.batch_size", 0, "training.batch_size=0 must be a number > 0"),
     ("training.physical_batch_size", 0, "training.physical_batch_size=0 must be >= 1"),
     ("training.optimizer", "rmsprop", "training.optimizer='rmsprop' must be one of"),
     ("training.momentum", 1.0, "training.momentum=1.0 must be in [0, 1)"),

@@ -113,6 +113,11 @@ def test_sample_weights_other_than_zero_or_one_are_refused():
     x, y = _data()
     weights = np.full(16, 2.0, np.float32)  # would scale every clipped contribution by 2
     dataset = tf.data.Dataset.from_tensor_slices((x, y, weights)).batch(4)
+    with pytest.raises(ValueError, match="sample weights include 2: .*0/1 padding mask"):  # before the first step
+        dp.fit(dataset, epochs=1, steps_per_epoch=2, verbose=0)
+    assert int(dp.dp_step.numpy()) == 0
+    later = np.where(np.arange(16) < 4, 1.0, 2.0).astype(np.float32)  # the first batch passes, the second not
+    dataset = tf.data.Dataset.from_tensor_slices((x, y, later)).batch(4)
     with pytest.raises(tf.errors.InvalidArgumentError, match="0/1 padding mask"):
         dp.fit(dataset, epochs=1, steps_per_epoch=2, verbose=0)
     padding = tf.data.Dataset.from_tensor_slices((x, y, (np.arange(16) % 2).astype(np.float32))).batch(4)

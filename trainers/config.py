@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import yaml
 
-from sparta_tf import choices, method_spec  # TensorFlow-free, as is sparta_tf.data.spec: nothing here imports TensorFlow
+from sparta_tf import choices, method_spec, run_checks  # TensorFlow-free, as is sparta_tf.data.spec: nothing here imports TensorFlow
 from sparta_tf.data.spec import SOURCE_KEYS
 
 METHOD_NAMES = tuple(method_spec.SPECS)
@@ -72,10 +72,8 @@ def _open_fraction(value):
     return None if 0 < value < 1 else "must be in (0, 1)"
 
 
-def _one_of(*choices):
-    def check(value):
-        return None if value in choices else f"must be one of {', '.join(map(str, choices))}"
-    return check
+def _one_of(*options):
+    return lambda value: choices.one_of_problem(value, options)
 
 
 SEED_LIMIT = 2**32
@@ -125,8 +123,8 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "sampling": Field((str,), choices.SAMPLING_MODES[0], _one_of(*choices.SAMPLING_MODES)),
     },
     "training": {
-        "epochs": Field((int,), 50, _at_least_one),
-        "batch_size": Field((int,), 500, _at_least_one),
+        "epochs": Field((int,), 50, run_checks.count_problem),
+        "batch_size": Field((int,), 500, run_checks.batch_size_problem),
         "physical_batch_size": Field(OPTIONAL_INT, None, lambda v: None if v is None or v >= 1 else "must be >= 1"),
         "optimizer": Field((str,), "sgd", _one_of("sgd", "adam")),
         "momentum": Field(NUMBER, 0.9, lambda v: None if 0 <= v < 1 else "must be in [0, 1)"),
@@ -374,23 +372,15 @@ def _validate_section(section: str, values: Any, fields: dict[str, Field]) -> di
 def _check_cross_field(config: dict) -> None:
     method, training, privacy = config["method"], config["training"], config["privacy"]
     epochs, name = training["epochs"], method["name"]
-    if "warmup_epochs" in method:
-        if method["warmup_epochs"] is None:
-            method["warmup_epochs"] = method_spec.default_warmup_epochs(epochs)
-        warmup = method["warmup_epochs"]
-        selection = 1 if method["mask"] is None else 0
-        if warmup + selection >= epochs:
-            raise ConfigError(f"method.warmup_epochs={warmup} must be < training.epochs - {selection} "
-                              f"(={epochs - selection}): the warm-up{' + 1 selection epoch' if selection else ''} "
-                              "must leave a sparse epoch")
-    if name == "x_bitfit" and method["full_epochs"] >= epochs:
-        raise ConfigError(f"method.full_epochs={method['full_epochs']} must be < training.epochs (={epochs}) "
-                          "so that the bias-only phase runs")
-    if "density" in method and method["density"] == 0 and method.get("mask") is None \
-            and not any(value > 0 for value in method["density_overrides"].values()):
-        spends = " after its selection epoch has spent epsilon" if "warmup_epochs" in method else ""
-        raise ConfigError(f"method.density=0 keeps no kernel row or entry: method {name} would train only the "
-                          f"biases, norms and head{spends}; use method.name=bitfit for that, or a density in (0, 1]")
+    if "warmup_epochs" in method and method["warmup_epochs"] is None:
+        method["warmup_epochs"] = method_spec.default_warmup_epochs(epochs)
+    private = method_spec.SPECS[name].private
+    try:  # the checks make_private makes (one implementation: sparta_tf.run_checks)
+        run_checks.check_run(run_checks.CONFIG, epochs=epochs, batch_size=training["batch_size"],
+                             noise_multiplier=privacy["noise_multiplier"], engine=training["engine"], private=private)
+        run_checks.check_method_run(run_checks.CONFIG, name, method, epochs)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     pretrain = config["pretrain"]
     if pretrain["enabled"] and pretrain["data"] is None and not pretrain["checkpoint"]:
         raise ConfigError("pretrain.enabled is true but there is neither pretrain.data (the public data set to "
@@ -398,17 +388,12 @@ def _check_cross_field(config: dict) -> None:
     physical = training["physical_batch_size"]
     if physical is not None and physical < 1:
         raise ConfigError(f"training.physical_batch_size={physical} must be >= 1")
-    private = method_spec.SPECS[name].private
-    if privacy["noise_multiplier"] is not None and privacy["noise_multiplier"] == 0 and private:
-        raise ConfigError("privacy.noise_multiplier=0 gives no privacy; leave it null to calibrate it "
-                          "from privacy.target_epsilon")
 
 
 def check_against_data(config: dict, n: int) -> None:
-    """Checks that need the private training-set size ``n``."""
-    delta, batch = config["privacy"]["delta"], config["training"]["batch_size"]
-    if delta >= 1.0 / n:
-        raise ConfigError(f"privacy.delta={delta:g} must be < 1/n = {1.0 / n:.3g} for n={n} training examples "
-                          f"(e.g. delta: {10 ** -len(str(n)):g})")
-    if batch > n:
-        raise ConfigError(f"training.batch_size={batch} is larger than the training set (n={n}); use <= {n}")
+    """Checks that need the private training-set size ``n`` (:func:`sparta_tf.run_checks.check_against_data`)."""
+    try:
+        run_checks.check_against_data(run_checks.CONFIG, dataset_size=n, batch_size=config["training"]["batch_size"],
+                                      delta=config["privacy"]["delta"])
+    except ValueError as error:
+        raise ConfigError(str(error)) from None

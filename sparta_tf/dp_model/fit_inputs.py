@@ -5,7 +5,11 @@
   steps per epoch, resumed at the model's ``dp_step``), or fixed-size shuffled batches of
   ``round(q n)`` (``sampling="shuffle"``, which the ledger says the accountant does not cover);
 * a ``tf.data.Dataset`` is used as given, with its weights checked to be the 0/1 padding mask
-  and a ledger caveat unless it is, unchanged, ``PoissonSampler(n, q).dataset``;
+  and a ledger caveat (and a :class:`NotPoissonSampledWarning` as ``fit`` starts) unless it is,
+  unchanged, ``PoissonSampler(n, q).dataset``;
+* before anything is charged, what ``fit`` cannot honour is refused in one line
+  (:func:`check_fit_call`: no ``compile``, ``sample_weight``, ``class_weight``, ``batch_size``, a
+  weighted dataset, a ``BackupAndRestore`` backup to restore);
 * before the first step, on a few real examples: the model keeps examples apart in training mode
   and the engine's per-example rules see every trainable variable
   (:mod:`sparta_tf.model_checks`, :mod:`sparta_tf.per_example.coverage`).
@@ -13,6 +17,10 @@
 
 from __future__ import annotations
 
+import os
+import warnings
+
+import numpy as np
 import tensorflow as tf
 
 from sparta_tf import distribute, keras_trainer
@@ -26,6 +34,71 @@ from sparta_tf.privacy.sampling import (
 )
 from sparta_tf.privacy.shuffling import shuffled_dataset, shuffled_steps_per_epoch
 from sparta_tf.trainable import TrainableSet
+
+
+PADDING_MASK_ONLY = ("DP-SGD weighs every example the same (each clipped to C), so a weight would scale an "
+                     "example's contribution past the clip bound; the only weights fit takes are the 0/1 padding "
+                     "mask of PoissonSampler batches")
+
+
+def check_fit_call(dp, x, fit_kwargs: dict, callbacks: list) -> None:
+    """Refuses, with one line and before anything is charged, what ``DPModel.fit`` cannot honour: a model
+    not compiled, ``sample_weight`` / ``class_weight`` (:data:`PADDING_MASK_ONLY`), a ``batch_size``
+    (the batches are Poisson samples of ``q n``), a dataset whose first element has weights other than
+    0 and 1, and the Keras callbacks that would break the run (:func:`check_keras_callbacks`)."""
+    if dp._per_example_loss is None:
+        what = "the model returned by make_private" if dp.private_run is not None else "the DPModel"
+        raise ValueError(f"compile {what} (optimizer and loss) before fit")
+    for name in ("sample_weight", "class_weight"):
+        if fit_kwargs.get(name) is not None:
+            raise ValueError(f"fit({name}=...) is not supported: {PADDING_MASK_ONLY}; leave {name} out")
+    if fit_kwargs.get("batch_size") is not None:
+        expected = "q n" if dp.dataset_size is None else f"q n = {dp.sample_rate * dp.dataset_size:g}"
+        raise ValueError(f"fit(batch_size={fit_kwargs['batch_size']!r}): the batches are Poisson samples of "
+                         f"expected size {expected}, set by make_private(batch_size=...) or DPModel(sample_rate=...); "
+                         "leave batch_size out (physical_batch_size= sets how many examples run at once)")
+    if isinstance(x, tf.data.Dataset):
+        check_first_padding_mask(x)
+    check_keras_callbacks(dp, callbacks)
+
+
+def check_first_padding_mask(dataset: tf.data.Dataset) -> None:
+    """One line when the first element of ``dataset`` has weights other than 0 and 1 (the later ones
+    are checked as they are read, :func:`checked_padding_mask`)."""
+    _, _, weights = tf.keras.utils.unpack_x_y_sample_weight(next(iter(dataset.take(1))))
+    if weights is None:
+        return
+    values = np.unique(np.asarray(weights))
+    other = values[(values != 0) & (values != 1)]
+    if other.size:
+        raise ValueError(f"the dataset's sample weights include {other[0]:g}: {PADDING_MASK_ONLY}; drop the "
+                         "weights, or feed arrays to fit")
+
+
+def check_keras_callbacks(dp, callbacks: list) -> None:
+    """The Keras callbacks a DP ``fit`` cannot honour, refused before the first step:
+
+    * ``BackupAndRestore`` whose directory holds the backup of an interrupted ``fit``: restoring it would
+      train on without charging the steps that ``fit`` ran (``make_private(run_dir=...)`` resumes a
+      killed run and charges them). With nothing to restore it backs up and deletes as usual;
+    * ``EarlyStopping(restore_best_weights=True)`` with weight averaging that keeps the averages: after
+      training both would set the weights."""
+    for callback in callbacks:
+        backup_dir = getattr(callback, "backup_dir", None)
+        if isinstance(callback, tf.keras.callbacks.BackupAndRestore) and backup_dir and _holds_files(backup_dir):
+            raise ValueError(
+                f"BackupAndRestore: {backup_dir} holds the backup of an interrupted fit, and restoring it would not "
+                "charge the steps that fit ran to the ledger; resume a DP run with make_private(run_dir=...) "
+                f"instead, or delete {backup_dir} to start afresh")
+        if (isinstance(callback, tf.keras.callbacks.EarlyStopping) and callback.restore_best_weights
+                and dp.weight_average is not None and dp._use_ema_weights):
+            raise ValueError("EarlyStopping(restore_best_weights=True) and ema with use_ema_weights=True would both "
+                             "set the weights after training; pass use_ema_weights=False or "
+                             "restore_best_weights=False")
+
+
+def _holds_files(directory: str) -> bool:
+    return any(files for _, _, files in os.walk(directory))
 
 
 def prepare(dp, x, y, steps_per_epoch: int | None):
@@ -45,6 +118,8 @@ def prepare(dp, x, y, steps_per_epoch: int | None):
         first = first_examples(x)
     if isinstance(x, tf.data.Dataset):
         probe_model(dp, *first)
+        if not dp.built:  # Keras 3's BackupAndRestore refuses an unbuilt model
+            dp(first[0], training=False)
         build_compiled_metrics(dp, *first)
         x = distribute.for_fit(x, dp.distribute_strategy)
     return x, y, steps_per_epoch
@@ -76,11 +151,16 @@ def check_dataset_provenance(dp, dataset: tf.data.Dataset) -> None:
         return
     what = ("a tf.data.Dataset that PoissonSampler did not make (or one transformed after it)" if made is None
             else f"the dataset of PoissonSampler(n={made[0]}, sample_rate={made[1]:g})")
-    dp.ledger.record_caveat(
-        f"fit got {what}, but the ledger charges Poisson sampling of "
-        f"{'the' if expected[0] is None else f'n={expected[0]}'} examples at "
-        f"q={expected[1]:g}; the guarantee holds only if its batches are exactly that; feed arrays to fit, "
-        "or PoissonSampler(n, q, ...).dataset(x, y) unchanged")
+    caveat = (f"fit got {what}, but the ledger charges Poisson sampling of "
+              f"{'the' if expected[0] is None else f'n={expected[0]}'} examples at "
+              f"q={expected[1]:g}; the guarantee holds only if its batches are exactly that; feed arrays to fit, "
+              "or PoissonSampler(n, q, ...).dataset(x, y) unchanged")
+    dp.ledger.record_caveat(caveat)
+    warnings.warn(caveat, NotPoissonSampledWarning, stacklevel=4)
+
+
+class NotPoissonSampledWarning(UserWarning):
+    """``fit`` got a dataset the ledger's Poisson accounting may not cover (also a caveat in the ledger)."""
 
 def build_compiled_metrics(dp, x, y) -> None:
     """Creates the compiled metrics (and their variables) eagerly, before the step is traced.

@@ -41,7 +41,7 @@ from typing import Sequence
 import tensorflow as tf
 
 from sparta_tf import distribute, keras_trainer
-from sparta_tf.choices import SAMPLING_MODES, memory_bytes
+from sparta_tf.choices import ENGINES, SAMPLING_MODES, memory_bytes, one_of_problem
 from sparta_tf.dp_model import fit_inputs
 from sparta_tf.dp_step import KEEP_ALL, GradientFilter, GradientRelease, MicroBatches, Release, ScoreRelease, StepParts
 from sparta_tf.dp_step.views import AugmentationMultiplicity, check_multiplicity
@@ -142,6 +142,8 @@ class DPModel(tf.keras.Model):
         reject_batch_mixing_layers(model)
         if sampling not in SAMPLING_MODES:
             raise ValueError(f"sampling={sampling!r} is not one of {SAMPLING_MODES}")
+        if one_of_problem(engine, ENGINES):
+            raise ValueError(f"engine={engine!r} {one_of_problem(engine, ENGINES)}")
         self.model = model
         check_decay(ema)
         self._ema, self._use_ema_weights = ema, use_ema_weights
@@ -217,6 +219,33 @@ class DPModel(tf.keras.Model):
 
     def call(self, inputs, training=None):
         return self.model(inputs, training=training)
+
+    # ------------------------------------------------------------ saving: the wrapped model's
+
+    def save(self, filepath, *args, **kwargs):
+        """Saves the wrapped Keras model (``self.model.save``): the file loads with
+        ``keras.models.load_model`` into the model you built, without sparta_tf. The DP state (step
+        counter, noise seed, optimizer slots, ledger) is not in it: a resumable run keeps that in
+        ``make_private(run_dir=...)``'s checkpoints (:mod:`sparta_tf.checkpointing`)."""
+        return self.model.save(filepath, *args, **kwargs)
+
+    def save_weights(self, filepath, *args, **kwargs):
+        """The wrapped model's weights (``self.model.save_weights``), loadable by its ``load_weights``
+        (so ``ModelCheckpoint(save_weights_only=True)`` writes a file the model you built can read)."""
+        return self.model.save_weights(filepath, *args, **kwargs)
+
+    def load_weights(self, filepath, *args, **kwargs):
+        """Loads weights saved by :meth:`save_weights` (or the wrapped model's own) into the wrapped model."""
+        return self.model.load_weights(filepath, *args, **kwargs)
+
+    def get_weights(self):
+        """The wrapped model's weights (what ``EarlyStopping(restore_best_weights=True)`` keeps); the DP
+        step counter and noise seed are not weights of the model and are never rewound."""
+        return self.model.get_weights()
+
+    def set_weights(self, weights):
+        """Sets the wrapped model's weights (see :meth:`get_weights`)."""
+        return self.model.set_weights(weights)
 
     @property
     def seed(self) -> int:
@@ -437,6 +466,7 @@ class DPModel(tf.keras.Model):
         see :mod:`sparta_tf.private_training`).
         """
         callbacks = list(callbacks or [])
+        fit_inputs.check_fit_call(self, x, kwargs, callbacks)  # before anything is charged
         if self.private_run is not None:
             epochs, initial_epoch, callbacks = self.private_run.before_fit(
                 self, x, y, epochs, initial_epoch, callbacks)

@@ -91,6 +91,8 @@ class Method(abc.ABC):
         self.head_learning_rate_scale = float(head_learning_rate_scale)
         self.mask_dir = mask_dir
         self.verbose = verbose
+        self.option_values: dict[str, Any] = dict(options)
+        """Every option of the spec as resolved (the given value or the default)."""
         for name, value in options.items():
             setattr(self, name, _attribute(self.spec.option(name), value))
 

@@ -1,0 +1,245 @@
+"""A library user's Keras habits under ``make_private`` (issue 53), on both Keras lines.
+
+* the standard Keras callbacks (ModelCheckpoint full and weights-only, EarlyStopping with restore,
+  TensorBoard, CSVLogger, BackupAndRestore) run through a DP ``fit``, and what they and ``dp.save``
+  wrote loads in a fresh process into the model the user built, with the same predictions;
+* what a DP ``fit`` cannot honour is refused in one line before anything is charged: no ``compile``,
+  ``sample_weight``, ``class_weight``, ``batch_size``, a weighted dataset, a ``BackupAndRestore``
+  backup of an interrupted fit, EarlyStopping's restore with averaged weights;
+* ``make_private`` refuses what ``sparta-train`` refuses, for the same reason (one implementation,
+  :mod:`sparta_tf.run_checks`), e.g. a batch larger than the training set, ``density=0``;
+* a dataset the sampler did not make is said when ``fit`` starts; the BatchNorm refusal names the fix.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import sparta_tf
+from sparta_tf import NotPerExampleSafeError
+from sparta_tf.dp_model.fit_inputs import NotPoissonSampledWarning
+from trainers import config as cli_config
+from small_configs import set_key, tiny_config
+from small_models import LOSS
+
+N, BATCH, EPOCHS = 64, 16, 4
+
+
+def _model() -> tf.keras.Model:
+    tf.keras.utils.set_random_seed(0)
+    return tf.keras.Sequential([tf.keras.Input((8,)), tf.keras.layers.Dense(16, activation="relu"),
+                                tf.keras.layers.Dense(4, name="head")])
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(N, 8)).astype(np.float32), rng.integers(0, 4, N)
+
+
+def _private(model=None, compile=True, **kwargs):
+    options = dict(method="sparta", target_epsilon=8.0, delta=1e-5, epochs=EPOCHS, batch_size=BATCH, dataset_size=N,
+                   seed=0)
+    options.update(kwargs)
+    if options["method"] == "sparta":
+        options.setdefault("warmup_epochs", 1)
+    dp = sparta_tf.make_private(model or _model(), **options)
+    if compile:
+        dp.compile(tf.keras.optimizers.SGD(0.1), loss=LOSS, metrics=["accuracy"])
+    return dp
+
+
+def _assert_nothing_charged(dp):
+    assert dp.ledger.steps == 0 and int(dp.dp_step.numpy()) == 0
+
+
+# ---------------------------------------------------------------- callbacks and saving
+
+_LOAD = textwrap.dedent("""
+    import json, os, sys
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    import numpy as np
+    import tensorflow as tf
+
+    folder, weights_file = sys.argv[1], sys.argv[2]
+    x = np.load(os.path.join(folder, "x.npy"))
+    def own_model():  # the user's own architecture, built again
+        return tf.keras.Sequential([tf.keras.Input((8,)), tf.keras.layers.Dense(16, activation="relu"),
+                                    tf.keras.layers.Dense(4, name="head")])
+    saved = tf.keras.models.load_model(os.path.join(folder, "dp.keras"))
+    checkpoint = tf.keras.models.load_model(os.path.join(folder, "checkpoint.keras"))
+    best = own_model()
+    best.load_weights(os.path.join(folder, weights_file))
+    print(json.dumps({name: m.predict(x, verbose=0).tolist()
+                      for name, m in [("saved", saved), ("checkpoint", checkpoint), ("best", best)]}))
+""")
+
+
+def test_keras_callbacks_run_under_dp_fit_and_what_they_save_loads_in_a_fresh_process(tmp_path):
+    model = _model()
+    dp = _private(model)
+    x, y = _data()
+    weights_file = "best.weights.h5"  # Keras 3 requires the suffix; Keras 2 writes HDF5 for it
+    final_checkpoint_weights = []
+
+    class KeepCheckpointWeights(tf.keras.callbacks.Callback):  # what the last ModelCheckpoint saw
+        def on_epoch_end(self, epoch, logs=None):
+            final_checkpoint_weights[:] = [w.copy() for w in model.get_weights()]
+
+    callbacks = [
+        tf.keras.callbacks.ModelCheckpoint(str(tmp_path / "checkpoint.keras")),
+        tf.keras.callbacks.ModelCheckpoint(str(tmp_path / weights_file), save_weights_only=True, monitor="val_loss",
+                                           save_best_only=True),
+        KeepCheckpointWeights(),
+        tf.keras.callbacks.EarlyStopping(monitor="val_loss", patience=10, restore_best_weights=True),
+        tf.keras.callbacks.TensorBoard(str(tmp_path / "tensorboard")),
+        tf.keras.callbacks.CSVLogger(str(tmp_path / "log.csv")),
+        tf.keras.callbacks.BackupAndRestore(str(tmp_path / "backup")),
+    ]
+    history = dp.fit(x, y, validation_data=(x, y), callbacks=callbacks, verbose=0)
+    assert len(history.history["loss"]) == EPOCHS
+    assert dp.ledger.steps == dp.plan.steps and dp.ledger.epsilon() <= 8.0 * (1 + 1e-9)
+    assert len(open(tmp_path / "log.csv").read().strip().splitlines()) == 1 + EPOCHS
+    assert any(files for _, _, files in os.walk(tmp_path / "tensorboard"))
+    assert not any(files for _, _, files in os.walk(tmp_path / "backup"))  # a finished fit deletes its backup
+    assert int(dp.dp_step.numpy()) == dp.plan.steps  # EarlyStopping's restore rewinds weights, not the DP step
+
+    dp.save(str(tmp_path / "dp.keras"))
+    np.save(tmp_path / "x.npy", x)
+    (tmp_path / "load.py").write_text(_LOAD)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    result = subprocess.run([sys.executable, str(tmp_path / "load.py"), str(tmp_path), weights_file],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    loaded = {name: np.array(p) for name, p in json.loads(result.stdout.strip().splitlines()[-1]).items()}
+    np.testing.assert_allclose(loaded["saved"], model.predict(x, verbose=0), rtol=1e-6, atol=1e-6)
+    final = _model()
+    final.set_weights(final_checkpoint_weights)
+    np.testing.assert_allclose(loaded["checkpoint"], final.predict(x, verbose=0), rtol=1e-6, atol=1e-6)
+    assert loaded["best"].shape == (N, 4) and np.all(np.isfinite(loaded["best"]))
+
+
+def test_dp_model_weights_are_the_wrapped_models():
+    model = _model()
+    dp = _private(model)
+    assert len(dp.get_weights()) == len(model.get_weights())
+    zeros = [np.zeros_like(w) for w in model.get_weights()]
+    dp.set_weights(zeros)
+    assert all(not w.any() for w in model.get_weights())
+
+
+def test_a_backup_of_an_interrupted_fit_is_refused_before_anything_is_charged(tmp_path):
+    x, y = _data()
+    backup = str(tmp_path / "backup")
+
+    class Interrupt(tf.keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                raise RuntimeError("interrupted")
+
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _private().fit(x, y, callbacks=[tf.keras.callbacks.BackupAndRestore(backup), Interrupt()], verbose=0)
+    dp = _private()
+    with pytest.raises(ValueError, match="holds the backup of an interrupted fit.*make_private\\(run_dir="):
+        dp.fit(x, y, callbacks=[tf.keras.callbacks.BackupAndRestore(backup)], verbose=0)
+    _assert_nothing_charged(dp)
+
+
+def test_early_stopping_restore_with_averaged_weights_is_refused():
+    dp = _private(ema=0.9)
+    x, y = _data()
+    with pytest.raises(ValueError, match="use_ema_weights=False or restore_best_weights=False"):
+        dp.fit(x, y, callbacks=[tf.keras.callbacks.EarlyStopping(restore_best_weights=True)], verbose=0)
+    _assert_nothing_charged(dp)
+
+
+# ---------------------------------------------------------------- refused before anything is charged
+
+def _weighted_dataset(weight: float) -> tf.data.Dataset:
+    x, y = _data()
+    return tf.data.Dataset.from_tensor_slices((x, y, np.full(N, weight, np.float32))).batch(BATCH)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda dp, x, y: dp.fit(x, y, sample_weight=np.ones(N), verbose=0), r"fit\(sample_weight=...\) is not supported"),
+    (lambda dp, x, y: dp.fit(x, y, class_weight={0: 2.0}, verbose=0), r"fit\(class_weight=...\) is not supported"),
+    (lambda dp, x, y: dp.fit(x, y, batch_size=64, verbose=0), r"fit\(batch_size=64\): the batches are Poisson samples "
+                                                                r"of expected size q n = 16"),
+    (lambda dp, x, y: dp.fit(_weighted_dataset(2.0), verbose=0), "the dataset's sample weights include 2: .*0/1 "
+                                                                   "padding mask"),
+], ids=["sample_weight", "class_weight", "batch_size", "weighted_dataset"])
+def test_what_fit_cannot_honour_is_one_line_before_anything_is_charged(call, message):
+    dp = _private(method="dp_frost")  # charges its partition selection when fit starts
+    x, y = _data()
+    with pytest.raises(ValueError, match=message) as error:
+        call(dp, x, y)
+    assert "\n" not in str(error.value)
+    _assert_nothing_charged(dp)
+
+
+def test_fit_before_compile_is_one_line():
+    dp = _private(compile=False)
+    x, y = _data()
+    with pytest.raises(ValueError, match=r"compile the model returned by make_private \(optimizer and loss\) before"):
+        dp.fit(x, y, verbose=0)
+    plain = sparta_tf.DPModel(_model(), noise_multiplier=1.0, sample_rate=0.25)
+    with pytest.raises(ValueError, match="compile the DPModel"):
+        plain.fit(x, y, verbose=0)
+
+
+def test_a_dataset_the_sampler_did_not_make_is_said_when_fit_starts():
+    dp = _private(method="bitfit")
+    with pytest.warns(NotPoissonSampledWarning, match="PoissonSampler did not make"):
+        dp.fit(_weighted_dataset(1.0), verbose=0)
+
+
+def test_batchnorm_refusal_counts_the_layers_and_names_the_helper():
+    model = tf.keras.Sequential([tf.keras.Input((8,)), tf.keras.layers.Dense(8), tf.keras.layers.BatchNormalization(),
+                                 tf.keras.layers.Dense(8), tf.keras.layers.BatchNormalization(),
+                                 tf.keras.layers.Dense(4)])
+    with pytest.raises(NotPerExampleSafeError, match=r"2 layers .*replace_batchnorm\(model, \"groupnorm\"\).*"
+                                                     r"replace_batchnorm\(model, \"freeze\"\)"):
+        _private(model)
+    _private(sparta_tf.models.replace_batchnorm(model, "freeze"))  # the named fix works
+
+
+# ---------------------------------------------------------------- make_private refuses what sparta-train refuses
+
+# (make_private keyword arguments, config overrides, training-set size n, the shared reason)
+SHARED_REFUSALS = [
+    ({"batch_size": 500}, {"training.batch_size": 500}, 200, "is larger than the training set (n=200); use <= 200"),
+    ({"epochs": 0}, {"training.epochs": 0}, N, "must be >= 1"),
+    ({"noise_multiplier": 0}, {"privacy.noise_multiplier": 0}, N, "gives no privacy"),
+    ({"engine": "foo"}, {"training.engine": "foo"}, N, "must be one of auto, bookkeeping, layerwise, vectorized"),
+    ({"density": 0}, {"method.density": 0}, N, "keeps no kernel row or entry: method sparta would train only"),
+    ({"warmup_epochs": 3}, {"method.warmup_epochs": 3}, N, "must leave a sparse epoch"),
+    ({"delta": 0.01}, {"privacy.delta": 0.01}, 200, "must be < 1/n = 0.005 for n=200 training examples"),
+]
+
+
+@pytest.mark.parametrize("library, config, n, reason", SHARED_REFUSALS,
+                         ids=[next(iter(case[0])) for case in SHARED_REFUSALS])
+def test_make_private_refuses_what_the_config_refuses_with_the_same_reason(library, config, n, reason, tmp_path):
+    with pytest.raises(ValueError) as from_library:
+        _private(compile=False, dataset_size=n, **library)
+    raw = tiny_config(str(tmp_path), method="sparta", epochs=EPOCHS)
+    raw["method"]["warmup_epochs"] = 1
+    for key, value in config.items():
+        set_key(raw, key, value)
+    with pytest.raises(cli_config.ConfigError) as from_config:
+        cli_config.check_against_data(cli_config.validate(raw), n)
+    library_line, config_line = str(from_library.value), str(from_config.value)
+    assert reason in library_line and reason in config_line
+    # the same sentence, each setting named as its side spells it (config section.key, library keyword)
+    assert re.sub(r"\b(training|privacy|method)\.", "", config_line.replace("method.name=", "method=")) == library_line
+
+
+def test_a_fractional_dataset_size_is_refused():
+    with pytest.raises(ValueError, match=r"dataset_size=100.5 must be a whole number >= 1"):
+        _private(compile=False, dataset_size=100.5)
