@@ -155,7 +155,8 @@ def make_private(
     else:
         method = make_method(method, **method_options)
     run_checks.check_run(run_checks.LIBRARY, epochs=epochs, batch_size=batch_size, noise_multiplier=noise_multiplier,
-                         engine=engine, private=method.private)
+                         engine=engine, physical_batch_size=physical_batch_size, jit_compile=jit_compile,
+                         private=method.private)
     run_checks.check_against_data(run_checks.LIBRARY, dataset_size=dataset_size, batch_size=batch_size, delta=delta)
     run_checks.check_method_run(run_checks.LIBRARY, method.name, method.option_values, epochs)
     method.check(model)

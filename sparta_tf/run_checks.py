@@ -28,6 +28,8 @@ class Names:
 
     epochs: str = "epochs"
     batch_size: str = "batch_size"
+    physical_batch_size: str = "physical_batch_size"
+    jit_compile: str = "jit_compile"
     dataset_size: str = "dataset_size"
     delta: str = "delta"
     noise_multiplier: str = "noise_multiplier"
@@ -39,7 +41,8 @@ class Names:
 
 LIBRARY = Names()
 """``make_private``'s keyword arguments."""
-CONFIG = Names(epochs="training.epochs", batch_size="training.batch_size", dataset_size="n", delta="privacy.delta",
+CONFIG = Names(epochs="training.epochs", batch_size="training.batch_size",
+               physical_batch_size="training.physical_batch_size", jit_compile="training.jit_compile", dataset_size="n", delta="privacy.delta",
                noise_multiplier="privacy.noise_multiplier", engine="training.engine", method="method.name",
                method_option="method.{}")
 """``sparta-train``'s config keys (:mod:`trainers.config`)."""
@@ -58,6 +61,21 @@ def count_problem(value: Any) -> str | None:
     if not _is_integer(value):
         return "must be a whole number >= 1"
     return None if value >= 1 else "must be >= 1"
+
+
+def physical_batch_size_problem(value: Any) -> str | None:
+    """What is wrong with a physical batch size (None: unset, or an integer >= 1)."""
+    return None if value is None else count_problem(value)
+
+
+JIT_COMPILE_CHOICES = (True, False, "auto")
+"""XLA on, off, or ``"auto"`` (on for GPU/TPU, off on CPU: :mod:`sparta_tf.xla`)."""
+
+
+def jit_compile_problem(value: Any) -> str | None:
+    """What is wrong with a ``jit_compile`` setting (None: one of :data:`JIT_COMPILE_CHOICES`)."""
+    return None if any(value is choice or value == choice and isinstance(value, str) for choice in JIT_COMPILE_CHOICES) \
+        else "must be true, false or auto"
 
 
 def batch_size_problem(batch_size: Any, dataset_size: int | None = None) -> str | None:
@@ -85,11 +103,13 @@ def _refuse(name: str, value: Any, problem: str | None) -> None:
 
 
 def check_run(names: Names, *, epochs: Any, batch_size: Any, noise_multiplier: Any, engine: Any,
-              private: bool = True) -> None:
-    """The run's length, expected batch, given noise multiplier and engine (``private``: whether the
-    method is differentially private at all; a private method's ``sigma = 0`` gives no privacy)."""
+              physical_batch_size: Any = None, jit_compile: Any = "auto", private: bool = True) -> None:
+    """The run's length, batch sizes, given noise multiplier, engine and XLA setting (``private``: whether
+    the method is differentially private at all; a private method's ``sigma = 0`` gives no privacy)."""
     _refuse(names.epochs, epochs, count_problem(epochs))
     _refuse(names.batch_size, batch_size, batch_size_problem(batch_size))
+    _refuse(names.physical_batch_size, physical_batch_size, physical_batch_size_problem(physical_batch_size))
+    _refuse(names.jit_compile, jit_compile, jit_compile_problem(jit_compile))
     if private and noise_multiplier is not None and _is_number(noise_multiplier) and noise_multiplier == 0:
         raise ValueError(f"{names.noise_multiplier}=0 gives no privacy; leave it unset to calibrate it from the "
                          "target epsilon")

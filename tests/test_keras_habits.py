@@ -220,6 +220,8 @@ SHARED_REFUSALS = [
     ({"density": 0}, {"method.density": 0}, N, "keeps no kernel row or entry: method sparta would train only"),
     ({"warmup_epochs": 3}, {"method.warmup_epochs": 3}, N, "must leave a sparse epoch"),
     ({"delta": 0.01}, {"privacy.delta": 0.01}, 200, "must be < 1/n = 0.005 for n=200 training examples"),
+    ({"physical_batch_size": 0}, {"training.physical_batch_size": 0}, N, "must be >= 1"),
+    ({"jit_compile": "yes"}, {"training.jit_compile": "yes"}, N, "must be true, false or auto"),
 ]
 
 

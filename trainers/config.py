@@ -125,7 +125,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
     "training": {
         "epochs": Field((int,), 50, run_checks.count_problem),
         "batch_size": Field((int,), 500, run_checks.batch_size_problem),
-        "physical_batch_size": Field(OPTIONAL_INT, None, lambda v: None if v is None or v >= 1 else "must be >= 1"),
+        "physical_batch_size": Field(OPTIONAL_INT, None, run_checks.physical_batch_size_problem),
         "optimizer": Field((str,), "sgd", _one_of("sgd", "adam")),
         "momentum": Field(NUMBER, 0.9, lambda v: None if 0 <= v < 1 else "must be in [0, 1)"),
         "learning_rate": Field(NUMBER, 0.01, _positive),
@@ -134,7 +134,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "warmup_fraction": Field(NUMBER, 0.02, lambda v: None if 0 <= v < 1 else "must be in [0, 1)"),
         "weight_decay": Field(NUMBER, 0.0, _non_negative),
         "seed": Field(OPTIONAL_INT, None, _seed),
-        "jit_compile": Field((bool, str), "auto", lambda v: None if v in (True, False, "auto") else "must be true, false or auto"),
+        "jit_compile": Field((bool, str), "auto", run_checks.jit_compile_problem),
         "engine": Field((str,), choices.ENGINES[0], _one_of(*choices.ENGINES)),
         "max_memory": Field((int, float, str, type(None)), None, _memory_size),
         "augmult": Field((int,), 1, _at_least_one),
@@ -377,7 +377,9 @@ def _check_cross_field(config: dict) -> None:
     private = method_spec.SPECS[name].private
     try:  # the checks make_private makes (one implementation: sparta_tf.run_checks)
         run_checks.check_run(run_checks.CONFIG, epochs=epochs, batch_size=training["batch_size"],
-                             noise_multiplier=privacy["noise_multiplier"], engine=training["engine"], private=private)
+                             noise_multiplier=privacy["noise_multiplier"], engine=training["engine"],
+                             physical_batch_size=training["physical_batch_size"], jit_compile=training["jit_compile"],
+                             private=private)
         run_checks.check_method_run(run_checks.CONFIG, name, method, epochs)
     except ValueError as error:
         raise ConfigError(str(error)) from None
@@ -385,9 +387,6 @@ def _check_cross_field(config: dict) -> None:
     if pretrain["enabled"] and pretrain["data"] is None and not pretrain["checkpoint"]:
         raise ConfigError("pretrain.enabled is true but there is neither pretrain.data (the public data set to "
                           "pre-train on) nor pretrain.checkpoint (a pre-trained model); give one")
-    physical = training["physical_batch_size"]
-    if physical is not None and physical < 1:
-        raise ConfigError(f"training.physical_batch_size={physical} must be >= 1")
 
 
 def check_against_data(config: dict, n: int) -> None:
