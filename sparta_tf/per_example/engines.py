@@ -40,6 +40,7 @@ from sparta_tf.backend import owned_variables, tf_variable
 from sparta_tf.example_rows import keep_examples
 from sparta_tf.keras_layers import all_layers
 from sparta_tf.per_example.errors import UnsupportedLayerError
+from sparta_tf.per_example.grouped_conv import substitute_grouped_convolutions, vectorizable_convolutions
 from sparta_tf.per_example.recording import install_hook, install_reshape_hook, recording
 from sparta_tf.per_example.registry import rule_for
 from sparta_tf.per_example.rules.recurrent import cell_layers, check_recurrent_layer, is_recurrent
@@ -306,7 +307,10 @@ def accumulation_delta(probe, delta):
 
 
 class VectorizedEngine:
-    """``tf.vectorized_map`` over examples of the gradient of a batch-of-one loss."""
+    """``tf.vectorized_map`` over examples of the gradient of a batch-of-one loss. Grouped
+    convolutions whose per-example gradients TensorFlow's own kernels cannot take (oneDNN off;
+    Conv3D) run as one convolution by the block-diagonal kernel there
+    (:mod:`~sparta_tf.per_example.grouped_conv`)."""
 
     name = "vectorized"
 
@@ -318,6 +322,7 @@ class VectorizedEngine:
                 f"engine='vectorized' cannot take per-example gradients through the recurrent layer "
                 f"{recurrent[0]!r} (tf.vectorized_map has no rule for its while loop); use engine='auto' "
                 "or 'layerwise'")
+        substitute_grouped_convolutions(all_layers(model))
         self.model = model
         self.selections = list(selections)
         self.variables = [tf_variable(s.variable) for s in self.selections]
@@ -343,7 +348,8 @@ class VectorizedEngine:
             return grads, loss, prediction
 
         examples = (x, y) if views == 1 else tf.nest.map_structure(lambda t: _by_example(t, views), (x, y))
-        grads, losses, predictions = tf.vectorized_map(one_example, examples)
+        with vectorizable_convolutions():
+            grads, losses, predictions = tf.vectorized_map(one_example, examples)
         if views > 1:
             predictions = tf.nest.map_structure(_by_row, predictions)
         grads = [s.compact(g, batch_dims=1) for s, g in zip(self.selections, grads)]
