@@ -1,6 +1,10 @@
 """Tests for sparta_tf.privacy.accounting (epsilon, calibration, validation)."""
 
+import importlib.metadata
 import math
+import os
+import subprocess
+import sys
 
 import dp_accounting
 import pytest
@@ -232,3 +236,40 @@ def test_a_fixed_noise_multiplier_over_the_target_is_refused_before_the_pld_work
     plan = make_privacy_plan(n=645, expected_batch_size=64, phases=[Phase("train", 15)], delta=1e-4,
                              target_epsilon=4.0, noise_multiplier=1.5)
     assert plan.epsilon <= 4.0
+
+
+RDP_CONVERGENCE_NOTE = "_compute_log_a_frac failed to converge"  # how dp-accounting 0.6's notes begin
+
+NOTES_SCRIPT = """
+import sys
+import dp_accounting
+from absl import logging as absl_logging
+from dp_accounting.rdp import rdp_privacy_accountant
+
+event = dp_accounting.PoissonSampledDpEvent(0.1, dp_accounting.GaussianDpEvent(0.5))
+rdp_privacy_accountant.RdpAccountant().compose(event)  # dp-accounting alone: its notes, if this version logs them
+print("--- sparta_tf", file=sys.stderr, flush=True)
+from sparta_tf.privacy.calibration import calibrate_noise_multiplier
+
+calibrate_noise_multiplier(30.0, 1e-5, 0.1, 10, accountant="rdp")  # the bracket tries small noise multipliers
+absl_logging.warning("another absl warning passes")
+"""
+
+
+def test_the_library_drops_dp_accountings_rdp_convergence_notes_and_nothing_else():
+    """Regression: on the TF 2.21 line (dp-accounting 0.6) a library user calibrating at a large epsilon saw
+    dozens of absl lines "_compute_log_a_frac failed to converge ... Excluding this order" (only the CLIs
+    dropped them). A fresh process, as a library user's: dp-accounting alone shows whether this version logs
+    the notes; after sparta_tf calibrates, none may appear, and another absl warning still does."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-c", NOTES_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    alone, _, with_sparta = result.stderr.partition("--- sparta_tf\n")
+    if RDP_CONVERGENCE_NOTE not in alone:
+        pytest.skip(f"dp-accounting {importlib.metadata.version('dp-accounting')} does not log the convergence "
+                    "notes (0.6 does)")
+    assert RDP_CONVERGENCE_NOTE not in with_sparta, with_sparta[-3000:]
+    assert "another absl warning passes" in with_sparta, with_sparta[-3000:]

@@ -18,7 +18,8 @@ serving export, and writes ``audit.json`` there next to the run's
 ``results.json``. An audit always starts from scratch (no ``--resume``: the
 start-of-training losses would be lost). Exit status: 0 when the bound is
 consistent with the claim, 3 when it contradicts it, 2 for a config error,
-1 for a data or budget error.
+1 for a data or budget error, 130 after Ctrl-C (one line saying what to delete
+to start the audit over).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ import os
 import sys
 
 from trainers.config import ConfigError, load_config
-from trainers.quiet import drop_rdp_convergence_notes, import_tensorflow
+from trainers.interrupt import stop_on_ctrl_c
+from trainers.quiet import import_tensorflow
 
 AUDIT_JSON = "audit.json"
 CANARY_LOSSES = "canary_losses.npz"
@@ -129,7 +131,6 @@ def run_audit(config: dict, canaries: int | None = None, kind: str = "mislabelle
 
     check_arguments(canaries, kind, score, confidence)
     import_tensorflow()
-    drop_rdp_convergence_notes()
     from sparta_tf.atomic_files import write_atomic
     from sparta_tf.audit import audit_report, summary_line
     from trainers import run
@@ -171,10 +172,15 @@ def check_arguments(canaries: int | None, kind: str, score: str, confidence: flo
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    loaded = {}  # "config": the config, once loaded (what the Ctrl-C line names)
+    return stop_on_ctrl_c(lambda: _audit(args, loaded), lambda: interrupted_line(loaded.get("config")))
+
+
+def _audit(args: argparse.Namespace, loaded: dict) -> int:
     try:
-        config = load_config(args.config, args.overrides)  # checked before TensorFlow is imported
+        loaded["config"] = load_config(args.config, args.overrides)  # checked before TensorFlow is imported
         check_arguments(args.canaries, args.canary_kind, args.score, args.confidence)
-        report = run_audit(config, args.canaries, args.canary_kind, args.canary_seed, args.confidence,
+        report = run_audit(loaded["config"], args.canaries, args.canary_kind, args.canary_seed, args.confidence,
                            args.score)
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
@@ -187,6 +193,18 @@ def main(argv=None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     return CONTRADICTED if report["passed"] is False else 0
+
+
+def interrupted_line(config: dict | None) -> str:
+    """The one line Ctrl-C prints (:mod:`trainers.interrupt`): what stopped and how to start over (an audit
+    cannot be resumed: the start-of-training losses of its canaries would be lost)."""
+    if config is None:
+        return "interrupted: sparta-audit stopped (Ctrl-C) before it read the config; it wrote nothing"
+    where = audit_config(config)["output_dir"]
+    if not os.path.exists(where):
+        return "interrupted: the audit stopped (Ctrl-C) before it wrote anything; run the same command again"
+    return (f"interrupted: the audit in {where} stopped (Ctrl-C) and cannot be resumed; delete {where} and run the "
+            "same command again to start it over")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ and writes a TF-Serving SavedModel to ``export/<version>/``. This check
    ``1e-4``) and the served accuracy is within ``0.5`` points of the run's
    ``test_accuracy``.
 
-Exit status 0 when the check passes, 1 when it fails, 2 for a bad config.
+Exit status 0 when the check passes, 1 when it fails, 2 for a bad config, 130 after
+Ctrl-C (one line; the check writes nothing).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import tempfile
 import numpy as np
 
 from trainers.config import ConfigError, load_config
+from trainers.interrupt import stop_on_ctrl_c
 from trainers.quiet import import_tensorflow
 
 ACCURACY_TOLERANCE = 0.005  # 0.5 points
@@ -151,6 +153,15 @@ def main(argv=None) -> int:
     parser.add_argument("--export", help="a SavedModel version directory (default: the run's export_dir)")
     args = parser.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    return stop_on_ctrl_c(lambda: _check(args), lambda: INTERRUPTED_LINE)
+
+
+INTERRUPTED_LINE = ("interrupted: the export check stopped (Ctrl-C) before its verdict; it wrote nothing (its scratch "
+                    "files are removed): run the same command again to check the export")
+"""What Ctrl-C prints: the check only reads the run and the export (the serving process is stopped too)."""
+
+
+def _check(args: argparse.Namespace) -> int:
     try:
         check = check_export(load_config(args.config, args.overrides), args.export)
     except ConfigError as error:

@@ -17,7 +17,8 @@ import os
 import sys
 
 from trainers.config import ConfigError, load_config
-from trainers.quiet import drop_rdp_convergence_notes, import_tensorflow
+from trainers.interrupt import stop_on_ctrl_c
+from trainers.quiet import import_tensorflow
 
 
 def parse_args(argv=None, prog: str = "sparta-train", description: str | None = None) -> argparse.Namespace:
@@ -53,13 +54,14 @@ def run_command(args: argparse.Namespace, job, tuning: str) -> int:
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    drop_rdp_convergence_notes()
-    try:
-        import_tensorflow()
-        from trainers import run  # heavy: imports TensorFlow
-    except KeyboardInterrupt:
-        print(interrupted_line(config["output_dir"], args.dry_run), file=sys.stderr)
-        return INTERRUPTED
+    return stop_on_ctrl_c(lambda: _run_job(job, config, args),
+                          lambda: interrupted_line(config["output_dir"], args.dry_run))
+
+
+def _run_job(job, config: dict, args: argparse.Namespace) -> int:
+    """Imports TensorFlow and runs ``job``; see :func:`run_command`."""
+    import_tensorflow()
+    from trainers import run  # heavy: imports TensorFlow
 
     try:
         job(run, config, args)
@@ -75,18 +77,11 @@ def run_command(args: argparse.Namespace, job, tuning: str) -> int:
                else "fix the file system problem, then run again with --resume")
         print(f"error: {error.strerror or error}{where}; {fix}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(interrupted_line(config["output_dir"], args.dry_run), file=sys.stderr)
-        return INTERRUPTED
     return 0
 
 
-INTERRUPTED = 130
-"""Exit status after Ctrl-C (SIGINT), the shell's 128 + 2."""
-
-
 def interrupted_line(output_dir: str, dry_run: bool) -> str:
-    """The one line Ctrl-C prints: what stopped and how to continue."""
+    """The one line Ctrl-C prints (:mod:`trainers.interrupt`): what stopped and how to continue."""
     if dry_run:
         return "interrupted: the dry run stopped (Ctrl-C); it wrote nothing"
     return (f"interrupted: the run in {output_dir} stopped (Ctrl-C); every step it started is charged to its "

@@ -3,8 +3,8 @@
 Public pre-training on the digits 0-4, then DP fine-tuning of a fresh head and
 backbone on the private digits 5-9 by any method of the registry, through
 :func:`sparta_tf.make_private`, at ``--epsilon``. The arguments are checked
-before TensorFlow is imported: a bad one is one line (argparse's), and so is a
-method that cannot run with the given epochs.
+before TensorFlow is imported: a bad one is one line (argparse's), and so are a
+method that cannot run with the given epochs and Ctrl-C (exit status 130).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import os
 import sys
 
 from trainers import config
+from trainers.interrupt import stop_on_ctrl_c
 from trainers.quiet import import_tensorflow
 
 DESCRIPTION = "Quickstart: public pre-training, then DP fine-tuning with a calibrated (epsilon, delta)."
@@ -69,10 +70,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> None:
-    """Runs the example; a bad argument is one line (argparse's), and so is a method that cannot run."""
+def main(argv=None) -> int:
+    """Runs the example; a bad argument is one line (argparse's), and so are a method that cannot run and
+    Ctrl-C (exit status 130, :mod:`trainers.interrupt`)."""
     args = parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # TensorFlow's C++ start-up lines off unless the user set a level
+    return stop_on_ctrl_c(lambda: _run(args), lambda: INTERRUPTED_LINE)
+
+
+INTERRUPTED_LINE = ("interrupted: sparta-example stopped (Ctrl-C); it keeps its models in memory and wrote nothing, "
+                    "so it cannot be resumed: run the same command again to start over")
+"""What Ctrl-C prints: the example has no run directory (``make_private`` without ``run_dir``)."""
+
+
+def _run(args: argparse.Namespace) -> int:
     import_tensorflow()  # TensorFlow only now, after the arguments
     from sparta_tf.examples.quickstart import run
 
@@ -81,7 +92,8 @@ def main(argv=None) -> None:
     except ValueError as error:
         print(f"sparta-example: error: {str(error).splitlines()[0]}", file=sys.stderr)
         raise SystemExit(2) from None
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -14,23 +14,19 @@ tools set by default) the import runs with file descriptor 2 pointed at
 ``/dev/null``. Python errors raised by the import are reported after stderr is
 back; TensorFlow 2.15 prints nothing there, so nothing changes on it.
 
-:func:`drop_rdp_convergence_notes` -- dp-accounting 0.6 (the TF 2.21 line) logs an absl WARNING for
-each Renyi order whose series it cannot sum (``_compute_log_a_frac failed to converge ...
-Excluding this order``), e.g. at the small noise multipliers the calibration's RDP bracket tries.
-The order is left out and the epsilon stays a valid upper bound (the minimum over the other orders),
-so the notes say nothing the user can act on; the tools drop exactly those records.
+dp-accounting 0.6's notes on the Renyi orders it leaves out (``_compute_log_a_frac failed to converge
+... Excluding this order``) are dropped by the library itself, for the tools as for a library user:
+:func:`sparta_tf.privacy.accounting.drop_rdp_convergence_notes`, installed whenever it makes an RDP
+accountant.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import sys
 
-__all__ = ["import_tensorflow", "drop_rdp_convergence_notes"]
-
-_RDP_CONVERGENCE_NOTE = "_compute_log_a_frac failed to converge"
+__all__ = ["import_tensorflow"]
 
 
 def _quiet_requested() -> bool:
@@ -63,15 +59,3 @@ def import_tensorflow():
     with _stderr_fd_silenced():
         import tensorflow
     return tensorflow
-
-
-def _not_an_rdp_convergence_note(record: logging.LogRecord) -> bool:
-    return not str(record.msg).startswith(_RDP_CONVERGENCE_NOTE)
-
-
-def drop_rdp_convergence_notes() -> None:
-    """Drops dp-accounting's "failed to converge ... Excluding this order" records (see the module doc)
-    from the ``absl`` logger it logs through; every other record passes. Idempotent."""
-    absl_logger = logging.getLogger("absl")
-    if _not_an_rdp_convergence_note not in absl_logger.filters:
-        absl_logger.addFilter(_not_an_rdp_convergence_note)
