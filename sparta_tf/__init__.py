@@ -3,8 +3,9 @@
 The top level holds the public surface the guides use: the entry point :func:`make_private`; the
 core types :class:`DPModel`, :class:`PrivacyPlan`, :class:`PrivacyLedger`, :class:`Method`,
 :class:`NonFiniteGuard` and :class:`NotPerExampleSafeError`; the registries: of methods,
-:data:`METHODS`, and of per-layer per-example rules, :func:`register_layer_rule`; and the helpers the guides call (:func:`cosine_with_warmup`,
-:func:`calibrate_noise_multiplier`, :func:`compute_epsilon`). Everything else, SPARTA's internals
+:data:`METHODS`, and of per-layer per-example rules, :func:`register_layer_rule`; and the helpers the guides
+call (:func:`cosine_with_warmup`, :func:`calibrate_noise_multiplier`, :func:`compute_epsilon`,
+:func:`export_for_serving`). Everything else, SPARTA's internals
 included (``sparta_tf.groups.group_table``, ``sparta_tf.masks.save_mask``,
 ``sparta_tf.selection.SpartaSelector``, ``sparta_tf.callbacks.MethodCallback``, ...), is imported
 from its module.
@@ -27,6 +28,7 @@ from sparta_tf.lazy_exports import lazy_exports
 if TYPE_CHECKING:  # for type checkers and the API reference (static); at run time __getattr__ imports them
     from sparta_tf.callbacks import NonFiniteGuard
     from sparta_tf.dp_model import DPModel
+    from sparta_tf.export import export_for_serving
     from sparta_tf.methods import METHODS, Method
     from sparta_tf.model_checks import NotPerExampleSafeError
     from sparta_tf.optim import cosine_with_warmup
@@ -51,6 +53,7 @@ _PUBLIC: dict[str, str] = {
     "calibrate_noise_multiplier": "sparta_tf.privacy",
     "compute_epsilon": "sparta_tf.privacy",
     "cosine_with_warmup": "sparta_tf.optim",
+    "export_for_serving": "sparta_tf.export",
     "register_layer_rule": "sparta_tf.per_example",
 }
 """Each top-level name -> the module defining it (imported on first access)."""
@@ -66,6 +69,7 @@ __all__ = [
     "calibrate_noise_multiplier",
     "compute_epsilon",
     "cosine_with_warmup",
+    "export_for_serving",
     "make_private",
     "register_layer_rule",
     "tune_privately",

@@ -205,7 +205,7 @@ def export_for_serving(
         :class:`~sparta_tf.DPModel` (its ``.model`` is exported).
       export_dir: the model's base directory (created if needed); the
         SavedModel goes to ``export_dir/<version>/``.
-      version: a positive integer; ``None``: one more than the largest
+      version: a non-negative integer; ``None``: one more than the largest
         existing version (1 for an empty directory). An existing version is
         never overwritten (``FileExistsError``).
       preprocessing: optional ``{"mean": m, "std": s}`` (scalars or one value
