@@ -92,7 +92,7 @@ for _p in (str(REPO), str(HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import sparta_tf  # noqa: E402,F401  (first: Keras 2 as tf.keras on TF >= 2.16)
+import sparta_tf  # noqa: E402,F401  (first: checks the Keras behind tf.keras)
 import tensorflow as tf  # noqa: E402
 
 from sparta_tf.models import resnet20_gn  # noqa: E402

@@ -9,7 +9,7 @@ models, data and run helpers the tests share are plain functions in
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")  # as trainers/__init__.py: grouped convs need it on AMD
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")  # as trainers/__init__.py (test_grouped_conv_engines turns it off)
 
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402

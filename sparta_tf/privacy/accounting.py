@@ -69,6 +69,7 @@ import dp_accounting
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
+from sparta_tf import run_checks
 from sparta_tf.choices import ACCOUNTANTS  # the names accepted wherever an ``accountant`` argument is taken
 
 PLD_INTERVALS: tuple[float, ...] = (1e-2, 10**-2.5, 1e-3, 10**-3.5, 1e-4, 10**-4.5, 1e-5)
@@ -129,11 +130,11 @@ def check_delta(delta: float) -> float:
 
 
 def check_delta_for_dataset(delta: float, dataset_size: int) -> None:
-    """Raises unless ``delta < 1/n``: a mechanism that publishes one random example of ``n`` in
-    full is (0, 1/n)-DP, so a guarantee with ``delta >= 1/n`` can hide the release of an example."""
-    if delta >= 1.0 / dataset_size:
-        raise ValueError(f"delta={delta:g} must be < 1/n = {1.0 / dataset_size:.3g} for n={dataset_size} "
-                         f"training examples (e.g. delta={10.0 ** -len(str(dataset_size)):g})")
+    """Raises unless ``delta < 1/n`` (:func:`sparta_tf.run_checks.delta_problem`, the check the config
+    makes too)."""
+    problem = run_checks.delta_problem(delta, dataset_size)
+    if problem:
+        raise ValueError(f"delta={delta:g} {problem}")
 
 
 def check_steps(steps: int, name: str = "steps") -> int:
