@@ -71,11 +71,12 @@ def reject_batch_mixing_layers(model: tf.keras.Model) -> None:
         first = found[0]
         which = (f"layer {first.name!r} ({type(first).__name__}) is" if len(found) == 1 else
                  f"{len(found)} layers ({first.name!r}, {type(first).__name__}, and {len(found) - 1} more) are")
+        them = "it" if len(found) == 1 else "them"
         raise NotPerExampleSafeError(
             f"{which} BatchNormalization in training mode, which mixes the examples of a batch and breaks "
-            "per-example clipping and the DP guarantee; convert them with "
+            f"per-example clipping and the DP guarantee; convert {them} with "
             "sparta_tf.models.replace_batchnorm(model, \"groupnorm\") (GroupNormalization, same weights otherwise) "
-            "or freeze them with replace_batchnorm(model, \"freeze\") (inference mode)"
+            f"or freeze {them} with replace_batchnorm(model, \"freeze\") (trainable = False: inference mode)"
         )
 
 

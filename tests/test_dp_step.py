@@ -172,7 +172,7 @@ def test_batchnorm_in_training_mode_is_rejected_and_frozen_is_allowed():
     inputs = L.Input((4,))
     bn = L.BatchNormalization(name="bn")
     model = tf.keras.Model(inputs, L.Dense(2)(bn(inputs)))
-    with pytest.raises(NotPerExampleSafeError, match="GroupNormalization.*trainable = False"):
+    with pytest.raises(NotPerExampleSafeError, match="replace_batchnorm.*groupnorm.*trainable = False"):
         DPModel(model, noise_multiplier=1.0, sample_rate=0.1)
     bn.trainable = False
     DPModel(model, noise_multiplier=1.0, sample_rate=0.1)
