@@ -82,8 +82,13 @@ def check_keras_callbacks(dp, callbacks: list) -> None:
       train on without charging the steps that ``fit`` ran (``make_private(run_dir=...)`` resumes a
       killed run and charges them). With nothing to restore it backs up and deletes as usual;
     * ``EarlyStopping(restore_best_weights=True)`` with weight averaging that keeps the averages: after
-      training both would set the weights."""
+      training both would set the weights;
+    * a whole-model ``ModelCheckpoint`` of a model Keras cannot serialize (a subclassed model without
+      ``get_config``, which Keras 3 refuses to save): it would fail at the end of the first epoch,
+      after that epoch's epsilon was spent."""
     for callback in callbacks:
+        if isinstance(callback, tf.keras.callbacks.ModelCheckpoint) and not callback.save_weights_only:
+            check_serializable(dp.model, f"ModelCheckpoint({str(callback.filepath)!r})")
         backup_dir = getattr(callback, "backup_dir", None)
         if isinstance(callback, tf.keras.callbacks.BackupAndRestore) and backup_dir and _holds_files(backup_dir):
             raise ValueError(
@@ -95,6 +100,16 @@ def check_keras_callbacks(dp, callbacks: list) -> None:
             raise ValueError("EarlyStopping(restore_best_weights=True) and ema with use_ema_weights=True would both "
                              "set the weights after training; pass use_ema_weights=False or "
                              "restore_best_weights=False")
+
+
+def check_serializable(model: tf.keras.Model, saver: str) -> None:
+    """One line when Keras cannot write ``model``'s config (what ``saver``, saving the whole model, needs)."""
+    try:
+        model.get_config()
+    except NotImplementedError:
+        raise ValueError(f"{saver} saves the whole model, but {type(model).__name__} has no get_config, so Keras "
+                         "cannot save it; pass save_weights_only=True (the weights load into the model you build), "
+                         "or give the model a get_config") from None
 
 
 def _holds_files(directory: str) -> bool:
