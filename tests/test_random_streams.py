@@ -202,3 +202,24 @@ def test_every_stream_a_module_names_is_registered():
         named |= set(re.findall(r"stream=\"(\w+)\"", text))
     assert {"random_mask", "val_split", "canaries", "augmentation", "selection_noise"} <= named
     assert named <= set(random_streams.STREAMS), named - set(random_streams.STREAMS)
+
+
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64])
+def test_the_noise_is_philox_whatever_alg_name_draws_it(dtype):
+    """``random_streams.TF_ALGORITHM`` (``auto_select``, whose key scrambling runs inside the op) draws
+    exactly what ``alg="philox"`` draws on this device: the keys, the noise and the sampling's uniforms."""
+    for seed, step in [(0, 0), (12345, 7), (2**62 + 3, 2**40)]:
+        base = tf.constant([seed, random_streams.domain("dp_sgd_noise")], tf.int64)
+        philox_key = tf.random.experimental.stateless_fold_in(base, tf.constant(step, tf.int64), alg="philox")
+        key = random_streams.step_key(seed, "dp_sgd_noise", step)
+        np.testing.assert_array_equal(key.numpy(), philox_key.numpy())
+        sub_key = tf.random.experimental.stateless_fold_in(philox_key, 3, alg="philox")
+        expected = tf.random.stateless_normal([5, 7], seed=sub_key, stddev=tf.cast(0.5, dtype), dtype=dtype,
+                                              alg="philox")
+        drawn = gaussian_noise([tf.TensorShape([1]), tf.TensorShape([2]), tf.TensorShape([3]),
+                                tf.TensorShape([5, 7])], 0.5, tf.constant(seed, tf.int64), step, dtype=dtype)[3]
+        np.testing.assert_array_equal(drawn.numpy(), expected.numpy())
+        uniform = tf.random.stateless_uniform([9], seed=key, dtype=dtype, alg=random_streams.TF_ALGORITHM)
+        np.testing.assert_array_equal(uniform.numpy(),
+                                      tf.random.stateless_uniform([9], seed=philox_key, dtype=dtype,
+                                                                  alg="philox").numpy())

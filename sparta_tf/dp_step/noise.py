@@ -37,7 +37,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from sparta_tf.random_streams import step_key
+from sparta_tf.random_streams import TF_ALGORITHM, step_key
 
 DP_SGD_NOISE = "dp_sgd_noise"
 
@@ -64,9 +64,9 @@ def _draw_functions(shapes, stddev, seed, step, dtype, stream: str) -> list:
     dtypes = list(dtype) if isinstance(dtype, (list, tuple)) else [dtype] * len(shapes)
 
     def draw(k: int, shape, tensor_dtype):
-        sub_key = tf.random.experimental.stateless_fold_in(key, k, alg="philox")
+        sub_key = tf.random.experimental.stateless_fold_in(key, k, alg=TF_ALGORITHM)
         return tf.random.stateless_normal(shape, seed=sub_key, stddev=tf.cast(stddev, tensor_dtype),
-                                          dtype=tensor_dtype, alg="philox")
+                                          dtype=tensor_dtype, alg=TF_ALGORITHM)
 
     return [lambda k=k, shape=shape, tensor_dtype=tensor_dtype: draw(k, shape, tensor_dtype)
             for k, (shape, tensor_dtype) in enumerate(zip(shapes, dtypes))]

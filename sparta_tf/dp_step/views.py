@@ -58,10 +58,10 @@ class AugmentationMultiplicity:
     def key(self, step, micro_batch) -> tf.Tensor:
         """The Philox key of the views of ``step``'s micro-batch ``micro_batch`` on this replica."""
         key = random_streams.step_key(self.seed, STREAM, step)
-        key = tf.random.experimental.stateless_fold_in(key, tf.cast(micro_batch, tf.int64), alg="philox")
+        key = tf.random.experimental.stateless_fold_in(key, tf.cast(micro_batch, tf.int64), alg=random_streams.TF_ALGORITHM)
         context = tf.distribute.get_replica_context()
         replica = 0 if context is None else context.replica_id_in_sync_group
-        return tf.random.experimental.stateless_fold_in(key, tf.cast(replica, tf.int64), alg="philox")
+        return tf.random.experimental.stateless_fold_in(key, tf.cast(replica, tf.int64), alg=random_streams.TF_ALGORITHM)
 
     def expand(self, x, y, valid: tf.Tensor, key: tf.Tensor):
         """``(views [K B, ...], labels [K B, ...], usable [B])`` of a (micro-)batch: the ``K`` views of

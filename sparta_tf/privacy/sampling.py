@@ -8,7 +8,7 @@ from step to step. This module produces exactly such batches from in-memory
 data as an infinite :class:`tf.data.Dataset`, in a form Keras and XLA can use:
 
 * **Exact Bernoulli draw.** ``B_t = {i : u_i < q}`` with
-  ``u = stateless_uniform([n], seed_t, float64, alg="philox")``. Float64
+  ``u = stateless_uniform([n], seed_t, float64)`` (Philox, :data:`~sparta_tf.random_streams.TF_ALGORITHM`). Float64
   uniforms are multiples of ``2**-52``, so ``P(i in B_t)`` equals ``q`` up to
   less than ``2**-52`` (exactly ``q`` when ``q = 1``); float32 would bias small
   rates (by up to ``2**-23 / q`` relatively).
@@ -40,7 +40,7 @@ given; read it back from :attr:`PoissonSampler.seed` and store it with the
 checkpoint). The randomness of global step ``t`` is::
 
     seed_t = random_streams.step_key(seed, "poisson_sampling", t)
-           = stateless_fold_in([seed, POISSON_DOMAIN], t, alg="philox")
+           = stateless_fold_in([seed, POISSON_DOMAIN], t, alg=random_streams.TF_ALGORITHM)
 
 (:mod:`sparta_tf.random_streams`: one named stream per mechanism). Element
 ``t`` depends only on ``(seed, t)``, so a run resumed with ``start_step=t``
@@ -224,7 +224,7 @@ class PoissonSampler:
             [self.n],
             seed=random_streams.step_key(self.seed, self.stream, step),
             dtype=tf.float64,
-            alg="philox",
+            alg=random_streams.TF_ALGORITHM,
         )
         return u < tf.constant(self.sample_rate, tf.float64)
 

@@ -75,7 +75,7 @@ def shuffled_dataset(
         perm = tf.random.experimental.stateless_shuffle(
             tf.range(n, dtype=tf.int64),
             seed=random_streams.step_key(seed, SHUFFLE_STREAM, epoch),
-            alg="philox",
+            alg=random_streams.TF_ALGORITHM,
         )
         if drop_remainder:
             indices, weights = perm[:padded_len], tf.ones([padded_len], tf.float32)

@@ -81,8 +81,8 @@ class GradientDropping:
             return tf.ones(selection.compact_shape, tf.bool)
         n_keep = n - n_dropped(self.rate, n)
         if self.mode == "random":
-            sub = tf.random.experimental.stateless_fold_in(key, k, alg="philox")
-            score = tf.random.stateless_uniform([n], seed=sub, alg="philox")
+            sub = tf.random.experimental.stateless_fold_in(key, k, alg=random_streams.TF_ALGORITHM)
+            score = tf.random.stateless_uniform([n], seed=sub, alg=random_streams.TF_ALGORITHM)
         else:
             score = tf.abs(tf.reshape(selection.compact(tf.convert_to_tensor(selection.variable)), [-1]))
         kept = tf.math.top_k(score, k=n_keep, sorted=False).indices
