@@ -41,11 +41,18 @@ PADDING_MASK_ONLY = ("DP-SGD weighs every example the same (each clipped to C), 
                      "mask of PoissonSampler batches")
 
 
-def check_fit_call(dp, x, fit_kwargs: dict, callbacks: list) -> None:
+def first_element(x):
+    """The first element of a ``tf.data.Dataset`` ``x`` (read once per ``fit``: the padding-mask check and
+    the probe share it), else None."""
+    return next(iter(x.take(1))) if isinstance(x, tf.data.Dataset) else None
+
+
+def check_fit_call(dp, first, fit_kwargs: dict, callbacks: list) -> None:
     """Refuses, with one line and before anything is charged, what ``DPModel.fit`` cannot honour: a model
     not compiled, ``sample_weight`` / ``class_weight`` (:data:`PADDING_MASK_ONLY`), a ``batch_size``
-    (the batches are Poisson samples of ``q n``), a dataset whose first element has weights other than
-    0 and 1, and the Keras callbacks that would break the run (:func:`check_keras_callbacks`)."""
+    (the batches are Poisson samples of ``q n``), a dataset whose ``first`` element (:func:`first_element`)
+    has weights other than 0 and 1, and the Keras callbacks that would break the run
+    (:func:`check_keras_callbacks`)."""
     if dp._per_example_loss is None:
         what = "the model returned by make_private" if dp.private_run is not None else "the DPModel"
         raise ValueError(f"compile {what} (optimizer and loss) before fit")
@@ -57,15 +64,15 @@ def check_fit_call(dp, x, fit_kwargs: dict, callbacks: list) -> None:
         raise ValueError(f"fit(batch_size={fit_kwargs['batch_size']!r}): the batches are Poisson samples of "
                          f"expected size {expected}, set by make_private(batch_size=...) or DPModel(sample_rate=...); "
                          "leave batch_size out (physical_batch_size= sets how many examples run at once)")
-    if isinstance(x, tf.data.Dataset):
-        check_first_padding_mask(x)
+    if first is not None:
+        check_first_padding_mask(first)
     check_keras_callbacks(dp, callbacks)
 
 
-def check_first_padding_mask(dataset: tf.data.Dataset) -> None:
-    """One line when the first element of ``dataset`` has weights other than 0 and 1 (the later ones
-    are checked as they are read, :func:`checked_padding_mask`)."""
-    _, _, weights = tf.keras.utils.unpack_x_y_sample_weight(next(iter(dataset.take(1))))
+def check_first_padding_mask(element) -> None:
+    """One line when a dataset's first ``element`` has weights other than 0 and 1 (the later ones are
+    checked as they are read, :func:`checked_padding_mask`)."""
+    _, _, weights = tf.keras.utils.unpack_x_y_sample_weight(element)
     if weights is None:
         return
     values = np.unique(np.asarray(weights))
@@ -116,11 +123,12 @@ def _holds_files(directory: str) -> bool:
     return any(files for _, _, files in os.walk(directory))
 
 
-def prepare(dp, x, y, steps_per_epoch: int | None):
+def prepare(dp, x, y, steps_per_epoch: int | None, first=None):
     """``(x, y, steps_per_epoch)`` for Keras' ``fit``: arrays become the Poisson (or shuffled)
     dataset of :func:`input_pipeline` from the model's ``dp_step``; a dataset has its padding mask
     checked (:func:`checked_padding_mask`) and its provenance compared with the ledger's charge. Then,
-    once per model, the model is probed on a few real examples and the compiled metrics built."""
+    once per model, the model is probed on a few real examples (of a dataset's ``first`` element,
+    :func:`first_element`, whose weights :func:`check_fit_call` checked) and the compiled metrics built."""
     if x is not None and not isinstance(x, tf.data.Dataset):
         if y is None:
             raise ValueError("fit(x, y): labels y are required with array inputs")
@@ -130,7 +138,7 @@ def prepare(dp, x, y, steps_per_epoch: int | None):
     elif isinstance(x, tf.data.Dataset):
         check_dataset_provenance(dp, x)
         x = x.map(checked_padding_mask)
-        first = first_examples(x)
+        first = real_examples(first_element(x) if first is None else first)
     if isinstance(x, tf.data.Dataset):
         probe_model(dp, *first)
         if not dp.built:  # Keras 3's BackupAndRestore refuses an unbuilt model
@@ -209,9 +217,9 @@ def probe_model(dp, x, y) -> None:
         check_coverage(engine, x, y, dp._per_example_loss, dp.distribute_strategy)
     dp._model_probed = True
 
-def first_examples(dataset: tf.data.Dataset):
-    """``(x, y)``: the real examples (weight 1) of ``dataset``'s first element."""
-    x, y, weights = tf.keras.utils.unpack_x_y_sample_weight(next(iter(dataset.take(1))))
+def real_examples(element):
+    """``(x, y)``: the real examples (weight 1) of a dataset ``element``."""
+    x, y, weights = tf.keras.utils.unpack_x_y_sample_weight(element)
     if weights is None:
         return x, y
     rows = tf.where(tf.reshape(weights, [-1]) > 0)[:, 0]

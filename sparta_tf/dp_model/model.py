@@ -466,13 +466,14 @@ class DPModel(tf.keras.Model):
         see :mod:`sparta_tf.private_training`).
         """
         callbacks = list(callbacks or [])
-        fit_inputs.check_fit_call(self, x, kwargs, callbacks)  # before anything is charged
+        first = fit_inputs.first_element(x)
+        fit_inputs.check_fit_call(self, first, kwargs, callbacks)  # before anything is charged
         if self.private_run is not None:
             epochs, initial_epoch, callbacks = self.private_run.before_fit(
                 self, x, y, epochs, initial_epoch, callbacks)
         elif epochs is None:
             epochs = 1
-        x, y, steps_per_epoch = fit_inputs.prepare(self, x, y, steps_per_epoch)
+        x, y, steps_per_epoch = fit_inputs.prepare(self, x, y, steps_per_epoch, first)
         if isinstance(x, tf.data.Dataset):
             kwargs.setdefault("shuffle", False)  # the batches are the sampler's (Keras 3 warns on shuffle=True)
         self.privacy_callback = charging.model_callback(self, callbacks, steps_per_epoch, on_budget_exhausted)
