@@ -42,9 +42,9 @@ class Names:
 LIBRARY = Names()
 """``make_private``'s keyword arguments."""
 CONFIG = Names(epochs="training.epochs", batch_size="training.batch_size",
-               physical_batch_size="training.physical_batch_size", jit_compile="training.jit_compile", dataset_size="n", delta="privacy.delta",
-               noise_multiplier="privacy.noise_multiplier", engine="training.engine", method="method.name",
-               method_option="method.{}")
+               physical_batch_size="training.physical_batch_size", jit_compile="training.jit_compile",
+               dataset_size="n", delta="privacy.delta", noise_multiplier="privacy.noise_multiplier",
+               engine="training.engine", method="method.name", method_option="method.{}")
 """``sparta-train``'s config keys (:mod:`trainers.config`)."""
 
 
@@ -68,14 +68,10 @@ def physical_batch_size_problem(value: Any) -> str | None:
     return None if value is None else count_problem(value)
 
 
-JIT_COMPILE_CHOICES = (True, False, "auto")
-"""XLA on, off, or ``"auto"`` (on for GPU/TPU, off on CPU: :mod:`sparta_tf.xla`)."""
-
-
 def jit_compile_problem(value: Any) -> str | None:
-    """What is wrong with a ``jit_compile`` setting (None: one of :data:`JIT_COMPILE_CHOICES`)."""
-    return None if any(value is choice or value == choice and isinstance(value, str) for choice in JIT_COMPILE_CHOICES) \
-        else "must be true, false or auto"
+    """What is wrong with a ``jit_compile`` setting (None: XLA on, off, or ``"auto"``: on for GPU/TPU, off
+    on CPU, :mod:`sparta_tf.xla`)."""
+    return None if value is True or value is False or value == "auto" else "must be true, false or auto"
 
 
 def batch_size_problem(batch_size: Any, dataset_size: int | None = None) -> str | None:
