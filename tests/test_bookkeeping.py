@@ -216,18 +216,24 @@ def test_the_two_pass_step_equals_the_materialising_engine(name, rows=True):
 
 
 def test_the_memory_budget_picks_one_or_two_passes_and_the_plan_says_what_is_kept():
-    model = tf.keras.Sequential([tf.keras.Input((8, 8, 3)), L.Conv2D(8, 3, padding="same"), L.GroupNormalization(2),
-                                 L.ReLU(), L.Conv2D(8, 3, padding="same"), L.Flatten(), L.Dense(4)])
+    model = tf.keras.Sequential([tf.keras.Input((8, 8, 3)), L.Conv2D(8, 3, padding="same", name="conv_a"),
+                                 L.GroupNormalization(2, name="norm"), L.ReLU(),
+                                 L.Conv2D(8, 3, padding="same", name="conv_b"), L.Flatten(), L.Dense(4, name="head")])
     x, y, valid = tf.random.normal([6, 8, 8, 3]), tf.constant([0, 1, 2, 3, 0, 1]), tf.ones([6], bool)
-    # what one pass keeps: every probed output gradient, float32 (conv, group norm, conv, dense)
+    # what one pass would keep without taps: every probed output gradient, float32 (conv, group norm, conv, dense)
     one_pass = 4 * 6 * (8 * 8 * 8 * 3 + 4)
-    for budget, mode, kept in [(one_pass, "one_pass", one_pass), (one_pass - 1, "two_pass", 0)]:
+    # with taps, each layer keeps the smaller of its output gradient and its per-example gradients:
+    # conv_a's kernel and bias (3*3*3*8 + 8 = 224 < 512 a row) and the norm's gamma and beta (16);
+    # conv_b's output gradient (512 < 3*3*8*8 + 8) and the head's (rank-one norms: none materialised)
+    kept_one_pass = 4 * 6 * ((3 * 3 * 3 * 8 + 8) + (8 + 8) + 8 * 8 * 8 + 4)
+    kept_by_layer = {"conv_a": "per_example", "norm": "per_example", "conv_b": "kept", "head": "kept"}
+    for budget, mode, kept in [(one_pass, "one_pass", kept_one_pass), (one_pass - 1, "two_pass", 0)]:
         engine = make_engine(model, model.trainable_variables, max_memory=budget)
         tf.function(lambda: engine.clipped_sum(x, y, loss_fn, valid, 1.0).sums)()
         assert engine.memory_plan() == (mode, budget, one_pass, kept)
         assert engine.memory_plan().kept_bytes <= budget
-        expected = "streamed" if mode == "two_pass" else "kept"
-        assert {row.output_gradient for row in engine.cost_table()} == {expected}
+        expected = {name: "streamed" for name in kept_by_layer} if mode == "two_pass" else kept_by_layer
+        assert {row.layer: row.output_gradient for row in engine.cost_table()} == expected
 
 
 @pytest.mark.parametrize("max_memory", [None, 0], ids=["one_pass", "two_pass"])

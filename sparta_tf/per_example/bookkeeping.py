@@ -46,7 +46,7 @@ from sparta_tf.per_example.engines import (
 )
 from sparta_tf.per_example.memory_budget import MemoryPlan, default_memory_budget, output_gradient_bytes
 from sparta_tf.per_example.recording import recording
-from sparta_tf.per_example.streaming import NORMS, SUMS, Streaming, kept_bytes
+from sparta_tf.per_example.streaming import NORMS, SUMS, Streaming, kept_bytes, layer_sums
 from sparta_tf.per_example.registry import ghost_rule_for
 from sparta_tf.per_example.rules.recurrent import is_recurrent
 from sparta_tf.per_example.rules.base import NormMethod, keep_examples, squared_sum
@@ -89,22 +89,28 @@ class BookkeepingEngine(HookedEngine):
     def clipped_sum(self, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor, clip_norm: float) -> ClippedBatch:
         """``sum_i c_i g_i`` of a (micro-)batch, ``c_i = min(1, C/||g_i||)`` (0 for padding).
 
-        One pass when the output gradients it keeps fit in ``max_memory`` bytes, else two passes
-        (:mod:`~sparta_tf.per_example.streaming`) for every layer whose output can be tapped."""
-        if self.views > 1 or self._fits_in_one_pass(x):  # no taps: the one-pass recording as it is
+        Every layer whose output can be tapped (:mod:`~sparta_tf.per_example.streaming`) computes
+        its norms inside the backward pass, as the pass reaches it. One pass when what it keeps fits
+        in ``max_memory`` bytes: each tapped layer then keeps the smaller of its output gradient and
+        its per-example gradients for the clipped sum; else two passes, keeping neither."""
+        if self.views > 1:  # an example's rows are summed per layer: the one-pass recording as it is
             return self.selection_statistic(x, y, loss_fn, valid, clip_norm)
+        one_pass = self._fits_in_one_pass(x)
         x, valid = finite_rows(x, valid)
         streaming = Streaming({id(layer): (rule, [self.selections[k] for k in indices])
                                for layer, rule, indices in self.plan if not self.is_grouped(layer)})
-        with tf.GradientTape(watch_accessed_variables=False, persistent=True) as tape:
+        with tf.GradientTape(watch_accessed_variables=False, persistent=not one_pass) as tape:
             with recording(tape, self.layers, streaming) as rec:
                 predictions = self.model(x, training=True)
             losses = loss_fn(y, predictions)
             total = tf.reduce_sum(tf.where(valid, losses, tf.zeros_like(losses)))
-        streamed, kept = self._streamed_calls(rec.calls)
+        streamed, kept, one_pass = self._streamed_calls(rec.calls, one_pass)
         streaming.mode, streaming.batch_rows, streaming.streamed = NORMS, losses, {id(c) for c in streamed}
+        streaming.keep_for_sums = one_pass
         gradients = tape.gradient(total, [c.tap.norm_sink for c in streamed] + [c.probe for c in kept])
         streaming.mode = None
+        self._memory_plan = MemoryPlan("one_pass" if one_pass else "two_pass", self.max_memory,
+                                       kept_bytes(rec.calls), _sum_bytes(kept_bytes(kept), streaming.kept_bytes()))
         calls: dict[int, list] = {}
         for call, delta in zip(kept, gradients[len(streamed):]):
             calls.setdefault(id(call.layer), []).append((call, accumulation_delta(call.probe, delta)))
@@ -114,18 +120,43 @@ class BookkeepingEngine(HookedEngine):
             squared = tf.zeros([tf.shape(losses)[0]], tf.float32)
         factors, keep = clipping.clip_factors(squared, clip_norm, valid)
         sums = self._raw_weighted_sums(calls, factors, keep, direct_grads)
-        if streamed:
+        if one_pass:
+            self._add(sums, self._tapped_sums(streamed, streaming, factors, keep))
+        elif streamed:
             streaming.mode, streaming.keep, streaming.factors = SUMS, keep, factors
             sinks = [(k, sink) for call in streamed
                      for k, sink in zip(self._indices_of(call.layer), call.tap.sum_sinks)]
             streamed_sums = tape.gradient(losses, [sink for _, sink in sinks],
                                           output_gradients=tf.cast(keep, losses.dtype))
             streaming.mode = None
-            for (k, _), total_k in zip(sinks, streamed_sums):
-                sums[k] = total_k if sums[k] is None else sums[k] + total_k
+            self._add(sums, list(zip([k for k, _ in sinks], streamed_sums)))
         self._remember(table + streaming.methods)
         sums = [_as_statistic(total_k, s) for total_k, s in zip(sums, self.selections)]
         return ClippedBatch(sums, squared, losses, predictions)
+
+    def _tapped_sums(self, streamed, streaming: Streaming, factors, keep) -> list:
+        """``[(selection index, S^l)]`` of the calls tapped in a one-pass step, from what each tap
+        kept: ``sum_i c_i g_i`` of its per-example gradients, or its rule's sums of ``c * delta``."""
+        pairs = []
+        for call in streamed:
+            indices = self._indices_of(call.layer)
+            kept = streaming.kept_for_sums[id(call)]
+            if kept.grads is not None:
+                for position, grads in kept.grads.items():
+                    grads = to_accumulation(keep_examples(grads, keep))
+                    pairs.append((indices[position], tf.tensordot(tf.cast(factors, grads.dtype), grads, axes=1)))
+                continue
+            delta = kept.delta
+            scale = tf.reshape(tf.cast(factors, delta.dtype), [-1] + [1] * (delta.shape.rank - 1))
+            rule, selections = streaming.rules[id(call.layer)]
+            layer_totals = layer_sums(rule, call, keep_examples(delta * scale, keep), keep, selections, kept.materialised)
+            pairs.extend(zip(indices, layer_totals))
+        return pairs
+
+    @staticmethod
+    def _add(sums: list, pairs) -> None:
+        for k, total_k in pairs:
+            sums[k] = total_k if sums[k] is None else sums[k] + total_k
 
     def _fits_in_one_pass(self, x) -> bool:
         """True when the model's layer output shapes, known before the step, put what one pass keeps
@@ -144,29 +175,28 @@ class BookkeepingEngine(HookedEngine):
     def _indices_of(self, layer) -> list[int]:
         return next(indices for planned, _, indices in self.plan if planned is layer)
 
-    def _streamed_calls(self, calls) -> tuple[list, list]:
-        """``(streamed, kept)``: the calls whose output gradients the step taps instead of keeping, and
-        the others. None is streamed when what one pass
-        keeps fits in ``max_memory`` (or is unknown when the step is traced, unless ``max_memory`` is
-        0); else every call with a tap of a layer called once (the norm of a layer called twice
-        needs both calls' gradients). A step with a low-precision layer output (bfloat16, float16)
-        runs in one pass: its second backward pass could round the recomputed output gradients
-        otherwise than the first (XLA fuses the two passes differently), and a contribution
-        clipped by the first pass's norm could then exceed ``C`` by that rounding."""
+    def _streamed_calls(self, calls, one_pass: bool) -> tuple[list, list, bool]:
+        """``(streamed, kept, one_pass)``: the calls whose norms their taps compute (every call with a
+        tap of a layer called once: the norm of a layer called twice needs both calls' gradients),
+        the others, whose output gradients the step keeps, and whether the step runs in one pass.
+
+        ``one_pass``: the model's output shapes already put one pass within ``max_memory``
+        (:meth:`_fits_in_one_pass`); else the recorded calls decide: two passes when what one pass
+        keeps exceeds ``max_memory`` (or ``max_memory`` is 0). Two passes tap no call of a step with
+        a low-precision layer output (bfloat16, float16): the second backward pass could round the
+        recomputed output gradients otherwise than the first (XLA fuses the two passes
+        differently), and a contribution clipped by the first pass's norm could then exceed ``C``
+        by that rounding. One pass has a single backward pass, so it taps them too."""
         counts = Counter(id(call.layer) for call in calls)
-        tappable = [call for call in calls if call.tap is not None and counts[id(call.layer)] == 1
+        streamed = [call for call in calls if call.tap is not None and counts[id(call.layer)] == 1
                     and not self.is_grouped(call.layer)]
-        if any(probe.dtype not in (tf.float32, tf.float64) for call in calls for probe in tf.nest.flatten(call.probe)):
-            tappable = []
-        one_pass = kept_bytes(calls)
-        too_big = self.max_memory == 0 or (one_pass is not None and one_pass > self.max_memory)
-        two_pass = too_big and bool(tappable)
-        streamed = tappable if two_pass else []
-        streamed_ids = {id(c) for c in streamed}
-        kept = [c for c in calls if id(c) not in streamed_ids]
-        self._memory_plan = MemoryPlan("two_pass" if two_pass else "one_pass", self.max_memory, one_pass,
-                                       kept_bytes(kept))
-        return streamed, kept
+        if not one_pass:
+            low_precision = any(probe.dtype not in (tf.float32, tf.float64)
+                                for call in calls for probe in tf.nest.flatten(call.probe))
+            one_pass_bytes = kept_bytes(calls)
+            too_big = self.max_memory == 0 or (one_pass_bytes is not None and one_pass_bytes > self.max_memory)
+            one_pass = not too_big or not streamed or low_precision
+        return streamed, _untapped(calls, streamed), one_pass
 
     def selection_statistic(self, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor, clip_norm: float | None,
                             groups=None) -> ClippedBatch:
@@ -295,6 +325,15 @@ class BookkeepingEngine(HookedEngine):
                 counts[row.method] = counts.get(row.method, 0) + 1
             logger.info("book-keeping engine: per-example norms by %s",
                         ", ".join(f"{method} x{count}" for method, count in sorted(counts.items())))
+
+
+def _sum_bytes(*sizes) -> int | None:
+    return None if None in sizes else sum(sizes)
+
+
+def _untapped(calls, tapped) -> list:
+    tapped_ids = {id(c) for c in tapped}
+    return [c for c in calls if id(c) not in tapped_ids]
 
 
 def _total(parts: list) -> tf.Tensor | None:

@@ -49,6 +49,29 @@ class Tap(NamedTuple):
     sum_sinks: list  # one per selection of the layer, compact shape
 
 
+class KeptForSums(NamedTuple):
+    """What a one-pass step's tap keeps of its layer for the clipped sums: the per-example gradients
+    ``{position: [B, *compact]}`` when its rule materialised every selection's and they take no
+    more memory than the output gradient ``delta``, else ``delta`` (accumulation dtype)."""
+
+    grads: dict | None
+    delta: tf.Tensor | None
+    materialised: set  # positions whose norms the rule materialised
+
+
+def smaller_to_keep(delta: tf.Tensor, materialised: dict, selections: int) -> KeptForSums:
+    """The per-example gradients where the rule materialised all ``selections`` of the layer and
+    they are no larger than ``delta`` (e.g. a 3x3 convolution on a 32x32 map: 1.2 MB against
+    8 MB at ``B = 128``), else ``delta`` (the same layer on an 8x8 map with 64 channels: 18 MB of
+    per-example gradients against 2 MB)."""
+    if len(materialised) == selections:
+        sizes = [tensor_bytes(g) for g in materialised.values()]
+        delta_size = tensor_bytes(delta)
+        if None not in sizes and delta_size is not None and sum(sizes) <= delta_size:
+            return KeptForSums(dict(materialised), None, set(materialised))
+    return KeptForSums(None, delta, set(materialised))
+
+
 class Streaming:
     """The taps of one recording pass, and which backward pass is being built.
 
@@ -67,6 +90,14 @@ class Streaming:
         self.batch_rows: tf.Tensor | None = None
         self.methods: list = []
         self.materialised: dict = {}  # id(call) -> positions whose norms the rule materialised
+        self.keep_for_sums = False  # one pass: each tap keeps what its layer's sums need
+        self.kept_for_sums: dict = {}  # id(call) -> KeptForSums
+
+    def kept_bytes(self) -> int | None:
+        """What the taps of a one-pass step keep for the sums (None where a shape is unknown)."""
+        sizes = [tensor_bytes(t) for kept in self.kept_for_sums.values()
+                 for t in ([kept.delta] if kept.grads is None else kept.grads.values())]
+        return None if None in sizes else sum(sizes)
 
     def tap(self, recording, call, output: tf.Tensor) -> tf.Tensor:
         """``output`` through a tap whose sinks are recorded on ``call.tap``."""
@@ -88,12 +119,18 @@ class Streaming:
         """The tap's gradients: ``(delta passed on, this layer's norms, its sums)``."""
         streamed = id(call) in self.streamed
         if self.mode == NORMS and streamed:
-            materialised: dict = {}  # dropped with this function: only which positions, for the sum pass
-            norms, methods = rule.squared_norms(call.layer, call, to_accumulation(dz), selections, materialised)
+            materialised: dict = {}  # two passes: dropped with this function (only which positions)
+            with tf.control_dependencies([dz]):  # not before the backward pass reaches this layer
+                delta = to_accumulation(dz)
+                norms, methods = rule.squared_norms(call.layer, call, delta, selections, materialised)
             self.materialised[id(call)] = set(materialised)
+            kept = "streamed"
+            if self.keep_for_sums:
+                self.kept_for_sums[id(call)] = smaller_to_keep(delta, materialised, len(selections))
+                kept = "kept" if self.kept_for_sums[id(call)].grads is None else "per_example"
             if self.batch_rows is not None:
                 check_rows(call.layer, norms, self.batch_rows)
-            self.methods.extend(method._replace(output_gradient="streamed") for method in methods)
+            self.methods.extend(method._replace(output_gradient=kept) for method in methods)
             return (dz, tf.cast(norms, norm_sink.dtype), *[tf.zeros_like(s) for s in sum_sinks])
         if self.mode == SUMS:
             passed_on = keep_examples(dz, self.keep)
@@ -101,7 +138,8 @@ class Streaming:
                 return (passed_on, tf.zeros_like(norm_sink), *[tf.zeros_like(s) for s in sum_sinks])
             delta = to_accumulation(passed_on)
             delta_c = delta * tf.reshape(tf.cast(self.factors, delta.dtype), [-1] + [1] * (delta.shape.rank - 1))
-            sums = layer_sums(rule, call, delta_c, self.keep, selections, self.materialised.get(id(call), set()))
+            with tf.control_dependencies([delta_c]):
+                sums = layer_sums(rule, call, delta_c, self.keep, selections, self.materialised.get(id(call), set()))
             return (passed_on, tf.zeros_like(norm_sink),
                     *[tf.reshape(tf.cast(s, sink.dtype), sink.shape) for s, sink in zip(sums, sum_sinks)])
         return (dz, tf.zeros_like(norm_sink), *[tf.zeros_like(s) for s in sum_sinks])

@@ -224,7 +224,10 @@ class NormMethod(NamedTuple):
     method: str  # rank_one / ghost / direct / elementwise / per_layer_vjp
     ghost_cost: int | None
     direct_cost: int | None
-    output_gradient: str = "kept"  # kept until the clip factors are known, or "streamed" (two passes)
+    # what the step keeps of the layer until the clip factors are known: "kept" (its output
+    # gradient), "per_example" (its per-example gradients, where smaller) or "streamed" (nothing;
+    # two passes)
+    output_gradient: str = "kept"
 
 
 def squared_sum(t: Tensor) -> Tensor:
