@@ -71,6 +71,7 @@ from sparta_tf import DPModel, methods  # noqa: E402
 from sparta_tf.backend import KERAS3, keras_version  # noqa: E402
 from sparta_tf.dp_step.noise import gaussian_noise  # noqa: E402
 from sparta_tf.groups import row_groups  # noqa: E402
+from sparta_tf.keras_layers import all_layers  # noqa: E402
 from sparta_tf.models import replace_batchnorm, resnet20_gn, vit_tiny, wrn_gn  # noqa: E402
 from sparta_tf.selection import random_selections  # noqa: E402
 
@@ -371,7 +372,68 @@ def time_model(name: str, spec: ZooModel, variants: List[str], rounds: int, seed
     built.clear()
     tf.keras.backend.clear_session()
     gc.collect()
+    if "dp-full" in names:
+        terms = conv_terms(spec, seed)
+        if terms is not None:
+            result["conv_terms"] = terms
     return result
+
+
+# ------------------------------------------------------------------------- the conv term
+
+
+def _conv_calls(model: tf.keras.Model) -> list:
+    """``(layer, input shape, output shape)`` of every ``Conv2D`` (``groups = 1``) the model calls."""
+    calls = []
+    for layer in all_layers(model):
+        if type(layer) is L.Conv2D and layer.groups == 1:
+            calls.append((layer, tuple(layer.input.shape[1:]), tuple(layer.output.shape[1:])))
+    return calls
+
+
+def conv_terms(spec: ZooModel, seed: int, repeats: int = 7) -> Optional[dict]:
+    """What the per-example kernel gradients cost against the filter gradients they replace.
+
+    For every ``Conv2D`` call of the model, on random tensors of its input and output shapes at the
+    benchmark batch: the batch filter gradient (``Conv2DBackpropFilter``: what the Keras step
+    computes for the kernel) and the DP step's per-example work for the same kernel (the
+    book-keeping rule's squared norms, with the per-example gradients it materialises), each
+    one ``tf.function`` over all the layers, timed interleaved (median of ``repeats``). Their
+    difference is a term of the DP step that nothing else in it can hide: the step's time is at
+    least ``keras - filter + per_example`` (the rest of the Keras step stays)."""
+    from sparta_tf.per_example.rules.base import RecordedCall
+    from sparta_tf.per_example.rules.conv2d import Conv2DGhostRule
+    from sparta_tf.trainable import dense
+
+    calls = _conv_calls(_fresh(spec, seed))
+    if not calls:
+        return None
+    rng = tf.random.Generator.from_seed(seed)
+    tensors = [(rng.normal((spec.batch,) + shape_in), rng.normal((spec.batch,) + shape_out))
+               for _, shape_in, shape_out in calls]
+    rule = Conv2DGhostRule()
+
+    @tf.function
+    def filter_gradients():
+        return [tf.compat.v1.nn.conv2d_backprop_filter(
+            a, layer.kernel.shape, d, strides=[1, *layer.strides, 1], padding=layer.padding.upper())
+            for (layer, _, _), (a, d) in zip(calls, tensors)]
+
+    @tf.function
+    def per_example():
+        return [rule.squared_norms(layer, RecordedCall(layer, (a,), {}, None, None), d, [dense(layer.kernel)], {})[0]
+                for (layer, _, _), (a, d) in zip(calls, tensors)]
+
+    times: Dict[str, list] = {"filter": [], "per_example": []}
+    for fn in (filter_gradients, per_example):
+        fn()  # traced, never timed
+    for _ in range(repeats):
+        for name, fn in (("filter", filter_gradients), ("per_example", per_example)):
+            t = time.perf_counter()
+            [out.numpy() for out in fn()]
+            times[name].append(1000 * (time.perf_counter() - t))
+    return {"layers": len(calls), "filter_ms": float(np.median(times["filter"])),
+            "per_example_ms": float(np.median(times["per_example"]))}
 
 
 # ---------------------------------------------------------------------------------- memory
@@ -495,11 +557,25 @@ def markdown(results: List[dict], machine: str) -> str:
                      f"{_cell(v.get('dp-two-pass', {}))} | {_cell(v.get('sparse-20', {}))} | "
                      f"{_cell(v.get('tfp-ghost', {}))} | {_cell(v.get('tfp-plain', {}))} | {methods_cell} | "
                      f"{'; '.join(_verdicts(r))} |")
+    bounds = [_conv_bound(r) for r in results if r.get("conv_terms") and r["variants"].get("keras", {}).get("median_ms")]
+    if bounds:
+        lines += ["", "The conv term (`conv_terms`: every Conv2D's batch filter gradient, which the Keras step "
+                  "computes, against the DP step's per-example kernel gradients and norms for the same layers, "
+                  "one process, interleaved): the DP step takes about the Keras step minus the first plus "
+                  "the second, at least.", ""] + bounds
     skipped = [f"{r['model']} {k}: {e['note']}" for r in results for k, e in r["variants"].items()
                if e.get("status") in ("skipped", "error")]
     if skipped:
         lines += ["", "Not run: " + "; ".join(skipped) + "."]
     return "\n".join(lines) + "\n"
+
+
+def _conv_bound(result: dict) -> str:
+    terms, keras = result["conv_terms"], result["variants"]["keras"]["median_ms"]
+    floor = (keras - terms["filter_ms"] + terms["per_example_ms"]) / keras
+    return (f"- {result['model']}: {terms['layers']} Conv2D layers, filter gradients {terms['filter_ms']:.0f} ms, "
+            f"per-example kernel gradients and norms {terms['per_example_ms']:.0f} ms "
+            f"({terms['per_example_ms'] / terms['filter_ms']:.1f}x): at least {floor:.2f}x the Keras step")
 
 
 def update_readme(table: str, results_path: pathlib.Path) -> None:

@@ -245,6 +245,8 @@ CASES: dict[str, Case] = {
         L.GroupNormalization(2, center=False)(x))), ((None, None, 4),), sizes=((4, 4),)),
     "group_norm_sequence": Case(lambda: _on((None, 4), lambda x: _pool_sequence(
         L.GroupNormalization(2)(x))), ((None, 4),), sizes=((5,),)),
+    "group_norm_channels_first": Case(lambda: _on((4, 3, 3), lambda x: _pool_image(
+        L.GroupNormalization(2, axis=1)(x))), ((4, 3, 3),)),
     "prelu": Case(lambda: _on((4,), lambda x: L.PReLU()(L.Dense(4)(x))), ((4,),)),
     # recurrent layers
     "lstm": Case(lambda: _on(SEQUENCE, lambda x: L.LSTM(4)(x)), (SEQUENCE,), sizes=((5,),)),

@@ -4,9 +4,10 @@
 
     dL_i/dgamma = sum_{t not in axis} delta_it x^_it        dL_i/dbeta = sum_{t not in axis} delta_it
 
-with ``x^`` recomputed from the layer input exactly as the layer normalises it (moments over the
+with ``x^`` recomputed from the layer input as the layer normalises it (moments over the
 layer's axes, any ``axis`` and lists of axes, or per group with GroupNormalization's ``mask``
-weights, and its epsilon); ``center`` / ``scale`` in any combination (an absent parameter is
+weights, and its epsilon; for GroupNormalization the group's ``1/sqrt(var + eps)`` multiplies the
+summed gradient, not ``x^``); ``center`` / ``scale`` in any combination (an absent parameter is
 simply not a variable). Book-keeping reduces these cheap per-example gradients to norms.
 """
 
@@ -34,6 +35,9 @@ class NormalizationRule(LayerRule):
 
     def variable_grad(self, layer, call, delta, selection):
         parameter_axes = _parameter_axes(layer, delta.shape.rank)
+        if selection.variable is getattr(layer, "gamma", None) and isinstance(layer, tf.keras.layers.GroupNormalization):
+            grads = group_gamma_grads(layer, call, delta)
+            return tf.reshape(grads, tf.concat([tf.shape(grads)[:1], selection.shape], 0))
         if selection.variable is getattr(layer, "gamma", None):
             per_position = delta * normalized(layer, call, delta.dtype)
         elif selection.variable is getattr(layer, "beta", None):
@@ -50,25 +54,35 @@ def _parameter_axes(layer, rank: int) -> list[int]:
 
 
 def normalized(layer, call, dtype) -> Tensor:
-    """``x^``: the layer input normalised exactly as ``layer`` does it, in ``dtype``."""
+    """``x^``: the LayerNormalization input normalised as the layer does it, in ``dtype``."""
     x = tf.cast(call.inputs, dtype)
-    if isinstance(layer, tf.keras.layers.GroupNormalization):
-        return _group_normalized(layer, x, call.kwargs.get("mask"))
     mean, variance = tf.nn.moments(x, _parameter_axes(layer, x.shape.rank), keepdims=True)
     return tf.nn.batch_normalization(x, mean, variance, None, None, layer.epsilon)
 
 
-def _group_normalized(layer, x: Tensor, mask) -> Tensor:
+def group_gamma_grads(layer, call, delta: Tensor) -> Tensor:
+    """GroupNormalization's ``dL_i/dgamma[c] = r_ig sum_t delta_itc (x_itc - mu_ig)``, ``[B, C]``.
+
+    ``mu_ig`` and ``r_ig = 1/sqrt(var_ig + eps)`` are example ``i``'s moments over group ``g`` of
+    channel ``c`` (every position and the group's channels, weighted by the call's ``mask`` where
+    it has one), as the layer normalises; ``r`` is constant over the positions ``t`` summed, so it
+    multiplies the ``[B, C]`` sum instead of every coordinate of ``x^``."""
+    x = tf.cast(call.inputs, delta.dtype)
     axis = layer.axis % x.shape.rank
     shape = tf.shape(x)
     grouped_shape = tf.concat([shape[:axis], [layer.groups, shape[axis] // layer.groups], shape[axis + 1:]], 0)
     grouped = tf.reshape(x, grouped_shape)
-    weights = tf.ones_like(grouped) if mask is None else tf.reshape(
-        tf.cast(tf.broadcast_to(mask, shape), x.dtype), grouped_shape)
-    axes = [a for a in range(1, x.shape.rank + 1) if a != axis]
-    mean, variance = tf.nn.weighted_moments(grouped, axes, frequency_weights=weights, keepdims=True)
-    normalized_ = tf.nn.batch_normalization(grouped, mean, variance, None, None, layer.epsilon)
-    return tf.reshape(normalized_, shape)
+    moment_axes = [a for a in range(1, x.shape.rank + 1) if a != axis]
+    mask = call.kwargs.get("mask")
+    if mask is None:
+        mean, variance = tf.nn.moments(grouped, moment_axes, keepdims=True)
+    else:
+        weights = tf.reshape(tf.cast(tf.broadcast_to(mask, shape), x.dtype), grouped_shape)
+        mean, variance = tf.nn.weighted_moments(grouped, moment_axes, frequency_weights=weights, keepdims=True)
+    position_axes = [a for a in moment_axes if a != axis + 1]
+    centred = tf.reshape(delta, grouped_shape) * (grouped - mean)
+    summed = tf.reduce_sum(centred, axis=position_axes, keepdims=True) * tf.math.rsqrt(variance + layer.epsilon)
+    return tf.reshape(summed, [shape[0], -1])
 
 
 NORMALIZATION_RULE = NormalizationRule()
