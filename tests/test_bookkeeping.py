@@ -218,14 +218,15 @@ def test_the_two_pass_step_equals_the_materialising_engine(name, rows=True):
 def test_the_memory_budget_picks_one_or_two_passes_and_the_plan_says_what_is_kept():
     model = tf.keras.Sequential([tf.keras.Input((8, 8, 3)), L.Conv2D(8, 3, padding="same", name="conv_a"),
                                  L.GroupNormalization(2, name="norm"), L.ReLU(),
-                                 L.Conv2D(8, 3, padding="same", name="conv_b"), L.Flatten(), L.Dense(4, name="head")])
+                                 L.Conv2D(8, 3, name="conv_b"), L.Flatten(), L.Dense(4, name="head")])
     x, y, valid = tf.random.normal([6, 8, 8, 3]), tf.constant([0, 1, 2, 3, 0, 1]), tf.ones([6], bool)
     # what one pass would keep without taps: every probed output gradient, float32 (conv, group norm, conv, dense)
-    one_pass = 4 * 6 * (8 * 8 * 8 * 3 + 4)
-    # with taps, each layer keeps the smaller of its output gradient and its per-example gradients:
-    # conv_a's kernel and bias (3*3*3*8 + 8 = 224 < 512 a row) and the norm's gamma and beta (16);
-    # conv_b's output gradient (512 < 3*3*8*8 + 8) and the head's (rank-one norms: none materialised)
-    kept_one_pass = 4 * 6 * ((3 * 3 * 3 * 8 + 8) + (8 + 8) + 8 * 8 * 8 + 4)
+    one_pass = 4 * 6 * (8 * 8 * 8 * 2 + 6 * 6 * 8 + 4)
+    # with taps, each layer keeps its per-example gradients where they take at most 1.25x its output
+    # gradient: conv_a's kernel and bias (3*3*3*8 + 8 = 224 against 512 a row) and the norm's gamma
+    # and beta (16); else its output gradient: conv_b's (288 against 3*3*8*8 + 8 = 584) and the
+    # head's (rank-one norms: none materialised)
+    kept_one_pass = 4 * 6 * ((3 * 3 * 3 * 8 + 8) + (8 + 8) + 6 * 6 * 8 + 4)
     kept_by_layer = {"conv_a": "per_example", "norm": "per_example", "conv_b": "kept", "head": "kept"}
     for budget, mode, kept in [(one_pass, "one_pass", kept_one_pass), (one_pass - 1, "two_pass", 0)]:
         engine = make_engine(model, model.trainable_variables, max_memory=budget)
@@ -234,6 +235,8 @@ def test_the_memory_budget_picks_one_or_two_passes_and_the_plan_says_what_is_kep
         assert engine.memory_plan().kept_bytes <= budget
         expected = {name: "streamed" for name in kept_by_layer} if mode == "two_pass" else kept_by_layer
         assert {row.layer: row.output_gradient for row in engine.cost_table()} == expected
+        for clip_norm in (1e-3, 1e3):  # what each layer kept gives the exact clipped sums
+            _compare(model, _selections(model, rows=False), x, y, valid, clip_norm, margin=2e-5, max_memory=budget)
 
 
 @pytest.mark.parametrize("max_memory", [None, 0], ids=["one_pass", "two_pass"])
