@@ -1,19 +1,30 @@
 """The book-keeping DP engine: clipped sums of per-example gradients without materialising them.
 
-One batched forward and one batched backward pass record every hooked
-layer's input ``a`` and output gradient ``delta``
-(:func:`~sparta_tf.per_example.engines.record_output_gradients`); then
+One batched forward and one batched backward pass of ``sum_i L_i``; every hooked layer's output
+goes through a *tap* (:mod:`~sparta_tf.per_example.streaming`), whose gradient function receives
+the layer's output gradient ``delta`` as the backward pass reaches the layer. Then
 
-1. per layer, the per-example squared norms of its selected coordinates
+1. per layer, at its tap, the per-example squared norms of its selected coordinates
    (rank one, ghost norm, or that layer's own per-example gradients, as the
    cost model of :mod:`~sparta_tf.per_example.rules.ghost_norms` decides), summed
-   over layers: ``||g_i||^2 = sum_l ||g_i^l||^2``;
+   over layers: ``||g_i||^2 = sum_l ||g_i^l||^2``; the tap keeps for step 3 the layer's
+   per-example gradients where the norm computed them and they are about ``delta``'s size or
+   smaller (:data:`~sparta_tf.per_example.streaming.GRADIENTS_OVER_DELTA`), else ``delta``, and
+   ``delta`` flows on down the backward pass;
 2. the clip factors ``c_i = min(1, C/||g_i||)`` (0 for padding and non-finite
    norms; :func:`sparta_tf.dp_step.clipping.clip_factors`);
-3. per layer, ``S^l = sum_i c_i g_i^l``: the layer's ordinary weight gradient
-   with ``delta`` replaced by ``c * delta``, one batched op; where step 1
-   already computed that layer's per-example gradients (the cost model chose
-   the direct norm, or the layer has no rule), ``sum_i c_i g_i^l`` of those.
+3. per layer, ``S^l = sum_i c_i g_i^l``: ``sum_i c_i g_i^l`` of the kept per-example gradients,
+   or the layer's ordinary weight gradient with ``delta`` replaced by ``c * delta``, one
+   batched op.
+
+So one pass keeps, per layer, about the smaller of the two (ResNet-20-GN at ``B = 128``: the
+allocator's peak 256 MiB against the Keras step's 200 MiB; keeping every ``delta`` until the
+norms of all layers were known peaked at 471 MiB). When even that exceeds ``max_memory`` the
+step runs in two backward passes and keeps neither (:mod:`~sparta_tf.per_example.streaming`).
+Layers whose output cannot be tapped (called more than once, several rows per example, a
+structured output) keep ``delta`` from a zero probe added to their output
+(:func:`~sparta_tf.per_example.engines.record_output_gradients`) and get their norms after the
+backward pass, one layer at a time.
 
 A layer called more than once in the forward pass has ``g_i = sum_calls g_i^call``,
 whose norm is not the sum of the calls' norms: for such a layer the engine
@@ -44,7 +55,7 @@ from sparta_tf.per_example.engines import (
     finite_rows,
     per_example_sum,
 )
-from sparta_tf.per_example.memory_budget import MemoryPlan, default_memory_budget, output_gradient_bytes
+from sparta_tf.per_example.memory_budget import MemoryPlan, default_memory_budget, one_pass_bound, output_gradient_bytes
 from sparta_tf.per_example.recording import recording
 from sparta_tf.per_example.streaming import NORMS, SUMS, Streaming, kept_bytes, layer_sums
 from sparta_tf.per_example.registry import ghost_rule_for
@@ -110,7 +121,8 @@ class BookkeepingEngine(HookedEngine):
         gradients = tape.gradient(total, [c.tap.norm_sink for c in streamed] + [c.probe for c in kept])
         streaming.mode = None
         self._memory_plan = MemoryPlan("one_pass" if one_pass else "two_pass", self.max_memory,
-                                       kept_bytes(rec.calls), _sum_bytes(kept_bytes(kept), streaming.kept_bytes()))
+                                       one_pass_bound(kept_bytes(rec.calls)),
+                                       _sum_bytes(kept_bytes(kept), streaming.kept_bytes()))
         calls: dict[int, list] = {}
         for call, delta in zip(kept, gradients[len(streamed):]):
             calls.setdefault(id(call.layer), []).append((call, accumulation_delta(call.probe, delta)))
@@ -159,18 +171,15 @@ class BookkeepingEngine(HookedEngine):
             sums[k] = total_k if sums[k] is None else sums[k] + total_k
 
     def _fits_in_one_pass(self, x) -> bool:
-        """True when the model's layer output shapes, known before the step, put what one pass keeps
-        within ``max_memory`` (``views > 1``: an example's rows are summed per layer, so its output
-        gradients are kept anyway). The step then records without taps; otherwise it decides from
-        the recorded calls (:meth:`_streamed_calls`)."""
+        """True when the model's layer output shapes, known before the step, put the most one pass
+        keeps (:func:`~sparta_tf.per_example.memory_budget.one_pass_bound`) within ``max_memory``;
+        otherwise the recorded calls decide (:meth:`_streamed_calls`). One pass keeps its forward
+        tensors only until its single backward pass has used them (a non-persistent tape)."""
         batch = tf.nest.flatten(x)[0].shape[0]
         if self.max_memory == 0 or batch is None or any(is_recurrent(layer) for layer in self.layers):
             return False  # a recurrent layer's probes are its steps', which its output shape does not show
-        predicted = output_gradient_bytes(self.model, batch)
-        if predicted is None or predicted > self.max_memory:
-            return False
-        self._memory_plan = MemoryPlan("one_pass", self.max_memory, predicted, predicted)
-        return True
+        predicted = one_pass_bound(output_gradient_bytes(self.model, batch))
+        return predicted is not None and predicted <= self.max_memory
 
     def _indices_of(self, layer) -> list[int]:
         return next(indices for planned, _, indices in self.plan if planned is layer)
@@ -193,7 +202,7 @@ class BookkeepingEngine(HookedEngine):
         if not one_pass:
             low_precision = any(probe.dtype not in (tf.float32, tf.float64)
                                 for call in calls for probe in tf.nest.flatten(call.probe))
-            one_pass_bytes = kept_bytes(calls)
+            one_pass_bytes = one_pass_bound(kept_bytes(calls))
             too_big = self.max_memory == 0 or (one_pass_bytes is not None and one_pass_bytes > self.max_memory)
             one_pass = not too_big or not streamed or low_precision
         return streamed, _untapped(calls, streamed), one_pass

@@ -1,15 +1,18 @@
-"""Two-pass clipping: each layer's norms and clipped sums computed inside the backward pass.
+"""Taps: each layer's norms (and clipped sums) computed inside the backward pass.
 
-The one-pass book-keeping step (:mod:`~sparta_tf.per_example.bookkeeping`) keeps every layer's
-output gradient ``delta`` until all per-example norms, and so the clip factors, are known: about
-the activations' memory again. The two-pass step (Lee & Kifer 2021; Bu et al. 2022's mixed ghost
-clipping) keeps none of them:
+Every layer's output carries a *tap*, an identity whose gradient function receives the layer's
+output gradient ``delta`` as the backward pass reaches the layer; ``delta`` itself flows on and is
+freed once the layers below have it. The one-pass book-keeping step
+(:mod:`~sparta_tf.per_example.bookkeeping`) computes the layer's part of ``||g_i||^2`` there and
+keeps for the clipped sum the smaller of ``delta`` and the layer's per-example gradients
+(:func:`smaller_to_keep`; the tap's gradient function leaves them in
+``Streaming.kept_for_sums``, tensors of the step's own graph, read once the backward pass is
+built). The two-pass step (Lee & Kifer 2021; Bu et al. 2022's mixed ghost
+clipping) keeps neither:
 
-1. **norm pass**: a backward pass of ``sum_i L_i``. Each layer's output carries a *tap*, an
-   identity whose gradient function receives ``delta`` as the backward pass reaches the layer,
-   computes the layer's part of ``||g_i||^2`` with the layer's rule (rank one, ghost or direct)
-   and hands it out as the gradient of a ``[B]`` *norm sink*; ``delta`` itself flows on and is
-   freed;
+1. **norm pass**: a backward pass of ``sum_i L_i``. Each tap computes the layer's part of
+   ``||g_i||^2`` with the layer's rule (rank one, ghost or direct) and hands it out as the
+   gradient of a ``[B]`` *norm sink*;
 2. the clip factors ``c_i = min(1, C/||g_i||)`` (0 for examples not kept);
 3. **sum pass**: a second backward pass, of ``sum_i k_i L_i`` with ``k_i`` 1 for the examples kept
    and 0 for the others (the forward pass is shared, on a persistent tape): the norm pass's
@@ -36,6 +39,7 @@ import tensorflow as tf
 
 from sparta_tf.example_rows import keep_examples
 from sparta_tf.per_example.engines import check_rows
+from sparta_tf.per_example.memory_budget import GRADIENTS_OVER_DELTA
 from sparta_tf.per_example.rules.base import GhostRule
 from sparta_tf.precision import accumulation_dtype, to_accumulation
 
@@ -57,14 +61,6 @@ class KeptForSums(NamedTuple):
     grads: dict | None
     delta: tf.Tensor | None
     materialised: set  # positions whose norms the rule materialised
-
-
-GRADIENTS_OVER_DELTA = 1.25
-"""A one-pass tap keeps its layer's per-example gradients up to this many times the bytes of its
-output gradient: their clipped sum is then a ``B``-term dot product instead of the layer's weight
-gradient of ``c * delta`` (for ResNet-20-GN's 16x16 convolutions, 4.7 MB of per-example gradients
-against 4.2 MB of output gradient at ``B = 128``, a filter gradient of about 3 ms saved per layer
-on 2 CPU cores)."""
 
 
 def smaller_to_keep(delta: tf.Tensor, materialised: dict, selections: int) -> KeptForSums:
