@@ -369,13 +369,13 @@ def time_model(name: str, spec: ZooModel, variants: List[str], rounds: int, seed
     for entry in result["variants"].values():
         if keras and entry.get("median_ms"):
             entry["ratio_to_keras"] = entry["median_ms"] / keras
+    if "dp-full" in names and "keras" in names:
+        terms = conv_terms(spec, seed, built["keras"])
+        if terms is not None:
+            result["conv_terms"] = terms
     built.clear()
     tf.keras.backend.clear_session()
     gc.collect()
-    if "dp-full" in names:
-        terms = conv_terms(spec, seed)
-        if terms is not None:
-            result["conv_terms"] = terms
     return result
 
 
@@ -391,16 +391,16 @@ def _conv_calls(model: tf.keras.Model) -> list:
     return calls
 
 
-def conv_terms(spec: ZooModel, seed: int, repeats: int = 7) -> Optional[dict]:
+def conv_terms(spec: ZooModel, seed: int, keras_step: Step, repeats: int = 7) -> Optional[dict]:
     """What the per-example kernel gradients cost against the filter gradients they replace.
 
     For every ``Conv2D`` call of the model, on random tensors of its input and output shapes at the
     benchmark batch: the batch filter gradient (``Conv2DBackpropFilter``: what the Keras step
     computes for the kernel) and the DP step's per-example work for the same kernel (the
     book-keeping rule's squared norms, with the per-example gradients it materialises), each
-    one ``tf.function`` over all the layers, timed interleaved (median of ``repeats``). Their
-    difference is a term of the DP step that nothing else in it can hide: the step's time is at
-    least ``keras - filter + per_example`` (the rest of the Keras step stays)."""
+    one ``tf.function`` over all the layers, timed interleaved with ``keras_step`` (median of
+    ``repeats``). Their difference is a term of the DP step that nothing else in it can hide: the
+    step's time is at least ``keras - filter + per_example`` (the rest of the Keras step stays)."""
     from sparta_tf.per_example.rules.base import RecordedCall
     from sparta_tf.per_example.rules.conv2d import Conv2DGhostRule
     from sparta_tf.trainable import dense
@@ -424,16 +424,19 @@ def conv_terms(spec: ZooModel, seed: int, repeats: int = 7) -> Optional[dict]:
         return [rule.squared_norms(layer, RecordedCall(layer, (a,), {}, None, None), d, [dense(layer.kernel)], {})[0]
                 for (layer, _, _), (a, d) in zip(calls, tensors)]
 
-    times: Dict[str, list] = {"filter": [], "per_example": []}
-    for fn in (filter_gradients, per_example):
+    def run(fn):
+        return lambda: [out.numpy() for out in fn()]
+
+    timed = {"keras": keras_step, "filter": run(filter_gradients), "per_example": run(per_example)}
+    times: Dict[str, list] = {name: [] for name in timed}
+    for fn in timed.values():
         fn()  # traced, never timed
     for _ in range(repeats):
-        for name, fn in (("filter", filter_gradients), ("per_example", per_example)):
+        for name, fn in timed.items():
             t = time.perf_counter()
-            [out.numpy() for out in fn()]
+            fn()
             times[name].append(1000 * (time.perf_counter() - t))
-    return {"layers": len(calls), "filter_ms": float(np.median(times["filter"])),
-            "per_example_ms": float(np.median(times["per_example"]))}
+    return {"layers": len(calls), **{f"{name}_ms": float(np.median(t)) for name, t in times.items()}}
 
 
 # ---------------------------------------------------------------------------------- memory
@@ -462,9 +465,44 @@ def memory_child(name: str, variant: str, smoke: bool, seed: int) -> int:
         pass
     for _ in range(3):
         step()
-    print("MEMORY-RESULT " + json.dumps({"growth_mib": (_status_kib("VmHWM") - before) / 1024,
-                                         "first_step_growth_mib": (first - before) / 1024}), flush=True)
+    measured = {"growth_mib": (_status_kib("VmHWM") - before) / 1024, "first_step_growth_mib": (first - before) / 1024}
+    allocator = allocator_growth_mib(step)
+    if allocator is not None:
+        measured["allocator_growth_mib"] = allocator
+    print("MEMORY-RESULT " + json.dumps(measured), flush=True)
     return 0
+
+
+def allocator_growth_mib(step: Step) -> Optional[float]:
+    """One more step under TensorFlow's profiler: the CPU allocator's peak bytes in use minus its
+    least (the weights and state that live between steps), in MiB. What the step's own tensors take
+    at their peak, without the process's graphs, code and heap slack that RSS also counts: on a
+    GPU, the device memory the step needs. None where the profiler's memory view is unavailable."""
+    import glob
+    import tempfile
+
+    try:
+        from tensorflow.python.profiler.internal import _pywrap_profiler_plugin as convert
+    except ImportError:
+        from tensorflow.python.profiler.internal import _pywrap_profiler as convert
+    if not hasattr(convert, "xspace_to_tools_data"):
+        return None
+    with tempfile.TemporaryDirectory() as logdir:
+        tf.profiler.experimental.start(logdir)
+        step()
+        tf.profiler.experimental.stop()
+        planes = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
+        if not planes:
+            return None
+        profile = json.loads(convert.xspace_to_tools_data(planes, "memory_profile")[0])
+    growth = []
+    for allocator in profile.get("memoryProfilePerAllocator", {}).values():
+        snapshots = allocator.get("memoryProfileSnapshots", [])
+        peak = int(allocator.get("profileSummary", {}).get("peakStats", {}).get("peakBytesInUse", 0))
+        if snapshots and peak:
+            least = min(int(s["aggregationStats"].get("heapAllocatedBytes", 0)) for s in snapshots)
+            growth.append(peak - least)
+    return max(growth) / 2**20 if growth else None
 
 
 def measure_memory(name: str, variants: List[str], result: dict, smoke: bool, seed: int) -> None:
@@ -480,12 +518,16 @@ def measure_memory(name: str, variants: List[str], result: dict, smoke: bool, se
             measured = json.loads(line.split(" ", 1)[1])
             entry["memory_growth_mib"] = measured["growth_mib"]
             entry["first_step_memory_growth_mib"] = measured["first_step_growth_mib"]
+            if "allocator_growth_mib" in measured:
+                entry["allocator_growth_mib"] = measured["allocator_growth_mib"]
         else:
             entry["memory_note"] = (process.stderr.strip().splitlines() or ["?"])[-1][:300]
-    keras = result["variants"].get("keras", {}).get("memory_growth_mib")
+    keras = result["variants"].get("keras", {})
     for entry in result["variants"].values():
-        if keras and entry.get("memory_growth_mib") is not None:
-            entry["memory_ratio_to_keras"] = entry["memory_growth_mib"] / keras
+        for measure, ratio in (("memory_growth_mib", "memory_ratio_to_keras"),
+                               ("allocator_growth_mib", "allocator_ratio_to_keras")):
+            if keras.get(measure) and entry.get(measure) is not None:
+                entry[ratio] = entry[measure] / keras[measure]
 
 
 # ------------------------------------------------------------------------------- reporting
@@ -512,6 +554,9 @@ def _verdicts(result: dict) -> List[str]:
         lean = two_pass.get("memory_ratio_to_keras")
         if memory > memory_target and lean is not None:
             verdict += f" (two passes: {'met' if lean <= memory_target else 'NOT met'}, {lean:.2f}x)"
+        tensors = ours.get("allocator_ratio_to_keras")
+        if memory > memory_target and tensors is not None:
+            verdict += f"; step tensors {tensors:.2f}x: {'met' if tensors <= memory_target else 'NOT met'}"
         out.append(verdict)
     ghost = variants.get("tfp-ghost", {}).get("median_ms")
     if result["model"].startswith("mlp") and ghost and ours.get("median_ms"):
@@ -533,17 +578,25 @@ def _cell(entry: dict) -> str:
     return f"{entry['ratio_to_keras']:.2f}x" + (f" / {memory:.2f}x" if memory is not None else "")
 
 
+def _allocator_cell(variants: dict) -> str:
+    ratios = [variants.get(name, {}).get("allocator_ratio_to_keras") for name in ("dp-full", "dp-two-pass")]
+    return ", ".join("-" if r is None else f"{r:.2f}x" for r in ratios) if any(r is not None for r in ratios) else "-"
+
+
 def markdown(results: List[dict], machine: str) -> str:
     lines = [
         f"DP step time / peak memory growth as multiples of the Keras non-private step's, same process "
         f"(memory: a fresh process per variant), {machine}. Targets from the issue: MLPs <= 1.5x, "
         "ResNet-20-GN <= 1.3x with memory <= 1.5x, ViT-tiny <= 1.5x, every other model <= 2x in time "
         "and memory, MLPs within 1.05x of the floor (the Keras step plus the DP step's noise draw). "
-        "Two passes: ``max_memory=0``, no layer output gradient kept.",
+        "Two passes: ``max_memory=0``, no layer output gradient kept. Memory is the RSS high-water "
+        "mark's growth (what the process takes, its graphs and heap slack included); `step tensors` is "
+        "the growth of TensorFlow's allocator at its peak in one step (profiler; what a GPU would hold), "
+        "full DP and two passes, as multiples of the Keras step's.",
         "",
         "| model | B | params | Keras step | Keras + noise (floor) | sparta-tf full DP | two passes | "
-        "sparta-tf 20% rows | TF Privacy ghost | TF Privacy plain | norm methods (full DP) | targets |",
-        "|---|---:|---:|---:|---|---|---|---|---|---|---|---|",
+        "step tensors | sparta-tf 20% rows | TF Privacy ghost | TF Privacy plain | norm methods (full DP) | targets |",
+        "|---|---:|---:|---:|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         v = r["variants"]
@@ -554,7 +607,7 @@ def markdown(results: List[dict], machine: str) -> str:
         methods_cell = ", ".join(f"{k} {n}" for k, n in v.get("dp-full", {}).get("norm_methods", {}).items())
         lines.append(f"| {r['model']}{' (' + r['commit'] + ')' if r.get('commit') else ''} | {r['batch_size']} | {r.get('parameters', 0) / 1e6:.2f}M | {keras_cell} | "
                      f"{_cell(v.get('keras-noise', {}))} | {_cell(v.get('dp-full', {}))} | "
-                     f"{_cell(v.get('dp-two-pass', {}))} | {_cell(v.get('sparse-20', {}))} | "
+                     f"{_cell(v.get('dp-two-pass', {}))} | {_allocator_cell(v)} | {_cell(v.get('sparse-20', {}))} | "
                      f"{_cell(v.get('tfp-ghost', {}))} | {_cell(v.get('tfp-plain', {}))} | {methods_cell} | "
                      f"{'; '.join(_verdicts(r))} |")
     bounds = [_conv_bound(r) for r in results if r.get("conv_terms") and r["variants"].get("keras", {}).get("median_ms")]
@@ -571,11 +624,13 @@ def markdown(results: List[dict], machine: str) -> str:
 
 
 def _conv_bound(result: dict) -> str:
-    terms, keras = result["conv_terms"], result["variants"]["keras"]["median_ms"]
+    terms = result["conv_terms"]
+    keras = terms.get("keras_ms") or result["variants"]["keras"]["median_ms"]
     floor = (keras - terms["filter_ms"] + terms["per_example_ms"]) / keras
     return (f"- {result['model']}: {terms['layers']} Conv2D layers, filter gradients {terms['filter_ms']:.0f} ms, "
             f"per-example kernel gradients and norms {terms['per_example_ms']:.0f} ms "
-            f"({terms['per_example_ms'] / terms['filter_ms']:.1f}x): at least {floor:.2f}x the Keras step")
+            f"({terms['per_example_ms'] / terms['filter_ms']:.1f}x), Keras step {keras:.0f} ms: "
+            f"at least {floor:.2f}x the Keras step")
 
 
 def update_readme(table: str, results_path: pathlib.Path) -> None:
@@ -609,6 +664,15 @@ def _error_line(error: Exception) -> str:
     inner = [line for line in lines if re.match(r"^[A-Za-z_.]*(Error|Exception): ", line)]
     return (inner[-1] if inner else f"{type(error).__name__}: {lines[0] if lines else ''}")[:300]
 
+def _write(out: pathlib.Path, results: Dict[str, dict]) -> None:
+    """The JSON and its markdown table, models in the zoo's order."""
+    ordered = [results[n] for n in MODELS if n in results] + [r for n, r in results.items() if n not in MODELS]
+    payload = {"machine": _machine(), "results": ordered}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(payload, indent=1))
+    out.with_suffix(".md").write_text(markdown(ordered, payload["machine"]))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
@@ -618,6 +682,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS_KERAS3 if KERAS3 else RESULTS,
                         help="results path without suffix (default: zoo_speed-vm, zoo_speed-keras3-vm on Keras 3)")
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--memory-only", action="store_true",
+                        help="measure memory again for the cached results of the models asked for (times kept)")
     parser.add_argument("--rerun", action="store_true", help="ignore cached results of the models asked for")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, 1 round (CI)")
     parser.add_argument("--readme", action="store_true", help="also rewrite the speed table of docs/speed.md")
@@ -627,7 +693,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.memory_child:
         return memory_child(*args.memory_child, args.smoke, args.seed)
-    json_path, md_path = args.out.with_suffix(".json"), args.out.with_suffix(".md")
+    json_path = args.out.with_suffix(".json")
     cached = json.loads(json_path.read_text()) if json_path.exists() else {"results": []}
     if args.readme_only:
         update_readme(markdown(cached["results"], cached.get("machine", "")), args.out)
@@ -636,6 +702,11 @@ def main(argv=None) -> int:
     rounds = 1 if args.smoke else args.rounds
     results = {r["model"]: r for r in cached["results"]}
     for name, spec in zoo.items():
+        if args.memory_only and name in results:
+            print(f"{name}: memory only (times kept from {results[name].get('commit', '?')})", flush=True)
+            measure_memory(name, list(results[name]["variants"]), results[name], args.smoke, args.seed)
+            _write(args.out, results)
+            continue
         if name in results and not args.rerun and not args.smoke:
             print(f"{name}: cached (--rerun to measure again)", flush=True)
             continue
@@ -644,11 +715,7 @@ def main(argv=None) -> int:
         if not args.no_memory:
             measure_memory(name, args.variants, result, args.smoke, args.seed)
         results[name] = result
-        ordered = [results[n] for n in MODELS if n in results] + [r for n, r in results.items() if n not in MODELS]
-        payload = {"machine": _machine(), "results": ordered}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(payload, indent=1))
-        md_path.write_text(markdown(ordered, payload["machine"]))
+        _write(args.out, results)
         print("  " + "; ".join(_verdicts(result)), flush=True)
     if args.readme:
         update_readme(markdown(json.loads(json_path.read_text())["results"], _machine()), args.out)
