@@ -452,20 +452,22 @@ def _status_kib(field: str) -> Optional[int]:
 
 
 def memory_child(name: str, variant: str, smoke: bool, seed: int) -> int:
-    """In a fresh process: build one variant, run 3 steps, print the peak RSS growth (VmHWM)."""
+    """In a fresh process: build one variant, run 3 steps, print the peak RSS growth (VmHWM), the RSS
+    the first step (tracing included) left behind, and the allocator's growth in one more step."""
     spec = (SMOKE if smoke else MODELS)[name]
     step, _ = VARIANTS[variant](_fresh(spec, seed), spec, seed)
     gc.collect()
     before = _status_kib("VmRSS")
     step()  # traces, then runs
-    first = _status_kib("VmHWM")
+    first, after_first = _status_kib("VmHWM"), _status_kib("VmRSS")
     try:  # reset the high-water mark to the current RSS: the next peak is the steps', not tracing's
         pathlib.Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         pass
     for _ in range(3):
         step()
-    measured = {"growth_mib": (_status_kib("VmHWM") - before) / 1024, "first_step_growth_mib": (first - before) / 1024}
+    measured = {"growth_mib": (_status_kib("VmHWM") - before) / 1024, "first_step_growth_mib": (first - before) / 1024,
+                "after_first_step_mib": (after_first - before) / 1024}
     allocator = allocator_growth_mib(step)
     if allocator is not None:
         measured["allocator_growth_mib"] = allocator
@@ -518,8 +520,9 @@ def measure_memory(name: str, variants: List[str], result: dict, smoke: bool, se
             measured = json.loads(line.split(" ", 1)[1])
             entry["memory_growth_mib"] = measured["growth_mib"]
             entry["first_step_memory_growth_mib"] = measured["first_step_growth_mib"]
-            if "allocator_growth_mib" in measured:
-                entry["allocator_growth_mib"] = measured["allocator_growth_mib"]
+            for key in ("allocator_growth_mib", "after_first_step_mib"):  # absent from older children
+                if key in measured:
+                    entry[key] = measured[key]
         else:
             entry["memory_note"] = (process.stderr.strip().splitlines() or ["?"])[-1][:300]
     keras = result["variants"].get("keras", {})

@@ -109,7 +109,8 @@ class BookkeepingEngine(HookedEngine):
         one_pass = self._fits_in_one_pass(x)
         x, valid = finite_rows(x, valid)
         streaming = Streaming({id(layer): (rule, [self.selections[k] for k in indices])
-                               for layer, rule, indices in self.plan if not self.is_grouped(layer)})
+                               for layer, rule, indices in self.plan if not self.is_grouped(layer)},
+                              sum_sinks=not one_pass)
         with tf.GradientTape(watch_accessed_variables=False, persistent=not one_pass) as tape:
             with recording(tape, self.layers, streaming) as rec:
                 predictions = self.model(x, training=True)

@@ -50,7 +50,7 @@ class Tap(NamedTuple):
     """The sinks of one tapped layer call: their gradients are the layer's norms and sums."""
 
     norm_sink: tf.Tensor  # [B]
-    sum_sinks: list  # one per selection of the layer, compact shape
+    sum_sinks: list  # one per selection of the layer, compact shape (none in a one-pass step)
 
 
 class KeptForSums(NamedTuple):
@@ -85,8 +85,9 @@ class Streaming:
     tap only passes ``delta`` on); only the taps of the ``streamed`` calls compute norms and sums
     (in the sum pass every tap zeroes the rows of examples not kept)."""
 
-    def __init__(self, rules: dict):
+    def __init__(self, rules: dict, sum_sinks: bool = True):
         self.rules = rules
+        self.sum_sinks = sum_sinks  # False: a one-pass step, whose taps hand out no sums
         self.mode: str | None = None
         self.keep: tf.Tensor | None = None
         self.factors: tf.Tensor | None = None
@@ -107,7 +108,8 @@ class Streaming:
         """``output`` through a tap whose sinks are recorded on ``call.tap``."""
         rule, selections = self.rules[id(call.layer)]
         norm_sink = tf.zeros(tf.shape(output)[:1], accumulation_dtype(output.dtype))
-        sum_sinks = [tf.zeros(s.compact_shape, accumulation_dtype(s.variable.dtype)) for s in selections]
+        sum_sinks = [tf.zeros(s.compact_shape, accumulation_dtype(s.variable.dtype))
+                     for s in (selections if self.sum_sinks else [])]  # each the size of its variable
         recording.tape.watch([norm_sink, *sum_sinks])
         call.tap = Tap(norm_sink, sum_sinks)
 
