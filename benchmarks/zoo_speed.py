@@ -608,7 +608,8 @@ def markdown(results: List[dict], machine: str) -> str:
         if keras.get("memory_growth_mib") is not None:
             keras_cell += f", {keras['memory_growth_mib']:.0f} MiB"
         methods_cell = ", ".join(f"{k} {n}" for k, n in v.get("dp-full", {}).get("norm_methods", {}).items())
-        lines.append(f"| {r['model']}{' (' + r['commit'] + ')' if r.get('commit') else ''} | {r['batch_size']} | {r.get('parameters', 0) / 1e6:.2f}M | {keras_cell} | "
+        commits = r.get("commit", "") + (f"; memory {r['memory_commit']}" if r.get("memory_commit") else "")
+        lines.append(f"| {r['model']}{' (' + commits + ')' if commits else ''} | {r['batch_size']} | {r.get('parameters', 0) / 1e6:.2f}M | {keras_cell} | "
                      f"{_cell(v.get('keras-noise', {}))} | {_cell(v.get('dp-full', {}))} | "
                      f"{_cell(v.get('dp-two-pass', {}))} | {_allocator_cell(v)} | {_cell(v.get('sparse-20', {}))} | "
                      f"{_cell(v.get('tfp-ghost', {}))} | {_cell(v.get('tfp-plain', {}))} | {methods_cell} | "
@@ -708,6 +709,7 @@ def main(argv=None) -> int:
         if args.memory_only and name in results:
             print(f"{name}: memory only (times kept from {results[name].get('commit', '?')})", flush=True)
             measure_memory(name, list(results[name]["variants"]), results[name], args.smoke, args.seed)
+            results[name]["memory_commit"] = _commit()
             _write(args.out, results)
             continue
         if name in results and not args.rerun and not args.smoke:
