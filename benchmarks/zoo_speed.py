@@ -614,7 +614,7 @@ def markdown(results: List[dict], machine: str) -> str:
                      f"{_cell(v.get('dp-two-pass', {}))} | {_allocator_cell(v)} | {_cell(v.get('sparse-20', {}))} | "
                      f"{_cell(v.get('tfp-ghost', {}))} | {_cell(v.get('tfp-plain', {}))} | {methods_cell} | "
                      f"{'; '.join(_verdicts(r))} |")
-    bounds = [_conv_bound(r) for r in results if r.get("conv_terms") and r["variants"].get("keras", {}).get("median_ms")]
+    bounds = [_conv_bound(r) for r in results if r.get("conv_terms")]
     if bounds:
         lines += ["", "The conv term (`conv_terms`: every Conv2D's batch filter gradient, which the Keras step "
                   "computes, against the DP step's per-example kernel gradients and norms for the same layers, "
@@ -629,7 +629,7 @@ def markdown(results: List[dict], machine: str) -> str:
 
 def _conv_bound(result: dict) -> str:
     terms = result["conv_terms"]
-    keras = terms.get("keras_ms") or result["variants"]["keras"]["median_ms"]
+    keras = terms["keras_ms"]
     floor = (keras - terms["filter_ms"] + terms["per_example_ms"]) / keras
     return (f"- {result['model']}: {terms['layers']} Conv2D layers, filter gradients {terms['filter_ms']:.0f} ms, "
             f"per-example kernel gradients and norms {terms['per_example_ms']:.0f} ms "

@@ -155,14 +155,12 @@ class BookkeepingEngine(HookedEngine):
             indices = self._indices_of(call.layer)
             kept = streaming.kept_for_sums[id(call)]
             if kept.grads is not None:
-                for position, grads in kept.grads.items():
-                    grads = to_accumulation(keep_examples(grads, keep))
-                    pairs.append((indices[position], tf.tensordot(tf.cast(factors, grads.dtype), grads, axes=1)))
+                pairs.extend((indices[position], _clipped_sum_of(grads, factors, keep))
+                             for position, grads in kept.grads.items())
                 continue
-            delta = kept.delta
-            scale = tf.reshape(tf.cast(factors, delta.dtype), [-1] + [1] * (delta.shape.rank - 1))
             rule, selections = streaming.rules[id(call.layer)]
-            layer_totals = layer_sums(rule, call, keep_examples(delta * scale, keep), keep, selections, kept.materialised)
+            layer_totals = layer_sums(rule, call, _clipped_delta(kept.delta, factors, keep), keep, selections,
+                                      streaming.materialised[id(call)])
             pairs.extend(zip(indices, layer_totals))
         return pairs
 
@@ -255,8 +253,7 @@ class BookkeepingEngine(HookedEngine):
                     continue
                 for call, delta in calls.get(id(layer), []):
                     if delta is not None:
-                        scale = tf.reshape(tf.cast(factors, delta.dtype), [-1] + [1] * (delta.shape.rank - 1))
-                        sums[k] = rule.abs_row_sums(layer, call, keep_examples(delta * scale, keep), keep,
+                        sums[k] = rule.abs_row_sums(layer, call, _clipped_delta(delta, factors, keep), keep,
                                                     self.selections[k], group)
         return [tf.zeros([g.n_rows]) if s is None else s for s, g in zip(sums, groups)]
 
@@ -311,16 +308,14 @@ class BookkeepingEngine(HookedEngine):
         for layer, rule, indices in self.plan:
             for k in indices:  # per-example gradients a norm rule computed anyway: sum them
                 if k in direct_grads:
-                    grads = to_accumulation(keep_examples(direct_grads[k], keep))
-                    sums[k] = tf.tensordot(tf.cast(factors, grads.dtype), grads, axes=1)
+                    sums[k] = _clipped_sum_of(direct_grads[k], factors, keep)
             rest = [k for k in indices if k not in direct_grads]
             if not rest:
                 continue
             for call, delta in calls.get(id(layer), []):
                 if delta is None:
                     continue
-                scale = tf.reshape(tf.cast(factors, delta.dtype), [-1] + [1] * (delta.shape.rank - 1))
-                delta_c = keep_examples(delta * scale, keep)
+                delta_c = _clipped_delta(delta, factors, keep)
                 layer_sums = rule.weighted_sums(layer, call, delta_c, keep, [self.selections[k] for k in rest])
                 for k, s in zip(rest, layer_sums):
                     sums[k] = s if sums[k] is None else sums[k] + s
@@ -335,6 +330,18 @@ class BookkeepingEngine(HookedEngine):
                 counts[row.method] = counts.get(row.method, 0) + 1
             logger.info("book-keeping engine: per-example norms by %s",
                         ", ".join(f"{method} x{count}" for method, count in sorted(counts.items())))
+
+
+def _clipped_delta(delta: tf.Tensor, factors: tf.Tensor, keep: tf.Tensor) -> tf.Tensor:
+    """``c_i delta_i`` for the examples kept, exactly zero for the others (``0 * nan`` cannot reach them)."""
+    scale = tf.reshape(tf.cast(factors, delta.dtype), [-1] + [1] * (delta.shape.rank - 1))
+    return keep_examples(delta * scale, keep)
+
+
+def _clipped_sum_of(grads: tf.Tensor, factors: tf.Tensor, keep: tf.Tensor) -> tf.Tensor:
+    """``sum_i c_i g_i`` of materialised per-example gradients ``[B, ...]`` over the examples kept."""
+    grads = to_accumulation(keep_examples(grads, keep))
+    return tf.tensordot(tf.cast(factors, grads.dtype), grads, axes=1)
 
 
 def _sum_bytes(*sizes) -> int | None:

@@ -50,7 +50,7 @@ class MemoryPlan(NamedTuple):
     mode: str  # "one_pass" or "two_pass"
     budget: int  # max_memory
     one_pass_bytes: int | None  # the most one pass keeps: one_pass_bound of every recorded output gradient
-    kept_bytes: int | None  # what this step keeps: the output gradients of the calls it does not tap
+    kept_bytes: int | None  # what this step keeps: untapped calls' output gradients, and what one-pass taps kept
 
 
 @functools.lru_cache(maxsize=1)

@@ -55,12 +55,12 @@ class Tap(NamedTuple):
 
 class KeptForSums(NamedTuple):
     """What a one-pass step's tap keeps of its layer for the clipped sums: the per-example gradients
-    ``{position: [B, *compact]}`` when its rule materialised every selection's and they take no
-    more memory than the output gradient ``delta``, else ``delta`` (accumulation dtype)."""
+    ``{position: [B, *compact]}`` when its rule materialised every selection's and they take at most
+    :data:`GRADIENTS_OVER_DELTA` times the output gradient ``delta``'s memory, else ``delta``
+    (accumulation dtype)."""
 
     grads: dict | None
     delta: tf.Tensor | None
-    materialised: set  # positions whose norms the rule materialised
 
 
 def smaller_to_keep(delta: tf.Tensor, materialised: dict, selections: int) -> KeptForSums:
@@ -72,8 +72,8 @@ def smaller_to_keep(delta: tf.Tensor, materialised: dict, selections: int) -> Ke
         sizes = [tensor_bytes(g) for g in materialised.values()]
         delta_size = tensor_bytes(delta)
         if None not in sizes and delta_size is not None and sum(sizes) <= GRADIENTS_OVER_DELTA * delta_size:
-            return KeptForSums(dict(materialised), None, set(materialised))
-    return KeptForSums(None, delta, set(materialised))
+            return KeptForSums(dict(materialised), None)
+    return KeptForSums(None, delta)
 
 
 class Streaming:
@@ -94,7 +94,7 @@ class Streaming:
         self.streamed: set[int] = set()  # ids of the calls whose taps compute norms and sums
         self.batch_rows: tf.Tensor | None = None
         self.methods: list = []
-        self.materialised: dict = {}  # id(call) -> positions whose norms the rule materialised
+        self.materialised: dict = {}  # id(call) -> positions whose norms the rule materialised (either pass)
         self.keep_for_sums = False  # one pass: each tap keeps what its layer's sums need
         self.kept_for_sums: dict = {}  # id(call) -> KeptForSums
 
@@ -125,7 +125,7 @@ class Streaming:
         """The tap's gradients: ``(delta passed on, this layer's norms, its sums)``."""
         streamed = id(call) in self.streamed
         if self.mode == NORMS and streamed:
-            materialised: dict = {}  # two passes: dropped with this function (only which positions)
+            materialised: dict = {}  # position -> per-example gradients (two passes: only the positions kept)
             with tf.control_dependencies([dz]):  # not before the backward pass reaches this layer
                 delta = to_accumulation(dz)
                 norms, methods = rule.squared_norms(call.layer, call, delta, selections, materialised)
