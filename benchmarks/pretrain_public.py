@@ -60,7 +60,8 @@ def train_public(name: str, data_dir: str, work_dir: str, out_dir: str, epochs: 
 
     recipe = dict(RECIPES[name])
     epochs = epochs or recipe["epochs"]
-    spec = dict(recipe["data"], path=os.path.join(data_dir, recipe["data"]["path"]))
+    # split: positions, pinned: the split the shipped public models were trained with (public data, no privacy at stake)
+    spec = dict(recipe["data"], path=os.path.join(data_dir, recipe["data"]["path"]), split="positions")
     if limit:
         spec.update(limit_train=limit, limit_test=limit)
     data = load_dataset(spec, seed=0)

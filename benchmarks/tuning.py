@@ -84,6 +84,8 @@ def run_tuning(config: dict) -> dict:
         print(f"tuned {os.path.basename(out)} in {time.time() - start:.0f} s", flush=True)
     with open(results_path) as f:
         results = json.load(f)
+    results |= results.pop("not_released", {})  # the tuning's private side: the winner's test accuracy
+    results.pop("release_dir", None)
     with open(os.path.join(out, "tuning.json")) as f:
         state = json.load(f)
     seconds = []

@@ -168,8 +168,11 @@ def track_data(track: str, data_dir: str, fashion_dir: str) -> tuple[dict, dict]
 
 def base_config(track: str, profile: dict, data_dir: str, fashion_dir: str, work_dir: str) -> dict:
     public, private = track_data(track, data_dir, fashion_dir)
-    private = dict(private, val_fraction=0.1, limit_train=profile["limit_train"], limit_test=profile["limit_test"])
-    public = dict(public, limit_train=profile.get("pretrain_limit"))
+    # split: positions, pinned: the splits every committed result of these tracks used (seeded positions), so that
+    # new runs stay comparable with them; sparta-train's default is the stable (hash) split.
+    private = dict(private, val_fraction=0.1, limit_train=profile["limit_train"], limit_test=profile["limit_test"],
+                   split="positions")
+    public = dict(public, limit_train=profile.get("pretrain_limit"), split="positions")
     for spec in (private, public):
         for key in [k for k, v in spec.items() if v is None]:
             del spec[key]

@@ -168,3 +168,42 @@ def rnn_initial_state(layer, inputs):
     if KERAS3:
         return layer.get_initial_state(batch_size=tf.shape(inputs)[0])
     return layer.get_initial_state(inputs)
+
+
+def name_state() -> object:
+    """A snapshot of Keras's automatic-name counters (``dense``, ``dense_1``, ...), for
+    :func:`restore_name_state`: Keras 3 keeps them in ``global_state``'s ``object_name_uids``, Keras 2 per
+    graph in its backend module (with the set of names already observed)."""
+    if KERAS3:
+        from keras.src.backend.common import global_state
+
+        return dict(global_state.get_global_attribute("object_name_uids", default={}) or {})
+    module = _keras2_backend_module()
+    return ({graph: dict(uids) for graph, uids in module.PER_GRAPH_OBJECT_NAME_UIDS.items()},
+            set(module.OBSERVED_NAMES))
+
+
+def restore_name_state(state: object) -> None:
+    """Puts Keras's automatic-name counters back as :func:`name_state` saw them, so that the next models
+    built get the names they would have got then (whatever was built since)."""
+    import collections
+
+    if KERAS3:
+        from keras.src.backend.common import global_state
+
+        global_state.set_global_attribute("object_name_uids", collections.defaultdict(int, state))
+        return
+    module = _keras2_backend_module()
+    per_graph, observed = state
+    module.PER_GRAPH_OBJECT_NAME_UIDS.clear()
+    module.PER_GRAPH_OBJECT_NAME_UIDS.update({graph: collections.defaultdict(int, uids)
+                                              for graph, uids in per_graph.items()})
+    module.OBSERVED_NAMES.clear()
+    module.OBSERVED_NAMES.update(observed)
+
+
+def _keras2_backend_module():
+    """The Keras 2 backend module behind ``tf.keras.backend`` (``keras.src.backend`` or ``tf_keras``'s)."""
+    import sys
+
+    return sys.modules[tf.keras.backend.get_uid.__module__]

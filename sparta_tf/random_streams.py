@@ -87,6 +87,7 @@ STREAMS: dict[str, Stream] = {
     "limit_train": Stream(0x5EED0003, False, "the examples data.limit_train keeps", "pcg64"),
     "limit_test": Stream(0x5EED0004, False, "the examples data.limit_test keeps", "pcg64"),
     "val_split": Stream(0x5EED0005, False, "the validation split", "pcg64"),
+    "split_key": Stream(0x53504C4B, False, "the stable splits' key derived from a public data seed"),  # "SPLK"
     "canaries": Stream(0x00CA4A21, False, "which audit canaries, their labels and coin flips", "pcg64"),
 }
 

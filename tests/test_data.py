@@ -97,7 +97,7 @@ def split_ids(data: Dataset) -> tuple[set, set, set]:
 
 
 def test_synthetic_is_deterministic_and_learnable():
-    spec = {"source": "synthetic", "num_examples": 400, "num_classes": 4}
+    spec = {"source": "synthetic", "num_examples": 400, "num_classes": 4, "split": "positions"}
     spec.update(image_size=[6, 6], channels=1)
     a, b = load_dataset(spec, seed=3), load_dataset(spec, seed=3)
     assert a.input_shape == (6, 6, 1) and a.num_classes == 4 and len(a.class_names) == 4
@@ -112,7 +112,7 @@ def test_synthetic_is_deterministic_and_learnable():
 
 
 def test_digits_source():
-    data = load_dataset({"source": "digits"})
+    data = load_dataset({"source": "digits", "split": "positions"})
     assert data.input_shape == (8, 8, 1) and data.class_names == [str(k) for k in range(10)]
     assert len(data.y_test) == 359 and len(data.y_val) == 144 and len(data.y_train) == 1797 - 359 - 144
     assert data.x_train.dtype == np.float32 and data.y_train.dtype == np.int64
@@ -138,7 +138,7 @@ def test_a_class_count_read_off_the_private_labels_is_a_privacy_caveat(tmp_path,
     spec = {"source": "npz", "path": str(path), "val_fraction": 0.0}
     spec.update({"classes": {"classes": [0, 1, 2, 3, 4]}, "class_names": {"class_names": list("abcde")}}
                 .get(named_by, {}))
-    caveats = load_dataset(spec).privacy_caveats()
+    caveats = [c for c in load_dataset(spec).privacy_caveats() if "data split's key is known" not in c]
     if named_by is None:
         assert len(caveats) == 1 and "number of classes (5) was read off the private labels" in caveats[0]
     else:
@@ -177,7 +177,8 @@ def test_idx_missing_or_corrupt_files(tmp_path):
 
 def test_folder_flat_layout_sorted_names(tmp_path):
     root = write_folder(tmp_path / "pets")
-    data = load_dataset({"source": "folder", "path": str(root), "test_fraction": 0.5, "val_fraction": 0.0})
+    data = load_dataset({"source": "folder", "path": str(root), "test_fraction": 0.5, "val_fraction": 0.0,
+                         "split": "positions"})
     assert data.class_names == ["ant", "cat", "dog"] and data.name == "pets"
     assert data.x_train.shape == (9, 5, 5, 3) and data.x_test.shape == (9, 5, 5, 3)
     assert np.allclose(data.x_train[:, 0, 0, 0] * 255, 40 * data.y_train)
@@ -270,7 +271,7 @@ def test_classes_keep_and_relabel_in_given_order(tmp_path):
 
 def test_split_determinism_disjointness_and_stratification(tmp_path):
     path = write_npz(tmp_path / "t.npz", n_train=300, test=False, classes=3)
-    spec = {"source": "npz", "path": str(path), "val_fraction": 0.2, "test_fraction": 0.1}
+    spec = {"source": "npz", "path": str(path), "val_fraction": 0.2, "test_fraction": 0.1, "split": "positions"}
     train, val, test = split_ids(load_dataset(spec, seed=1))
     assert not (train & val or train & test or val & test) and train | val | test == set(range(300))
     assert (len(train), len(val), len(test)) == (216, 54, 30)
@@ -283,7 +284,7 @@ def test_split_determinism_disjointness_and_stratification(tmp_path):
 
 def test_limits_are_deterministic_and_keep_the_test_split(tmp_path):
     path = write_npz(tmp_path / "t.npz", n_train=300, test=False, classes=3)
-    base = {"source": "npz", "path": str(path)}
+    base = {"source": "npz", "path": str(path), "split": "positions"}
     full = load_dataset(base, seed=5)
     limited = load_dataset({**base, "limit_train": 40, "limit_test": 12}, seed=5)
     assert len(limited.y_train) + len(limited.y_val) == 40 and len(limited.y_val) == 4
@@ -302,7 +303,7 @@ def test_resize_and_channel_conversion(tmp_path):
     for k in range(2):
         for i in range(5):
             write_image(root / f"c{k}" / f"{i}.png", rng.integers(0, 256, (4, 4, 3), dtype=np.uint8))
-    spec = {"source": "folder", "path": str(root), "val_fraction": 0.0}
+    spec = {"source": "folder", "path": str(root), "val_fraction": 0.0, "split": "positions"}
     rgb = load_dataset(spec)
     gray = load_dataset({**spec, "channels": 1})
     luma = rgb.x_train @ np.array([0.2989, 0.587, 0.114], np.float32)
@@ -310,7 +311,7 @@ def test_resize_and_channel_conversion(tmp_path):
     resized = load_dataset({**spec, "image_size": [8, 6]})
     expected = tf.image.resize(rgb.x_train, [8, 6], method="bilinear").numpy()
     assert resized.input_shape == (8, 6, 3) and np.allclose(resized.x_train, expected, atol=1e-5)
-    digits_rgb = load_dataset({"source": "digits", "channels": 3, "image_size": [16, 16]})
+    digits_rgb = load_dataset({"source": "digits", "channels": 3, "image_size": [16, 16], "split": "positions"})
     assert digits_rgb.input_shape == (16, 16, 3)
     assert np.array_equal(digits_rgb.x_train[..., 0], digits_rgb.x_train[..., 2])
 
@@ -469,7 +470,7 @@ def test_augment_is_deterministic_by_seed_and_identity_at_inference():
 
 @pytest.mark.skipif(not MNIST_NPZ.is_file(), reason=f"{MNIST_NPZ} not present")
 def test_shared_mnist_npz():
-    spec = {"source": "npz", "path": str(MNIST_NPZ), "limit_train": 1000, "normalize": "standard"}
+    spec = {"source": "npz", "path": str(MNIST_NPZ), "limit_train": 1000, "normalize": "standard", "split": "positions"}
     data = load_dataset(spec)
     assert data.name == "mnist" and data.num_classes == 10 and data.input_shape == (28, 28, 1)
     assert data.x_train.shape == (900, 28, 28, 1) and data.x_val.shape == (100, 28, 28, 1)
@@ -494,6 +495,7 @@ def test_shared_cifar10_tar():
         "classes": [0, 1],
         "limit_train": 500,
         "limit_test": 200,
+        "split": "positions",
     }
     data = load_dataset(spec)
     assert data.name == "cifar10-jpg" and data.class_names == ["airplane", "automobile"]

@@ -94,9 +94,12 @@ def raw_test_split(config: dict) -> tuple[np.ndarray, np.ndarray]:
     import_tensorflow()
     from sparta_tf.data import load_dataset
 
+    from trainers.split_key import stored_split_key
+
     spec = {k: v for k, v in config["data"].items() if k not in ("normalize", "mean", "std")}
     seed = config["training"]["seed"]
-    dataset = load_dataset(spec, seed=0 if seed is None else seed)
+    dataset = load_dataset(spec, seed=0 if seed is None else seed,
+                           split_key=stored_split_key(config["output_dir"], config))
     return dataset.x_test, dataset.y_test
 
 

@@ -280,6 +280,7 @@ def validate(raw: dict) -> dict:
         config[section] = dict(value)
     if "source" not in config["data"]:
         raise ConfigError(f"data.source is required ({_or_list(tuple(SOURCE_KEYS))})")
+    config["data"].setdefault("split", "hash")  # recorded, so that a resumed run knows its splits (trainers.split_key)
     if "name" not in config["model"]:
         raise ConfigError("model.name is required (e.g. resnet20_gn)")
     notes: list[str] = []

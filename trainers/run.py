@@ -43,6 +43,7 @@ from sparta_tf.privacy.plan import FixedNoiseOverBudgetError, PrivacyPlan
 from trainers.config import ConfigError, check_against_data
 from trainers.pretraining import LOSS, check_pretraining, data_seed, load_pretrained, pretrain
 from trainers.results import run_results
+from trainers import split_key as split_keys
 from trainers.run_dir import RESULTS, RunDirectory, check_output_dir
 
 # ----------------------------------------------------------------- building blocks
@@ -78,15 +79,18 @@ def preflight(config: dict) -> None:
     check_output_dir(config["output_dir"])
 
 
-def load_private_data(config: dict):
+def load_private_data(config: dict, split_key: int | None = None):
+    """The private data set, its held-out splits keyed by ``split_key`` (:mod:`trainers.split_key`; None: a
+    fresh secret key when the config needs one, as a dry run draws)."""
     from sparta_tf.data import load_dataset
 
-    dataset = load_dataset(config["data"], seed=data_seed(config))
+    split_key = split_key if split_key is not None else split_keys.new_key(config)
+    dataset = load_dataset(config["data"], seed=data_seed(config), split_key=split_key)
     check_against_data(config, len(dataset.x_train))
     return dataset
 
 
-SEED_CAVEAT = ("training.seed is set: the DP noise and batches follow from it, so the guarantee holds only "
+SEED_CAVEAT = ("training.seed is set: the DP noise, batches and data splits follow from it, so the guarantee holds only "
                "while this config stays as secret as the data; leave training.seed null (the default) for a "
                "secret seed")
 
@@ -292,7 +296,10 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
     timings = {}
     start = time.perf_counter()
     preflight(config)
-    dataset = load_private_data(config)
+    split_key = getattr(hooks, "split_key", None)
+    if split_key is None:
+        split_key = split_keys.run_split_key(output_dir, config, run_dir.resume)
+    dataset = load_private_data(config, split_key)
     if hooks is not None:
         dataset = hooks.private_data(dataset)
     model = build_private_model(config, dataset, output_dir)

@@ -22,6 +22,7 @@ import tempfile
 
 from sparta_tf import checkpointing
 from trainers.config import ConfigError, validate
+from trainers.split_key import recorded_data
 
 LOCK_FILE = ".lock"
 RESULTS = "results.json"
@@ -138,11 +139,16 @@ class RunDirectory:
         if not os.path.exists(path):
             return
         with open(path) as f:
-            before = _with_current_defaults(json.load(f))
+            recorded = json.load(f)
+        if isinstance(recorded.get("data"), dict):
+            recorded["data"] = recorded_data(recorded["data"])
+        before = _with_current_defaults(recorded)
         for section in ("data", "model", "pretrain", "method", "privacy", "training"):
             if before.get(section) != self.config.get(section):
+                hint = (" (it split its data by positions: set data.split: positions)"
+                        if section == "data" and before["data"].get("split") != self.config["data"].get("split") else "")
                 raise ConfigError(f"--resume: the interrupted run in {self.path} was started with another "
-                                  f"{section} section; resume it with the config it was started with")
+                                  f"{section} section{hint}; resume it with the config it was started with")
 
     def write_config(self) -> None:
         """Records the run's config (a resumed run keeps the one it was started with)."""

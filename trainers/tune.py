@@ -10,19 +10,24 @@
 2. Each candidate: ``sparta-train``'s run (:func:`trainers.run.train`) of the config with its values and
    the tuned plan, in ``candidates/NNN/`` (resumed there when a kill interrupted
    it: every step it started is charged), then its noisy validation score, recorded in its ledger.
-3. The release: the best candidate's model (``model.keras``, ``export/``), its values and noisy score in
-   ``results.json``, and ``ledger.json``: ``RepeatAndSelectDpEvent`` of the entries that dominate every
-   candidate's (a candidate that ran more steps than planned raises it; the planned ones are the floor).
+3. The release, in ``release/`` (:mod:`sparta_tf.tuning.release`: written by a fresh process, so that
+   no byte of it depends on the number of candidates or the winner's index): the best candidate's model
+   (``model.keras``, ``export/``), its values and noisy score in ``results.json``, and ``ledger.json``:
+   ``RepeatAndSelectDpEvent`` of the entries that dominate every candidate's (a candidate that ran more
+   steps than planned raises it; the planned ones are the floor).
 
-Private (never released): ``tuning.json``, ``candidates/`` and the log.
+Private (never released): everything in ``output_dir`` but ``release/``: ``tuning.json`` (the seed, the
+draws, the split key), ``candidates/``, ``results.json`` (the released results plus what the release
+leaves out: the number of candidates, the winner's index, its noiseless test accuracy, the validation
+split's size and the score's noise), ``config.json``, the pre-trained model and the log.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 
+import numpy as np
 import tensorflow as tf
 
 from sparta_tf import checkpointing
@@ -30,8 +35,9 @@ from sparta_tf.atomic_files import replace_atomically, write_atomic
 from sparta_tf.privacy.ledger import PrivacyLedger
 from sparta_tf.privacy.tuning import CandidateCount, Repetition, TuningBudgetError
 from sparta_tf.tuning import procedure
+from sparta_tf.tuning.release import RELEASE_DIR, write_release
 from sparta_tf.tuning.space import corners
-from trainers import run
+from trainers import run, split_key
 from trainers.config import ConfigError, validate
 from trainers.pretraining import PRETRAINED, check_pretraining
 from trainers.run_dir import RESULTS, RunDirectory
@@ -76,10 +82,10 @@ class Setup:
     """What the set-up finds (the dry run and :func:`tune`): the data, the candidates' plan (every corner of
     the space checked to run its mechanisms) and the untuned run's."""
 
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, data_split_key: int | None = None):
         run.preflight(config)
         self.config = config
-        self.dataset = run.load_private_data(config)
+        self.dataset = run.load_private_data(config, data_split_key)
         self.validation_size = len(self.dataset.x_val)
         try:
             procedure.check_validation_size(self.validation_size)
@@ -120,10 +126,10 @@ class Setup:
             raise ConfigError(str(error)) from None
 
 
-def dry_run(config: dict) -> Setup:
+def dry_run(config: dict, data_split_key: int | None = None) -> Setup:
     """Every check of the tuning, the per-run budget and the price of tuning printed; writes nothing and
-    draws nothing."""
-    setup = Setup(config)
+    draws nothing (but a split key when none is given, as :func:`trainers.run.dry_run`)."""
+    setup = Setup(config, data_split_key)
     print(setup.describe())
     return setup
 
@@ -137,10 +143,11 @@ class CandidateHooks:
     run_seed_is_public = False
 
     def __init__(self, index: int, draws: procedure.Draws, tuning: Repetition, output_dir: str,
-                 noise_multiplier: float | None):
+                 noise_multiplier: float | None, data_split_key: int | None):
         self.index, self.draws, self.tuning, self.output_dir = index, draws, tuning, output_dir
         self.run_seed = draws.candidates[index].run_seed
         self.noise_multiplier = noise_multiplier
+        self.split_key = data_split_key  # the tuning's: every candidate trains and scores on the same splits
 
     def check_plan(self, plan) -> None:
         """The candidate runs the noise the tuning planned (a tuning resumed by another version of sparta-tune
@@ -161,7 +168,10 @@ class CandidateHooks:
         score = procedure.score_candidate(dp, dataset.x_val, dataset.y_val, self.draws, self.index,
                                           self.tuning.score_noise)
         replace_atomically(os.path.join(self.output_dir, MODEL), dp.model.save, suffix=".keras")
-        return {"tuning_score": score}
+        preprocessing = run.serving_preprocessing(dataset)
+        if preprocessing is not None:
+            preprocessing = {key: np.asarray(value).tolist() for key, value in preprocessing.items()}
+        return {"tuning_score": score, "serving_preprocessing": preprocessing}
 
 
 def tune(config: dict, resume: bool = False) -> dict:
@@ -184,14 +194,15 @@ def tune(config: dict, resume: bool = False) -> dict:
 
 
 def _set_up(config: dict, state_path: str) -> dict:
-    setup = dry_run(config)
+    data_split_key = split_key.new_key(config)
+    setup = dry_run(config, data_split_key)
     draws = procedure.Draws.draw(setup.repetition.count, config["tuning"]["space"], config["tuning"]["seed"])
     setup.check_one_mechanism([candidate.values for candidate in draws.candidates])
     state = {"version": STATE_VERSION, "config": _sections(config), "draws": draws.to_json(),
              "per_run_epsilon": setup.plan.epsilon, "score_noise": setup.repetition.score_noise,
              "noise_multiplier": setup.plan.noise_multiplier,
              "planned_entries": [e.to_dict() for e in procedure.planned_entries(setup.plan)],
-             "validation_size": setup.validation_size}
+             "validation_size": setup.validation_size, "split_key": data_split_key}
     write_atomic(state_path, json.dumps(state, indent=1))  # before the first candidate starts
     return state
 
@@ -205,6 +216,7 @@ def _load_state(path: str, config: dict) -> dict:
         state = json.load(f)
     if state.get("version") != STATE_VERSION:
         raise ConfigError(f"{path} was written by another version of sparta-tune; start a new output_dir")
+    state["config"]["data"] = split_key.recorded_data(state["config"]["data"])
     if state["config"] != json.loads(json.dumps(_sections(config))):
         raise ConfigError(f"--resume: the tuning in {os.path.dirname(path)} was started with another config; resume "
                           "it with the config it was started with")
@@ -222,12 +234,13 @@ def _run(config: dict, state: dict) -> dict:
     for index, candidate in enumerate(draws.candidates):
         candidate_dir = os.path.join(output_dir, CANDIDATES, f"{index:03d}")
         print(f"== candidate {index + 1} of {total}: {candidate.values}")
+        tf.keras.backend.clear_session()  # every candidate's model gets the names the first would: none counts
         results = _candidate(config, state, draws, index, candidate_dir)
         if results is None:
             tally.add(None)
             continue
         tally.add(results["tuning_score"], PrivacyLedger.load(os.path.join(candidate_dir, checkpointing.LEDGER)))
-        tf.keras.backend.clear_session()
+    tf.keras.backend.clear_session()
     return _release(config, state, draws, tally)
 
 
@@ -242,7 +255,7 @@ def _candidate(config: dict, state: dict, draws, index: int, candidate_dir: str)
         candidate_config_ = per_run_config(config, draws.candidates[index].values, candidate_dir,
                                            os.path.join(config["output_dir"], PRETRAINED))
         hooks = CandidateHooks(index, draws, Repetition(draws.count, state["score_noise"]), candidate_dir,
-                               state.get("noise_multiplier"))
+                               state.get("noise_multiplier"), state.get("split_key"))
         try:
             run.train(candidate_config_, resume=os.path.isdir(candidate_dir), hooks=hooks)
         except NonFiniteTrainingError as error:
@@ -254,17 +267,20 @@ def _candidate(config: dict, state: dict, draws, index: int, candidate_dir: str)
 
 
 def _release(config: dict, state: dict, draws, tally: procedure.Tally) -> dict:
+    """Writes ``release/`` (:func:`~sparta_tf.tuning.release.write_release`) and the private ``results.json``
+    (the released results plus what the release leaves out); returns the latter."""
     output_dir = config["output_dir"]
     privacy = config["privacy"]
     ledger = tally.released_ledger(draws, delta=privacy["delta"], target_epsilon=privacy["target_epsilon"],
                                    sampling=privacy["sampling"])
-    ledger.save(os.path.join(output_dir, checkpointing.LEDGER))
     best = tally.best
     results = {"released": best is not None, "method": config["method"]["name"], "private": ledger.is_private,
                "epsilon": ledger.epsilon() if ledger.is_private else None, "target_epsilon": privacy["target_epsilon"],
                "delta": privacy["delta"], "accountant": ledger.accountant, "tuning": draws.count.to_dict(),
-               "per_run_epsilon": state["per_run_epsilon"], "score_noise": state["score_noise"],
-               "privacy_caveats": ledger.caveats()}
+               "per_run_epsilon": state["per_run_epsilon"], "privacy_caveats": sorted(ledger.caveats())}
+    private = {"candidates": len(draws.candidates), "winner": best, "score_noise": state["score_noise"],
+               "validation_size": state["validation_size"]}
+    model_path = export_version = preprocessing = None
     if best is None:
         results["reason"] = "no candidate finished with a score (none drawn, or every one diverged)"
     else:
@@ -272,35 +288,24 @@ def _release(config: dict, state: dict, draws, tally: procedure.Tally) -> dict:
         with open(os.path.join(best_dir, RESULTS)) as f:
             chosen = json.load(f)
         results |= {"hyperparameters": draws.candidates[best].values, "validation_score": chosen["tuning_score"],
-                    "noise_multiplier": chosen["noise_multiplier"],
-                    **{k: v for k, v in chosen.items() if k.startswith("test_accuracy") or k == "test_weights"}}
-        _copy(os.path.join(best_dir, MODEL), os.path.join(output_dir, MODEL))
+                    "noise_multiplier": chosen["noise_multiplier"]}
+        private |= {k: v for k, v in chosen.items() if k.startswith("test_accuracy") or k == "test_weights"}
+        model_path = os.path.join(best_dir, MODEL)
         if chosen.get("export_dir"):
-            version = os.path.basename(chosen["export_dir"].rstrip("/"))
-            _copy(chosen["export_dir"], os.path.join(output_dir, "export", version))
-            results["export_dir"] = os.path.join(output_dir, "export", version)
-    write_atomic(os.path.join(output_dir, RESULTS), json.dumps(results, indent=1))
+            export_version = int(os.path.basename(chosen["export_dir"].rstrip("/")))
+            preprocessing = chosen.get("serving_preprocessing")
+    release_dir = write_release(os.path.join(output_dir, RELEASE_DIR), results, ledger.to_json(), model_path,
+                                export_version, preprocessing)
+    everything = results | {"release_dir": release_dir, "not_released": private}
+    write_atomic(os.path.join(output_dir, RESULTS), json.dumps(everything, indent=1))
     print(ledger.report())
     spent = f"epsilon {results['epsilon']:.4g}" if results["private"] else "NO privacy guarantee"
     if best is None:
         print(f"== nothing released: {results['reason']}; the tuning spent {spent}")
     else:
         print(f"== released the best candidate: {results['hyperparameters']}, noisy validation accuracy "
-              f"{results['validation_score']:.4f}, test accuracy {results.get('test_accuracy', float('nan')):.4f} at "
-              f"{spent} (delta {privacy['delta']:g}); results in {os.path.join(output_dir, RESULTS)}")
-    return results
-
-
-def _copy(source: str, target: str) -> None:
-    """Copies a file or directory to ``target`` through a temporary sibling, then renames (a kill leaves
-    the old one or the new one)."""
-    temporary = target + ".partial"
-    if os.path.isdir(temporary):
-        shutil.rmtree(temporary)
-    elif os.path.exists(temporary):
-        os.remove(temporary)
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    (shutil.copytree if os.path.isdir(source) else shutil.copy2)(source, temporary)
-    if os.path.isdir(target):
-        shutil.rmtree(target)
-    os.replace(temporary, target)
+              f"{results['validation_score']:.4f} at {spent} (delta {privacy['delta']:g}); the release is "
+              f"{release_dir}")
+        print(f"== private (keep it with the data): candidate {best + 1} of {len(draws.candidates)} won, test accuracy "
+              f"{private.get('test_accuracy', float('nan')):.4f}; {os.path.join(output_dir, RESULTS)} holds it")
+    return everything

@@ -41,11 +41,15 @@ class Dataset:
     or ``data.class_names``, none stored): one example of the top class can change it, and with
     it the model's head, unless the label set is public knowledge (a caveat, not a refusal)."""
 
+    split_caveats: tuple[str, ...] = ()
+    """What the held-out splits assume (:func:`sparta_tf.data.load_dataset`): splits by position, a known
+    split key, a limit that can displace an example."""
+
     def privacy_caveats(self) -> list[str]:
         """What the DP guarantee assumes of this data set beyond the mechanism (empty: nothing)."""
         if not self.class_count_from_private_labels:
-            return []
-        return [f"the number of classes ({self.num_classes}) was read off the private labels, so one example of "
+            return list(self.split_caveats)
+        return list(self.split_caveats) + [f"the number of classes ({self.num_classes}) was read off the private labels, so one example of "
                 "the top class can change the model's head; the guarantee assumes the label set is public: "
                 "give data.classes or data.class_names"]
 

@@ -1,8 +1,9 @@
 """``load_dataset``: spec -> source -> classes -> splits -> limits -> pixels -> Dataset.
 
-Order of operations (all index choices are seeded and stratified, see
-:mod:`sparta_tf.data.splits`; each from its own stream of the seed,
-:mod:`sparta_tf.random_streams`):
+Order of operations (every held-out split is decided per example by a keyed hash of its
+content, :mod:`sparta_tf.data.membership`, so one example more or less changes no other
+example's split; ``split: positions`` instead takes seeded, stratified positions,
+:mod:`sparta_tf.data.splits`, as versions before stable splits did):
 
 1. the source lists its train (and test, if any) split;
 2. ``classes`` keeps the listed classes and relabels them ``0 .. k-1``;
@@ -27,30 +28,68 @@ from sparta_tf import random_streams
 from sparta_tf.data.dataset import Dataset
 from sparta_tf.data.errors import DataError, key_error
 from sparta_tf.data.images import convert_channels, resize_images, to_unit_float
+from sparta_tf.data import membership
 from sparta_tf.data.normalize import channel_stats, fixed_stats, standardize
 from sparta_tf.data.raw import RawData, Split
 from sparta_tf.data.sources import SOURCES
 from sparta_tf.data.spec import ClassRef, DataSpec, parse_spec
 from sparta_tf.data.splits import fraction_count, stratified_take
 
-__all__ = ["build_dataset", "load_dataset"]
+__all__ = ["build_dataset", "derived_split_key", "load_dataset"]
 
 MAX_LISTED_NAMES = 12
 
 
 @dataclasses.dataclass(frozen=True)
 class _Part:
-    """Selected examples of one source split: positions ``index`` and new labels ``y``."""
+    """Selected examples of one source split: positions ``index``, new labels ``y`` and, once a stable
+    split needed them, the examples' content ``digests`` (:func:`membership.content_digests`)."""
 
     split: Split
     index: np.ndarray
     y: np.ndarray
+    digests: Optional[list] = None
 
     def subset(self, positions: np.ndarray) -> "_Part":
-        return _Part(self.split, self.index[positions], self.y[positions])
+        digests = None if self.digests is None else [self.digests[p] for p in positions]
+        return _Part(self.split, self.index[positions], self.y[positions], digests)
+
+    def with_digests(self) -> "_Part":
+        if self.digests is not None:
+            return self
+        return dataclasses.replace(self, digests=membership.content_digests(self.split, self.index))
 
 
-def load_dataset(spec: Mapping[str, Any], *, seed: int = 0) -> Dataset:
+@dataclasses.dataclass(frozen=True)
+class _Splitter:
+    """How examples are held out: by a keyed hash of each example (``key``; stable) or, with ``key=None``
+    (``data.split: positions``), by a seeded stratified permutation of positions (``seed``)."""
+
+    seed: int
+    key: Optional[int]
+
+    def carve(self, part: _Part, fraction: float, purpose: str) -> tuple[_Part, _Part]:
+        """``(held out, rest)`` of ``part`` for ``purpose`` at ``fraction``."""
+        if self.key is None:
+            taken, rest = stratified_take(part.y, fraction_count(len(part.y), fraction),
+                                          random_streams.numpy_rng(self.seed, purpose))
+            return part.subset(taken), part.subset(rest)
+        part = part.with_digests()
+        taken, rest = membership.held_out(membership.uniform_scores(part.digests, self.key, purpose), fraction)
+        return part.subset(taken), part.subset(rest)
+
+    def limit(self, part: _Part, limit: Optional[int], purpose: str) -> _Part:
+        """At most ``limit`` examples of ``part``."""
+        if limit is None or limit >= len(part.y):
+            return part
+        if self.key is None:
+            taken, _ = stratified_take(part.y, limit, random_streams.numpy_rng(self.seed, purpose))
+            return part.subset(taken)
+        part = part.with_digests()
+        return part.subset(membership.smallest(membership.uniform_scores(part.digests, self.key, purpose), limit))
+
+
+def load_dataset(spec: Mapping[str, Any], *, seed: int = 0, split_key: Optional[int] = None) -> Dataset:
     """Loads the data set described by a config's ``data:`` section.
 
     Keys (all sources): ``source`` (synthetic | digits | npz | idx | folder |
@@ -61,32 +100,38 @@ def load_dataset(spec: Mapping[str, Any], *, seed: int = 0) -> Dataset:
     Per source: ``path`` (npz, idx, folder, tar), ``cache_dir`` (tar),
     ``name`` / ``data_dir`` / ``download`` (tfds), ``num_examples`` /
     ``num_classes`` (synthetic), ``class_names`` (synthetic, npz, idx).
-    ``seed`` fixes every random choice (synthetic data, splits, limits).
+    ``split`` (hash | positions) and ``split_seed`` choose how examples are held out (below).
+    ``seed`` fixes every random choice (synthetic data, ``split: positions``).
+
+    The split key of the stable (``hash``) splits: ``data.split_seed`` when given, else ``split_key``
+    (``sparta-train`` passes a secret one of its own), else one derived from ``seed``; a key that
+    is not secret (the first and the last) is recorded in :meth:`Dataset.privacy_caveats`.
     Raises :class:`DataError` (one line, naming the key) on any problem.
     """
     parsed = parse_spec(spec)
     seed = _check_seed(seed)
-    return build_dataset(SOURCES[parsed.source](parsed, seed), parsed, seed)
+    return build_dataset(SOURCES[parsed.source](parsed, seed), parsed, seed, split_key)
 
 
-def build_dataset(raw: RawData, spec: DataSpec, seed: int) -> Dataset:
-    """Applies steps 2-6 of the module docstring to a source's :class:`RawData`."""
+def build_dataset(raw: RawData, spec: DataSpec, seed: int, split_key: Optional[int] = None) -> Dataset:
+    """Applies steps 2-6 of the module docstring to a source's :class:`RawData` (``split_key``: as for
+    :func:`load_dataset`)."""
+    splitter, caveats = _splitter(spec, seed, split_key)
     kept = _resolve_classes(spec.classes, raw.class_names)
     train = _select(raw.train, kept)
     if len(train.index) == 0:
         raise key_error("classes", f"no training examples in the selected classes of {raw.name!r}",
                         "check data.classes and the data files")
     _check_class_counts(train.y, kept, raw.class_names)
-    train, test = _test_split(raw, train, kept, spec, seed)
-    train = _limit(train, spec.limit_train, seed, "limit_train")
-    test = _limit(test, spec.limit_test, seed, "limit_test")
-    val_positions, train_positions = stratified_take(
-        train.y, fraction_count(len(train.y), spec.val_fraction), random_streams.numpy_rng(seed, "val_split")
-    )
-    if len(train_positions) == 0:
-        raise key_error("val_fraction", f"leaves no training examples out of {len(train.y)}",
+    train, test = _test_split(raw, train, kept, spec, splitter)
+    limited = splitter.key is not None and spec.limit_train is not None and spec.limit_train < len(train.y)
+    train = splitter.limit(train, spec.limit_train, "limit_train")
+    test = splitter.limit(test, spec.limit_test, "limit_test")
+    val, train = splitter.carve(train, spec.val_fraction, "val_split")
+    if len(train.y) == 0:
+        raise key_error("val_fraction", f"leaves no training examples out of {len(train.y) + len(val.y)}",
                         "lower data.val_fraction or raise data.limit_train")
-    parts = {"train": train.subset(train_positions), "val": train.subset(val_positions), "test": test}
+    parts = {"train": train, "val": val, "test": test}
     arrays = _pixels(parts, spec, raw.name)
     mean, std = _statistics(arrays["train"], spec)
     return Dataset(
@@ -103,7 +148,35 @@ def build_dataset(raw: RawData, spec: DataSpec, seed: int) -> Dataset:
         std=std,
         statistics_from_private_data=spec.normalize == "standard" and spec.mean is None,
         class_count_from_private_labels=raw.class_names_from_labels and spec.classes is None,
+        split_caveats=tuple(caveats + ([LIMIT_CAVEAT.format(limit=spec.limit_train)] if limited else [])),
     )
+
+
+POSITIONS_CAVEAT = ("data.split: positions holds out a seeded permutation of positions, so one example more or "
+                    "less moves others between the training and validation splits: the guarantee covers the "
+                    "splits as given, not the data set before splitting; remove data.split for stable splits")
+KNOWN_KEY_CAVEAT = ("the data split's key is known ({where}): whoever has it and the data can tell which examples "
+                    "were held out for validation and testing; keep it as secret as the data, or leave data.split_seed "
+                    "and training.seed null for a secret key")
+LIMIT_CAVEAT = ("data.limit_train={limit} keeps the examples with the smallest keyed hashes: one example more can "
+                "displace one other, so for the data set before the limit the guarantee is that of a replace-one "
+                "neighbour (an example added and another removed); remove the limit for the plain guarantee")
+
+
+def _splitter(spec: DataSpec, seed: int, split_key: Optional[int]) -> tuple[_Splitter, list[str]]:
+    """The splitter ``spec`` asks for, and the caveats it brings (module doc of :mod:`membership`)."""
+    if spec.split == "positions":
+        return _Splitter(seed, None), [POSITIONS_CAVEAT]
+    if spec.split_seed is not None:
+        return _Splitter(seed, derived_split_key(spec.split_seed)), [KNOWN_KEY_CAVEAT.format(where="data.split_seed")]
+    if split_key is not None:
+        return _Splitter(seed, random_streams.check_seed(split_key)), []
+    return _Splitter(seed, derived_split_key(seed)), [KNOWN_KEY_CAVEAT.format(where="derived from the data seed")]
+
+
+def derived_split_key(seed: int) -> int:
+    """The split key of a public ``seed``: the ``split_key`` stream's first draw."""
+    return int(random_streams.numpy_rng(seed, "split_key").integers(0, random_streams.MAX_SEED))
 
 
 def _check_seed(seed: Any) -> int:
@@ -158,26 +231,18 @@ def _select(split: Split, kept: list[int]) -> _Part:
 
 
 def _test_split(
-    raw: RawData, train: _Part, kept: list[int], spec: DataSpec, seed: int
+    raw: RawData, train: _Part, kept: list[int], spec: DataSpec, splitter: _Splitter
 ) -> tuple[_Part, _Part]:
     if raw.test is not None:
         if spec.test_fraction is not None:
             raise key_error("test_fraction", f"source {spec.source!r} ({raw.name}) has its own test split",
                             "remove data.test_fraction")
         return train, _select(raw.test, kept)
-    count = fraction_count(len(train.y), spec.effective_test_fraction)
-    test_positions, train_positions = stratified_take(train.y, count, random_streams.numpy_rng(seed, "test_split"))
-    if len(test_positions) == 0 or len(train_positions) == 0:
+    test, rest = splitter.carve(train, spec.effective_test_fraction, "test_split")
+    if len(test.y) == 0 or len(rest.y) == 0:
         raise key_error("test_fraction", f"{spec.effective_test_fraction} of {len(train.y)} examples "
                         "leaves the train or test split empty", "choose a fraction nearer 0.2")
-    return train.subset(train_positions), train.subset(test_positions)
-
-
-def _limit(part: _Part, limit: Optional[int], seed: int, purpose: str) -> _Part:
-    if limit is None or limit >= len(part.y):
-        return part
-    taken, _ = stratified_take(part.y, limit, random_streams.numpy_rng(seed, purpose))
-    return part.subset(taken)
+    return rest, test
 
 
 def _pixels(parts: dict[str, _Part], spec: DataSpec, name: str) -> dict[str, np.ndarray]:

@@ -37,6 +37,8 @@ COMMON_KEYS: frozenset[str] = frozenset(
         "normalize",
         "mean",
         "std",
+        "split",
+        "split_seed",
     }
 )
 """Keys every source accepts."""
@@ -53,6 +55,10 @@ SOURCE_KEYS: dict[str, frozenset[str]] = {
 """Keys each source accepts on top of :data:`COMMON_KEYS`."""
 
 NORMALIZATIONS: tuple[str, ...] = ("none", "standard")
+SPLITS: tuple[str, ...] = ("hash", "positions")
+"""How examples are held out: ``hash`` (each by a keyed hash of its content, stable under adding or
+removing others: :mod:`sparta_tf.data.membership`) or ``positions`` (a seeded, stratified permutation of
+positions, the splits of versions before stable splits: kept for results that must stay comparable)."""
 
 DEFAULT_VAL_FRACTION = 0.1
 DEFAULT_TEST_FRACTION = 0.2
@@ -83,6 +89,8 @@ class DataSpec:
     std: Optional[tuple[float, ...]] = None
     num_examples: int = 1000
     num_classes: int = 10
+    split: str = "hash"
+    split_seed: Optional[int] = None
 
     @property
     def effective_test_fraction(self) -> float:
@@ -283,6 +291,21 @@ def _floats(key: str, value: Any) -> tuple[float, ...]:
     return tuple(float(v) for v in value)
 
 
+def _split(key: str, value: Any) -> str:
+    if value not in SPLITS:
+        raise key_error(key, f"unknown split {value!r}", f"use one of {list(SPLITS)} (hash: stable, the default)")
+    return value
+
+
+def _split_seed(key: str, value: Any) -> Optional[int]:
+    if value is None:
+        return None
+    if not _is_int(value) or not 0 <= value < 2**63:
+        raise key_error(key, f"expected null or an integer in [0, 2**63), got {value!r}",
+                        "leave it null for a secret split key")
+    return int(value)
+
+
 def _num_classes(key: str, value: Any) -> int:
     number = _positive_int(key, value)
     if number < 2:
@@ -309,4 +332,6 @@ _PARSERS = {
     "std": _floats,
     "num_examples": _positive_int,
     "num_classes": _num_classes,
+    "split": _split,
+    "split_seed": _split_seed,
 }

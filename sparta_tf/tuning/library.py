@@ -15,6 +15,15 @@ the per-run budget that makes the whole procedure meet ``(target_epsilon, delta)
 its noisy count of correct predictions on the validation split; only the best is returned. The
 candidates, their number and their scores stay inside the call. It keeps everything in memory: a killed
 process loses the tuning (and spent nothing that was released); ``sparta-tune`` is the resumable form.
+
+What the result reveals is what the analysis covers, no more: every candidate's model is built with
+Keras's automatic-name counters as they were when the call began (:func:`sparta_tf.backend.name_state`),
+so the returned model's names do not count the candidates, and the counters are left as one build left
+them. Candidates are independent: a ``build_model`` whose models share a variable with an earlier
+candidate's (a backbone built once and reused) is refused before the first candidate trains, and so is
+a ``run_dir`` (it would make every candidate resume the first). Anything saved or exported from this
+process still carries its history (TensorFlow numbers functions process-wide):
+:meth:`TuningResult.save_release` writes the release from a fresh process.
 """
 
 from __future__ import annotations
@@ -23,8 +32,10 @@ import dataclasses
 import inspect
 from typing import Any, Callable, Mapping
 
+import numpy as np
 import tensorflow as tf
 
+from sparta_tf import backend
 from sparta_tf.methods import make_method
 from sparta_tf.privacy.ledger import PrivacyLedger
 from sparta_tf.privacy.tuning import CandidateCount, Repetition
@@ -57,6 +68,33 @@ class TuningResult:
     @property
     def epsilon(self) -> float:
         return self.ledger.epsilon()
+
+    def save_release(self, directory: str, export_version: int | None = 1,
+                     preprocessing: Mapping | None = None) -> str:
+        """Writes what the tuning may release to ``directory`` (replaced whole) from a fresh process, so that
+        no byte depends on how many candidates ran or which won (:mod:`sparta_tf.tuning.release`):
+        ``model.keras``, ``export/<export_version>/`` (None: no export; ``preprocessing``: as for
+        :func:`~sparta_tf.export.export_for_serving`), ``results.json`` (values, noisy score, epsilon) and
+        ``ledger.json``; returns ``directory``."""
+        import os
+        import tempfile
+
+        from sparta_tf.tuning.release import write_release
+
+        results = {"released": self.model is not None, "private": self.ledger.is_private,
+                   "epsilon": self.epsilon if self.ledger.is_private else None,
+                   "target_epsilon": self.ledger.target_epsilon, "delta": self.ledger.delta,
+                   "accountant": self.ledger.accountant, "tuning": self.ledger.tuning.to_dict(),
+                   "per_run_epsilon": self.per_run_epsilon, "privacy_caveats": self.ledger.caveats()}
+        if self.model is None:
+            return write_release(directory, results, self.ledger.to_json())
+        results |= {"hyperparameters": self.hyperparameters, "validation_score": self.score,
+                    "noise_multiplier": self.model.noise_multiplier}
+        with tempfile.TemporaryDirectory(prefix=".winner-", dir=os.path.dirname(os.path.abspath(directory))) as tmp:
+            path = os.path.join(tmp, "model.keras")
+            self.model.model.save(path)
+            prep = None if preprocessing is None else {k: np.asarray(v).tolist() for k, v in preprocessing.items()}
+            return write_release(directory, results, self.ledger.to_json(), path, export_version, prep)
 
 
 def tune_privately(
@@ -108,6 +146,12 @@ def tune_privately(
       verbose: ``fit``'s verbosity.
       **make_private_options: every candidate's other :func:`make_private` options.
     """
+    if not (isinstance(validation_data, (tuple, list)) and len(validation_data) == 2):
+        raise ValueError(f"validation_data must be (x_val, y_val), private examples never trained on, got "
+                         f"{type(validation_data).__name__}: the tuning scores its candidates on them")
+    if "run_dir" in make_private_options:
+        raise ValueError("run_dir would make every candidate resume the first one's run: tune_privately keeps its "
+                         "candidates in memory; for a resumable tuning use sparta-tune")
     x_val, y_val = validation_data
     validation_size = len(y_val)
     procedure.check_validation_size(validation_size)
@@ -143,10 +187,11 @@ def tune_privately(
     draws = procedure.Draws.draw(repetition.count, space, tuning_seed)
     procedure.check_one_mechanism(plan, plan_of, [candidate.values for candidate in draws.candidates], "space")
     tally, best = procedure.Tally(procedure.planned_entries(plan)), None
+    built = _IndependentModels(build_model, backend.name_state())
     for index, candidate in enumerate(draws.candidates):
         optimizer_values, _, dp_options = split(candidate.values)
         chosen, candidate_plan = method_and_plan(candidate.values)
-        model = build_model()
+        model = built.next()
         chosen.check(model)
         dp = private_model(model, chosen, candidate_plan, seed=candidate.run_seed, **dp_options)
         dp.compile(optimizer(**optimizer_values), loss=loss, metrics=metrics)
@@ -154,6 +199,7 @@ def tune_privately(
         tally.add(procedure.score_candidate(dp, x_val, y_val, draws, index, repetition.score_noise), dp.ledger)
         if tally.best == index:
             best = dp
+    built.finish()
     ledger = tally.released_ledger(draws, delta=delta, target_epsilon=target_epsilon,
                                    sampling=make_private_options.get("sampling", "poisson"))
     winner = tally.best
@@ -166,3 +212,49 @@ def tune_privately(
 def _dp_model_option(name: str) -> bool:
     """Whether a ``make_private`` option belongs to the DP model (not the method's plan)."""
     return name in inspect.signature(make_private).parameters and name != "method_options"
+
+
+class _IndependentModels:
+    """The candidates' models: each built with the name counters of the call's start (no name counts the
+    candidates before it), none sharing a variable with an earlier one. The first candidate's model is
+    built with a probe beside it, so that a ``build_model`` reusing its layers is refused before anything
+    trains."""
+
+    def __init__(self, build_model: Callable[[], tf.keras.Model], names: object):
+        self.build_model, self.names = build_model, names
+        self.seen: dict[int, str] = {}
+        self.after_one: object = None
+        self.first = self._build()
+        self.after_one = backend.name_state()
+        probe = self._build()
+        self._check_shared(probe, self._variables(self.first))
+        del probe
+
+    def next(self) -> tf.keras.Model:
+        if self.first is not None:
+            model, self.first = self.first, None
+        else:
+            model = self._build()
+            self._check_shared(model, self.seen)
+        self.seen.update(self._variables(model))
+        return model
+
+    def finish(self) -> None:
+        """Leaves the name counters as one build left them (whatever number of candidates ran)."""
+        backend.restore_name_state(self.after_one)
+
+    def _build(self) -> tf.keras.Model:
+        backend.restore_name_state(self.names)
+        return self.build_model()
+
+    @staticmethod
+    def _variables(model) -> dict[int, str]:
+        return {id(backend.tf_variable(v)): backend.variable_key(v) for v in model.weights}
+
+    def _check_shared(self, model, earlier: dict[int, str]) -> None:
+        shared = [earlier[key] for key in self._variables(model) if key in earlier]
+        if shared:
+            raise ValueError(f"build_model returned a model sharing {len(shared)} variable(s) with an earlier "
+                             f"candidate's (e.g. {shared[0]}): a candidate would start from another's trained weights "
+                             "and the release would depend on every candidate; build every layer inside build_model "
+                             "(load the pre-trained backbone there, e.g. from a .keras file)")

@@ -1,0 +1,72 @@
+"""Stable split membership: each example's split is decided by a keyed hash of its own content.
+
+For a split key ``K`` (a 63-bit integer) and a purpose ``p`` (``test_split``, ``val_split``,
+``limit_train``, ``limit_test``)::
+
+    digest(x) = BLAKE2b-128(label(x) || dtype || shape || bytes(image(x)))
+    u_p(x)    = BLAKE2b-64(key = K || p, data = digest(x)) / 2^64          in [0, 1)
+
+and ``x`` is held out for purpose ``p`` at fraction ``f`` iff ``u_p(x) < f``
+(:func:`held_out`). ``u_p(x)`` reads only ``x`` and the key, so adding, removing or
+reordering *other* examples never changes ``x``'s split: a data set with one example more or
+less gives splits that differ in that example only, which is the neighbouring relation the
+privacy ledger's epsilon is stated for. The splits' sizes are binomial (``f n`` on average),
+not exact counts: an exact count cannot be stable (one more example would have to push
+another one out). Identical examples share a digest and so a split. The purposes hash
+independently, so the validation split of the examples left after the test carve is again a
+fraction ``f`` of them.
+
+Limits (``data.limit_train`` / ``limit_test``: at most ``m`` examples) keep the ``m`` examples of
+smallest ``u_p`` (:func:`smallest`): one added example either stays out or displaces exactly one
+other, a replace-one neighbour (the caveat the data set records, :mod:`sparta_tf.data.dataset`).
+
+The key must stay as secret as the data when the ``splits`` a run used should not be
+recomputable from the data (``sparta-train`` draws a secret one per run by default); a known
+key (``data.split_seed``, ``training.seed``) is recorded as a caveat.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from sparta_tf.data.raw import Split
+
+__all__ = ["CHUNK", "content_digests", "held_out", "smallest", "uniform_scores"]
+
+CHUNK = 1024
+"""Images read at a time while hashing (a chunk of CIFAR-sized images is ~3 MB)."""
+
+
+def content_digests(split: Split, index: np.ndarray) -> list[bytes]:
+    """``digest(x)`` (module doc) of the examples at ``index`` of ``split``: their labels and image bytes."""
+    digests: list[bytes] = []
+    for start in range(0, len(index), CHUNK):
+        positions = index[start:start + CHUNK]
+        images = np.ascontiguousarray(split.images(positions))
+        labels = np.asarray(split.labels)[positions].astype("<i8")
+        header = f"{images.dtype.str}|{images.shape[1:]}|".encode()
+        for label, image in zip(labels, images):
+            digests.append(hashlib.blake2b(label.tobytes() + header + image.tobytes(), digest_size=16).digest())
+    return digests
+
+
+def uniform_scores(digests: list[bytes], key: int, purpose: str) -> np.ndarray:
+    """``u_purpose`` (module doc) of each digest: float64 in ``[0, 1)``, uniform over keys."""
+    salt = int(key).to_bytes(8, "little") + purpose.encode()
+    values = [int.from_bytes(hashlib.blake2b(d, digest_size=8, key=salt).digest(), "little") for d in digests]
+    return np.asarray(values, dtype=np.float64) / 2.0**64
+
+
+def held_out(scores: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """Positions ``(taken, rest)``: taken iff the score is below ``fraction`` (each position on its own)."""
+    taken = scores < fraction
+    return np.flatnonzero(taken), np.flatnonzero(~taken)
+
+
+def smallest(scores: np.ndarray, count: int) -> np.ndarray:
+    """The positions of the ``count`` smallest scores, in position order (the limits' bottom-k sample)."""
+    if count >= len(scores):
+        return np.arange(len(scores))
+    return np.sort(np.argsort(scores, kind="stable")[:count])

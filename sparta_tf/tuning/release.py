@@ -1,0 +1,149 @@
+"""A private tuning's release, written so that no byte of it depends on how many candidates ran or which
+one won (:func:`write_release`; ``sparta-tune`` and :meth:`sparta_tf.tuning.library.TuningResult.save_release`).
+
+The repeat-and-select analysis (:mod:`sparta_tf.privacy.tuning`) covers a release of the best
+candidate's model, its values and its noisy score, and nothing else: once the number of candidates
+``K`` or the winner's index is known, the guarantee falls back towards K-fold composition. So the
+release is its own directory, apart from the private state, holding::
+
+    model.keras        the winner's model, loaded and saved again by a fresh process: the zip's entry
+                       times and metadata.json's date_saved fixed (:data:`RELEASE_TIME`)
+    export/<version>/  the TF Serving SavedModel, exported by that fresh process (TensorFlow names
+                       functions from a process-wide counter, which a fresh process starts at zero)
+    results.json       what :func:`released_results` keeps: the values, the noisy score, epsilon, ...
+    ledger.json        the whole procedure's ledger (its caveats and reasons sorted, not in the order
+                       the candidates ran)
+
+and every file's and directory's modification time is :data:`RELEASE_TIME`. The fresh process does the
+same work whatever ran before it, so two tunings that release the same winner's weights, values and
+score write byte-identical directories (tests/test_release_privacy.py). The winner's model must carry
+names that do not count candidates: ``sparta-tune`` builds every candidate in a fresh Keras name state,
+``tune_privately`` restores the name state before every candidate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+RELEASE_DIR = "release"
+RELEASE_TIME = 315532800  # 1980-01-01 00:00:00 UTC, the earliest time a zip entry can hold
+ZIP_TIME = (1980, 1, 1, 0, 0, 0)
+FIXED_DATE_SAVED = "1980-01-01@00:00:00"
+RELEASED_KEYS = ("released", "method", "private", "epsilon", "target_epsilon", "delta", "accountant", "tuning",
+                 "per_run_epsilon", "privacy_caveats", "reason", "hyperparameters", "validation_score",
+                 "noise_multiplier")
+"""What ``results.json`` of a release holds (each when known). Not released: the number of candidates, the
+winner's index, any noiseless accuracy (the test split may be carved from the private data), the
+validation split's size and the score's noise (which give it away), paths and times."""
+
+
+def released_results(results: dict) -> dict:
+    """``results`` restricted to :data:`RELEASED_KEYS` (the caveats sorted)."""
+    released = {key: results[key] for key in RELEASED_KEYS if key in results}
+    if "privacy_caveats" in released:
+        released["privacy_caveats"] = sorted(released["privacy_caveats"])
+    return released
+
+
+def canonical_ledger(ledger_json: dict) -> dict:
+    """A ledger's JSON with its caveats and non-private reasons sorted (their order followed the candidates')."""
+    return {**ledger_json, "caveats": sorted(ledger_json.get("caveats", [])),
+            "nonprivate": sorted(ledger_json.get("nonprivate", []))}
+
+
+def write_release(target: str, results: dict, ledger_json: dict, model_path: str | None = None,
+                  export_version: int | None = None, preprocessing: dict | None = None) -> str:
+    """Writes the release to ``target`` (replaced whole: a temporary sibling, then a rename) by a fresh
+    process (module doc); returns ``target``. ``model_path``: the winner's ``.keras`` (None: nothing was
+    released but the results and ledger); ``export_version``: also export it for serving;
+    ``preprocessing``: :func:`sparta_tf.export.export_for_serving`'s (mean and std as lists)."""
+    target = os.path.abspath(target)
+    parent = os.path.dirname(target)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".release-", dir=parent)
+    try:
+        request = {"results": released_results(results), "ledger": canonical_ledger(ledger_json),
+                   "model": model_path, "export_version": export_version, "preprocessing": preprocessing}
+        with tempfile.NamedTemporaryFile("w", suffix=".json", dir=parent, prefix=".release-request-",
+                                         delete=False) as f:
+            json.dump(request, f)
+        try:
+            environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "3")}
+            process = subprocess.run([sys.executable, "-m", "sparta_tf.tuning.release", f.name, staging],
+                                     capture_output=True, text=True, env=environment)
+        finally:
+            os.remove(f.name)
+        if process.returncode:
+            last = (process.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"writing the release in a fresh process failed: {last}")
+        _fix_times(staging)
+        if os.path.isdir(target):
+            shutil.rmtree(target)
+        os.replace(staging, target)
+        os.utime(target, (RELEASE_TIME, RELEASE_TIME))
+    finally:
+        if os.path.isdir(staging):
+            shutil.rmtree(staging)
+    return target
+
+
+def _write(request: dict, staging: str) -> None:
+    """The fresh process's work: the model saved again and exported, the JSON files written."""
+    with open(os.path.join(staging, "results.json"), "w") as f:
+        json.dump(request["results"], f, indent=1, sort_keys=True)
+    with open(os.path.join(staging, "ledger.json"), "w") as f:
+        json.dump(request["ledger"], f, indent=1)
+    if request["model"] is None:
+        return
+    from sparta_tf.export import export_for_serving
+    from sparta_tf.models.convert import load_keras_model
+
+    model = load_keras_model(request["model"])
+    saved = os.path.join(staging, "model.keras")
+    model.save(saved)
+    _fix_zip(saved)
+    if request["export_version"] is not None:
+        preprocessing = request["preprocessing"]
+        export_for_serving(model, os.path.join(staging, "export"), version=request["export_version"],
+                           preprocessing=preprocessing)
+
+
+def _fix_zip(path: str) -> None:
+    """Rewrites the ``.keras`` zip with fixed entry times and ``metadata.json``'s ``date_saved`` fixed."""
+    with zipfile.ZipFile(path) as archive:
+        entries = [(info, archive.read(info.filename)) for info in archive.infolist()]
+    with zipfile.ZipFile(path, "w") as archive:
+        for info, data in entries:
+            if info.filename == "metadata.json":
+                metadata = json.loads(data)
+                metadata["date_saved"] = FIXED_DATE_SAVED
+                data = json.dumps(metadata).encode()
+            fixed = zipfile.ZipInfo(info.filename, date_time=ZIP_TIME)
+            fixed.compress_type, fixed.external_attr = info.compress_type, info.external_attr
+            archive.writestr(fixed, data)
+
+
+def _fix_times(root: str) -> None:
+    """Every file's and directory's access and modification times set to :data:`RELEASE_TIME`."""
+    for directory, _, files in os.walk(root, topdown=False):
+        for name in files:
+            os.utime(os.path.join(directory, name), (RELEASE_TIME, RELEASE_TIME))
+        os.utime(directory, (RELEASE_TIME, RELEASE_TIME))
+
+
+def main(argv: list[str]) -> int:
+    request_path, staging = argv
+    with open(request_path) as f:
+        request = json.load(f)
+    _write(request, staging)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

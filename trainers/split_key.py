@@ -1,0 +1,82 @@
+"""The key of a run's stable data splits (:mod:`sparta_tf.data.membership`), and the splits of runs that
+started before there were stable splits.
+
+A config that keeps the stable splits (``data.split: hash``, the default) and fixes neither
+``data.split_seed`` nor ``training.seed`` holds its examples out with a secret key: drawn from the OS
+once per run and kept with the run's private state in ``output_dir/data_split.json`` (a resumed run
+reads it back, so its splits never change), or once per tuning for all its candidates
+(``tuning.json``). Otherwise the loader derives the key from the seed the config gives, and the data set
+records that as a caveat (``data.split_seed``) or the run's seed caveat says so (``training.seed``).
+
+A config recorded without ``data.split`` (a run or tuning started by a version before stable splits)
+split by positions: :func:`recorded_data` reads it so, and such a run resumes only with
+``data.split: positions``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from sparta_tf import random_streams
+from sparta_tf.atomic_files import write_atomic
+from trainers.config import ConfigError
+
+SPLIT_KEY = "data_split.json"
+DEFAULT_SPLIT = "hash"
+LEGACY_SPLIT = "positions"
+
+
+def needs_secret_key(config: dict) -> bool:
+    """Whether the run's splits take a secret key of their own (module doc)."""
+    data = config["data"]
+    return (data.get("split", DEFAULT_SPLIT) == DEFAULT_SPLIT and data.get("split_seed") is None
+            and config["training"]["seed"] is None)
+
+
+def seed_key(config: dict) -> int | None:
+    """The key ``training.seed`` decides (stable splits, no ``data.split_seed``), covered by the run's seed
+    caveat; None otherwise."""
+    from sparta_tf.data.loader import derived_split_key
+
+    data, seed = config["data"], config["training"]["seed"]
+    if seed is None or data.get("split", DEFAULT_SPLIT) != DEFAULT_SPLIT or data.get("split_seed") is not None:
+        return None
+    return derived_split_key(seed)
+
+
+def new_key(config: dict) -> int | None:
+    """A fresh secret key when :func:`needs_secret_key`, else :func:`seed_key` (what a dry run uses)."""
+    return random_streams.new_seed() if needs_secret_key(config) else seed_key(config)
+
+
+def run_split_key(output_dir: str, config: dict, resume: bool) -> int | None:
+    """The run's split key: read from ``output_dir`` (a resumed run), else drawn and written there before
+    the data is loaded; :func:`seed_key` when the config's seed decides the splits."""
+    if not needs_secret_key(config):
+        return seed_key(config)
+    path = os.path.join(output_dir, SPLIT_KEY)
+    if os.path.exists(path):
+        with open(path) as f:
+            return random_streams.check_seed(json.load(f)["key"])
+    key = random_streams.new_seed()
+    write_atomic(path, json.dumps({"key": key}))  # private: beside the checkpoints, never released
+    return key
+
+
+def stored_split_key(output_dir: str, config: dict) -> int | None:
+    """The key a finished run in ``output_dir`` used (:func:`seed_key` when its config's seed decides the
+    splits); a ConfigError when the run's key is missing."""
+    if not needs_secret_key(config):
+        return seed_key(config)
+    path = os.path.join(output_dir, SPLIT_KEY)
+    if not os.path.exists(path):
+        raise ConfigError(f"{path} is missing: the run's data splits were drawn with a secret key kept there; "
+                          "check the run's own output_dir")
+    with open(path) as f:
+        return random_streams.check_seed(json.load(f)["key"])
+
+
+def recorded_data(data: dict) -> dict:
+    """A recorded ``data`` section as the run used it: without ``split``, by positions (module doc)."""
+    return data if "split" in data else {**data, "split": LEGACY_SPLIT}
