@@ -9,6 +9,8 @@ import time
 import numpy as np
 import pytest
 
+from sparta_tf.data import load_dataset
+
 from small_configs import tiny_config
 from small_runs import sparta_train, start_sparta_train, wait_mid_epoch_after
 from trainers import pretraining, run
@@ -74,8 +76,14 @@ def test_finished_output_dir_is_not_overwritten(tmp_path):
 
 
 def test_a_secret_seed_leaves_no_caveat_and_the_report_says_what_epsilon_covers(tmp_path, capsys):
-    results = run.train(validate(tiny_config(tmp_path / "run", "bitfit", epochs=1, seed=None)))
-    assert results["private"] and results["privacy_caveats"] == []
+    config = validate(tiny_config(tmp_path / "run", "bitfit", epochs=1, seed=None))
+    results = run.train(config)
+    assert results["private"] and results["privacy_caveats"] == []  # a secret split key, too: no caveat
+    key = json.loads((tmp_path / "run" / "data_split.json").read_text())["key"]
+    from trainers import check_export
+
+    x_test, _ = check_export.raw_test_split(config)  # the run's test split, rebuilt with the run's secret key
+    assert len(x_test) == len(load_dataset(config["data"], split_key=key).x_test)
     out = capsys.readouterr().out
     assert "covers" in out and "seed stays secret" in out and "training.seed is set" not in out
 

@@ -131,3 +131,32 @@ def test_positions_reproduce_the_splits_of_earlier_versions():
     val, train = stratified_take(labels[rest], fraction_count(len(rest), 0.1), random_streams.numpy_rng(3, "val_split"))
     assert (len(data.y_test), len(data.y_val), len(data.y_train)) == (len(test), len(val), len(train))
     assert np.array_equal(data.y_val, labels[rest][val]) and np.array_equal(data.y_test, labels[test])
+
+
+def test_a_run_keeps_its_secret_split_key_and_a_run_started_before_stable_splits_resumes_by_positions(tmp_path):
+    from trainers import split_key
+    from trainers.config import ConfigError, validate
+    from trainers.run_dir import RunDirectory
+    from small_configs import tiny_config
+
+    secret = validate(tiny_config(tmp_path / "a", seed=None))
+    first = split_key.run_split_key(str(tmp_path), secret, resume=False)
+    assert split_key.run_split_key(str(tmp_path), secret, resume=True) == first  # read back, never drawn again
+    assert split_key.stored_split_key(str(tmp_path), secret) == first
+    seeded = validate(tiny_config(tmp_path / "b", seed=4))
+    assert split_key.run_split_key(str(tmp_path / "none"), seeded, False) == loader.derived_split_key(4)
+    assert not (tmp_path / "none").exists()  # a seeded config's key is its seed's: nothing to keep
+    with pytest.raises(ConfigError, match="data_split.json is missing"):
+        split_key.stored_split_key(str(tmp_path / "elsewhere"), secret)
+
+    old = tmp_path / "old"  # a killed run recorded by a version before stable splits (no data.split)
+    (old / "checkpoints").mkdir(parents=True)
+    (old / "checkpoints" / "journal.json").write_text("{}")
+    recorded = validate(tiny_config(old))
+    del recorded["data"]["split"]
+    (old / "config.json").write_text(__import__("json").dumps(recorded))
+    with pytest.raises(ConfigError, match="it split its data by positions: set data.split: positions"):
+        RunDirectory(str(old), validate(tiny_config(old)), resume=True)._check_state()
+    pinned = validate(tiny_config(old))
+    pinned["data"]["split"] = "positions"
+    RunDirectory(str(old), pinned, resume=True)._check_state()

@@ -37,11 +37,12 @@ def test_every_method_tunes_through_the_cli(method, tmp_path):
     results = tune.tune(validate(config))
     out = tmp_path / "t"
     assert results["released"] and results["hyperparameters"]["training.learning_rate"] in (0.03, 0.1)
-    ledger = PrivacyLedger.load(out / "ledger.json")
+    ledger = PrivacyLedger.load(out / "release" / "ledger.json")
     assert ledger.tuning == CandidateCount(1.5, "geometric")
-    assert (out / "model.keras").exists() and (out / "export").is_dir() == (method == "sparta")
-    released = json.loads((out / "results.json").read_text())
+    assert (out / "release" / "model.keras").exists() and (out / "release" / "export").is_dir() == (method == "sparta")
+    released = json.loads((out / "release" / "results.json").read_text())
     assert "candidates" not in released and tune.CANDIDATES + os.sep not in json.dumps(released)  # not K, no index
+    assert json.loads((out / "results.json").read_text())["not_released"]["candidates"] == 1  # the private side
     if method == "oracle":
         assert not results["private"] and results["epsilon"] is None
         return
@@ -89,7 +90,7 @@ def test_sigkill_mid_candidate_then_resume_keeps_the_draws_and_never_undercounts
     assert (out / "candidates" / "000" / "results.json").stat().st_mtime_ns == first_results  # not run again
     state = json.loads(state_before)
     count = CandidateCount.from_dict(state["draws"]["count"])
-    released = PrivacyLedger.load(out / "ledger.json")
+    released = PrivacyLedger.load(out / "release" / "ledger.json")
     killed = PrivacyLedger.load(second / "ledger.json")
     assert any(entry.phase == "interrupted" for entry in killed.entries)  # the killed steps stay charged
     for index in range(len(state["draws"]["candidates"])):
@@ -100,7 +101,7 @@ def test_sigkill_mid_candidate_then_resume_keeps_the_draws_and_never_undercounts
         assert released.epsilon() >= tuning_epsilon(per_run_event(training, state["score_noise"]), count,
                                                     released.delta) - 1e-12
     assert released.epsilon() <= 8.0 * (1 + 1e-9)
-    results = json.loads((out / "results.json").read_text())
+    results = json.loads((out / "release" / "results.json").read_text())
     assert results["released"] and results["epsilon"] == released.epsilon()
 
 

@@ -9,7 +9,8 @@ release is its own directory, apart from the private state, holding::
     model.keras        the winner's model, loaded and saved again by a fresh process: the zip's entry
                        times and metadata.json's date_saved fixed (:data:`RELEASE_TIME`)
     export/<version>/  the TF Serving SavedModel, exported by that fresh process (TensorFlow names
-                       functions from a process-wide counter, which a fresh process starts at zero)
+                       functions from a process-wide counter, which a fresh process starts at zero;
+                       the random uuid of ``fingerprint.pb`` cleared)
     results.json       what :func:`released_results` keeps: the values, the noisy score, epsilon, ...
     ledger.json        the whole procedure's ledger (its caveats and reasons sorted, not in the order
                        the candidates ran)
@@ -110,8 +111,26 @@ def _write(request: dict, staging: str) -> None:
     _fix_zip(saved)
     if request["export_version"] is not None:
         preprocessing = request["preprocessing"]
-        export_for_serving(model, os.path.join(staging, "export"), version=request["export_version"],
-                           preprocessing=preprocessing)
+        version_dir = export_for_serving(model, os.path.join(staging, "export"), version=request["export_version"],
+                                         preprocessing=preprocessing)
+        _fix_fingerprint(version_dir)
+
+
+def _fix_fingerprint(saved_model_dir: str) -> None:
+    """Clears the random ``uuid`` TensorFlow >= 2.16 writes into ``fingerprint.pb`` (the hashes of the
+    SavedModel's content stay): a value that differs between two exports of the same model."""
+    path = os.path.join(saved_model_dir, "fingerprint.pb")
+    if not os.path.exists(path):
+        return
+    from tensorflow.core.protobuf import fingerprint_pb2
+
+    fingerprint = fingerprint_pb2.FingerprintDef()
+    with open(path, "rb") as f:
+        fingerprint.ParseFromString(f.read())
+    if "uuid" in fingerprint.DESCRIPTOR.fields_by_name:
+        fingerprint.ClearField("uuid")
+    with open(path, "wb") as f:
+        f.write(fingerprint.SerializeToString(deterministic=True))
 
 
 def _fix_zip(path: str) -> None:
