@@ -21,13 +21,14 @@ from trainers.interrupt import stop_on_ctrl_c
 from trainers.quiet import import_tensorflow
 
 
-def parse_args(argv=None, prog: str = "sparta-train", description: str | None = None) -> argparse.Namespace:
+def parse_args(argv=None, prog: str = "sparta-train", description: str | None = None,
+               resume_help: str = "continue from the last checkpoint in output_dir") -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=prog, description=description or __doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="YAML config, e.g. configs/quickstart.yaml")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config value (repeatable), e.g. --set privacy.target_epsilon=2")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit without training")
-    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output_dir")
+    parser.add_argument("--resume", action="store_true", help=resume_help)
     return parser.parse_args(argv)
 
 

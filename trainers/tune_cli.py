@@ -14,9 +14,16 @@ import sys
 
 from trainers.cli import parse_args, run_command
 
+DESCRIPTION = ("Private hyperparameter tuning: a random number of sparta-train runs of the config (a geometric number "
+               "with mean tuning.mean by default; tuning.shape: logarithmic, geometric, poisson or a number >= 0), "
+               "each with values drawn from the tuning section's space; the best by noisy validation accuracy is "
+               "released in OUTPUT_DIR/release/, and the whole procedure meets privacy.target_epsilon.")
+RESUME_HELP = ("continue a killed tuning in output_dir: the same candidates (nothing is drawn again), the finished "
+               "ones kept, the interrupted one resumed from its last checkpoint (every step it started is charged)")
+
 
 def main(argv=None) -> int:
-    args = parse_args(argv, prog="sparta-tune", description=__doc__.splitlines()[2])
+    args = parse_args(argv, prog="sparta-tune", description=DESCRIPTION, resume_help=RESUME_HELP)
 
     def job(run, config, args):
         from trainers import tune
