@@ -105,7 +105,7 @@ def make_private(
     augmentation: Any = None,
     run_dir: str | None = None,
     ema: float | None = None,
-    use_ema_weights: bool = True,
+    use_ema_weights: bool | None = None,
     **method_options: Any,
 ):
     """A DP model for ``model`` whose ``fit`` runs ``method`` within ``(target_epsilon, delta)``.
@@ -140,7 +140,7 @@ def make_private(
       ema: a decay in (0, 1) (e.g. 0.999) to keep an exponential moving average of the weights
         (:mod:`sparta_tf.optim.weight_average`; post-processing, no privacy cost); None (default): none.
       use_ema_weights: with ``ema``, validation and the model after ``fit`` (evaluate, save, export) use
-        the averaged weights (default True); False: the raw weights.
+        the averaged weights (None, the default: True with ``ema``); False: the raw weights; refused without ``ema``.
       **method_options: the method's options (``warmup_epochs``, ``density``, ... for sparta), as
         :func:`sparta_tf.methods.make_method` takes them.
 

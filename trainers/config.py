@@ -372,6 +372,9 @@ def _validate_section(section: str, values: Any, fields: dict[str, Field]) -> di
 
 def _check_cross_field(config: dict) -> None:
     method, training, privacy = config["method"], config["training"], config["privacy"]
+    if training["ema"] is None and training["use_ema_weights"] is False:
+        raise ConfigError("training.use_ema_weights=false has no effect without training.ema: set training.ema "
+                          "(e.g. 0.999) or remove use_ema_weights")
     epochs, name = training["epochs"], method["name"]
     if "warmup_epochs" in method and method["warmup_epochs"] is None:
         method["warmup_epochs"] = method_spec.default_warmup_epochs(epochs)

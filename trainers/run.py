@@ -320,7 +320,7 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
                        engine=training["engine"], max_memory=training["max_memory"],
                        jit_compile=training["jit_compile"],
                        augmult=training["augmult"], augmentation=augmentation_of(config), ema=training["ema"],
-                       use_ema_weights=training["use_ema_weights"])
+                       use_ema_weights=training["use_ema_weights"] if training["ema"] is not None else None)
     dp.compile(make_optimizer(config, plan.update_steps), loss=LOSS, metrics=["accuracy"])
     if dp.private_run.previous is None:  # a fresh run (RunDirectory refuses a checkpoint without --resume)
         if run_dir.resume:

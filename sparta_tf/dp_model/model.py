@@ -135,7 +135,7 @@ class DPModel(tf.keras.Model):
         augmult: int = 1,
         augmentation=None,
         ema: float | None = None,
-        use_ema_weights: bool = True,
+        use_ema_weights: bool | None = None,
         name: str | None = None,
     ):
         super().__init__(name=name or f"dp_{model.name}")
@@ -146,7 +146,10 @@ class DPModel(tf.keras.Model):
             raise ValueError(f"engine={engine!r} {one_of_problem(engine, ENGINES)}")
         self.model = model
         check_decay(ema)
-        self._ema, self._use_ema_weights = ema, use_ema_weights
+        if use_ema_weights is not None and ema is None:
+            raise ValueError(f"use_ema_weights={use_ema_weights} has no effect without ema: pass ema=0.999 (weight "
+                             "averaging) or leave use_ema_weights out")
+        self._ema, self._use_ema_weights = ema, use_ema_weights is not False
         self.weight_average: WeightAverage | None = None  # built by compile when ema is set
         self._mechanism = DpSgdMechanism(noise_multiplier, sample_rate, clip_norm, dataset_size, delta)
         self.physical_batch_size = physical_batch_size
