@@ -34,6 +34,7 @@ outside the model's ``call``.
 from __future__ import annotations
 
 import logging
+import re
 
 import numpy as np
 import tensorflow as tf
@@ -56,6 +57,20 @@ class NotPerExampleSafeError(ValueError):
 def is_batch_normalization(layer) -> bool:
     """True for every BatchNormalization variant (its class or a base class is named ``*BatchNorm*``)."""
     return any("BatchNorm" in cls.__name__ for cls in type(layer).__mro__)
+
+
+ROOT_SCOPE_NAME = re.compile(r"^[A-Za-z0-9.][A-Za-z0-9_.\\/>-]*$")
+"""TensorFlow's rule for a name scope opened at the top of a traced function, which a model's
+``__call__`` opens with the model's name."""
+
+
+def reject_unscopable_name(model: tf.keras.Model) -> None:
+    """A one-line ValueError when TensorFlow would refuse the model's name as a root name scope (a name
+    starting with ``_``, for example): Keras's own ``fit`` fails on it too, deep inside the traced step."""
+    if not ROOT_SCOPE_NAME.match(model.name):
+        raise ValueError(f"the model's name {model.name!r} is not one TensorFlow accepts as a name scope (it must "
+                         "start with a letter, a digit or '.'); rename it, e.g. tf.keras.Model(inputs, outputs, "
+                         f"name={model.name.lstrip('_-/>') or 'model'!r})")
 
 
 def reject_batch_mixing_layers(model: tf.keras.Model) -> None:

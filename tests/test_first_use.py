@@ -43,3 +43,12 @@ def test_a_config_that_turns_off_averaged_weights_without_averaging_is_refused(t
     validate(set_key(set_key(tiny_config(tmp_path), "training.use_ema_weights", False), "training.ema", 0.99))
     recorded = validate(tiny_config(tmp_path))  # config.json records the default; repeating a run must work
     assert recorded["training"]["use_ema_weights"] is True and validate(recorded)["training"]["ema"] is None
+
+
+def test_a_model_name_tensorflow_refuses_as_a_scope_is_refused_before_anything_runs():
+    inputs = tf.keras.Input((4,))
+    model = tf.keras.Model(inputs, tf.keras.layers.Dense(2)(inputs), name="_m")
+    with pytest.raises(ValueError, match=r"the model's name '_m' is not one TensorFlow accepts.*name='m'") as error:
+        sparta_tf.make_private(model, method="all", target_epsilon=8.0, delta=1e-5, epochs=1, batch_size=8,
+                               dataset_size=64)
+    assert "\n" not in str(error.value)

@@ -46,7 +46,7 @@ from sparta_tf.dp_model import fit_inputs
 from sparta_tf.dp_step import KEEP_ALL, GradientFilter, GradientRelease, MicroBatches, Release, ScoreRelease, StepParts
 from sparta_tf.dp_step.views import AugmentationMultiplicity, check_multiplicity
 from sparta_tf.losses import per_example_loss_fn
-from sparta_tf.model_checks import reject_batch_mixing_layers
+from sparta_tf.model_checks import reject_batch_mixing_layers, reject_unscopable_name
 from sparta_tf.optim.masked_optimizer import MaskedOptimizer
 from sparta_tf.optim.weight_average import AveragedWeights, WeightAverage, check_decay
 from sparta_tf.per_example import BookkeepingEngine, make_engine
@@ -139,6 +139,7 @@ class DPModel(tf.keras.Model):
         name: str | None = None,
     ):
         super().__init__(name=name or f"dp_{model.name}")
+        reject_unscopable_name(model)
         reject_batch_mixing_layers(model)
         if sampling not in SAMPLING_MODES:
             raise ValueError(f"sampling={sampling!r} is not one of {SAMPLING_MODES}")
