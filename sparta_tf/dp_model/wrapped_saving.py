@@ -1,0 +1,53 @@
+"""What :class:`~sparta_tf.DPModel` saves and restores: the wrapped Keras model's files and weights (Keras's
+saving and callbacks act on the model you built), and the state a resumable checkpoint holds."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+
+class WrappedModelSaving:
+    """Saving, weights and checkpoint state of a DP model (a mixin of :class:`~sparta_tf.DPModel`, which holds
+    ``model``, ``dp_step``, the noise seed, the masked optimizer and the weight average)."""
+
+    def save(self, filepath, *args, **kwargs):
+        """Saves the wrapped Keras model (``self.model.save``): the file loads with
+        ``keras.models.load_model`` into the model you built, without sparta_tf. The DP state (step
+        counter, noise seed, optimizer slots, ledger) is not in it: a resumable run keeps that in
+        ``make_private(run_dir=...)``'s checkpoints (:mod:`sparta_tf.checkpointing`)."""
+        return self.model.save(filepath, *args, **kwargs)
+
+    def save_weights(self, filepath, *args, **kwargs):
+        """The wrapped model's weights (``self.model.save_weights``), loadable by its ``load_weights``
+        (so ``ModelCheckpoint(save_weights_only=True)`` writes a file the model you built can read)."""
+        return self.model.save_weights(filepath, *args, **kwargs)
+
+    def load_weights(self, filepath, *args, **kwargs):
+        """Loads weights saved by :meth:`save_weights` (or the wrapped model's own) into the wrapped model."""
+        return self.model.load_weights(filepath, *args, **kwargs)
+
+    def get_weights(self):
+        """The wrapped model's weights (what ``EarlyStopping(restore_best_weights=True)`` keeps); the DP
+        step counter and noise seed are not weights of the model and are never rewound."""
+        return self.model.get_weights()
+
+    def set_weights(self, weights):
+        """Sets the wrapped model's weights (see :meth:`get_weights`)."""
+        return self.model.set_weights(weights)
+
+    def checkpoint_state(self) -> dict[str, tf.Module]:
+        """What a resumable checkpoint must hold: weights, optimizer state, step counters, seed.
+
+        ``{"model", "dp_step", "noise_seed", "iterations", "masked_optimizer", "weight_average"}``
+        (``masked_optimizer`` only after ``compile``, ``weight_average`` with ``ema``), for
+        ``tf.train.Checkpoint``. The privacy ledger is not a ``tf.Module``: save ``ledger.to_json()``
+        beside the checkpoint and restore it (``PrivacyLedger.from_json``) with it; ``fit`` refuses a
+        ``dp_step`` its ledger does not cover.
+        """
+        state = {"model": self.model, "dp_step": self.dp_step, "noise_seed": self._noise_seed}
+        if self._masked_optimizer is not None:
+            state["iterations"] = self.optimizer.iterations
+            state["masked_optimizer"] = self._masked_optimizer
+        if self.weight_average is not None:
+            state["weight_average"] = self.weight_average
+        return state
