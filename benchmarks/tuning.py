@@ -96,15 +96,50 @@ def run_tuning(config: dict) -> dict:
     return results | {"candidates": len(state["draws"]["candidates"]), "candidate_seconds": seconds}
 
 
-def today(method: str, epsilon: float, profile: str = PROFILE) -> list[float]:
-    """The profile's test accuracies (seeds 0-2, rate tuned non-privately) at ``epsilon``."""
+def today(method: str, epsilon: float, profile: str = PROFILE) -> dict[int, float]:
+    """Seed -> the profile's test accuracy (seeds 0-2, rate tuned non-privately) at ``epsilon``."""
     path = os.path.join(ROOT, "benchmarks", "results", f"{TRACK}-{profile}.json")
     if not os.path.exists(path):
-        return []
+        return {}
     with open(path) as f:
         runs = json.load(f)["runs"]
-    return [r["test_accuracy"] for r in runs if r["method"] == method and r["target_epsilon"] == epsilon
-            and r["kind"] == "main" and r["seed"] in SEEDS]
+    return {r["seed"]: r["test_accuracy"] for r in runs if r["method"] == method and r["target_epsilon"] == epsilon
+            and r["kind"] == "main" and r["seed"] in SEEDS}
+
+
+def paired(tuned: dict[int, float], untuned: dict[int, float]) -> str:
+    """Tuned minus today's on the seeds both have, in points: mean [95% t-interval] (n)."""
+    from scipy import stats
+
+    differences = [100 * (tuned[s] - untuned[s]) for s in sorted(tuned) if s in untuned]
+    if not differences:
+        return "-"
+    mean = statistics.fmean(differences)
+    if len(differences) < 2:
+        return f"{mean:+.2f} (n = 1)"
+    half = stats.t.ppf(0.975, len(differences) - 1) * statistics.stdev(differences) / math.sqrt(len(differences))
+    return f"{mean:+.2f} [{mean - half:+.2f}, {mean + half:+.2f}] (n = {len(differences)})"
+
+
+def untuned_noise(method: str, epsilon: float, profile_name: str = PROFILE) -> float | None:
+    """The noise multiplier of one untuned run of ``method`` at ``epsilon`` on the profile (PLD, as the
+    standard profile's runs were calibrated), for the price of tuning; None when it cannot be planned."""
+    from sparta_tf.data.splits import fraction_count
+    from sparta_tf.methods import make_method
+    from sparta_tf.private_training import plan_method
+    from trainers.config import validate
+
+    profile = utility.PROFILES[profile_name]
+    base = {"data": {"source": "digits"}, "model": {"name": "resnet20_gn"}, "privacy": {},  # only the method matters
+            "training": {"epochs": profile["epochs"], "batch_size": profile["batch_size"]}}
+    config = validate(utility.cell_config(base, method, epsilon, 0, 0.1, utility.DEFAULT_DENSITY, "unused"))
+    options = {k: v for k, v in config["method"].items() if k != "name"}
+    n = profile["limit_train"] - fraction_count(profile["limit_train"], 0.1)  # the pinned positions split's train size
+    try:
+        return plan_method(make_method(method, **options), dataset_size=n, batch_size=profile["batch_size"],
+                           epochs=profile["epochs"], delta=utility.DELTA, target_epsilon=epsilon).noise_multiplier
+    except (ValueError, SystemExit):
+        return None
 
 
 def interval(values: list[float]) -> str:
@@ -143,19 +178,24 @@ def report(records: list[dict], missing: list[str], out_dir: str, name: str = NA
              "over seeds.", "",
              "Run (resumes): `python benchmarks/tuning.py --data-dir ../shared/data --jobs 2`; the tuning seeds are "
              "public (1000 + seed) so that the benchmark reproduces, which the released ledgers note.", "",
-             "| method | epsilon | privately tuned (covered) | today's rate (not covered) | rates released | "
-             "per-run epsilon | candidates (total) | CPU-hours |", "|---|---|---|---|---|---|---|---|"]
+             "| method | epsilon | privately tuned (covered) | today's rate (not covered) | tuned − today, paired "
+             "(points) | rates released | noise: each candidate / one untuned run | per-run epsilon | candidates "
+             "(total) | CPU-hours |", "|---|---|---|---|---|---|---|---|---|---|"]
     for method in METHODS:
         for epsilon in EPSILONS:
             mine = [r for r in records if r["method"] == method and r["target_epsilon"] == epsilon]
             if not mine:
                 continue
-            accuracies = [r["test_accuracy"] for r in mine if r.get("released")]
+            released = {r["seed"]: r["test_accuracy"] for r in mine if r.get("released")}
+            accuracies = list(released.values())
             rates = [r["hyperparameters"]["training.learning_rate"] for r in mine if r.get("released")]
             hours = sum(sum(r["candidate_seconds"]) for r in mine) / 3600
             previous = today(method, epsilon, profile)
+            sigma, untuned = mine[0]["noise_multiplier"], untuned_noise(method, epsilon, profile)
+            noise = f"{sigma:.3g} / {untuned:.3g} ({sigma / untuned:.2f}x)" if untuned else f"{sigma:.3g}"
             lines.append(f"| {method} | {epsilon:g} | {interval(accuracies) if accuracies else '-'} | "
-                         f"{interval(previous) if previous else '-'} | {rates} | {mine[0]['per_run_epsilon']:.3g} | "
+                         f"{interval(list(previous.values())) if previous else '-'} | {paired(released, previous)} | "
+                         f"{rates} | {noise} | {mine[0]['per_run_epsilon']:.3g} | "
                          f"{sum(r['candidates'] for r in mine)} | {hours:.1f} |")
     total = sum(sum(r["candidate_seconds"]) for r in records) / 3600
     lines += ["", f"Cost so far: {sum(r['candidates'] for r in records)} candidate runs, {total:.1f} CPU-hours "
