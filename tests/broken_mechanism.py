@@ -43,9 +43,13 @@ def broken_mechanism(noise: bool = True, clipping: bool = True):
     patches += [("sparta_tf.dp_step.noise", "noise_draws", _zero_noise_draws)] if not noise else []
     patches += [(name, "clip_factors", _no_clipping) for name in CLIP_USERS if not clipping]
     saved = []
+    # Import every module before patching any: a module imported for the first time inside the block would
+    # bind an already-patched function by `from ... import` (scoring's gaussian_noise from dp_step.noise), and
+    # "restore" that patch, leaving the rest of the process with zero selection noise.
+    modules = {name: importlib.import_module(name) for name, _, _ in patches}
     try:
         for name, attribute, replacement in patches:
-            module = importlib.import_module(name)
+            module = modules[name]
             if not hasattr(module, attribute):
                 raise AssertionError(f"{name}.{attribute} is gone: update tests/broken_mechanism.py")
             saved.append((module, attribute, getattr(module, attribute)))
