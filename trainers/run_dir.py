@@ -28,8 +28,9 @@ LOCK_FILE = ".lock"
 RESULTS = "results.json"
 CONFIG = "config.json"
 STALE_TEMPORARIES = (".tmp-*", "*.tmp.keras", ".ledger-*.tmp", "checkpoints/.partial-*", "checkpoints/.tmp-*",
-                     "export/.tmp-export-*", "mask/.tmp-*", "mask/*.tmp-*")
-"""What a killed writer leaves behind (atomic writes go through these names first; ``*.tmp.keras``
+                     "export/.tmp-export-*", "mask/.tmp-*", "mask/*.tmp-*", ".release-*", ".winner-*")
+"""What a killed writer leaves behind (atomic writes go through these names first; ``.release-*``: a
+tuning's release being written, :mod:`sparta_tf.tuning.release`; ``*.tmp.keras``
 and ``mask/*.tmp-*`` are the names versions before ``replace_atomically`` used)."""
 
 
