@@ -215,7 +215,7 @@ def cached_result(config: dict, needs_rows: bool = False) -> dict | None:
         return None
     with open(results_path) as f:
         cached = json.load(f)
-    if cached.get("cell") != _comparable(config):
+    if _with_recorded_splits(cached.get("cell")) != _comparable(config):
         return None
     return None if needs_rows and _lacks_rows(cached) else cached
 
@@ -282,6 +282,18 @@ def validate_config(config: dict) -> dict:
     from trainers.config import validate
 
     return validate(config)
+
+
+def _with_recorded_splits(cell: dict | None) -> dict | None:
+    """A recorded cell's configuration with the splits it ran: one recorded before ``data.split`` existed split
+    by positions, which the tracks now pin (:func:`base_config`), so it still matches today's cell."""
+    if not cell:
+        return cell
+    cell = copy.deepcopy(cell)
+    for data in (cell.get("data"), (cell.get("pretrain") or {}).get("data")):
+        if isinstance(data, dict):
+            data.setdefault("split", "positions")
+    return cell
 
 
 def _comparable(config: dict) -> dict:
