@@ -192,12 +192,13 @@ def test_no_module_draws_randomness_outside_the_registry():
 
 
 def test_every_stream_a_module_names_is_registered():
-    """A stream name in a ``numpy_rng`` / ``step_key`` / ``int_seeds`` call or a ``*_STREAM`` constant is a key of
-    STREAMS: a typo fails here, not at the first draw of a long run."""
+    """A stream name in a ``numpy_rng`` / ``step_key`` / ``int_seeds`` call, a data split's purpose or a
+    ``*_STREAM`` constant is a key of STREAMS: a typo fails here, not at the first draw of a long run."""
     named = set()
     for path in glob.glob(os.path.join(SOURCES, "**", "*.py"), recursive=True):
         text = open(path, encoding="utf-8").read()
         named |= set(re.findall(r"(?:numpy_rng|step_key|int_seeds)\([^)\n]*?,\s*\"(\w+)\"", text))
+        named |= set(re.findall(r"splitter\.(?:carve|limit)\([^)\n]*?,\s*\"(\w+)\"", text))  # the data splits' purposes
         named |= set(re.findall(r"\b[A-Z_]*STREAM\s*=\s*\"(\w+)\"", text))
         named |= set(re.findall(r"stream=\"(\w+)\"", text))
     assert {"random_mask", "val_split", "canaries", "augmentation", "selection_noise"} <= named

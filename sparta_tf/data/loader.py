@@ -69,7 +69,8 @@ class _Splitter:
     key: Optional[int]
 
     def carve(self, part: _Part, fraction: float, purpose: str) -> tuple[_Part, _Part]:
-        """``(held out, rest)`` of ``part`` for ``purpose`` at ``fraction``."""
+        """``(held out, rest)`` of ``part`` for ``purpose`` (a registered stream's name) at ``fraction``."""
+        random_streams.stream(purpose)  # a registered name: the positions split draws from that stream
         if self.key is None:
             taken, rest = stratified_take(part.y, fraction_count(len(part.y), fraction),
                                           random_streams.numpy_rng(self.seed, purpose))
@@ -79,7 +80,8 @@ class _Splitter:
         return part.subset(taken), part.subset(rest)
 
     def limit(self, part: _Part, limit: Optional[int], purpose: str) -> _Part:
-        """At most ``limit`` examples of ``part``."""
+        """At most ``limit`` examples of ``part`` (``purpose``: a registered stream's name)."""
+        random_streams.stream(purpose)
         if limit is None or limit >= len(part.y):
             return part
         if self.key is None:
