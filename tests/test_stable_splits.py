@@ -140,11 +140,11 @@ def test_a_run_keeps_its_secret_split_key_and_a_run_started_before_stable_splits
     from small_configs import tiny_config
 
     secret = validate(tiny_config(tmp_path / "a", seed=None))
-    first = split_key.run_split_key(str(tmp_path), secret, resume=False)
-    assert split_key.run_split_key(str(tmp_path), secret, resume=True) == first  # read back, never drawn again
+    first = split_key.run_split_key(str(tmp_path), secret)
+    assert split_key.run_split_key(str(tmp_path), secret) == first  # read back, never drawn again
     assert split_key.stored_split_key(str(tmp_path), secret) == first
     seeded = validate(tiny_config(tmp_path / "b", seed=4))
-    assert split_key.run_split_key(str(tmp_path / "none"), seeded, False) == loader.derived_split_key(4)
+    assert split_key.run_split_key(str(tmp_path / "none"), seeded) == loader.derived_split_key(4)
     assert not (tmp_path / "none").exists()  # a seeded config's key is its seed's: nothing to keep
     with pytest.raises(ConfigError, match="data_split.json is missing"):
         split_key.stored_split_key(str(tmp_path / "elsewhere"), secret)

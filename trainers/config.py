@@ -36,7 +36,7 @@ from typing import Any, Callable
 import yaml
 
 from sparta_tf import choices, method_spec, run_checks  # TensorFlow-free, as is sparta_tf.data.spec: nothing here imports TensorFlow
-from sparta_tf.data.spec import SOURCE_KEYS
+from sparta_tf.data.spec import DEFAULT_SPLIT, SOURCE_KEYS
 
 METHOD_NAMES = tuple(method_spec.SPECS)
 
@@ -280,7 +280,7 @@ def validate(raw: dict) -> dict:
         config[section] = dict(value)
     if "source" not in config["data"]:
         raise ConfigError(f"data.source is required ({_or_list(tuple(SOURCE_KEYS))})")
-    config["data"].setdefault("split", "hash")  # recorded, so that a resumed run knows its splits (trainers.split_key)
+    config["data"].setdefault("split", DEFAULT_SPLIT)  # recorded, so that a resumed run knows its splits (trainers.split_key)
     if "name" not in config["model"]:
         raise ConfigError("model.name is required (e.g. resnet20_gn)")
     notes: list[str] = []

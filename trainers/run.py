@@ -298,7 +298,7 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
     preflight(config)
     split_key = getattr(hooks, "split_key", None)
     if split_key is None:
-        split_key = split_keys.run_split_key(output_dir, config, run_dir.resume)
+        split_key = split_keys.run_split_key(output_dir, config)
     dataset = load_private_data(config, split_key)
     if hooks is not None:
         dataset = hooks.private_data(dataset)

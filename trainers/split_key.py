@@ -20,18 +20,21 @@ import os
 
 from sparta_tf import random_streams
 from sparta_tf.atomic_files import write_atomic
+from sparta_tf.data.spec import DEFAULT_SPLIT, POSITIONS_SPLIT
 from trainers.config import ConfigError
 
 SPLIT_KEY = "data_split.json"
-DEFAULT_SPLIT = "hash"
-LEGACY_SPLIT = "positions"
+
+
+def _stable_without_split_seed(config: dict) -> bool:
+    """Stable (hash) splits whose key ``data.split_seed`` does not give."""
+    data = config["data"]
+    return data.get("split", DEFAULT_SPLIT) == DEFAULT_SPLIT and data.get("split_seed") is None
 
 
 def needs_secret_key(config: dict) -> bool:
     """Whether the run's splits take a secret key of their own (module doc)."""
-    data = config["data"]
-    return (data.get("split", DEFAULT_SPLIT) == DEFAULT_SPLIT and data.get("split_seed") is None
-            and config["training"]["seed"] is None)
+    return _stable_without_split_seed(config) and config["training"]["seed"] is None
 
 
 def seed_key(config: dict) -> int | None:
@@ -39,10 +42,8 @@ def seed_key(config: dict) -> int | None:
     caveat; None otherwise."""
     from sparta_tf.data.loader import derived_split_key
 
-    data, seed = config["data"], config["training"]["seed"]
-    if seed is None or data.get("split", DEFAULT_SPLIT) != DEFAULT_SPLIT or data.get("split_seed") is not None:
-        return None
-    return derived_split_key(seed)
+    seed = config["training"]["seed"]
+    return derived_split_key(seed) if seed is not None and _stable_without_split_seed(config) else None
 
 
 def new_key(config: dict) -> int | None:
@@ -50,15 +51,14 @@ def new_key(config: dict) -> int | None:
     return random_streams.new_seed() if needs_secret_key(config) else seed_key(config)
 
 
-def run_split_key(output_dir: str, config: dict, resume: bool) -> int | None:
+def run_split_key(output_dir: str, config: dict) -> int | None:
     """The run's split key: read from ``output_dir`` (a resumed run), else drawn and written there before
     the data is loaded; :func:`seed_key` when the config's seed decides the splits."""
     if not needs_secret_key(config):
         return seed_key(config)
     path = os.path.join(output_dir, SPLIT_KEY)
     if os.path.exists(path):
-        with open(path) as f:
-            return random_streams.check_seed(json.load(f)["key"])
+        return _read_key(path)
     key = random_streams.new_seed()
     write_atomic(path, json.dumps({"key": key}))  # private: beside the checkpoints, never released
     return key
@@ -73,10 +73,14 @@ def stored_split_key(output_dir: str, config: dict) -> int | None:
     if not os.path.exists(path):
         raise ConfigError(f"{path} is missing: the run's data splits were drawn with a secret key kept there; "
                           "check the run's own output_dir")
+    return _read_key(path)
+
+
+def _read_key(path: str) -> int:
     with open(path) as f:
         return random_streams.check_seed(json.load(f)["key"])
 
 
 def recorded_data(data: dict) -> dict:
     """A recorded ``data`` section as the run used it: without ``split``, by positions (module doc)."""
-    return data if "split" in data else {**data, "split": LEGACY_SPLIT}
+    return data if "split" in data else {**data, "split": POSITIONS_SPLIT}

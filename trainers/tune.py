@@ -168,7 +168,7 @@ class CandidateHooks:
         score = procedure.score_candidate(dp, dataset.x_val, dataset.y_val, self.draws, self.index,
                                           self.tuning.score_noise)
         replace_atomically(os.path.join(self.output_dir, MODEL), dp.model.save, suffix=".keras")
-        preprocessing = run.serving_preprocessing(dataset)
+        preprocessing = run.serving_preprocessing(dataset)  # JSON-ready: results.json holds it
         if preprocessing is not None:
             preprocessing = {key: np.asarray(value).tolist() for key, value in preprocessing.items()}
         return {"tuning_score": score, "serving_preprocessing": preprocessing}
@@ -277,7 +277,7 @@ def _release(config: dict, state: dict, draws, tally: procedure.Tally) -> dict:
     results = {"released": best is not None, "method": config["method"]["name"], "private": ledger.is_private,
                "epsilon": ledger.epsilon() if ledger.is_private else None, "target_epsilon": privacy["target_epsilon"],
                "delta": privacy["delta"], "accountant": ledger.accountant, "tuning": draws.count.to_dict(),
-               "per_run_epsilon": state["per_run_epsilon"], "privacy_caveats": sorted(ledger.caveats())}
+               "per_run_epsilon": state["per_run_epsilon"], "privacy_caveats": ledger.caveats()}
     private = {"candidates": len(draws.candidates), "winner": best, "score_noise": state["score_noise"],
                "validation_size": state["validation_size"]}
     model_path = export_version = preprocessing = None

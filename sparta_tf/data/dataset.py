@@ -47,11 +47,12 @@ class Dataset:
 
     def privacy_caveats(self) -> list[str]:
         """What the DP guarantee assumes of this data set beyond the mechanism (empty: nothing)."""
-        if not self.class_count_from_private_labels:
-            return list(self.split_caveats)
-        return list(self.split_caveats) + [f"the number of classes ({self.num_classes}) was read off the private labels, so one example of "
-                "the top class can change the model's head; the guarantee assumes the label set is public: "
-                "give data.classes or data.class_names"]
+        caveats = list(self.split_caveats)
+        if self.class_count_from_private_labels:
+            caveats.append(f"the number of classes ({self.num_classes}) was read off the private labels, so one "
+                           "example of the top class can change the model's head; the guarantee assumes the label set "
+                           "is public: give data.classes or data.class_names")
+        return caveats
 
     def nonprivate_reasons(self) -> list[str]:
         """Why training on this data set is not covered by the DP guarantee (empty: it is)."""

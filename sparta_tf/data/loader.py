@@ -32,7 +32,7 @@ from sparta_tf.data import membership
 from sparta_tf.data.normalize import channel_stats, fixed_stats, standardize
 from sparta_tf.data.raw import RawData, Split
 from sparta_tf.data.sources import SOURCES
-from sparta_tf.data.spec import ClassRef, DataSpec, parse_spec
+from sparta_tf.data.spec import POSITIONS_SPLIT, ClassRef, DataSpec, parse_spec
 from sparta_tf.data.splits import fraction_count, stratified_take
 
 __all__ = ["build_dataset", "derived_split_key", "load_dataset"]
@@ -126,8 +126,9 @@ def build_dataset(raw: RawData, spec: DataSpec, seed: int, split_key: Optional[i
                         "check data.classes and the data files")
     _check_class_counts(train.y, kept, raw.class_names)
     train, test = _test_split(raw, train, kept, spec, splitter)
-    limited = splitter.key is not None and spec.limit_train is not None and spec.limit_train < len(train.y)
+    before_limit = len(train.y)
     train = splitter.limit(train, spec.limit_train, "limit_train")
+    limited = splitter.key is not None and len(train.y) < before_limit
     test = splitter.limit(test, spec.limit_test, "limit_test")
     val, train = splitter.carve(train, spec.val_fraction, "val_split")
     if len(train.y) == 0:
@@ -167,7 +168,7 @@ LIMIT_CAVEAT = ("data.limit_train={limit} keeps the examples with the smallest k
 
 def _splitter(spec: DataSpec, seed: int, split_key: Optional[int]) -> tuple[_Splitter, list[str]]:
     """The splitter ``spec`` asks for, and the caveats it brings (module doc of :mod:`membership`)."""
-    if spec.split == "positions":
+    if spec.split == POSITIONS_SPLIT:
         return _Splitter(seed, None), [POSITIONS_CAVEAT]
     if spec.split_seed is not None:
         return _Splitter(seed, derived_split_key(spec.split_seed)), [KNOWN_KEY_CAVEAT.format(where="data.split_seed")]

@@ -55,7 +55,8 @@ SOURCE_KEYS: dict[str, frozenset[str]] = {
 """Keys each source accepts on top of :data:`COMMON_KEYS`."""
 
 NORMALIZATIONS: tuple[str, ...] = ("none", "standard")
-SPLITS: tuple[str, ...] = ("hash", "positions")
+DEFAULT_SPLIT, POSITIONS_SPLIT = "hash", "positions"
+SPLITS: tuple[str, ...] = (DEFAULT_SPLIT, POSITIONS_SPLIT)
 """How examples are held out: ``hash`` (each by a keyed hash of its content, stable under adding or
 removing others: :mod:`sparta_tf.data.membership`) or ``positions`` (a seeded, stratified permutation of
 positions, the splits of versions before stable splits: kept for results that must stay comparable)."""
@@ -89,7 +90,7 @@ class DataSpec:
     std: Optional[tuple[float, ...]] = None
     num_examples: int = 1000
     num_classes: int = 10
-    split: str = "hash"
+    split: str = DEFAULT_SPLIT
     split_seed: Optional[int] = None
 
     @property

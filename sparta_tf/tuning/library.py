@@ -32,7 +32,6 @@ import dataclasses
 import inspect
 from typing import Any, Callable, Mapping
 
-import numpy as np
 import tensorflow as tf
 
 from sparta_tf import backend
@@ -93,8 +92,7 @@ class TuningResult:
         with tempfile.TemporaryDirectory(prefix=".winner-", dir=os.path.dirname(os.path.abspath(directory))) as tmp:
             path = os.path.join(tmp, "model.keras")
             self.model.model.save(path)
-            prep = None if preprocessing is None else {k: np.asarray(v).tolist() for k, v in preprocessing.items()}
-            return write_release(directory, results, self.ledger.to_json(), path, export_version, prep)
+            return write_release(directory, results, self.ledger.to_json(), path, export_version, preprocessing)
 
 
 def tune_privately(
@@ -223,7 +221,6 @@ class _IndependentModels:
     def __init__(self, build_model: Callable[[], tf.keras.Model], names: object):
         self.build_model, self.names = build_model, names
         self.seen: dict[int, str] = {}
-        self.after_one: object = None
         self.first = self._build()
         self.after_one = backend.name_state()
         probe = self._build()

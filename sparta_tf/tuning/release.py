@@ -30,12 +30,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
+
+import numpy as np
 
 RELEASE_DIR = "release"
 RELEASE_TIME = 315532800  # 1980-01-01 00:00:00 UTC, the earliest time a zip entry can hold
-ZIP_TIME = (1980, 1, 1, 0, 0, 0)
-FIXED_DATE_SAVED = "1980-01-01@00:00:00"
+ZIP_TIME = time.gmtime(RELEASE_TIME)[:6]
+FIXED_DATE_SAVED = time.strftime("%Y-%m-%d@%H:%M:%S", time.gmtime(RELEASE_TIME))  # Keras's date_saved format
 RELEASED_KEYS = ("released", "method", "private", "epsilon", "target_epsilon", "delta", "accountant", "tuning",
                  "per_run_epsilon", "privacy_caveats", "reason", "hyperparameters", "validation_score",
                  "noise_multiplier")
@@ -63,14 +66,16 @@ def write_release(target: str, results: dict, ledger_json: dict, model_path: str
     """Writes the release to ``target`` (replaced whole: a temporary sibling, then a rename) by a fresh
     process (module doc); returns ``target``. ``model_path``: the winner's ``.keras`` (None: nothing was
     released but the results and ledger); ``export_version``: also export it for serving;
-    ``preprocessing``: :func:`sparta_tf.export.export_for_serving`'s (mean and std as lists)."""
+    ``preprocessing``: :func:`sparta_tf.export.export_for_serving`'s (mean and std: scalars or per channel)."""
     target = os.path.abspath(target)
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".release-", dir=parent)
     try:
         request = {"results": released_results(results), "ledger": canonical_ledger(ledger_json),
-                   "model": model_path, "export_version": export_version, "preprocessing": preprocessing}
+                   "model": model_path, "export_version": export_version,
+                   "preprocessing": None if preprocessing is None else
+                   {key: np.asarray(value).tolist() for key, value in preprocessing.items()}}
         with tempfile.NamedTemporaryFile("w", suffix=".json", dir=parent, prefix=".release-request-",
                                          delete=False) as f:
             json.dump(request, f)
