@@ -215,7 +215,7 @@ def cached_result(config: dict, needs_rows: bool = False) -> dict | None:
         return None
     with open(results_path) as f:
         cached = json.load(f)
-    if _with_recorded_splits(cached.get("cell")) != _comparable(config):
+    if _with_recorded_splits(cached.get("cell")) != _with_recorded_splits(_comparable(config)):
         return None
     return None if needs_rows and _lacks_rows(cached) else cached
 
@@ -285,8 +285,8 @@ def validate_config(config: dict) -> dict:
 
 
 def _with_recorded_splits(cell: dict | None) -> dict | None:
-    """A recorded cell's configuration with the splits it ran: one recorded before ``data.split`` existed split
-    by positions, which the tracks now pin (:func:`base_config`), so it still matches today's cell."""
+    """A cell's configuration with the splits it runs: a cell without ``data.split`` (recorded before it existed,
+    or built without :func:`base_config`) splits by positions, which the tracks pin, so it still matches."""
     if not cell:
         return cell
     cell = copy.deepcopy(cell)
