@@ -52,8 +52,10 @@ from sparta_tf.per_example.engines import (
     RecordedPass,
     accumulation_delta,
     check_rows,
+    example_mean,
     finite_rows,
     per_example_sum,
+    view_rows,
 )
 from sparta_tf.per_example.memory_budget import MemoryPlan, default_memory_budget, one_pass_bound, output_gradient_bytes
 from sparta_tf.per_example.recording import recording
@@ -61,6 +63,7 @@ from sparta_tf.per_example.streaming import NORMS, SUMS, Streaming, kept_bytes, 
 from sparta_tf.per_example.registry import ghost_rule_for
 from sparta_tf.per_example.rules.recurrent import is_recurrent
 from sparta_tf.per_example.rules.base import NormMethod, keep_examples, squared_sum
+from sparta_tf.per_example.units import view_units
 from sparta_tf.precision import accumulation_dtype, to_accumulation
 from sparta_tf.trainable import VariableSelection
 
@@ -84,6 +87,7 @@ class BookkeepingEngine(HookedEngine):
     def __init__(self, model: tf.keras.Model, selections: Sequence[VariableSelection], plan, views: int = 1,
                  max_memory: int | None = None):
         super().__init__(model, selections, plan, views)
+        self.units = view_units(views)  # an example's view rows, clipped as one (sparta_tf.per_example.units)
         self.max_memory = default_memory_budget() if max_memory is None else int(max_memory)
         self._cost_table: list[NormMethod] = []
         self._memory_plan: MemoryPlan | None = None
@@ -104,18 +108,19 @@ class BookkeepingEngine(HookedEngine):
         its norms inside the backward pass, as the pass reaches it. One pass when what it keeps fits
         in ``max_memory`` bytes: each tapped layer then keeps the smaller of its output gradient and
         its per-example gradients for the clipped sum; else two passes, keeping neither."""
-        if self.views > 1:  # an example's rows are summed per layer: the one-pass recording as it is
-            return self.selection_statistic(x, y, loss_fn, valid, clip_norm)
         one_pass = self._fits_in_one_pass(x)
-        x, valid = finite_rows(x, valid)
+        x, valid = finite_rows(x, valid, self.views)
         streaming = Streaming({id(layer): (rule, [self.selections[k] for k in indices])
-                               for layer, rule, indices in self.plan if not self.is_grouped(layer)},
-                              sum_sinks=not one_pass)
+                               for layer, rule, indices in self.plan if not self._time_distributed(layer)},
+                              sum_sinks=not one_pass, units=self.units)
         with tf.GradientTape(watch_accessed_variables=False, persistent=not one_pass) as tape:
             with recording(tape, self.layers, streaming) as rec:
                 predictions = self.model(x, training=True)
-            losses = loss_fn(y, predictions)
-            total = tf.reduce_sum(tf.where(valid, losses, tf.zeros_like(losses)))
+            row_losses = loss_fn(y, predictions)
+            total = tf.reduce_sum(tf.where(view_rows(valid, self.views), row_losses, tf.zeros_like(row_losses)))
+            if self.views > 1:  # an example's loss: the mean over its views
+                total = total / tf.cast(self.views, total.dtype)
+        losses = example_mean(row_losses, self.views)
         streamed, kept, one_pass = self._streamed_calls(rec.calls, one_pass)
         streaming.mode, streaming.batch_rows, streaming.streamed = NORMS, losses, {id(c) for c in streamed}
         streaming.keep_for_sums = one_pass
@@ -136,20 +141,31 @@ class BookkeepingEngine(HookedEngine):
         if one_pass:
             self._add(sums, self._tapped_sums(streamed, streaming, factors, keep))
         elif streamed:
-            streaming.mode, streaming.keep, streaming.factors = SUMS, keep, factors
+            streaming.mode, streaming.keep, streaming.factors = SUMS, self.units.repeat(keep), self.units.repeat(factors)
             sinks = [(k, sink) for call in streamed
                      for k, sink in zip(self._indices_of(call.layer), call.tap.sum_sinks)]
-            streamed_sums = tape.gradient(losses, [sink for _, sink in sinks],
-                                          output_gradients=tf.cast(keep, losses.dtype))
+            streamed_sums = tape.gradient(row_losses, [sink for _, sink in sinks],
+                                          output_gradients=self._kept_loss_weights(keep, row_losses.dtype))
             streaming.mode = None
             self._add(sums, list(zip([k for k, _ in sinks], streamed_sums)))
         self._remember(table + streaming.methods)
         sums = [_as_statistic(total_k, s) for total_k, s in zip(sums, self.selections)]
         return ClippedBatch(sums, squared, losses, predictions)
 
+    def _kept_loss_weights(self, keep, dtype) -> tf.Tensor:
+        """The sum pass's weight of each row's loss: the norm pass's (``1``, ``1/K`` for a view) for
+        the rows of kept examples, so that their taps receive the same ``delta``; 0 for the others."""
+        weights = tf.cast(view_rows(keep, self.views), dtype)
+        return weights / tf.cast(self.views, dtype) if self.views > 1 else weights
+
+    def _time_distributed(self, layer) -> bool:
+        """A layer inside ``TimeDistributed``: several rows per view, whose gradients are materialised."""
+        return id(layer) in self._grouped
+
     def _tapped_sums(self, streamed, streaming: Streaming, factors, keep) -> list:
         """``[(selection index, S^l)]`` of the calls tapped in a one-pass step, from what each tap
-        kept: ``sum_i c_i g_i`` of its per-example gradients, or its rule's sums of ``c * delta``."""
+        kept: ``sum_i c_i g_i`` of its per-example (per-unit) gradients, or its rule's sums of
+        ``c * delta`` (each view row scaled by its example's factor)."""
         pairs = []
         for call in streamed:
             indices = self._indices_of(call.layer)
@@ -159,8 +175,9 @@ class BookkeepingEngine(HookedEngine):
                              for position, grads in kept.grads.items())
                 continue
             rule, selections = streaming.rules[id(call.layer)]
-            layer_totals = layer_sums(rule, call, _clipped_delta(kept.delta, factors, keep), keep, selections,
-                                      streaming.materialised[id(call)])
+            row_factors, row_keep = self.units.repeat(factors), self.units.repeat(keep)
+            layer_totals = layer_sums(rule, call, _clipped_delta(kept.delta, row_factors, row_keep), row_keep,
+                                      selections, streaming.materialised[id(call)])
             pairs.extend(zip(indices, layer_totals))
         return pairs
 
@@ -197,7 +214,7 @@ class BookkeepingEngine(HookedEngine):
         by that rounding. One pass has a single backward pass, so it taps them too."""
         counts = Counter(id(call.layer) for call in calls)
         streamed = [call for call in calls if call.tap is not None and counts[id(call.layer)] == 1
-                    and not self.is_grouped(call.layer)]
+                    and not self._time_distributed(call.layer)]
         if not one_pass:
             low_precision = any(probe.dtype not in (tf.float32, tf.float64)
                                 for call in calls for probe in tf.nest.flatten(call.probe))
@@ -243,6 +260,8 @@ class BookkeepingEngine(HookedEngine):
         return ClippedBatch(sums, squared, losses, predictions)
 
     def _abs_row_sums(self, calls, factors, keep, direct_grads: dict, groups) -> list:
+        if self.units.rows > 1:  # |c_i g_i| needs each example's gradient: its views' gradients summed
+            direct_grads = {**direct_grads, **self._unit_gradients(calls, direct_grads)}
         sums: list = [None] * len(self.selections)
         for layer, rule, indices in self.plan:
             for k in indices:
@@ -256,6 +275,20 @@ class BookkeepingEngine(HookedEngine):
                         sums[k] = rule.abs_row_sums(layer, call, _clipped_delta(delta, factors, keep), keep,
                                                     self.selections[k], group)
         return [tf.zeros([g.n_rows]) if s is None else s for s, g in zip(sums, groups)]
+
+    def _unit_gradients(self, calls, known: dict) -> dict:
+        """``{selection index: [B, *compact]}``: the per-example gradients (each example's view rows'
+        gradients summed) of the selections not in ``known``, from their rules' reference."""
+        grads: dict = {}
+        for layer, rule, indices in self.plan:
+            wanted = [k for k in indices if k not in known]
+            for call, delta in calls.get(id(layer), []) if wanted else []:
+                if delta is None:
+                    continue
+                rows = rule.reference.per_example_grads(layer, call, delta, [self.selections[k] for k in wanted])
+                for k, g in zip(wanted, rows):
+                    grads[k] = self.units.sum(g) if k not in grads else grads[k] + self.units.sum(g)
+        return grads
 
     # ------------------------------------------------------------------ norms
 
@@ -274,18 +307,18 @@ class BookkeepingEngine(HookedEngine):
             if not recorded:
                 continue
             selections = [self.selections[k] for k in indices]
-            if len(recorded) == 1 and not self.is_grouped(layer):
+            if len(recorded) == 1 and not self._time_distributed(layer):
                 call, delta = recorded[0]
                 materialised: dict = {}
                 with tf.control_dependencies(parts[-1:]):  # one layer's temporaries at a time
-                    norms, methods = rule.squared_norms(layer, call, delta, selections, materialised)
+                    norms, methods = rule.unit_squared_norms(layer, call, delta, selections, self.units, materialised)
                 check_rows(layer, norms, losses)
                 direct_grads.update({indices[position]: g for position, g in materialised.items()})
                 parts.append(norms)
                 table.extend(methods)
                 continue
-            # Shared layer (the per-example gradient sums over calls), views of one example or inside
-            # TimeDistributed (sums over rows): the layer's per-example gradients, materialised.
+            # Shared layer (the per-example gradient sums over calls) or inside TimeDistributed (sums
+            # over rows): the layer's per-example gradients, materialised.
             for call, delta in recorded:
                 for k, g in zip(indices, rule.reference.per_example_grads(layer, call, delta, selections)):
                     g = per_example_sum(g, batch) if self.is_grouped(layer) else g
@@ -315,8 +348,9 @@ class BookkeepingEngine(HookedEngine):
             for call, delta in calls.get(id(layer), []):
                 if delta is None:
                     continue
-                delta_c = _clipped_delta(delta, factors, keep)
-                layer_sums = rule.weighted_sums(layer, call, delta_c, keep, [self.selections[k] for k in rest])
+                row_keep = self.units.repeat(keep)  # one row per view: each scaled by its example's factor
+                delta_c = _clipped_delta(delta, self.units.repeat(factors), row_keep)
+                layer_sums = rule.weighted_sums(layer, call, delta_c, row_keep, [self.selections[k] for k in rest])
                 for k, s in zip(rest, layer_sums):
                     sums[k] = s if sums[k] is None else sums[k] + s
         return sums

@@ -27,7 +27,10 @@ clipping) keeps neither:
 
 The result equals the one-pass step's up to rounding, at the price of one more backward pass to
 the layer outputs. A layer whose output gradient cannot be tapped (called more than once, several
-rows per example, a structured output) keeps its output gradient as in the one-pass step.
+rows per view inside ``TimeDistributed``, a structured output) keeps its output gradient as in the
+one-pass step. With augmentation multiplicity an example's ``K`` view rows are one *unit*
+(:mod:`~sparta_tf.per_example.units`): each tap computes the layer's part of ``||g_u||^2`` per
+unit (:meth:`~sparta_tf.per_example.rules.base.GhostRule.unit_squared_norms`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from sparta_tf.example_rows import keep_examples
 from sparta_tf.per_example.engines import check_rows
 from sparta_tf.per_example.memory_budget import GRADIENTS_OVER_DELTA
 from sparta_tf.per_example.rules.base import GhostRule
+from sparta_tf.per_example.units import ONE_ROW, Units
 from sparta_tf.precision import accumulation_dtype, to_accumulation
 
 NORMS, SUMS = "norms", "sums"
@@ -49,7 +53,7 @@ NORMS, SUMS = "norms", "sums"
 class Tap(NamedTuple):
     """The sinks of one tapped layer call: their gradients are the layer's norms and sums."""
 
-    norm_sink: tf.Tensor  # [B]
+    norm_sink: tf.Tensor  # [B] (one per unit)
     sum_sinks: list  # one per selection of the layer, compact shape (none in a one-pass step)
 
 
@@ -83,10 +87,15 @@ class Streaming:
     per example). ``mode`` is read when TensorFlow builds a backward pass (a tap's gradient function
     runs then): :data:`NORMS`, :data:`SUMS` (with ``keep`` and the clip ``factors`` set) or None (a
     tap only passes ``delta`` on); only the taps of the ``streamed`` calls compute norms and sums
-    (in the sum pass every tap zeroes the rows of examples not kept)."""
+    (in the sum pass every tap zeroes the rows of examples not kept).
 
-    def __init__(self, rules: dict, sum_sinks: bool = True):
+    ``units``: the rows clipped as one (:mod:`~sparta_tf.per_example.units`; an example's views): a
+    tap's norms are per unit (its norm sink ``[U]``), and ``keep`` and ``factors`` of the sum pass
+    are per row (each unit's repeated over its rows)."""
+
+    def __init__(self, rules: dict, sum_sinks: bool = True, units: Units = ONE_ROW):
         self.rules = rules
+        self.units = units
         self.sum_sinks = sum_sinks  # False: a one-pass step, whose taps hand out no sums
         self.mode: str | None = None
         self.keep: tf.Tensor | None = None
@@ -107,7 +116,8 @@ class Streaming:
     def tap(self, recording, call, output: tf.Tensor) -> tf.Tensor:
         """``output`` through a tap whose sinks are recorded on ``call.tap``."""
         rule, selections = self.rules[id(call.layer)]
-        norm_sink = tf.zeros(tf.shape(output)[:1], accumulation_dtype(output.dtype))
+        units = tf.shape(output)[:1] if self.units.rows == 1 else [self.units.units_of(tf.shape(output)[0])]
+        norm_sink = tf.zeros(units, accumulation_dtype(output.dtype))
         sum_sinks = [tf.zeros(s.compact_shape, accumulation_dtype(s.variable.dtype))
                      for s in (selections if self.sum_sinks else [])]  # each the size of its variable
         recording.tape.watch([norm_sink, *sum_sinks])
@@ -128,7 +138,7 @@ class Streaming:
             materialised: dict = {}  # position -> per-example gradients (two passes: only the positions kept)
             with tf.control_dependencies([dz]):  # not before the backward pass reaches this layer
                 delta = to_accumulation(dz)
-                norms, methods = rule.squared_norms(call.layer, call, delta, selections, materialised)
+                norms, methods = rule.unit_squared_norms(call.layer, call, delta, selections, self.units, materialised)
             self.materialised[id(call)] = set(materialised)
             kept = "streamed"
             if self.keep_for_sums:

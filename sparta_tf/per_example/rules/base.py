@@ -31,6 +31,7 @@ import tensorflow as tf
 from sparta_tf.backend import tf_variable, variable_key
 from sparta_tf.example_rows import keep_examples
 from sparta_tf.per_example.arguments import split_arguments
+from sparta_tf.per_example.units import ONE_ROW, Units
 from sparta_tf.precision import to_accumulation
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -274,9 +275,25 @@ class GhostRule:
     def squared_norms(self, layer, call, delta, selections, materialised: dict | None = None):
         """``([B], [NormMethod])``; per-example gradients a rule computed anyway go into
         ``materialised[position]`` (compact form), so the engine sums them instead of recomputing."""
-        grads = self.reference.per_example_grads(layer, call, delta, selections)
+        return self.materialised_norms(layer, call, delta, selections, ONE_ROW, materialised)
+
+    def unit_squared_norms(self, layer, call, delta, selections, units: Units = ONE_ROW,
+                           materialised: dict | None = None):
+        """``([U], [NormMethod])``: ``||g_u||^2`` of the units of ``units.rows`` consecutive rows
+        (:mod:`~sparta_tf.per_example.units`), ``g_u = sum_{r in u} g_r``; ``materialised`` as for
+        :meth:`squared_norms`, per unit. One row per unit: :meth:`squared_norms`. Otherwise
+        :meth:`materialised_norms` (exact for any layer); the rules of linear maps override this
+        with the ghost or direct norm over a unit's merged positions."""
+        if units.rows == 1:
+            return self.squared_norms(layer, call, delta, selections, materialised)
+        return self.materialised_norms(layer, call, delta, selections, units, materialised)
+
+    def materialised_norms(self, layer, call, delta, selections, units: Units = ONE_ROW,
+                           materialised: dict | None = None):
+        """``||g_u||^2`` from the reference's per-row gradients summed per unit (kept in ``materialised``)."""
+        grads = [units.sum(g) for g in self.reference.per_example_grads(layer, call, delta, selections)]
         keep_materialised(materialised, enumerate(grads))
-        method = self.reference.norm_method
+        method = units.method(self.reference.norm_method)
         methods = [NormMethod(layer.name, variable_key(s.variable), method, None, None) for s in selections]
         return tf.add_n([squared_sum(g) for g in grads]), methods
 

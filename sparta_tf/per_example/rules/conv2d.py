@@ -44,6 +44,7 @@ from sparta_tf.per_example.rules.base import (
 )
 from sparta_tf.per_example.rules import ghost_norms  # choose_linear_norm looked up per call (tests patch it)
 from sparta_tf.per_example.rules.ghost_norms import linear_squared_norms
+from sparta_tf.per_example.units import ONE_ROW, Units
 
 Tensor = tf.Tensor
 
@@ -177,29 +178,36 @@ class Conv2DGhostRule(GhostRule):
     reference = CONV2D_RULE
 
     def squared_norms(self, layer, call, delta, selections, materialised: dict | None = None):
+        return self.unit_squared_norms(layer, call, delta, selections, ONE_ROW, materialised)
+
+    def unit_squared_norms(self, layer, call, delta, selections, units: Units = ONE_ROW,
+                           materialised: dict | None = None):
+        """Per unit of ``units.rows`` rows: the ghost norm on the unit's rows' patches merged, or
+        the rows' direct per-example gradients summed per unit, whichever is cheaper."""
         norms, methods = [], []
         for position, selection in enumerate(selections):
             if selection.variable is not layer.kernel:
-                grads = selection.compact(sum_over_middle_axes(delta), batch_dims=1)
+                grads = units.sum(selection.compact(sum_over_middle_axes(delta), batch_dims=1))
                 keep_materialised(materialised, [(position, grads)])
                 norms.append(squared_sum(grads))
-                methods.append(NormMethod(layer.name, variable_key(selection.variable), "elementwise", None, None))
+                methods.append(NormMethod(layer.name, variable_key(selection.variable), units.method("elementwise"),
+                                          None, None))
                 continue
             d = selected_rows(delta, selection)
             positions = None if None in d.shape[1:3] else d.shape[1] * d.shape[2]
             fan_in = layer.kernel.shape[0] * layer.kernel.shape[1] * layer.kernel.shape[2]
-            method, ghost, direct = ghost_norms.choose_linear_norm(positions, fan_in, d.shape[-1])
+            method, ghost, direct = ghost_norms.choose_linear_norm(units.positions(positions), fan_in, d.shape[-1])
             if selection.kind == "entries":
                 method = "direct"
-            methods.append(NormMethod(layer.name, variable_key(selection.variable), method, ghost, direct))
+            methods.append(NormMethod(layer.name, variable_key(selection.variable), units.method(method), ghost, direct))
             if method in ("ghost", "rank_one"):  # never forms this layer's per-example gradients
                 patches = extract_patches(tf.cast(call.inputs, d.dtype), tuple(layer.kernel_size),
                                           tuple(layer.strides), tuple(layer.dilation_rate), layer.padding.upper())
                 batch = tf.shape(d)[0]
-                norms.append(linear_squared_norms(tf.reshape(patches, [batch, positions, fan_in]),
-                                                  tf.reshape(d, [batch, positions, d.shape[-1]]), method))
+                norms.append(linear_squared_norms(units.merge(tf.reshape(patches, [batch, positions, fan_in])),
+                                                  units.merge(tf.reshape(d, [batch, positions, d.shape[-1]])), method))
                 continue
-            grads = self._direct_grads(layer, call, delta, selection, positions, fan_in)
+            grads = units.sum(self._direct_grads(layer, call, delta, selection, positions, fan_in))
             keep_materialised(materialised, [(position, grads)])
             norms.append(squared_sum(grads))
         return tf.add_n(norms), methods

@@ -38,6 +38,7 @@ from sparta_tf.per_example.rules.base import (
 from sparta_tf.per_example.rules.conv2d import Conv2DGhostRule
 from sparta_tf.per_example.rules import ghost_norms  # choose_linear_norm looked up per call (tests patch it)
 from sparta_tf.per_example.rules.ghost_norms import linear_squared_norms
+from sparta_tf.per_example.units import ONE_ROW, Units
 
 Tensor = tf.Tensor
 L = tf.keras.layers
@@ -145,22 +146,30 @@ class ConvolutionGhostRule(GhostRule):
     reference: ConvolutionRule
 
     def squared_norms(self, layer, call, delta, selections, materialised: dict | None = None):
+        return self.unit_squared_norms(layer, call, delta, selections, ONE_ROW, materialised)
+
+    def unit_squared_norms(self, layer, call, delta, selections, units: Units = ONE_ROW,
+                           materialised: dict | None = None):
+        """Per unit of ``units.rows`` rows: the ghost norm on the unit's rows' patches merged, or
+        the rows' per-example gradients summed per unit."""
         norms, methods = [], []
         for position, selection in enumerate(selections):
             if selection.variable is layer.kernel and selection.kind != "entries":
                 d = flat_positions(selected_rows(delta, selection))
                 fan_in = math.prod(layer.kernel.shape.as_list()[:-1])
-                method, ghost, direct = ghost_norms.choose_linear_norm(static_positions(delta), fan_in, d.shape[-1])
+                method, ghost, direct = ghost_norms.choose_linear_norm(units.positions(static_positions(delta)),
+                                                                       fan_in, d.shape[-1])
                 if method in ("ghost", "rank_one"):  # never forms this layer's per-example gradients
                     patches = self.reference.patches(layer, call.inputs, delta.dtype)
-                    norms.append(linear_squared_norms(patches, d, method))
-                    methods.append(NormMethod(layer.name, variable_key(selection.variable), method, ghost, direct))
+                    norms.append(linear_squared_norms(units.merge(patches), units.merge(d), method))
+                    methods.append(NormMethod(layer.name, variable_key(selection.variable), units.method(method),
+                                              ghost, direct))
                     continue
-            grads = self.reference.per_example_grads(layer, call, delta, [selection])[0]
+            grads = units.sum(self.reference.per_example_grads(layer, call, delta, [selection])[0])
             keep_materialised(materialised, [(position, grads)])
             norms.append(squared_sum(grads))
-            methods.append(NormMethod(layer.name, variable_key(selection.variable),
-                                      "direct" if selection.variable is layer.kernel else "elementwise", None, None))
+            method = "direct" if selection.variable is layer.kernel else "elementwise"
+            methods.append(NormMethod(layer.name, variable_key(selection.variable), units.method(method), None, None))
         return tf.add_n(norms), methods
 
     def weighted_sums(self, layer, call, delta_c, keep, selections):

@@ -33,6 +33,7 @@ from sparta_tf.per_example.rules.base import (
 )
 from sparta_tf.per_example.rules import ghost_norms  # choose_linear_norm looked up per call (tests patch it)
 from sparta_tf.per_example.rules.ghost_norms import linear_squared_norms, linear_sum
+from sparta_tf.per_example.units import ONE_ROW, Units
 
 Tensor = tf.Tensor
 
@@ -92,30 +93,36 @@ class LinearGhostRule(GhostRule):
         return tf.reshape(a, [batch, -1, fan_in]), tf.reshape(delta, [batch, -1, fan_out])
 
     def squared_norms(self, layer, call, delta, selections, materialised: dict | None = None):
-        a, d = self._operands(layer, call, delta)
+        return self.unit_squared_norms(layer, call, delta, selections, ONE_ROW, materialised)
+
+    def unit_squared_norms(self, layer, call, delta, selections, units: Units = ONE_ROW,
+                           materialised: dict | None = None):
+        """Per unit of ``units.rows`` rows: the map on the unit's rows' positions merged
+        (:meth:`~sparta_tf.per_example.units.Units.merge`), so every norm below is the unit's."""
+        a, d = (units.merge(t) for t in self._operands(layer, call, delta))
         norms, methods = [], []
         for position, selection in enumerate(selections):
-            if selection.variable is layer.kernel:
-                if selection.kind == "entries":  # no factorisation: this layer's per-example gradients
-                    full = tf.matmul(a, d, transpose_a=True)
-                    grads = selection.compact(tf.reshape(full, [-1, *selection.shape]), batch_dims=1)
-                    method, ghost, direct = "direct", None, None
-                else:
-                    d_rows = selected_rows(d, selection)
-                    method, ghost, direct = ghost_norms.choose_linear_norm(a.shape[1], a.shape[2], d_rows.shape[2])
-                    if method != "direct":
-                        norms.append(linear_squared_norms(a, d_rows, method))
-                        methods.append(NormMethod(layer.name, variable_key(selection.variable), method, ghost, direct))
-                        continue
-                    grads = tf.matmul(a, d_rows, transpose_a=True)  # [B, in, k]: this layer's only
-                    if selection.kind != "rows":
-                        grads = tf.reshape(grads, [-1, *selection.shape])
-            else:
+            ghost = direct = None
+            if selection.variable is not layer.kernel:
                 grads = selection.compact(self._bias_per_example(layer, d, selection), batch_dims=1)
-                method, ghost, direct = "elementwise", None, None
+                method = "elementwise"
+            elif selection.kind == "entries":  # no factorisation: this layer's per-example gradients
+                full = tf.matmul(a, d, transpose_a=True)
+                grads, method = selection.compact(tf.reshape(full, [-1, *selection.shape]), batch_dims=1), "direct"
+            else:
+                d_rows = selected_rows(d, selection)
+                method, ghost, direct = ghost_norms.choose_linear_norm(a.shape[1], a.shape[2], d_rows.shape[2])
+                if method != "direct":
+                    norms.append(linear_squared_norms(a, d_rows, method))
+                    methods.append(NormMethod(layer.name, variable_key(selection.variable), units.method(method),
+                                              ghost, direct))
+                    continue
+                grads = tf.matmul(a, d_rows, transpose_a=True)  # [B, in, k]: this layer's only
+                if selection.kind != "rows":
+                    grads = tf.reshape(grads, [-1, *selection.shape])
             keep_materialised(materialised, [(position, grads)])
             norms.append(squared_sum(grads))
-            methods.append(NormMethod(layer.name, variable_key(selection.variable), method, ghost, direct))
+            methods.append(NormMethod(layer.name, variable_key(selection.variable), units.method(method), ghost, direct))
         return tf.add_n(norms), methods
 
     def weighted_sums(self, layer, call, delta_c, keep, selections):

@@ -19,6 +19,7 @@ from sparta_tf.backend import variable_key
 from sparta_tf.per_example.registry import register_layer_rule
 from sparta_tf.per_example.rules.base import GhostRule, NormMethod
 from sparta_tf.per_example.rules.ghost_norms import gram_squared_norms
+from sparta_tf.per_example.units import ONE_ROW, Units
 
 
 class EmbeddingGhostRule(GhostRule):
@@ -29,15 +30,21 @@ class EmbeddingGhostRule(GhostRule):
     """
 
     def squared_norms(self, layer, call, delta, selections, materialised: dict | None = None):
-        indices, d = self._operands(layer, call, delta)
-        same = tf.cast(tf.equal(indices[:, :, None], indices[:, None, :]), d.dtype)  # [B, T, T]
-        norms = gram_squared_norms(same, tf.matmul(d, d, transpose_b=True), 2 * tf.shape(d)[1] + d.shape[2])
-        rows = d.shape[1]
-        cost = None if rows is None else rows * rows * d.shape[2]
-        methods = [NormMethod(layer.name, variable_key(s.variable), "index_equality", cost, None) for s in selections]
+        return self.unit_squared_norms(layer, call, delta, selections, ONE_ROW, materialised)
+
+    def unit_squared_norms(self, layer, call, delta, selections, units: Units = ONE_ROW,
+                           materialised: dict | None = None):
+        """Per unit of ``units.rows`` rows: the index equality over the unit's rows' positions merged."""
         if any(s.kind != "dense" for s in selections):  # entries: this layer's per-example gradients
-            return super().squared_norms(layer, call, delta, selections, materialised)
-        return norms, methods
+            return self.materialised_norms(layer, call, delta, selections, units, materialised)
+        indices, d = self._operands(layer, call, delta)
+        indices, d = units.merge(indices[:, :, None])[:, :, 0], units.merge(d)
+        same = tf.cast(tf.equal(indices[:, :, None], indices[:, None, :]), d.dtype)  # [U, T, T]
+        norms = gram_squared_norms(same, tf.matmul(d, d, transpose_b=True), 2 * tf.shape(d)[1] + d.shape[2])
+        positions = d.shape[1]
+        cost = None if positions is None else positions * positions * d.shape[2]
+        method = units.method("index_equality")
+        return norms, [NormMethod(layer.name, variable_key(s.variable), method, cost, None) for s in selections]
 
     def weighted_sums(self, layer, call, delta_c, keep, selections):
         indices, d = self._operands(layer, call, delta_c)
