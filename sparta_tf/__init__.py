@@ -27,6 +27,7 @@ from sparta_tf.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:  # for type checkers and the API reference (static); at run time __getattr__ imports them
     from sparta_tf.callbacks import NonFiniteGuard
+    from sparta_tf.data.augmentation_check import check_augmentation
     from sparta_tf.dp_model import DPModel
     from sparta_tf.export import export_for_serving
     from sparta_tf.methods import METHODS, Method
@@ -49,6 +50,7 @@ _PUBLIC: dict[str, str] = {
     "Method": "sparta_tf.methods",
     "METHODS": "sparta_tf.methods",
     "NonFiniteGuard": "sparta_tf.callbacks",
+    "check_augmentation": "sparta_tf.data.augmentation_check",
     "NotPerExampleSafeError": "sparta_tf.model_checks",
     "calibrate_noise_multiplier": "sparta_tf.privacy",
     "compute_epsilon": "sparta_tf.privacy",
@@ -67,6 +69,7 @@ __all__ = [
     "PrivacyLedger",
     "PrivacyPlan",
     "calibrate_noise_multiplier",
+    "check_augmentation",
     "compute_epsilon",
     "cosine_with_warmup",
     "export_for_serving",

@@ -31,6 +31,7 @@ def test_every_method_runs_end_to_end(tmp_path, method):
     else:
         assert on_disk["epsilon"] is None
     assert 0 < on_disk["trainable_fraction"] <= 1
+    assert on_disk["non_finite_examples"] == 0 == sum(on_disk["history"]["non_finite"])
     for key in ("delta", "noise_multiplier", "epochs", "test_accuracy", "seconds_per_phase"):
         assert key in on_disk
     assert os.path.exists(os.path.join(results["export_dir"], "saved_model.pb"))

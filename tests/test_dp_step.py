@@ -277,7 +277,7 @@ def test_step_is_traced_once_with_compiled_metrics():
     history = dp.fit(x, y, epochs=2, verbose=0)
     assert len(traces) == 1
     # the eagerly built metric is the sparse one and is updated by the steps
-    assert sorted(history.history) == ["accuracy", "loss"]
+    assert sorted(history.history) == ["accuracy", "loss", "non_finite"]
     assert all(0.0 <= a <= 1.0 for a in history.history["accuracy"])
     assert history.history["accuracy"][0] > 0.0
 
@@ -308,6 +308,6 @@ def test_metrics_and_weighted_metrics_are_merged_or_refused():
     dp.compile("sgd", loss=LOSS, metrics=["accuracy"], weighted_metrics=[tf.keras.metrics.SparseTopKCategoricalAccuracy(2)])
     x, y = data(8)
     history = dp.fit(x, y, epochs=1, verbose=0)
-    assert sorted(history.history) == ["accuracy", "loss", "sparse_top_k_categorical_accuracy"]
+    assert sorted(history.history) == ["accuracy", "loss", "non_finite", "sparse_top_k_categorical_accuracy"]
     with pytest.raises(ValueError, match="not both"):
         dp.compile("sgd", loss=LOSS, metrics={"head": ["accuracy"]}, weighted_metrics=["accuracy"])

@@ -11,6 +11,7 @@ is post-processing, so both numbers have the run's one (epsilon, delta).
 
 from __future__ import annotations
 
+from sparta_tf.dp_step.usable_examples import METRIC_NAME as NON_FINITE
 from sparta_tf.privacy.plan import PrivacyPlan
 
 
@@ -41,6 +42,7 @@ def run_results(config: dict, dp, plan: PrivacyPlan, dataset, phase_seconds: dic
         "trainable_fraction": dp.trainable_set.fraction_of(dp.model),
         "seconds_per_phase": phase_seconds,
         **timings,
+        "non_finite_examples": int(sum(history.history.get(NON_FINITE, []))),  # sampled, dropped: the epochs run here
         "history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
     }
 

@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from sparta_tf import distribute, keras_trainer
+from sparta_tf.dp_step.usable_examples import EpochWithoutUsableExamples
 from sparta_tf.model_checks import PROBE_EXAMPLES, probe_batch_mixing
 from sparta_tf.per_example import make_engine
 from sparta_tf.per_example.coverage import check_coverage
@@ -246,10 +247,12 @@ def checked_padding_mask(*element):
     return x, y, weights
 
 
-def fit_callbacks(privacy, callbacks: list, verbose) -> list:
-    """``fit``'s callbacks: the model's privacy callback first (None: no ledger), and a per-step
-    progress bar last (after the privacy callback, so that it shows epsilon) unless one is given."""
-    callbacks = ([privacy] if privacy is not None else []) + list(callbacks)
+def fit_callbacks(privacy, callbacks: list, verbose, non_finite) -> list:
+    """``fit``'s callbacks: the model's privacy callback first (None: no ledger), the check that an epoch
+    used some of its examples (``non_finite``: the model's :class:`~sparta_tf.dp_step.usable_examples.
+    NonFiniteExamples`), and a per-step progress bar last (after the privacy callback, so that it shows
+    epsilon) unless one is given."""
+    callbacks = [*([privacy] if privacy is not None else []), *callbacks, EpochWithoutUsableExamples(non_finite)]
     if verbose != 0 and not any(isinstance(c, tf.keras.callbacks.ProgbarLogger) for c in callbacks):
         callbacks.append(keras_trainer.step_progress_bar())
     return callbacks

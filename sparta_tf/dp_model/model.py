@@ -45,6 +45,7 @@ from sparta_tf.choices import ENGINES, SAMPLING_MODES, memory_bytes, one_of_prob
 from sparta_tf.dp_model import fit_inputs
 from sparta_tf.dp_model.wrapped_saving import WrappedModelSaving
 from sparta_tf.dp_step import KEEP_ALL, GradientFilter, GradientRelease, MicroBatches, Release, ScoreRelease, StepParts
+from sparta_tf.dp_step.usable_examples import METRIC_NAME as NON_FINITE, NonFiniteExamples
 from sparta_tf.dp_step.views import AugmentationMultiplicity, check_multiplicity
 from sparta_tf.losses import per_example_loss_fn
 from sparta_tf.model_checks import reject_batch_mixing_layers, reject_unscopable_name
@@ -182,6 +183,7 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
         self._engine = None
         self._per_example_loss = None
         self._loss_tracker = tf.keras.metrics.Mean(name="loss")
+        self._non_finite = NonFiniteExamples()  # sampled examples dropped as non-finite, per epoch
         self._model_probed = False
         self.private_run = None  # set by sparta_tf.make_private
 
@@ -280,8 +282,8 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
 
     @property
     def metrics(self):
-        """The mean per-example loss over real examples, then the compiled metrics."""
-        return [self._loss_tracker] + keras_trainer.compiled_metrics(self)
+        """The mean per-example loss over real examples, the compiled metrics, the examples dropped."""
+        return [self._loss_tracker] + keras_trainer.compiled_metrics(self) + [self._non_finite]
 
     def _update_metrics(self, y, predictions, losses, weights):
         self._loss_tracker.update_state(losses, sample_weight=weights)
@@ -291,7 +293,8 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
         x, y, weights = tf.keras.utils.unpack_x_y_sample_weight(data)
         predictions = self(x, training=False)
         self._update_metrics(y, predictions, self._per_example_loss(y, predictions), weights)
-        return distribute.reducible_logs(self.get_metrics_result(), self.distribute_strategy)
+        logs = {k: v for k, v in self.get_metrics_result().items() if k != NON_FINITE}  # DP steps' only
+        return distribute.reducible_logs(logs, self.distribute_strategy)
 
     # ---------------------------------------------------------------- compile
 
@@ -396,7 +399,8 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
         x, y, weights = tf.keras.utils.unpack_x_y_sample_weight(data)
         if weights is None:
             weights = tf.ones(tf.shape(tf.nest.flatten(x)[0])[:1], tf.float32)
-        self.step_parts().run(x, y, weights, self._per_example_loss, self.dp_step, self._update_metrics)
+        self.step_parts().run(x, y, weights, self._per_example_loss, self.dp_step, self._update_metrics,
+                              self._non_finite.update_state)
         self.dp_step.assign_add(1)
         return distribute.reducible_logs(self.get_metrics_result(), self.distribute_strategy)
 
@@ -440,7 +444,7 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
         self.privacy_callback = charging.model_callback(self, callbacks, steps_per_epoch, on_budget_exhausted)
         if self.weight_average is not None:
             callbacks.append(AveragedWeights(self.weight_average, self._use_ema_weights))
-        callbacks = fit_inputs.fit_callbacks(self.privacy_callback, callbacks, verbose)
+        callbacks = fit_inputs.fit_callbacks(self.privacy_callback, callbacks, verbose, self._non_finite)
         return super().fit(
             x, y, epochs=epochs, verbose=verbose, callbacks=callbacks,
             steps_per_epoch=steps_per_epoch, initial_epoch=initial_epoch, **kwargs,

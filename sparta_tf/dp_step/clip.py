@@ -23,12 +23,14 @@ from sparta_tf.per_example.bookkeeping import clipped_batch
 
 
 class BatchStatistic(NamedTuple):
-    """What a release's statistic returns for one (micro-)batch: the sums to add up, and the
-    per-example losses and predictions for the metrics."""
+    """What a release's statistic returns for one (micro-)batch: the sums to add up, the
+    per-example losses and predictions for the metrics, and the examples that contributed
+    (``kept``, ``[B]``: real, with a finite input and norm; :mod:`~sparta_tf.dp_step.usable_examples`)."""
 
     sums: list
     losses: tf.Tensor
     predictions: object
+    kept: tf.Tensor
 
 
 class ClippedSum:
@@ -41,7 +43,8 @@ class ClippedSum:
         """``valid``: the real examples (``w_i = 1``); ``keep``: ``1_s`` of the step, None for ``I_s = I``."""
         if keep is None:
             result = clipped_batch(engine, x, y, loss_fn, valid, self.clip_norm)
-            return BatchStatistic(result.sums, result.losses, result.predictions)
+            return BatchStatistic(result.sums, result.losses, result.predictions, result.kept)
         result = engine(x, y, loss_fn, valid)  # a materialising engine: the filter acts on g_i
-        sums, _ = clipped_sum(restrict(result.grads, keep, batch_dims=1), self.clip_norm, result.valid)
-        return BatchStatistic(sums, result.losses, result.predictions)
+        sums, norms = clipped_sum(restrict(result.grads, keep, batch_dims=1), self.clip_norm, result.valid)
+        kept = tf.logical_and(result.valid, tf.math.is_finite(norms))  # clipped_sum's keep
+        return BatchStatistic(sums, result.losses, result.predictions, kept)

@@ -29,16 +29,21 @@ class StepParts:
         """``1_s`` of step ``step`` (None: ``I_s = I``)."""
         return self.gradient_filter.keep_masks(self.trainable_set, step)
 
-    def run(self, x, y, weights, loss_fn, step, on_batch) -> None:
+    def run(self, x, y, weights, loss_fn, step, on_batch, on_examples=None) -> None:
         """One DP step ``t = step``: ``S_t`` summed over micro-batches and replicas, then released.
-        ``on_batch(y, predictions, losses, weights)``: per (micro-)batch, for the metrics."""
+        ``on_batch(y, predictions, losses, weights)``: per (micro-)batch, for the metrics;
+        ``on_examples(sampled, kept)``: per (micro-)batch, the real examples ``[B]`` and those that
+        contributed (:mod:`~sparta_tf.dp_step.usable_examples`)."""
         keep = self.keep_masks(step)
 
         def statistic(x, y, weights, micro_batch):
             valid = weights > 0
+            sampled = valid
             if self.views is not None:
                 x, y, valid = self.views.expand(x, y, valid, self.views.key(step, micro_batch))
             result = self.release.statistic(self.engine, x, y, loss_fn, valid, keep)
+            if on_examples is not None:
+                on_examples(sampled, result.kept)
             if self.views is None:
                 on_batch(y, result.predictions, result.losses, weights)
             else:

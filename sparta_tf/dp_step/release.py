@@ -128,8 +128,8 @@ class ScoreRelease:
         if isinstance(engine, BookkeepingEngine):
             return BatchStatistic(*self.scorer.batch_statistic_bookkeeping(engine, x, y, loss_fn, valid))
         result = engine(x, y, loss_fn, valid)
-        return BatchStatistic(self.scorer.batch_statistic(result.grads, result.valid), result.losses,
-                              result.predictions)
+        sums, kept = self.scorer.batch_statistic_and_kept(result.grads, result.valid)
+        return BatchStatistic(sums, result.losses, result.predictions, kept)
 
     def release(self, sums, step, keep):
         self.scorer.release(sums, self.seed, step)

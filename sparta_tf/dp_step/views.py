@@ -75,7 +75,7 @@ class AugmentationMultiplicity:
 
     def check(self, x) -> None:
         """Before the first step: a ValueError (one line) when the augmentation cannot take ``x`` (a few
-        real examples) or changes its shape or dtype."""
+        real examples), changes its shape or dtype, or makes finite inputs non-finite."""
         self.augmentation.check(x)
         key = tf.constant([0, 0], tf.int64)
         rows = tf.nest.map_structure(tf.convert_to_tensor, x)
@@ -90,6 +90,9 @@ class AugmentationMultiplicity:
                 raise ValueError(f"augmentation {self.augmentation!r} changed the inputs from {before.shape} "
                                  f"{before.dtype.name} to {after.shape} {after.dtype.name}; views must keep the "
                                  "example's shape and dtype")
+            if _finite(before) and not _finite(after):
+                raise ValueError(f"augmentation {self.augmentation!r} returned NaN or infinite views of finite inputs: "
+                                 "every such example would be dropped and contribute nothing; fix the augmentation")
 
     def metric_rows(self, predictions, losses: tf.Tensor, weights: tf.Tensor):
         """``(predictions, losses, weights)`` per view for the metrics: an example's loss (the mean
@@ -103,3 +106,8 @@ class AugmentationMultiplicity:
         return (f"augmentation multiplicity: {self.views} views per example ({self.augmentation!r}), gradient "
                 f"averaged over them then clipped once; each micro-batch runs {rows} ({self.views}x the "
                 "activations of one view); the privacy analysis does not change")
+
+
+def _finite(t: tf.Tensor) -> bool:
+    """Whether every value of ``t`` is finite (True for non-floating tensors)."""
+    return not t.dtype.is_floating or bool(tf.reduce_all(tf.math.is_finite(t)))

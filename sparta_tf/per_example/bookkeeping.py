@@ -77,6 +77,7 @@ class ClippedBatch(NamedTuple):
     squared_norms: tf.Tensor  # [B] unclipped ||g_i||^2 over the selected coordinates
     losses: tf.Tensor  # [B]
     predictions: object
+    kept: tf.Tensor  # [B] bool: the examples that contributed (real, finite input and norm)
 
 
 class BookkeepingEngine(HookedEngine):
@@ -150,7 +151,7 @@ class BookkeepingEngine(HookedEngine):
             self._add(sums, list(zip([k for k, _ in sinks], streamed_sums)))
         self._remember(table + streaming.methods)
         sums = [_as_statistic(total_k, s) for total_k, s in zip(sums, self.selections)]
-        return ClippedBatch(sums, squared, losses, predictions)
+        return ClippedBatch(sums, squared, losses, predictions, keep)
 
     def _kept_loss_weights(self, keep, dtype) -> tf.Tensor:
         """The sum pass's weight of each row's loss: the norm pass's (``1``, ``1/K`` for a view) for
@@ -257,7 +258,7 @@ class BookkeepingEngine(HookedEngine):
             sums = self._weighted_sums(calls, factors, keep, direct_grads)
         else:
             sums = self._abs_row_sums(calls, factors, keep, direct_grads, groups)
-        return ClippedBatch(sums, squared, losses, predictions)
+        return ClippedBatch(sums, squared, losses, predictions, keep)
 
     def _abs_row_sums(self, calls, factors, keep, direct_grads: dict, groups) -> list:
         if self.units.rows > 1:  # |c_i g_i| needs each example's gradient: its views' gradients summed
@@ -437,4 +438,5 @@ def clipped_batch(engine, x, y, loss_fn: PerExampleLoss, valid: tf.Tensor, clip_
     result = engine(x, y, loss_fn, valid)
     sums, norms = clipping.clipped_sum(result.grads, clip_norm, result.valid)
     sums = [_as_statistic(total, s) for total, s in zip(sums, engine.selections)]
-    return ClippedBatch(sums, tf.square(norms), result.losses, result.predictions)
+    kept = tf.logical_and(result.valid, tf.math.is_finite(norms))  # clipped_sum's keep
+    return ClippedBatch(sums, tf.square(norms), result.losses, result.predictions, kept)

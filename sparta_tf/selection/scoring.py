@@ -99,6 +99,10 @@ class SelectionScorer(tf.Module):
 
     def batch_statistic(self, grads: Sequence[tf.Tensor], valid: tf.Tensor) -> list[tf.Tensor]:
         """Noise-free per-(micro-)batch sums; additive over micro-batches."""
+        return self.batch_statistic_and_kept(grads, valid)[0]
+
+    def batch_statistic_and_kept(self, grads: Sequence[tf.Tensor], valid: tf.Tensor) -> tuple[list, tf.Tensor]:
+        """``(sums, kept)``: :meth:`batch_statistic` and the examples that contributed to it ``[B]``."""
         if self.score == "oracle":
             keep = tf.logical_and(valid, tf.math.is_finite(per_example_squared_norms(grads)))
             factors = tf.cast(keep, grads[0].dtype)
@@ -115,7 +119,7 @@ class SelectionScorer(tf.Module):
                 stats.append(tf.tensordot(factors, per_row, axes=1))
             else:
                 stats.append(tf.tensordot(factors, g, axes=1))
-        return stats
+        return stats, keep
 
     @property
     def bookkeeping_statistic(self) -> bool:
@@ -125,11 +129,11 @@ class SelectionScorer(tf.Module):
 
     def batch_statistic_bookkeeping(self, engine, x, y, loss_fn, valid: tf.Tensor):
         """:meth:`batch_statistic` from a book-keeping engine built for :attr:`selections`:
-        ``(stats, losses, predictions)``, without a model's worth of per-example gradients."""
+        ``(stats, losses, predictions, kept)``, without a model's worth of per-example gradients."""
         absolute = self.score in ("sum_abs", "oracle")
         clip_norm = None if self.score == "oracle" else self.mechanism.clip_norm
         result = engine.selection_statistic(x, y, loss_fn, valid, clip_norm, self.groups if absolute else None)
-        return result.sums, result.losses, result.predictions
+        return result.sums, result.losses, result.predictions, result.kept
 
     def release(self, stats: Sequence[tf.Tensor], seed: tf.Tensor, step: tf.Tensor) -> None:
         """Adds the step's noise to the batch statistics and accumulates them."""

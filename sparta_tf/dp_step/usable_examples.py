@@ -1,0 +1,84 @@
+"""Examples a DP step samples but cannot use: counted per epoch, and an epoch that used none refused.
+
+A sampled example contributes exactly zero to the clipped sum when it cannot be clipped: its
+input (or, with augmentation multiplicity, one of its views' inputs) is NaN or infinite
+(:func:`~sparta_tf.per_example.engines.finite_rows`), or its gradient's norm is
+(:func:`~sparta_tf.dp_step.clipping.clip_factors`). That keeps the guarantee (such an example moves
+nothing), but a run whose examples are all dropped still spends its ε and learns nothing. So, per
+epoch::
+
+    sampled = #{i in B_t : w_i = 1}                summed over the epoch's steps
+    dropped = #{i in B_t : w_i = 1, c_i g_i not used}
+
+``dropped`` is the ``non_finite`` metric (the progress line, ``History`` and the CLI's
+``results.json``); an epoch with ``sampled > 0`` and ``dropped = sampled`` stops ``fit`` with
+:class:`~sparta_tf.callbacks.NonFiniteTrainingError`.
+
+Both counts are statistics of the private data, like the training loss: they are in the logs, not
+in anything the privacy guarantee covers (the model is).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import tensorflow as tf
+
+logger = logging.getLogger(__name__)
+
+METRIC_NAME = "non_finite"
+
+
+class NonFiniteExamples(tf.keras.metrics.Metric):
+    """The epoch's ``dropped`` (its value) and ``sampled`` counts (see the module doc)."""
+
+    def __init__(self, name: str = METRIC_NAME, **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.dropped = self.add_weight(name="dropped", initializer="zeros")
+        self.sampled = self.add_weight(name="sampled", initializer="zeros")
+
+    def update_state(self, sampled: tf.Tensor, kept: tf.Tensor) -> None:
+        """``sampled``, ``kept``: ``[B]`` bool, the real examples of a (micro-)batch and those used."""
+        sampled = tf.cast(sampled, tf.bool)
+        dropped = tf.logical_and(sampled, tf.logical_not(tf.cast(kept, tf.bool)))
+        self.dropped.assign_add(tf.reduce_sum(tf.cast(dropped, self.dropped.dtype)))
+        self.sampled.assign_add(tf.reduce_sum(tf.cast(sampled, self.sampled.dtype)))
+
+    def result(self) -> tf.Tensor:
+        return tf.identity(self.dropped)
+
+    def counts(self) -> tuple[int, int]:
+        """``(dropped, sampled)`` so far this epoch."""
+        return int(round(float(self.dropped.numpy()))), int(round(float(self.sampled.numpy())))
+
+
+class EpochWithoutUsableExamples(tf.keras.callbacks.Callback):
+    """Stops ``fit`` after an epoch whose sampled examples were all dropped (see the module doc); logs
+    a warning after an epoch that dropped some.
+
+    The counts are read after every step: validation at the end of an epoch resets the model's
+    metrics before ``on_epoch_end`` runs."""
+
+    def __init__(self, metric: NonFiniteExamples):
+        super().__init__()
+        self.metric = metric
+        self._counts = (0, 0)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._counts = (0, 0)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._counts = self.metric.counts()
+
+    def on_epoch_end(self, epoch, logs=None):
+        from sparta_tf.callbacks import NonFiniteTrainingError  # late: callbacks imports the DP model
+
+        dropped, sampled = self._counts
+        if sampled and dropped == sampled:
+            raise NonFiniteTrainingError(
+                f"epoch {epoch + 1}: all {sampled} sampled examples were dropped as non-finite (a NaN or infinite "
+                "input, augmented view or gradient), so the epoch spent its privacy budget and learnt nothing; "
+                "check the data (np.isfinite) and the augmentation, or lower the learning rate if the loss diverged")
+        if dropped:
+            logger.warning("epoch %d: %d of %d sampled examples were dropped as non-finite (a NaN or infinite input, "
+                           "augmented view or gradient) and contributed nothing", epoch + 1, dropped, sampled)
