@@ -21,10 +21,12 @@ So one pass keeps, per layer, about the smaller of the two (ResNet-20-GN at ``B 
 allocator's peak 256 MiB against the Keras step's 200 MiB; keeping every ``delta`` until the
 norms of all layers were known peaked at 471 MiB). When even that exceeds ``max_memory`` the
 step runs in two backward passes and keeps neither (:mod:`~sparta_tf.per_example.streaming`).
-Layers whose output cannot be tapped (called more than once, several rows per example, a
-structured output) keep ``delta`` from a zero probe added to their output
+Layers whose output cannot be tapped (called more than once, several rows per view inside
+``TimeDistributed``, a structured output) keep ``delta`` from a zero probe added to their output
 (:func:`~sparta_tf.per_example.engines.record_output_gradients`) and get their norms after the
-backward pass, one layer at a time.
+backward pass, one layer at a time. With augmentation multiplicity (``views = K``) an example's
+``K`` view rows are one unit (:mod:`~sparta_tf.per_example.units`): the norms are per unit (for a
+linear map, over the unit's merged positions), and step 3 scales each row by its example's ``c_i``.
 
 A layer called more than once in the forward pass has ``g_i = sum_calls g_i^call``,
 whose norm is not the sum of the calls' norms: for such a layer the engine

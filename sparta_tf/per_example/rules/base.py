@@ -252,6 +252,10 @@ class GhostRule:
     ``reference`` is the materialising rule of the same layer (the same probe point): the base
     class computes ``||g_i||^2`` from its per-example gradients, which the engine then sums with
     the clip factors; a rule whose algebra factorises overrides both methods.
+    ``unit_squared_norms`` takes units of several consecutive rows clipped as one (an example's
+    views, :mod:`~sparta_tf.per_example.units`): by default their rows' per-example gradients summed;
+    the rules of linear maps override it. ``weighted_sums`` stays per row (``delta_c`` then carries
+    each row's unit factor).
     """
 
     reference: LayerRule = VJP_RULE

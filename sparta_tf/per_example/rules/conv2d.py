@@ -14,7 +14,9 @@ same values. For rows selections only the selected output channels of ``delta`` 
 Book-keeping (:class:`Conv2DGhostRule`): the kernel is a linear map on the ``H'W'`` positions, so
 its norm is the ghost norm on the patches or the direct per-example gradient (chunked over
 examples for large maps), whichever the cost model finds cheaper; the clipped sum is one
-``conv2d_backprop_filter`` with ``c * delta``. Registered by
+``conv2d_backprop_filter`` with ``c * delta``. A unit of several rows (an example's views,
+:mod:`~sparta_tf.per_example.units`) takes the ghost norm on its rows' patches merged, or its rows'
+direct per-example gradients summed. Registered by
 :mod:`~sparta_tf.per_example.rules.convolution`, which picks this rule for a ``Conv2D`` whose
 call runs through ``convolution_op`` with ``same`` or ``valid`` padding.
 """

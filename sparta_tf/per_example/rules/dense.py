@@ -11,6 +11,8 @@ For rows selections only the selected output channels of ``delta`` enter the mat
 (:class:`LinearGhostRule`): rank one, ghost or direct norm by cost
 (:mod:`~sparta_tf.per_example.rules.ghost_norms`); the clipped sum is one matmul over ``B*T`` rows.
 The same ghost rule serves Dense-like ``EinsumDense`` (:mod:`~sparta_tf.per_example.rules.einsum`).
+Units of several rows (an example's views) merge their rows' positions first
+(:meth:`LinearGhostRule.unit_squared_norms`, :mod:`~sparta_tf.per_example.units`).
 """
 
 from __future__ import annotations

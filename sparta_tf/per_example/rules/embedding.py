@@ -8,7 +8,8 @@
 with the index-equality matrix as the input Gram of the ghost norm
 (:func:`~sparta_tf.per_example.rules.ghost_norms.gram_squared_norms`, raised past its rounding
 error). Per-example gradients (a materialising step, entry selections) come from the per-example
-VJP of the layer's call.
+VJP of the layer's call. A unit of several rows (an example's views) is one example on its rows'
+merged positions (:mod:`~sparta_tf.per_example.units`).
 """
 
 from __future__ import annotations
