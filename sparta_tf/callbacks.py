@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from sparta_tf.method_spec import Phase
 from sparta_tf.methods import Method, make_method
+from sparta_tf.training_errors import NonFiniteTrainingError
 
 
 class MethodCallback(tf.keras.callbacks.Callback):
@@ -129,10 +130,6 @@ class SpartaCallback(MethodCallback):
 
     def __init__(self, **options: Any):
         super().__init__("sparta", **options)
-
-
-class NonFiniteTrainingError(RuntimeError):
-    """Training produced a non-finite loss or weight; the model is unusable."""
 
 
 class NonFiniteGuard(tf.keras.callbacks.Callback):

@@ -12,7 +12,7 @@ epoch::
 
 ``dropped`` is the ``non_finite`` metric (the progress line, ``History`` and the CLI's
 ``results.json``); an epoch with ``sampled > 0`` and ``dropped = sampled`` stops ``fit`` with
-:class:`~sparta_tf.callbacks.NonFiniteTrainingError`.
+:class:`~sparta_tf.training_errors.NonFiniteTrainingError`.
 
 Both counts are statistics of the private data, like the training loss: they are in the logs, not
 in anything the privacy guarantee covers (the model is).
@@ -23,6 +23,8 @@ from __future__ import annotations
 import logging
 
 import tensorflow as tf
+
+from sparta_tf.training_errors import NonFiniteTrainingError
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +73,6 @@ class EpochWithoutUsableExamples(tf.keras.callbacks.Callback):
         self._counts = self.metric.counts()
 
     def on_epoch_end(self, epoch, logs=None):
-        from sparta_tf.callbacks import NonFiniteTrainingError  # late: callbacks imports the DP model
-
         dropped, sampled = self._counts
         if sampled and dropped == sampled:
             raise NonFiniteTrainingError(
