@@ -1,6 +1,6 @@
 """Sampled examples a DP step cannot use (a NaN or infinite input, view or gradient norm).
 
-* a step counts them (the ``non_finite`` metric): with and without augmentation views, with
+* a step counts them (the ``non_finite`` metric): with and without augmentation views, on two replicas, with
   micro-batches, with the materialising engine, and padding rows are not counted;
 * validation logs have no such count (it is the DP step's);
 * an epoch whose sampled examples were all dropped stops ``fit`` in one line;
@@ -91,3 +91,20 @@ def test_an_augmentation_with_non_finite_views_is_refused_before_anything_is_cha
     with pytest.raises(ValueError, match=r"^augmentation .* returned NaN or infinite views of finite inputs[^\n]*$"):
         dp.fit(x, y, verbose=0)
     assert dp.ledger.steps == 0
+
+
+def test_two_replicas_count_the_examples_of_both():
+    """The same seed samples the same batches on one replica and on two (tests/test_augmult.py)."""
+    from two_replicas import two_cpu_replicas
+
+    x = np.random.default_rng(3).normal(size=(64, 8)).astype(np.float32)
+    x[::5, 0] = np.nan
+    y, counts = np.arange(64) % 3, []
+    for strategy in (tf.distribute.get_strategy(), two_cpu_replicas()):
+        with strategy.scope():
+            dp = sparta_tf.DPModel(small_mlp(), clip_norm=1.0, noise_multiplier=1.0, sample_rate=0.25, seed=0,
+                                   physical_batch_size=32)
+            dp.compile(tf.keras.optimizers.SGD(0.1), loss=LOSS)
+        history = dp.fit(x, y, epochs=1, verbose=0)
+        counts.append((history.history["non_finite"][0], dp.metrics[-1].counts()))
+    assert counts[0] == counts[1] and counts[0][0] > 0

@@ -24,6 +24,7 @@ import logging
 
 import tensorflow as tf
 
+from sparta_tf.backend import KERAS3
 from sparta_tf.training_errors import NonFiniteTrainingError
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,13 @@ class NonFiniteExamples(tf.keras.metrics.Metric):
         self.sampled.assign_add(tf.reduce_sum(tf.cast(sampled, self.sampled.dtype)))
 
     def result(self) -> tf.Tensor:
-        return tf.identity(self.dropped)
+        """``dropped`` over all replicas. Keras 2 syncs a metric's result across replicas itself; Keras 3
+        reads each replica's own count in the step and logs the replicas' mean, so the sum is taken here."""
+        dropped = tf.convert_to_tensor(self.dropped)
+        context = tf.distribute.get_replica_context()
+        if KERAS3 and context is not None and context.num_replicas_in_sync > 1:
+            return context.all_reduce(tf.distribute.ReduceOp.SUM, dropped)
+        return tf.identity(dropped)
 
     def counts(self) -> tuple[int, int]:
         """``(dropped, sampled)`` so far this epoch."""
