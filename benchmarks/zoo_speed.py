@@ -247,9 +247,9 @@ def make_keras_noise(model, spec, seed):
     return _fit_path_step(noisy, _dataset(spec, seed, False)), None
 
 
-def _ours(model, spec, seed, configure=None, max_memory=None):
+def _ours(model, spec, seed, configure=None, max_memory=None, **options):
     dp = DPModel(model, clip_norm=CLIP_NORM, noise_multiplier=NOISE_MULTIPLIER,
-                 sample_rate=spec.batch / DATASET_SIZE, dataset_size=DATASET_SIZE, max_memory=max_memory)
+                 sample_rate=spec.batch / DATASET_SIZE, dataset_size=DATASET_SIZE, max_memory=max_memory, **options)
     dp.compile(optimizer=_sgd(), loss=_xent())
     if configure is not None:
         configure(dp)
@@ -326,7 +326,11 @@ def cost_summary(dp) -> Dict[str, int]:
 # ---------------------------------------------------------------------------------- timing
 
 
-def time_model(name: str, spec: ZooModel, variants: List[str], rounds: int, seed: int) -> dict:
+def time_model(name: str, spec: ZooModel, variants: List[str], rounds: int, seed: int,
+               registry: Optional[Dict[str, Callable]] = None) -> dict:
+    """Every variant of ``variants`` (factories in ``registry``, default :data:`VARIANTS`) built, then
+    timed in ``rounds`` interleaved rounds (rotated order, an untimed re-entry step per block)."""
+    registry = VARIANTS if registry is None else registry
     built, result = {}, {"model": name, "batch_size": spec.batch, "commit": _commit(), "variants": {}}
     for variant in variants:
         entry = result["variants"].setdefault(variant, {})
@@ -334,7 +338,7 @@ def time_model(name: str, spec: ZooModel, variants: List[str], rounds: int, seed
         try:
             model = _fresh(spec, seed)
             result["parameters"] = int(sum(np.prod(v.shape) for v in model.trainable_variables))
-            step, dp = VARIANTS[variant](model, spec, seed)
+            step, dp = registry[variant](model, spec, seed)
             for _ in range(2):  # tracing and warm-up are never timed
                 loss = step()
             if not math.isfinite(loss):

@@ -291,7 +291,8 @@ def test_clipped_sum_over_selected_rows_equals_the_one_example_reference(name, e
 
 def test_convolution_norms_over_chunks_of_the_batch_equal_the_whole_batch(monkeypatch):
     """A layer whose per-example temporaries exceed the chunk budget computes its per-example
-    gradients a chunk of examples at a time (padded to whole chunks): the same clipped sum."""
+    gradients a chunk of examples at a time (the fewest chunks that fit, of equal size, padded to
+    whole chunks): the same clipped sum."""
     from sparta_tf.per_example import chunking
     from sparta_tf.per_example.rules import conv2d
 
@@ -302,14 +303,27 @@ def test_convolution_norms_over_chunks_of_the_batch_equal_the_whole_batch(monkey
     engine = make_engine(model, model.trainable_variables, "auto")
     whole = flat(tf.function(lambda: clipped_batch(engine, x, y, loss_fn, valid, 0.5).sums)())
     per_example = 4 * 6 * 18  # float32 patches: 3x2 output positions of a 3x3 kernel on 2 channels
-    monkeypatch.setattr(chunking, "CHUNK_BYTES", 4 * per_example)  # chunks of 4 examples: 6 rows padded to 8
+    monkeypatch.setattr(chunking, "CHUNK_BYTES", 4 * per_example)  # at most 4 examples: 6 rows in 2 chunks of 3
     calls = []
     monkeypatch.setattr(conv2d, "map_over_examples",
                         lambda *args: calls.append(args[2]) or chunking.map_over_examples(*args))
     chunked = flat(tf.function(lambda: clipped_batch(engine, x, y, loss_fn, valid, 0.5).sums)())
-    assert calls == [4]
+    assert calls == [3]
     for a, b in zip(whole, chunked):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_chunks_are_the_fewest_that_fit_and_of_equal_size():
+    from sparta_tf.per_example import chunking
+
+    budget = chunking.CHUNK_BYTES
+    assert chunking.chunk_size(budget // 256, 256) is None  # the whole batch fits
+    assert chunking.chunk_size(budget // 227, 256) == 128  # not 227 (256 rows padded to 454)
+    assert chunking.chunk_size(budget // 227, 512) == 171  # 3 chunks, 513 rows
+    assert chunking.chunk_size(budget, 7) == 1 and chunking.chunk_size(2 * budget, 7) == 1
+    rows = tf.reshape(tf.range(7.0), [7, 1])
+    doubled = chunking.map_over_examples(lambda t: 2 * t, [rows], 4, [1], tf.float32)  # 7 rows padded to 8
+    np.testing.assert_array_equal(doubled.numpy(), 2 * rows.numpy())
 
 
 # Layers of the speed benchmark's models that keep the per-layer VJP (docs/layers.md): exact, and

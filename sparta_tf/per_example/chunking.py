@@ -22,12 +22,20 @@ layer's temporaries are alive): chunking costs a ``tf.map_fn``, measured slower 
 def chunk_size(bytes_per_example: int | None, batch: int | None) -> int | None:
     """Examples per chunk, or None when the whole batch fits in :data:`CHUNK_BYTES`, or when the
     batch or the bytes per example are unknown when the step is traced (no chunking: a DP step's
-    physical batch is static)."""
+    physical batch is static).
+
+    The batch is split into the fewest chunks that fit, of equal size: ``n = ceil(B / most)``
+    chunks of ``ceil(B / n)`` examples, so that padding to whole chunks adds fewer than ``n``
+    examples. (Chunks of ``most`` examples each padded a batch just over one chunk to nearly two:
+    ResNet-20-GN's first stage with 2 views, 256 rows in chunks of 227, computed 454 rows, and its
+    norms took twice as long as on the whole batch.)"""
     if bytes_per_example is None or bytes_per_example <= 0 or batch is None:
         return None
     if batch * bytes_per_example <= CHUNK_BYTES:
         return None
-    return max(1, CHUNK_BYTES // bytes_per_example)
+    most = max(1, CHUNK_BYTES // bytes_per_example)
+    chunks = -(-batch // most)
+    return -(-batch // chunks)
 
 
 def map_over_examples(fn: Callable[..., tf.Tensor], tensors: Sequence[tf.Tensor], chunk: int,
