@@ -66,7 +66,7 @@ def _resnet_gn():
 MODELS = {
     "dense_2d": lambda: tf.keras.Sequential([tf.keras.Input((6,)), L.Dense(5), L.Dense(CLASSES)]),
     "dense_3d": lambda: _on((4, 6), L.Dense(5)),
-    "einsum_dense": lambda: _on((4, 6), L.EinsumDense("abc,cd->abd", output_shape=(None, 5), bias_axes="d")),
+    "einsum_dense": lambda: _on((4, 6), L.EinsumDense("abc,cd->abd", output_shape=(4, 5), bias_axes="d")),
     "embedding": lambda: _on((5,), L.Embedding(7, 4), tf.int32),
     "conv1d": lambda: _on((5, 3), L.Conv1D(4, 3, padding="same")),
     "conv2d_same": lambda: _on((6, 6, 3), L.Conv2D(4, 3, padding="same")),
