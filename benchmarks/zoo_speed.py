@@ -330,32 +330,8 @@ def time_model(name: str, spec: ZooModel, variants: List[str], rounds: int, seed
                registry: Optional[Dict[str, Callable]] = None) -> dict:
     """Every variant of ``variants`` (factories in ``registry``, default :data:`VARIANTS`) built, then
     timed in ``rounds`` interleaved rounds (rotated order, an untimed re-entry step per block)."""
-    registry = VARIANTS if registry is None else registry
-    built, result = {}, {"model": name, "batch_size": spec.batch, "commit": _commit(), "variants": {}}
-    for variant in variants:
-        entry = result["variants"].setdefault(variant, {})
-        t0 = time.perf_counter()
-        try:
-            model = _fresh(spec, seed)
-            result["parameters"] = int(sum(np.prod(v.shape) for v in model.trainable_variables))
-            step, dp = registry[variant](model, spec, seed)
-            for _ in range(2):  # tracing and warm-up are never timed
-                loss = step()
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"non-finite loss {loss}")
-        except Unavailable as error:
-            entry.update(status="skipped", note=str(error))
-            print(f"  {name} {variant:10s} skipped: {error}", flush=True)
-            continue
-        except Exception as error:  # noqa: BLE001 -- a variant's failure is a result, reported
-            entry.update(status="error", note=_error_line(error))
-            print(f"  {name} {variant:10s} ERROR: {entry['note']}", flush=True)
-            continue
-        entry.update(status="ok", setup_s=round(time.perf_counter() - t0, 1), times_ms=[])
-        if dp is not None:
-            entry["norm_methods"] = cost_summary(dp)
-        built[variant] = step
-        print(f"  {name} {variant:10s} ready ({entry['setup_s']} s)", flush=True)
+    result = {"model": name, "batch_size": spec.batch, "commit": _commit(), "variants": {}}
+    built = build_variants(name, spec, variants, seed, result, registry)
     names = list(built)
     for round_ in range(rounds):
         for variant in names[round_ % len(names):] + names[: round_ % len(names)] if names else []:
@@ -381,6 +357,40 @@ def time_model(name: str, spec: ZooModel, variants: List[str], rounds: int, seed
     tf.keras.backend.clear_session()
     gc.collect()
     return result
+
+
+def build_variants(name: str, spec: ZooModel, variants: List[str], seed: int, result: dict,
+                   registry: Optional[Dict[str, Callable]] = None) -> Dict[str, Step]:
+    """``{variant: step}`` of the variants that built and ran two untimed steps (tracing, warm-up);
+    each variant's entry in ``result["variants"]`` says ok (with ``times_ms`` to fill), skipped or
+    error, and for a DP step its norm methods."""
+    registry = VARIANTS if registry is None else registry
+    built = {}
+    for variant in variants:
+        entry = result["variants"].setdefault(variant, {})
+        t0 = time.perf_counter()
+        try:
+            model = _fresh(spec, seed)
+            result["parameters"] = int(sum(np.prod(v.shape) for v in model.trainable_variables))
+            step, dp = registry[variant](model, spec, seed)
+            for _ in range(2):  # tracing and warm-up are never timed
+                loss = step()
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"non-finite loss {loss}")
+        except Unavailable as error:
+            entry.update(status="skipped", note=str(error))
+            print(f"  {name} {variant:10s} skipped: {error}", flush=True)
+            continue
+        except Exception as error:  # noqa: BLE001 -- a variant's failure is a result, reported
+            entry.update(status="error", note=_error_line(error))
+            print(f"  {name} {variant:10s} ERROR: {entry['note']}", flush=True)
+            continue
+        entry.update(status="ok", setup_s=round(time.perf_counter() - t0, 1), times_ms=[])
+        if dp is not None:
+            entry["norm_methods"] = cost_summary(dp)
+        built[variant] = step
+        print(f"  {name} {variant:10s} ready ({entry['setup_s']} s)", flush=True)
+    return built
 
 
 # ------------------------------------------------------------------------- the conv term

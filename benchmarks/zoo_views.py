@@ -4,9 +4,10 @@
 Issue 65, item 7: a step with ``augmult = K`` (each example's ``K`` views, its gradient their mean,
 clipped once) should take at most ``1.1 K`` times the ``K = 1`` step, ``K`` forward and backward
 passes being about ``K`` times one. Measured on the zoo's MLP and ResNet-20-GN
-(:mod:`zoo_speed`'s models, batches, DP settings and fit-path timing: every variant built and
-warmed up, then timed in interleaved rounds, rotated order, an untimed re-entry step per block;
-medians):
+(:mod:`zoo_speed`'s models, batches, DP settings and fit-path steps), every variant built and warmed
+up first. The machines are shared and noisy, so the variants are timed in *cycles*, per ``K``: one
+cycle runs each variant of that ``K`` (and the ``K = 1`` ones) for two steps and times the second
+(the first absorbs the switch), and each ratio is taken within a cycle, then the median over cycles:
 
   views-1         ``augmult=1`` with the default augmentation (flip + pad-4 crop): one augmented view
                   per example, the reference of every ratio
@@ -20,22 +21,24 @@ medians):
   keras-K         the non-private Keras step on ``K B`` rows (``keras-1``: on ``B``): what ``K`` times the
                   rows cost the forward and backward passes alone, the floor of every ratio above 1
 
-Reported per ``K``: ``median step(K) / (K x median step(views-1))`` against the 1.1 target, for both
-paths, the same against the plain step (``dp-plain``), the Keras step's own ``keras-K / (K keras-1)``,
-and the engine's norm methods.
+Reported per ``K``: the median over cycles of ``step(K) / (K x step(views-1))`` against the 1.1
+target, for both paths, the same against the plain step (``dp-plain``), the Keras step's own
+``keras-K / (K keras-1)``, each variant's median step, and the engine's norm methods.
 
     python benchmarks/zoo_views.py                                  # mlp_fused, resnet20_gn; K = 2, 4
-    python benchmarks/zoo_views.py --models mlp_fused --views 2 --rounds 3
-    python benchmarks/zoo_views.py --smoke                          # tiny shapes, 1 round (CI)
+    python benchmarks/zoo_views.py --models mlp_fused --views 2 --cycles 5
+    python benchmarks/zoo_views.py --smoke                          # tiny shapes, 1 cycle (CI)
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import pathlib
 import sys
+import time
 from typing import Callable, Dict, List
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -43,7 +46,20 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 # zoo_speed first: it sets the TF environment and puts the repository on the path
-from zoo_speed import MODELS, SMOKE, Unavailable, ZooModel, _machine, _ours, make_keras, time_model  # noqa: E402
+from zoo_speed import (  # noqa: E402
+    MODELS,
+    SMOKE,
+    Unavailable,
+    ZooModel,
+    _commit,
+    _machine,
+    _ours,
+    build_variants,
+    make_keras,
+)
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
 from sparta_tf.backend import KERAS3  # noqa: E402
 from sparta_tf.per_example import BookkeepingEngine  # noqa: E402
@@ -106,27 +122,49 @@ def _rows(spec: ZooModel, views: int) -> ZooModel:
     return ZooModel(spec.build, spec.input_shape, spec.batch * views, spec.steps, spec.ids)
 
 
-def ratios(result: dict, views: List[int]) -> dict:
-    """Per ``K``: ``units`` = step(K) / (K step(views-1)), ``direct`` the same on the path before,
-    ``units_plain`` = step(K) / (K step(dp-plain)), ``keras`` = keras-K / (K keras-1) (None where a
-    variant did not run)."""
-    measured = {name: entry.get("median_ms") for name, entry in result["variants"].items()}
+def _ratio_terms(k: int) -> list:
+    """``[(ratio name, the K-view variant, the K = 1 variant whose K times it is divided by)]``."""
+    return [("units", f"views-{k}", "views-1"), ("direct", f"views-{k}-direct", "views-1"),
+            ("units_plain", f"views-{k}", "dp-plain"), ("keras", f"keras-{k}", "keras-1")]
 
-    def ratio(name, reference, k):
-        return measured[name] / (k * measured[reference]) if measured.get(reference) and measured.get(name) else None
 
-    return {str(k): {"units": ratio(f"views-{k}", "views-1", k), "direct": ratio(f"views-{k}-direct", "views-1", k),
-                     "units_plain": ratio(f"views-{k}", "dp-plain", k), "keras": ratio(f"keras-{k}", "keras-1", k)}
-            for k in views}
+def time_cycles(built: Dict[str, Callable], result: dict, views: List[int], cycles: int) -> dict:
+    """``{K: {ratio name: median over cycles}}`` (module doc); every timed step also goes to its
+    variant's ``times_ms``."""
+    out = {}
+    for k in views:
+        terms = [t for t in _ratio_terms(k) if t[1] in built and t[2] in built]
+        order = list(dict.fromkeys(name for _, *names in terms for name in reversed(names)))
+        per_cycle: Dict[str, list] = {ratio: [] for ratio, _, _ in terms}
+        for cycle in range(cycles):
+            times = {}
+            for name in order:
+                built[name]()  # the switch
+                t = time.perf_counter()
+                built[name]()
+                times[name] = 1000 * (time.perf_counter() - t)
+                result["variants"][name]["times_ms"].append(times[name])
+            for ratio, name, reference in terms:
+                per_cycle[ratio].append(times[name] / (k * times[reference]))
+            print(f"  K={k} cycle {cycle + 1}/{cycles} done", flush=True)
+        out[str(k)] = {ratio: (float(np.median(values)) if values else None) for ratio, values in per_cycle.items()}
+        for ratio, _, _ in _ratio_terms(k):
+            out[str(k)].setdefault(ratio, None)
+        out[str(k)]["per_cycle"] = per_cycle
+    for entry in result["variants"].values():
+        if entry.get("times_ms"):
+            entry["median_ms"] = float(np.median(entry["times_ms"]))
+    return out
 
 
 def markdown(results: List[dict], machine: str) -> str:
     lines = [
         f"A K-view DP step (augmentation multiplicity) against the K = 1 step, {machine}, one process, "
-        "variants interleaved (medians). `views-1`: one augmented view per example (flip + pad-4 crop); "
+        "timed in cycles (each ratio within a cycle, then the median over cycles; steps: medians). `views-1`: one augmented view per example (flip + pad-4 crop); "
         f"ratio: step(K) / (K x step(views-1)), target <= {TARGET:g}. `units`: today's step (an example's "
         "views one unit, ghost norms over the unit's positions, one-pass taps); `direct`: the path it "
-        "replaced (every layer's per-row gradients materialised and summed per example). `ratio to plain`: "
+        "replaced (every layer's per-row gradients materialised and summed per example); in brackets the "
+        "quartiles of the ratio over the cycles. `ratio to plain`: "
         "step(K) / (K x the plain DP step, no augmentation). `Keras`: the non-private step on K B rows over "
         "K times the step on B rows, what the forward and backward passes alone cost beyond K.",
         "",
@@ -145,10 +183,15 @@ def markdown(results: List[dict], machine: str) -> str:
             units, direct = ratio["units"], ratio["direct"]
             verdict = "-" if units is None else ("met" if units <= TARGET else f"NOT met (+{units / TARGET - 1:.0%})")
             methods = ", ".join(f"{m} {n}" for m, n in v.get(f"views-{k}", {}).get("norm_methods", {}).items())
+            spread = _quartiles(ratio.get("per_cycle", {}))
             lines.append(f"| {r['model']} ({r.get('commit', '')}) | {r['batch_size']} | {ms('dp-plain')} | "
-                         f"{ms('views-1')} | {k} | {ms(f'views-{k}')} | {_ratio(units)} | "
-                         f"{ms(f'views-{k}-direct')} | {_ratio(direct)} | {verdict} | "
+                         f"{ms('views-1')} | {k} | {ms(f'views-{k}')} | {_ratio(units)}{spread('units')} | "
+                         f"{ms(f'views-{k}-direct')} | {_ratio(direct)}{spread('direct')} | {verdict} | "
                          f"{_ratio(ratio.get('units_plain'))} | {_ratio(ratio.get('keras'))} | {methods} |")
+    skipped = [f"{r['model']} {name}: {entry['note']}" for r in results for name, entry in r["variants"].items()
+               if entry.get("status") in ("skipped", "error")]
+    if skipped:
+        lines += ["", "Not run: " + "; ".join(skipped) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -156,29 +199,46 @@ def _ratio(value) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def _quartiles(per_cycle: dict) -> Callable[[str], str]:
+    """``name -> " (q1-q3)"``: the spread of a ratio over the cycles ("" where none was recorded)."""
+    def spread(name: str) -> str:
+        values = per_cycle.get(name)
+        if not values:
+            return ""
+        q1, q3 = np.percentile(values, [25, 75])
+        return f" ({q1:.2f}-{q3:.2f})"
+    return spread
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(DEFAULT_MODELS))
     parser.add_argument("--views", nargs="+", type=int, default=[2, 4], help="the K > 1 to measure")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per variant (default: the zoo's)")
+    parser.add_argument("--cycles", type=int, default=10, help="timed cycles per K (module doc)")
     parser.add_argument("--variants", nargs="+", help="only these (default: every one of the --views)")
     parser.add_argument("--direct-budget", type=float, default=DIRECT_BUDGET_GIB,
                         help="GiB of per-example gradients the path before units may hold (else skipped)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS_KERAS3 if KERAS3 else RESULTS)
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, 1 round (CI); writes nothing")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, 1 cycle (CI); writes nothing")
+    parser.add_argument("--table-only", action="store_true", help="only rewrite the .md from the JSON")
     args = parser.parse_args(argv)
+    if args.table_only:
+        payload = json.loads(args.out.with_suffix(".json").read_text())
+        args.out.with_suffix(".md").write_text(markdown(payload["results"], payload["machine"]))
+        return 0
     registry = variants(args.views, args.direct_budget)
     names = [n for n in registry if args.variants is None or n in args.variants]
     zoo = {"mlp_fused": SMOKE["mlp_fused"]} if args.smoke else {name: MODELS[name] for name in args.models}
     results = []
     for name, spec in zoo.items():
-        if args.steps is not None:
-            spec = ZooModel(spec.build, spec.input_shape, spec.batch, args.steps, spec.ids)
         print(f"{name} (B={spec.batch})", flush=True)
-        result = time_model(name, spec, names, 1 if args.smoke else args.rounds, args.seed, registry)
-        result["ratios"] = ratios(result, args.views)
+        result = {"model": name, "batch_size": spec.batch, "commit": _commit(), "variants": {}}
+        built = build_variants(name, spec, names, args.seed, result, registry)
+        result["ratios"] = time_cycles(built, result, args.views, 1 if args.smoke else args.cycles)
+        built.clear()
+        tf.keras.backend.clear_session()
+        gc.collect()
         results.append(result)
         for k, ratio in result["ratios"].items():
             print(f"  K={k}: step(K) / (K step(1)) = {_ratio(ratio['units'])} (direct: {_ratio(ratio['direct'])}; "
