@@ -204,6 +204,23 @@ def test_ghost_norm_and_direct_norm_are_both_exact_per_unit(name, method, monkey
     assert f"{method}_views" in {row.method for row in engine.cost_table()}
 
 
+def test_a_sequence_length_unknown_when_traced_takes_the_exact_direct_norm_per_unit():
+    tf.keras.utils.set_random_seed(11)
+    model = tf.keras.Sequential([tf.keras.Input((None, 6)), L.Dense(5), L.GlobalAveragePooling1D(), L.Dense(CLASSES)])
+    views = 2
+    x = tf.random.normal([B * views, 4, 6])
+    y, valid = tf.constant(np.repeat([0, 1, 2, 0], views), tf.int32), tf.ones([B], bool)
+    engine = _engine(model, model.trainable_variables, views)
+    step = tf.function(lambda x: engine.clipped_sum(x, y, loss_fn, valid, 1e3),
+                       input_signature=[tf.TensorSpec([None, None, 6], tf.float32)])
+    ours = step(x)
+    reference = reference_unit_gradients(model, [trainable_lib.dense(v) for v in model.trainable_variables],
+                                         x, y, valid, views)
+    np.testing.assert_allclose(ours.squared_norms.numpy(), _squared_norms(reference), rtol=1e-5)
+    assert {row.method for row in engine.cost_table() if row.layer == model.layers[0].name} == \
+        {"direct_views", "elementwise_views"}
+
+
 def test_the_cost_table_names_the_per_unit_methods():
     tf.keras.utils.set_random_seed(5)
     model = tf.keras.Sequential([tf.keras.Input((5,), dtype=tf.int32), L.Embedding(7, 4), L.Flatten(),
