@@ -17,12 +17,12 @@ import pytest
 from sparta_tf.privacy.banded import (
     BandedFactorization,
     banded_sqrt_coefficients,
-    cyclic_sample_rate,
     reduced_steps,
     sqrt_series,
     workload,
 )
 from sparta_tf.privacy.calibration import calibrate_noise_multiplier
+from sparta_tf.privacy.plan import cyclic_sample_rate
 
 T = 24
 

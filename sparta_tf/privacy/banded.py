@@ -22,7 +22,7 @@ disjoint rows, each with norm at most 1 (times ``C_clip``). Cyclic Poisson sampl
 the examples are split into ``b`` groups and step ``t`` Poisson-samples group ``t mod b`` at rate
 ``q_b = q n / floor(n / b)`` (the same expected batch). The mechanism's privacy then reduces to
 DP-SGD's: ``ceil(T / b)`` compositions of a Poisson-subsampled Gaussian at ``(q_b, sigma)``
-(:func:`reduced_steps`, :func:`cyclic_sample_rate`; the analysis of Choquette-Choo et al., Thm. 4).
+(:func:`reduced_steps`; the rate is the plan's, :func:`sparta_tf.privacy.plan.cyclic_sample_rate`; the analysis of Choquette-Choo et al., Thm. 4).
 
 **Error.** For a workload ``A`` the noise on the final iterate has standard deviation
 ``sigma C_clip ||(A C^{-1})_T||`` per coordinate (``||A_T|| = eta sqrt(T)`` for DP-SGD);
@@ -122,20 +122,6 @@ def workload(steps: int, momentum: float = 0.0, learning_rates=None) -> np.ndarr
         decay = momentum ** np.arange(steps - s)  # beta^{r-s}, r = s..T-1
         a[s:, s] = np.cumsum(rates[s:] * decay)
     return a
-
-
-def cyclic_sample_rate(sample_rate: float, dataset_size: int, bands: int) -> float:
-    """``q_b = q n / floor(n / b)``: the rate at which a step samples its group, for the same expected
-    batch ``q n`` (ValueError when a group would need a rate above 1: ``b > 1/q``, roughly)."""
-    bands = check_bands(bands)
-    group = dataset_size // bands
-    if group < 1:
-        raise ValueError(f"bands={bands} is more than the {dataset_size} examples: each group needs one; lower bands")
-    rate = sample_rate * dataset_size / group
-    if rate > 1.0:
-        raise ValueError(f"bands={bands} needs a sampling rate of {rate:.3g} per group (q n / floor(n / b)), above 1: "
-                         f"keep bands <= {max(1, int(1 / sample_rate))} (1 / q) or lower the batch size")
-    return rate
 
 
 def reduced_steps(steps: int, bands: int) -> int:

@@ -32,7 +32,7 @@ import dataclasses
 from typing import Mapping, Sequence
 
 from sparta_tf.method_spec import Phase
-from sparta_tf.privacy import accounting, calibration
+from sparta_tf.privacy import accounting, banded, calibration
 from sparta_tf.privacy import tuning as tuning_privacy
 from sparta_tf.privacy.tuning import Repetition
 from sparta_tf.privacy.ledger import DEFAULT_KIND, LedgerEntry, PrivacyLedger
@@ -174,6 +174,20 @@ def sample_rate(n: int, expected_batch_size: float) -> float:
     if n < 1:
         raise ValueError(f"n={n} private training examples: need at least 1")
     return min(1.0, expected_batch_size / n)
+
+
+def cyclic_sample_rate(sample_rate: float, dataset_size: int, bands: int) -> float:
+    """``q_b = q n / floor(n / b)``: the rate at which a step samples its group, for the same expected
+    batch ``q n`` (ValueError when a group would need a rate above 1: ``b > 1/q``, roughly)."""
+    bands = banded.check_bands(bands)
+    group = dataset_size // bands
+    if group < 1:
+        raise ValueError(f"bands={bands} is more than the {dataset_size} examples: each group needs one; lower bands")
+    rate = sample_rate * dataset_size / group
+    if rate > 1.0:
+        raise ValueError(f"bands={bands} needs a sampling rate of {rate:.3g} per group (q n / floor(n / b)), above 1: "
+                         f"keep bands <= {max(1, int(1 / sample_rate))} (1 / q) or lower the batch size")
+    return rate
 
 
 def make_privacy_plan(
