@@ -132,17 +132,17 @@ def latest(output_dir: str) -> tuple[str, dict] | None:
 def restore(path: str, dp_model) -> None:
     """Restores a checkpoint into a DPModel set up for the phase of the next epoch.
 
-    Weights and counters must all match. Optimizer state is restored for the
-    selections the checkpoint has; a selection that starts with this epoch
-    (SPARTA's rows after the selection epoch) starts from zero state, exactly
-    as in an uninterrupted run. CheckpointError for a checkpoint of another model.
+    Weights and counters must all match. Optimizer state (and BandMF's buffered
+    noise) is restored for the selections the checkpoint has; a selection that
+    starts with this epoch (SPARTA's rows after the selection epoch) starts from
+    zero state, exactly as in an uninterrupted run. CheckpointError for a checkpoint of another model.
     """
     prefix = os.path.join(path, "ckpt")
     required = dict(dp_model.checkpoint_state())
-    optimizer = required.pop("masked_optimizer")
+    per_selection = {name: required.pop(name) for name in ("masked_optimizer", "correlated_noise") if name in required}
     try:
         tf.train.Checkpoint(**required).read(prefix).expect_partial().assert_existing_objects_matched()
-        tf.train.Checkpoint(masked_optimizer=optimizer).read(prefix).expect_partial()
+        tf.train.Checkpoint(**per_selection).read(prefix).expect_partial()
     except (AssertionError, ValueError, IndexError, KeyError, OSError, tf.errors.OpError) as error:
         first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         raise CheckpointError(f"checkpoint {path} cannot be restored ({first}): it is damaged or belongs to "

@@ -65,6 +65,7 @@ def plan_method(
     accountant: str = "pld",
     nonprivate_reasons: tuple[str, ...] | list[str] = (),
     tuning: Repetition | None = None,
+    bands: int = 1,
 ) -> PrivacyPlan:
     """The :class:`PrivacyPlan` of ``epochs`` epochs of ``method`` on ``dataset_size`` examples with
     expected batch ``batch_size``. A given ``noise_multiplier`` that would spend more than
@@ -80,6 +81,7 @@ def plan_method(
         before_training=method.mechanisms_before_training(n, sample_rate(n, batch_size)),
         training_share=method.training_share,
         nonprivate_reasons=list(method.nonprivate_reasons()) + list(nonprivate_reasons), tuning=tuning,
+        bands=bands,
     )
 
 
@@ -106,6 +108,7 @@ def make_private(
     run_dir: str | None = None,
     ema: float | None = None,
     use_ema_weights: bool | None = None,
+    bands: int = 1,
     **method_options: Any,
 ):
     """A DP model for ``model`` whose ``fit`` runs ``method`` within ``(target_epsilon, delta)``.
@@ -141,6 +144,10 @@ def make_private(
         (:mod:`sparta_tf.optim.weight_average`; post-processing, no privacy cost); None (default): none.
       use_ema_weights: with ``ema``, validation and the model after ``fit`` (evaluate, save, export) use
         the averaged weights (None, the default: True with ``ema``); False: the raw weights; refused without ``ema``.
+      bands: ``b``, BandMF's correlated noise in every DP step of the run (as for :class:`~sparta_tf.DPModel`):
+        cyclic Poisson sampling at ``b q`` and ``ceil(T_p / b)`` charged steps per phase, with the noise
+        multiplier calibrated for that; 1 (the default): independent noise (DP-SGD). Needs ``b q <= 1``
+        and at least ``b`` steps in every phase.
       **method_options: the method's options (``warmup_epochs``, ``density``, ... for sparta), as
         :func:`sparta_tf.methods.make_method` takes them.
 
@@ -161,7 +168,8 @@ def make_private(
     run_checks.check_method_run(run_checks.LIBRARY, method.name, method.option_values, epochs)
     method.check(model)
     plan = plan_method(method, dataset_size=dataset_size, batch_size=batch_size, epochs=epochs, delta=delta,
-                       target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, accountant=accountant)
+                       target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, accountant=accountant,
+                       bands=bands)
     return private_model(model, method, plan, run_dir=run_dir, clip_norm=clip_norm,
                          physical_batch_size=physical_batch_size, sampling=sampling, seed=seed, engine=engine,
                          max_memory=max_memory, jit_compile=jit_compile, augmult=augmult, augmentation=augmentation, ema=ema,
@@ -180,7 +188,8 @@ def private_model(model: tf.keras.Model, method: Method, plan: PrivacyPlan, *, r
         seed = previous[1]["seed"]
     dp = method.make_dp_model(
         model, noise_multiplier=plan.noise_multiplier, sample_rate=plan.sample_rate, dataset_size=plan.n,
-        delta=plan.delta, target_epsilon=plan.run_budget, accountant=plan.accountant, seed=seed, **dp_options,
+        delta=plan.delta, target_epsilon=plan.run_budget, accountant=plan.accountant, seed=seed, bands=plan.bands,
+        **dp_options,
     )
     for reason in plan.nonprivate_reasons:
         dp.ledger.record_nonprivate(reason)

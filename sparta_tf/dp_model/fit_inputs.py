@@ -160,7 +160,7 @@ def input_pipeline(dp, x, y, initial_step: int):
     replicas = dp.distribute_strategy.num_replicas_in_sync
     if dp.physical_batch_size is None:
         dp.physical_batch_size = default_physical_batch_size(n, dp.sample_rate, multiple_of=replicas)
-    sampler = PoissonSampler(n, dp.sample_rate, dp.physical_batch_size, seed=dp._seed)
+    sampler = PoissonSampler(n, dp.sample_rate, dp.physical_batch_size, seed=dp._seed, bands=dp.mechanism.bands)
     return sampler.dataset(x, y, start_step=initial_step), sampler.steps_per_epoch
 
 def check_dataset_provenance(dp, dataset: tf.data.Dataset) -> None:
@@ -170,15 +170,18 @@ def check_dataset_provenance(dp, dataset: tf.data.Dataset) -> None:
     if dp.ledger is None or not dp.ledger.covered_by_accountant:
         return  # no accounting, or the ledger already says its sampling is not Poisson
     made = poisson_provenance(dataset)
+    bands = dp.mechanism.bands
     expected = (dp.dataset_size, dp.sample_rate)
-    if made is not None and made[1] == dp.sample_rate and dp.dataset_size in (None, made[0]):
+    if made is not None and made[1:] == (dp.sample_rate, bands) and dp.dataset_size in (None, made[0]):
         return
     what = ("a tf.data.Dataset that PoissonSampler did not make (or one transformed after it)" if made is None
-            else f"the dataset of PoissonSampler(n={made[0]}, sample_rate={made[1]:g})")
-    caveat = (f"fit got {what}, but the ledger charges Poisson sampling of "
+            else f"the dataset of PoissonSampler(n={made[0]}, sample_rate={made[1]:g}"
+                 + ("" if made[2] == 1 else f", bands={made[2]}") + ")")
+    cyclic = "" if bands == 1 else f" in {bands} cyclic groups"
+    caveat = (f"fit got {what}, but the ledger charges Poisson sampling{cyclic} of "
               f"{'the' if expected[0] is None else f'n={expected[0]}'} examples at "
               f"q={expected[1]:g}; the guarantee holds only if its batches are exactly that; feed arrays to fit, "
-              "or PoissonSampler(n, q, ...).dataset(x, y) unchanged")
+              f"or PoissonSampler(n, q, ...{'' if bands == 1 else f', bands={bands}'}).dataset(x, y) unchanged")
     dp.ledger.record_caveat(caveat)
     warnings.warn(caveat, NotPoissonSampledWarning, stacklevel=4)
 

@@ -45,6 +45,7 @@ from sparta_tf.choices import ENGINES, SAMPLING_MODES, memory_bytes, one_of_prob
 from sparta_tf.dp_model import fit_inputs
 from sparta_tf.dp_model.wrapped_saving import WrappedModelSaving
 from sparta_tf.dp_step import KEEP_ALL, GradientFilter, GradientRelease, MicroBatches, Release, ScoreRelease, StepParts
+from sparta_tf.dp_step.correlated_noise import CorrelatedNoise
 from sparta_tf.dp_step.usable_examples import METRIC_NAME as NON_FINITE, NonFiniteExamples
 from sparta_tf.dp_step.views import AugmentationMultiplicity, check_multiplicity
 from sparta_tf.losses import per_example_loss_fn
@@ -115,6 +116,12 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
       use_ema_weights: with ``ema``, validation during ``fit`` evaluates the averaged weights and after
         ``fit`` the model holds them (``evaluate``, ``save``, export); False: the model keeps the raw
         weights. Default True.
+      bands: ``b``, BandMF's correlated noise (Choquette-Choo et al. 2023; :mod:`sparta_tf.privacy.banded`,
+        :mod:`sparta_tf.dp_step.correlated_noise`): the noise of step ``t`` is ``C^{-1} z`` for the banded
+        square root ``C`` of the training's workload (SGD with the optimizer's momentum), and the batches
+        are cyclic Poisson samples (step ``t`` samples group ``t mod b`` at ``b q``), charged as
+        ``ceil(T / b)`` steps at ``b q``. Needs ``b q <= 1`` and Poisson sampling; keeps ``b - 1`` noise
+        tensors of the trainable coordinates. 1 (the default): independent noise, DP-SGD.
     """
 
     def __init__(
@@ -138,6 +145,7 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
         augmentation=None,
         ema: float | None = None,
         use_ema_weights: bool | None = None,
+        bands: int = 1,
         name: str | None = None,
     ):
         super().__init__(name=name or f"dp_{model.name}")
@@ -154,7 +162,11 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
                              "averaging) or leave use_ema_weights out")
         self._ema, self._use_ema_weights = ema, use_ema_weights is not False
         self.weight_average: WeightAverage | None = None  # built by compile when ema is set
-        self._mechanism = DpSgdMechanism(noise_multiplier, sample_rate, clip_norm, dataset_size, delta)
+        self._mechanism = DpSgdMechanism(noise_multiplier, sample_rate, clip_norm, dataset_size, delta, bands)
+        if self._mechanism.bands > 1 and sampling != "poisson":
+            raise ValueError(f"bands={bands} needs cyclic Poisson sampling, which sampling={sampling!r} is not: "
+                             "use sampling='poisson' or bands=1")
+        self.correlated_noise: CorrelatedNoise | None = None  # BandMF's noise state, built by compile
         self.physical_batch_size = physical_batch_size
         self.sampling = sampling
         self.engine_name = engine
@@ -262,6 +274,8 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
         if self._masked_optimizer is not None:
             with self.distribute_strategy.scope():
                 self._masked_optimizer.build(trainable_set)
+                if self.correlated_noise is not None:
+                    self.correlated_noise.build(trainable_set)
         self._retrace()
 
     def begin_scoring(self, scorer) -> None:
@@ -316,6 +330,10 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
         self._masked_optimizer = MaskedOptimizer(self.optimizer)
         with self.distribute_strategy.scope():
             self._masked_optimizer.build(self.trainable_set)
+            if self._mechanism.bands > 1:
+                self.correlated_noise = CorrelatedNoise(self._mechanism, self._noise_seed,
+                                                        self._masked_optimizer.workload_momentum)
+                self.correlated_noise.build(self.trainable_set)
             if self._ema is not None:
                 self.weight_average = WeightAverage(self._ema, self.model.trainable_variables)
 
@@ -375,7 +393,7 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
     def _gradient_release(self) -> GradientRelease:
         """DP-SGD's release of :attr:`mechanism` (``sigma, C, q, n``) to the optimizer."""
         return GradientRelease.of_mechanism(self._mechanism, self._noise_seed, self._masked_optimizer,
-                                            self.weight_average)
+                                            self.weight_average, self.correlated_noise)
 
     def step_parts(self) -> StepParts:
         """The parts a step traced now runs with (:mod:`sparta_tf.dp_step`); configuration only."""

@@ -38,8 +38,9 @@ class WrappedModelSaving:
     def checkpoint_state(self) -> dict[str, tf.Module]:
         """What a resumable checkpoint must hold: weights, optimizer state, step counters, seed.
 
-        ``{"model", "dp_step", "noise_seed", "iterations", "masked_optimizer", "weight_average"}``
-        (``masked_optimizer`` only after ``compile``, ``weight_average`` with ``ema``), for
+        ``{"model", "dp_step", "noise_seed", "iterations", "masked_optimizer", "weight_average",
+        "correlated_noise"}`` (``masked_optimizer`` only after ``compile``, ``weight_average`` with ``ema``,
+        ``correlated_noise`` with ``bands > 1``: BandMF's buffered noise), for
         ``tf.train.Checkpoint``. The privacy ledger is not a ``tf.Module``: save ``ledger.to_json()``
         beside the checkpoint and restore it (``PrivacyLedger.from_json``) with it; ``fit`` refuses a
         ``dp_step`` its ledger does not cover.
@@ -50,4 +51,6 @@ class WrappedModelSaving:
             state["masked_optimizer"] = self._masked_optimizer
         if self.weight_average is not None:
             state["weight_average"] = self.weight_average
+        if self.correlated_noise is not None:
+            state["correlated_noise"] = self.correlated_noise
         return state

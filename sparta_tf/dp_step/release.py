@@ -6,7 +6,8 @@ micro-batches) and what is done with its sum ``S_t``:
 * :class:`GradientRelease` (DP-SGD)::
 
       s(B) = sum_i c_i g_i[I_s]                            (:class:`~sparta_tf.dp_step.clip.ClippedSum`)
-      g~_t = 1_s (.) (S_t + N(0, sigma^2 C^2 I)) / (q n)    (noise, normalisation, the filter)
+      g~_t = 1_s (.) (S_t + N(0, sigma^2 C^2 I)) / (q n)    (noise, normalisation, the filter;
+                                                           BandMF: correlated noise, :mod:`~sparta_tf.dp_step.correlated_noise`)
       theta <- optimizer(theta, g~_t)                      (coordinates in I_s only)
       A[I] <- A[I] + (1 - b_t)(theta[I] - A[I])           (with a weight average: :mod:`sparta_tf.optim.weight_average`)
 
@@ -24,6 +25,7 @@ from typing import Protocol
 import tensorflow as tf
 
 from sparta_tf.dp_step.clip import BatchStatistic, ClippedSum
+from sparta_tf.dp_step.correlated_noise import CorrelatedNoise
 from sparta_tf.dp_step.keep import KeepMasks, restrict
 from sparta_tf.dp_step.noise import GaussianNoise
 from sparta_tf.dp_step.normalise import ExpectedBatchNormalisation
@@ -63,7 +65,7 @@ class GradientRelease:
 
     uses_gradient_filter = True
 
-    def __init__(self, clip: ClippedSum, noise: GaussianNoise, normalise: ExpectedBatchNormalisation,
+    def __init__(self, clip: ClippedSum, noise: GaussianNoise | CorrelatedNoise, normalise: ExpectedBatchNormalisation,
                  optimizer: MaskedOptimizer, average: WeightAverage | None = None):
         self.clip = clip
         self.noise = noise
@@ -73,12 +75,17 @@ class GradientRelease:
 
     @classmethod
     def of_mechanism(cls, mechanism, seed: tf.Variable | tf.Tensor, optimizer: MaskedOptimizer,
-                     average: WeightAverage | None = None) -> "GradientRelease":
+                     average: WeightAverage | None = None,
+                     correlated: CorrelatedNoise | None = None) -> "GradientRelease":
         """DP-SGD's release of ``mechanism`` (a :class:`~sparta_tf.privacy.mechanism.DpSgdMechanism`:
-        ``C``, ``sigma``, ``q n``), its noise drawn from ``seed``, applied by ``optimizer``, averaged
+        ``C``, ``sigma``, ``q n``), its noise drawn from ``seed`` (independent, or ``correlated``'s when
+        the mechanism has bands: the model's state of BandMF's noise), applied by ``optimizer``, averaged
         by ``average`` (None: no weight average)."""
-        return cls(ClippedSum(mechanism.clip_norm), GaussianNoise(mechanism, seed),
-                   ExpectedBatchNormalisation(mechanism), optimizer, average)
+        if (mechanism.bands > 1) != (correlated is not None):
+            raise ValueError(f"a mechanism with bands={mechanism.bands} needs "
+                             f"{'its CorrelatedNoise' if mechanism.bands > 1 else 'no CorrelatedNoise'}")
+        noise = correlated if correlated is not None else GaussianNoise(mechanism, seed)
+        return cls(ClippedSum(mechanism.clip_norm), noise, ExpectedBatchNormalisation(mechanism), optimizer, average)
 
     def selections(self, trainable_set: TrainableSet) -> list:
         return trainable_set.selections

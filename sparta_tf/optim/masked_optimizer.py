@@ -108,6 +108,18 @@ def _selection_key(selection: VariableSelection) -> str:
     return f"{name}__{selection.kind}_{selection.size}_{digest:08x}"
 
 
+def selection_keys(selections: Sequence[VariableSelection]) -> list[str]:
+    """The stable, distinct names of the selections' state (optimizer slots, correlated noise): equal for
+    an unchanged selection in another trainable set or process, so its state is kept or restored."""
+    keys: list[str] = []
+    for selection in selections:
+        key = _selection_key(selection)
+        while key in keys:  # distinct variables with the same name (nested models)
+            key += "_"
+        keys.append(key)
+    return keys
+
+
 class MaskedOptimizer(tf.Module):
     """Applies compact gradients of a trainable set (see module doc)."""
 
@@ -132,12 +144,8 @@ class MaskedOptimizer(tf.Module):
         """Creates zero state for new selections; keeps the state of unchanged ones."""
         selections = list(trainable_set)
         kept: dict[str, list[tf.Variable]] = {}
-        keys = []
-        for selection in selections:
-            key = _selection_key(selection)
-            while key in keys:  # distinct variables with the same name (nested models)
-                key += "_"
-            keys.append(key)
+        keys = selection_keys(selections)
+        for selection, key in zip(selections, keys):
             if key in self.slots:
                 kept[key] = self.slots[key]
                 continue
@@ -164,6 +172,12 @@ class MaskedOptimizer(tf.Module):
 
     def _momentum(self) -> float:
         return float(getattr(self.keras_optimizer, "momentum", 0.0) or 0.0)
+
+    @property
+    def workload_momentum(self) -> float:
+        """The heavy-ball momentum of the linear workload the updates are (SGD's); 0 for Adam, whose
+        updates are not linear in the gradients."""
+        return self._momentum() if self.kind == "sgd" else 0.0
 
     def learning_rate(self) -> tf.Tensor:
         """The learning rate of the current step (schedules evaluated at ``iterations``)."""

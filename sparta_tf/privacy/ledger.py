@@ -32,6 +32,7 @@ import dp_accounting
 from sparta_tf.atomic_files import write_atomic
 from sparta_tf.privacy import accounting, tuning
 from sparta_tf.privacy.accounting import PrivacyBudgetExceededError
+from sparta_tf.privacy.banded import check_bands
 from sparta_tf.privacy.tuning import CandidateCount
 
 __all__ = ["LedgerEntry", "PrivacyLedger", "PrivacyBudgetExceededError"]
@@ -44,13 +45,20 @@ _BUDGET_SLACK = 1e-9  # relative slack on the target (float noise only)
 
 @dataclasses.dataclass(frozen=True)
 class LedgerEntry:
-    """``count`` runs of ``M_{q, sigma}`` labelled ``kind`` / ``phase``."""
+    """``count`` runs of ``M_{q, sigma}`` labelled ``kind`` / ``phase``.
+
+    ``bands = b > 1``: ``count`` consecutive steps of a ``b``-banded matrix mechanism under cyclic Poisson
+    sampling (:mod:`sparta_tf.privacy.banded`), each step sampling its group at rate ``q`` (the group
+    rate ``q_b``): in ``count`` consecutive steps an example's group is sampled at most ``ceil(count / b)``
+    times, with disjoint noise correlations, so the entry is ``ceil(count / b)`` runs of ``M_{q, sigma}``
+    (Choquette-Choo et al. 2023, Thm. 4; :attr:`compositions`)."""
 
     noise_multiplier: float
     sample_rate: float
     count: int
     kind: str = DEFAULT_KIND
     phase: str | None = None
+    bands: int = 1
 
     def __post_init__(self) -> None:
         # Validate and normalise to plain Python numbers (numpy scalars would not
@@ -63,19 +71,30 @@ class LedgerEntry:
             raise ValueError(f"kind must be a non-empty string, got {self.kind!r}.")
         if self.phase is not None and not isinstance(self.phase, str):
             raise ValueError(f"phase must be a string or None, got {self.phase!r}.")
+        set_field("bands", check_bands(self.bands))
 
     @property
     def key(self) -> tuple:
-        """Entries with equal keys are merged when consecutive."""
-        return (self.noise_multiplier, self.sample_rate, self.kind, self.phase)
+        """Entries with equal keys are merged when consecutive (consecutive records are consecutive
+        steps, so a banded entry's ``ceil(count / b)`` holds for the merged count too)."""
+        return (self.noise_multiplier, self.sample_rate, self.kind, self.phase, self.bands)
+
+    @property
+    def compositions(self) -> int:
+        """``ceil(count / bands)``: the runs of ``M_{q, sigma}`` the entry is charged as (``count`` when
+        ``bands = 1``)."""
+        return -(-self.count // self.bands)
 
     def as_dp_event(self) -> dp_accounting.DpEvent:
-        """``SelfComposedDpEvent(M_{q, sigma}, count)``."""
+        """``SelfComposedDpEvent(M_{q, sigma}, compositions)``."""
         step = accounting.gaussian_step_event(self.noise_multiplier, self.sample_rate)
-        return dp_accounting.SelfComposedDpEvent(step, self.count)
+        return dp_accounting.SelfComposedDpEvent(step, self.compositions)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        if self.bands == 1:
+            del data["bands"]  # independent noise: the format every earlier ledger has
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LedgerEntry:
@@ -85,6 +104,7 @@ class LedgerEntry:
             count=int(data["count"]),
             kind=data.get("kind", DEFAULT_KIND),
             phase=data.get("phase"),
+            bands=int(data.get("bands", 1)),
         )
 
 
@@ -173,14 +193,16 @@ class PrivacyLedger:
         count: int = 1,
         kind: str = DEFAULT_KIND,
         phase: str | None = None,
+        bands: int = 1,
     ) -> None:
-        """Records ``count`` runs of ``M_{q, sigma}`` (``count = 0`` records nothing)."""
+        """Records ``count`` runs of ``M_{q, sigma}`` (``count = 0`` records nothing; ``bands``: see
+        :class:`LedgerEntry`)."""
         if noise_multiplier is None:
             raise ValueError(
                 "noise_multiplier must be a finite number >= 0, got None; "
                 "use record_nonprivate(reason) for a step without noise accounting."
             )
-        self.charge(LedgerEntry(noise_multiplier, sample_rate, count, kind, phase))
+        self.charge(LedgerEntry(noise_multiplier, sample_rate, count, kind, phase, bands))
 
     def charge(self, entry: LedgerEntry) -> None:
         """Records ``entry`` (e.g. ``mechanism.entry(steps)``; ``count = 0`` records nothing)."""
@@ -410,9 +432,10 @@ def _summary_rows(entries: Sequence[LedgerEntry]) -> list[str]:
     """One row per distinct (phase, kind, sigma, q), in order of first appearance."""
     counts: dict[tuple, int] = {}
     for entry in entries:
-        key = (entry.phase, entry.kind, entry.noise_multiplier, entry.sample_rate)
+        key = (entry.phase, entry.kind, entry.noise_multiplier, entry.sample_rate, entry.bands)
         counts[key] = counts.get(key, 0) + entry.count
     return [
         f"phase {phase or '-'}: {count} x {kind}, noise_multiplier={sigma:.6g}, sample_rate={q:.6g}"
-        for (phase, kind, sigma, q), count in counts.items()
+        + ("" if bands == 1 else f" per group, bands={bands} (cyclic Poisson; charged as {-(-count // bands)})")
+        for (phase, kind, sigma, q, bands), count in counts.items()
     ]

@@ -9,6 +9,11 @@ with per-example L2 bound ``C`` (the sensitivity), noise multiplier ``sigma``, s
 reported at ``delta``. Its privacy cost depends on ``(sigma, q)`` only:
 ``dp_event(steps) = SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(sigma)), steps)``.
 
+With ``bands = b > 1`` (BandMF, :mod:`sparta_tf.privacy.banded`) the noise of the gradient steps is
+``b``-banded correlated and the steps sample under cyclic Poisson sampling: step ``t`` samples the
+examples of group ``t mod b`` at ``q_b = b q`` (:attr:`DpSgdMechanism.step_sample_rate`), so the expected
+batch stays ``q n`` and ``T`` steps cost ``ceil(T / b)`` runs of ``M_{q_b, sigma}``.
+
 The values come from the run's :class:`~sparta_tf.privacy.plan.PrivacyPlan`
 (:meth:`DpSgdMechanism.of_plan`), or from a bare :class:`~sparta_tf.DPModel`'s arguments, once;
 the DP model's noise, normalisation, sampler and selection scorer read them from this object,
@@ -24,7 +29,9 @@ import math
 import dp_accounting
 
 from sparta_tf.privacy import accounting
+from sparta_tf.privacy.banded import check_bands
 from sparta_tf.privacy.ledger import DEFAULT_KIND, LedgerEntry
+from sparta_tf.privacy.plan import cyclic_sample_rate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,11 +46,14 @@ class DpSgdMechanism:
     clip_norm: float = 1.0
     dataset_size: int | None = None
     delta: float | None = None
+    bands: int = 1
 
     def __post_init__(self) -> None:
         set_field = lambda name, value: object.__setattr__(self, name, value)
         set_field("noise_multiplier", accounting.check_noise_multiplier(self.noise_multiplier))
         set_field("sample_rate", accounting.check_sample_rate(self.sample_rate))
+        set_field("bands", check_bands(self.bands))
+        self.step_sample_rate  # noqa: B018 -- refuses b q > 1 here, not at the first step
         if not (isinstance(self.clip_norm, (int, float)) and self.clip_norm > 0 and math.isfinite(self.clip_norm)):
             raise ValueError(f"clip_norm={self.clip_norm!r} must be a finite number > 0")
         set_field("clip_norm", float(self.clip_norm))
@@ -60,7 +70,13 @@ class DpSgdMechanism:
     def of_plan(cls, plan, clip_norm: float = 1.0) -> "DpSgdMechanism":
         """The training mechanism of ``plan`` (a :class:`~sparta_tf.privacy.plan.PrivacyPlan`) with
         clip norm ``C``: its ``sigma``, ``q``, ``n`` and ``delta``."""
-        return cls(plan.noise_multiplier, plan.sample_rate, clip_norm, plan.n, plan.delta)
+        return cls(plan.noise_multiplier, plan.sample_rate, clip_norm, plan.n, plan.delta, plan.bands)
+
+    @property
+    def step_sample_rate(self) -> float:
+        """The rate at which a step samples an example of the group it samples: ``q`` (one group), or
+        ``b q`` under cyclic Poisson sampling (the plan's :func:`~sparta_tf.privacy.plan.cyclic_sample_rate`)."""
+        return cyclic_sample_rate(self.sample_rate, self.bands)
 
     @property
     def noise_std(self) -> float:
@@ -84,9 +100,10 @@ class DpSgdMechanism:
         return dataclasses.replace(self, dataset_size=n)
 
     def dp_event(self, steps: int) -> dp_accounting.DpEvent:
-        """The dp-accounting event of ``steps`` runs of this mechanism."""
-        return accounting.dp_sgd_event(self.noise_multiplier, self.sample_rate, steps)
+        """The dp-accounting event of ``steps`` consecutive runs of this mechanism (``ceil(steps / b)``
+        runs of ``M_{q_b, sigma}`` with bands)."""
+        return accounting.dp_sgd_event(self.noise_multiplier, self.step_sample_rate, -(-steps // self.bands))
 
     def entry(self, steps: int, phase: str | None = None, kind: str = DEFAULT_KIND) -> LedgerEntry:
-        """The ledger charge of ``steps`` runs (its ``as_dp_event()`` is :meth:`dp_event`)."""
-        return LedgerEntry(self.noise_multiplier, self.sample_rate, steps, kind, phase)
+        """The ledger charge of ``steps`` consecutive runs (its ``as_dp_event()`` is :meth:`dp_event`)."""
+        return LedgerEntry(self.noise_multiplier, self.step_sample_rate, steps, kind, phase, self.bands)

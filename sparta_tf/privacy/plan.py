@@ -78,6 +78,14 @@ class PrivacyPlan:
     tuning: Repetition | None = None
     """A private tuning's candidate: the noise multipliers are calibrated so that ``tuning`` of this run's
     events (the whole procedure) meets ``target_epsilon``; each phase's ``epsilon_after`` is the run's own."""
+    bands: int = 1
+    """``b``: the training's noise is ``b``-banded correlated (BandMF, :mod:`sparta_tf.privacy.banded`) under
+    cyclic Poisson sampling at :attr:`group_sample_rate`; 1: independent noise (DP-SGD)."""
+
+    @property
+    def group_sample_rate(self) -> float:
+        """The rate a DP step samples (its group's examples, ``b q``, with bands; ``q`` without)."""
+        return cyclic_sample_rate(self.sample_rate, self.bands)
 
     @property
     def run_budget(self) -> float | None:
@@ -116,7 +124,7 @@ class PrivacyPlan:
         """The ledger entries the run records, in order (consecutive equal keys merged)."""
         ledger = PrivacyLedger(self.delta, accountant=self.accountant)
         for entry in self._entries():
-            ledger.record(entry.noise_multiplier, entry.sample_rate, entry.count, entry.kind, entry.phase)
+            ledger.charge(entry)
         return list(ledger.entries)
 
     def before_training_entries(self, releases_only: bool = False) -> list[LedgerEntry]:
@@ -125,8 +133,8 @@ class PrivacyPlan:
         return [m.entry() for m in self.before_training if m.count and (m.draws_noise or not releases_only)]
 
     def _entries(self) -> list[LedgerEntry]:
-        training = [LedgerEntry(self.noise_multiplier, self.sample_rate, p.steps, DEFAULT_KIND, p.name)
-                    for p in self.phases if p.steps]
+        training = [LedgerEntry(self.noise_multiplier, self.group_sample_rate, p.steps, DEFAULT_KIND, p.name,
+                                self.bands) for p in self.phases if p.steps]
         return self.before_training_entries() + training
 
     def to_json(self) -> dict:
@@ -148,6 +156,9 @@ class PrivacyPlan:
             f"noise multiplier sigma = {self.noise_multiplier:.6g} "
             f"(target epsilon {target}, delta {self.delta:g}, {self.accountant})",
         ]
+        if self.bands > 1:
+            lines.append(f"correlated noise: {self.bands} bands (BandMF), cyclic Poisson sampling of 1 group of "
+                         f"{self.bands} per step at rate {self.group_sample_rate:.6g}")
         for mechanism in self.before_training:
             lines.append(f"before training: {mechanism.phase}: {mechanism.count} x {mechanism.kind} "
                          f"(q = {mechanism.sample_rate:.4g}, sigma = {mechanism.noise_multiplier:.6g})")
@@ -176,18 +187,28 @@ def sample_rate(n: int, expected_batch_size: float) -> float:
     return min(1.0, expected_batch_size / n)
 
 
-def cyclic_sample_rate(sample_rate: float, dataset_size: int, bands: int) -> float:
-    """``q_b = q n / floor(n / b)``: the rate at which a step samples its group, for the same expected
-    batch ``q n`` (ValueError when a group would need a rate above 1: ``b > 1/q``, roughly)."""
+def cyclic_sample_rate(sample_rate: float, bands: int) -> float:
+    """``q_b = b q``: the rate at which a step of cyclic Poisson sampling samples its group, each example
+    in one of ``b`` groups drawn independently and uniformly (:mod:`sparta_tf.privacy.cyclic_sampling`), so
+    a step's expected batch is ``q n`` as without bands (ValueError when ``b q > 1``)."""
     bands = banded.check_bands(bands)
-    group = dataset_size // bands
-    if group < 1:
-        raise ValueError(f"bands={bands} is more than the {dataset_size} examples: each group needs one; lower bands")
-    rate = sample_rate * dataset_size / group
-    if rate > 1.0:
-        raise ValueError(f"bands={bands} needs a sampling rate of {rate:.3g} per group (q n / floor(n / b)), above 1: "
-                         f"keep bands <= {max(1, int(1 / sample_rate))} (1 / q) or lower the batch size")
-    return rate
+    rate = sample_rate * bands
+    if rate > 1.0 + 1e-12:
+        raise ValueError(f"bands={bands} needs a sampling rate of {rate:.3g} per group (bands x q), above 1: keep "
+                         f"bands <= {max(1, int(1 / sample_rate + 1e-9))} (1 / q) or lower the batch size")
+    return min(rate, 1.0)
+
+
+def banded_compositions(steps_per_phase: Sequence[int], bands: int) -> tuple[int, ...]:
+    """``ceil(T_p / b)`` for each phase of ``T_p`` steps (one ledger entry each): the compositions the
+    reduction charges (ValueError when a phase with steps has fewer than ``b``: its noise could not
+    cancel, and its charge would round up to a whole cycle)."""
+    bands = banded.check_bands(bands)
+    short = [steps for steps in steps_per_phase if 0 < steps < bands]
+    if bands > 1 and short:
+        raise ValueError(f"bands={bands} is more than the {short[0]} steps of a phase: lower bands to at most "
+                         f"{min(short)} or train that phase longer")
+    return tuple(banded.reduced_steps(steps, bands) if steps else 0 for steps in steps_per_phase)
 
 
 def make_privacy_plan(
@@ -203,8 +224,13 @@ def make_privacy_plan(
     training_share: float = 1.0,
     nonprivate_reasons: Sequence[str] = (),
     tuning: Repetition | None = None,
+    bands: int = 1,
 ) -> PrivacyPlan:
     """Calibrates every noise multiplier of a run and the epsilon after each phase (module doc).
+
+    ``bands = b > 1``: every DP step samples one of ``b`` groups at ``q_b = b q`` (:func:`cyclic_sample_rate`)
+    and each phase of ``T_p`` steps is charged ``ceil(T_p / b)`` steps of ``M_{q_b, sigma}``
+    (:func:`banded_compositions`).
 
     ``tuning``: the run is one candidate of a private tuning (:class:`~sparta_tf.privacy.tuning.Repetition`):
     every noise multiplier is calibrated so that the tuning around the run meets ``target_epsilon`` (RDP,
@@ -222,12 +248,14 @@ def make_privacy_plan(
     q = sample_rate(n, expected_batch_size)
     per_epoch = steps_per_epoch(q)
     epochs = sum(p.epochs for p in phases)
-    training = tuple((q, p.epochs * per_epoch) for p in phases if p.epochs)
+    step_rate = cyclic_sample_rate(q, bands)
+    compositions = banded_compositions([p.epochs * per_epoch for p in phases], bands)
+    training = tuple((step_rate, count) for count in compositions if count)
     if tuning is not None:
         if noise_multiplier is not None or target_epsilon is None:
             raise ValueError("a tuning candidate's plan calibrates its noise from the tuning's target_epsilon: "
                              "give the target, not a noise multiplier")
-        accountant, training = tuning_privacy.ACCOUNTANT, ((q, epochs * per_epoch),)
+        accountant, training = tuning_privacy.ACCOUNTANT, ((step_rate, sum(compositions)),)
     given = noise_multiplier is not None and target_epsilon is not None and not nonprivate_reasons
     if noise_multiplier is None:
         if target_epsilon is None:
@@ -236,7 +264,7 @@ def make_privacy_plan(
         noise_multiplier = calibration.calibrate_composition(
             known, training, training_share * target_epsilon, delta, accountant, wrap=tuning)
     if given:
-        steps = [(noise_multiplier, q)] if training else []
+        steps = [(noise_multiplier, step_rate)] if training else []
         steps += [(sigma, rate) for sigma, rate, _ in _known(before_training)]
         bound = max((accounting.step_epsilon_lower_bound(s, rate, delta) for s, rate in steps), default=0.0)
         if bound > target_epsilon:
@@ -253,10 +281,10 @@ def make_privacy_plan(
     planned = []
     for phase in phases:
         steps = phase.epochs * per_epoch
-        ledger.record(noise_multiplier, q, steps, DEFAULT_KIND, phase.name)
+        ledger.record(noise_multiplier, step_rate, steps, DEFAULT_KIND, phase.name, bands)
         planned.append(phase.planned(steps, ledger.epsilon()))
     plan = PrivacyPlan(n, q, per_epoch, epochs, float(noise_multiplier), delta, target_epsilon, accountant,
-                       before, tuple(planned), tuple(nonprivate_reasons), tuning)
+                       before, tuple(planned), tuple(nonprivate_reasons), tuning, banded.check_bands(bands))
     if given and plan.epsilon > target_epsilon * (1 + 1e-9):
         raise FixedNoiseOverBudgetError(noise_multiplier, target_epsilon, f"epsilon={plan.epsilon:.4g}")
     return plan

@@ -54,6 +54,16 @@ adversary does not know which examples were in which batch; anyone who knows
 the seed and the data order knows every ``B_t``. Store the seed with the
 (private) checkpoint, never in logs, released models or reports.
 
+Cyclic Poisson sampling
+-----------------------
+With ``bands = b > 1`` (BandMF's correlated noise, :mod:`sparta_tf.privacy.banded`) every example gets a
+group ``g_i``, uniform on ``0..b-1`` and independent of every other example's (one draw of the secret
+``"cyclic_groups"`` stream; with one example more or less, the others' groups have the same distribution,
+which the analysis needs), and step ``t``
+samples ``B_t = {i : g_i = t mod b, u_i < b q}``. Each example then takes part only in steps of its
+residue class, at least ``b`` steps apart, and per step still with probability ``q``; the rate of its
+group's steps, ``q_b = b q``, comes from :func:`sparta_tf.privacy.plan.cyclic_sample_rate`.
+
 Tensor placement: the data are converted once to tensors on the host CPU and
 captured by the ``tf.data`` map function (by reference, not as graph
 constants); each element is one ``gather`` of at most ``k * P`` rows.
@@ -77,6 +87,7 @@ from sparta_tf.privacy.array_inputs import (
     num_examples,
     to_host_tensors,
 )
+from sparta_tf.privacy.banded import check_bands
 
 __all__ = [
     "POISSON_DOMAIN",
@@ -94,13 +105,13 @@ POISSON_DOMAIN: int = random_streams.domain(POISSON_STREAM)
 #: ``dataset -> (n, q)`` for every dataset :meth:`PoissonSampler.dataset` returned (weak keys: it
 #: does not keep them alive). Any transformation (``map``, ``take``, ``batch``) makes a new
 #: dataset, which is not in here.
-_POISSON_DATASETS: "weakref.WeakKeyDictionary[tf.data.Dataset, tuple[int, float]]" = weakref.WeakKeyDictionary()
+_POISSON_DATASETS: "weakref.WeakKeyDictionary[tf.data.Dataset, tuple[int, float, int]]" = weakref.WeakKeyDictionary()
 
 
-def poisson_provenance(dataset: tf.data.Dataset) -> tuple[int, float] | None:
-    """``(n, q)`` when ``dataset`` is exactly what ``PoissonSampler(n, q, ...).dataset`` returned,
-    else ``None`` (a dataset made any other way, or transformed after the sampler made it): the
-    accountant's Poisson analysis holds only for the former, at that ``q``."""
+def poisson_provenance(dataset: tf.data.Dataset) -> tuple[int, float, int] | None:
+    """``(n, q, bands)`` when ``dataset`` is exactly what ``PoissonSampler(n, q, ..., bands=bands).dataset``
+    returned, else ``None`` (a dataset made any other way, or transformed after the sampler made it): the
+    accountant's Poisson analysis holds only for the former, at that ``q`` and number of groups."""
     return _POISSON_DATASETS.get(dataset)
 
 
@@ -190,6 +201,7 @@ class PoissonSampler:
         physical_batch_size: int | None = None,
         seed: int | None = None,
         stream: str = POISSON_STREAM,
+        bands: int = 1,
     ) -> None:
         self.n: int = check_positive_int(n, "n", "pass the number of training examples")
         self.sample_rate: float = check_sample_rate(sample_rate)
@@ -203,6 +215,10 @@ class PoissonSampler:
         self.seed: int = random_streams.resolve_seed(seed)
         random_streams.domain(stream)  # an unknown stream name fails here, not mid-training
         self.stream: str = stream
+        from sparta_tf.privacy.plan import cyclic_sample_rate  # local: the plan reads steps_per_epoch from here
+
+        self.bands: int = check_bands(bands)
+        self.step_sample_rate: float = cyclic_sample_rate(self.sample_rate, self.bands)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -215,18 +231,30 @@ class PoissonSampler:
     def __repr__(self) -> str:  # never print the secret seed
         return (
             f"PoissonSampler(n={self.n}, sample_rate={self.sample_rate}, "
-            f"physical_batch_size={self.physical_batch_size}, seed=<hidden>)"
+            f"physical_batch_size={self.physical_batch_size}, seed=<hidden>"
+            + ("" if self.bands == 1 else f", bands={self.bands}") + ")"
         )
 
+    def groups(self) -> tf.Tensor:
+        """int64 [n]: each example's group ``g_i`` under cyclic Poisson sampling (all 0 with one band)."""
+        if self.bands == 1:
+            return tf.zeros([self.n], tf.int64)
+        return tf.random.stateless_uniform([self.n], seed=random_streams.step_key(self.seed, "cyclic_groups", 0),
+                                           minval=0, maxval=self.bands, dtype=tf.int64,
+                                           alg=random_streams.TF_ALGORITHM)
+
     def sample_mask(self, step: int | tf.Tensor) -> tf.Tensor:
-        """Bool [n]: which examples are in the sample of global step ``step``."""
+        """Bool [n]: which examples are in the sample of global step ``step`` (of its group, with bands)."""
         u = tf.random.stateless_uniform(
             [self.n],
             seed=random_streams.step_key(self.seed, self.stream, step),
             dtype=tf.float64,
             alg=random_streams.TF_ALGORITHM,
         )
-        return u < tf.constant(self.sample_rate, tf.float64)
+        sampled = u < tf.constant(self.step_sample_rate, tf.float64)
+        if self.bands == 1:
+            return sampled
+        return sampled & tf.equal(self.groups(), tf.math.floormod(tf.cast(step, tf.int64), self.bands))
 
     def padded_indices(self, step: int | tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         """Indices and weights of step ``step``, padded to ``k * P``.
@@ -268,7 +296,7 @@ class PoissonSampler:
             return gather_rows(x_t, indices), gather_rows(y_t, indices), weights
 
         ds = tf.data.Dataset.counter(start_step, dtype=tf.int64).map(element).prefetch(tf.data.AUTOTUNE)
-        _POISSON_DATASETS[ds] = (self.n, self.sample_rate)
+        _POISSON_DATASETS[ds] = (self.n, self.sample_rate, self.bands)
         return ds
 
 

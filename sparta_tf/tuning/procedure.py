@@ -158,11 +158,13 @@ def check_one_mechanism(reference, plan_of, candidates, where: str) -> None:
 
 
 def plan_signature(entries: Sequence[LedgerEntry]) -> dict:
-    """What the analysis sees of a run: how many times each mechanism ``(sigma, q)`` ran."""
+    """What the analysis sees of a run: how many times each mechanism ``(sigma, q)`` ran (a banded
+    entry's :attr:`~sparta_tf.privacy.ledger.LedgerEntry.compositions`, summed per entry: never fewer
+    than the steps of all its entries charged as one)."""
     signature: dict = {}
     for entry in entries:
         key = (entry.noise_multiplier, entry.sample_rate)
-        signature[key] = signature.get(key, 0) + entry.count
+        signature[key] = signature.get(key, 0) + entry.compositions
     return signature
 
 
