@@ -1,0 +1,217 @@
+"""BandMF in the DP step (issue 62): the ledger's reduction against dp-accounting, cyclic Poisson
+groups, the correlated noise's covariance, ``bands=1`` unchanged, frozen coordinates, resume, refusals.
+
+* the plan's epsilon is dp-accounting's composition of ``ceil(T_p / b)`` runs of
+  ``PoissonSampled(b q, Gaussian(sigma))`` per phase (RDP exactly, PLD within the discretisation), for several ``(b, q, T, sigma)``;
+* every sampled example belongs to the group of its step (``t mod b``), each is sampled at rate ``q``
+  per step, and ``bands=1`` samples bit-identically to the sampler without bands;
+* with zero gradients the injected noise over ``T`` steps has covariance ``sigma^2 C_clip^2 C^{-1} C^{-T}``
+  (statistical tolerance), and ``w = C^{-1} z`` exactly for the stream's ``z``;
+* a DP model with bands trains only its trainable coordinates, charges banded entries, and a model
+  restored from a mid-run checkpoint continues bit-identically (the noise buffer is in the checkpoint);
+* what the analysis does not cover is refused in one line before anything is charged.
+"""
+
+from __future__ import annotations
+
+import math
+
+import dp_accounting
+import numpy as np
+import pytest
+import tensorflow as tf
+from dp_accounting.pld import pld_privacy_accountant
+from dp_accounting.rdp import rdp_privacy_accountant
+
+import sparta_tf
+from sparta_tf import DPModel
+from sparta_tf.dp_step.correlated_noise import CorrelatedNoise
+from sparta_tf.dp_step.noise import gaussian_noise
+from sparta_tf.method_spec import Phase
+from sparta_tf.privacy.banded import BandedFactorization
+from sparta_tf.privacy.ledger import LedgerEntry
+from sparta_tf.privacy.mechanism import DpSgdMechanism
+from sparta_tf.privacy.plan import banded_compositions, make_privacy_plan
+from sparta_tf.privacy.sampling import PoissonSampler
+from sparta_tf.trainable import TrainableSet
+
+DELTA = 1e-5
+
+
+def _direct(accountant, sigma: float, rate: float, runs_per_phase) -> float:
+    event = dp_accounting.PoissonSampledDpEvent(rate, dp_accounting.GaussianDpEvent(sigma))
+    for runs in runs_per_phase:
+        accountant.compose(event, runs)
+    return accountant.get_epsilon(DELTA)
+
+
+@pytest.mark.parametrize("bands, n, batch, epochs, sigma", [(2, 1000, 50, (2, 1), 1.1), (4, 600, 40, (3,), 0.9),
+                                                            (8, 4000, 100, (1, 2), 1.6)])
+def test_the_plans_epsilon_is_the_reduction_composed_in_dp_accounting(bands, n, batch, epochs, sigma):
+    phases = [Phase(f"p{i}", epochs=e) for i, e in enumerate(epochs)]
+    q = batch / n
+    per_epoch = round(1 / q)
+    runs = [math.ceil(e * per_epoch / bands) for e in epochs]
+    for accountant in ("rdp", "pld"):
+        plan = make_privacy_plan(n=n, expected_batch_size=batch, phases=phases, delta=DELTA, target_epsilon=None,
+                                 accountant=accountant, noise_multiplier=sigma, bands=bands)
+        assert plan.group_sample_rate == pytest.approx(bands * q)
+        assert [e.compositions for e in plan.events()] == runs
+        if accountant == "rdp":
+            direct = _direct(rdp_privacy_accountant.RdpAccountant(), sigma, bands * q, runs)
+            assert plan.epsilon == pytest.approx(direct, rel=1e-12)
+        else:
+            direct = _direct(pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4), sigma,
+                             bands * q, runs)
+            assert direct * (1 - 1e-9) <= plan.epsilon <= direct * (1 + 2e-3)
+
+
+def test_a_calibrated_banded_plan_meets_its_target_and_one_band_is_todays_plan():
+    phases = [Phase("train", epochs=4)]
+    today = make_privacy_plan(n=2000, expected_batch_size=100, phases=phases, delta=DELTA, target_epsilon=4.0)
+    one = make_privacy_plan(n=2000, expected_batch_size=100, phases=phases, delta=DELTA, target_epsilon=4.0, bands=1)
+    assert one == today and [e.to_dict() for e in one.events()] == [e.to_dict() for e in today.events()]
+    assert "bands" not in today.events()[0].to_dict()  # the ledger format of independent noise is unchanged
+    banded = make_privacy_plan(n=2000, expected_batch_size=100, phases=phases, delta=DELTA, target_epsilon=4.0,
+                               bands=4)
+    assert banded.epsilon <= 4.0 * (1 + 1e-9) and banded.epsilon > 3.9
+    assert banded.noise_multiplier != today.noise_multiplier
+    assert "correlated noise: 4 bands" in banded.describe()
+
+
+def test_a_merged_banded_entry_charges_ceil_of_its_steps_over_b():
+    entry = LedgerEntry(1.0, 0.2, 9, bands=4)
+    assert entry.compositions == 3 and entry.as_dp_event() == dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(0.2, dp_accounting.GaussianDpEvent(1.0)), 3)
+    assert LedgerEntry.from_dict(entry.to_dict()) == entry
+    mechanism = DpSgdMechanism(1.0, 0.05, bands=4)
+    assert mechanism.entry(9) == entry and mechanism.step_sample_rate == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("bands", [1, 3])
+def test_every_sampled_example_is_in_its_steps_group_at_rate_q(bands):
+    n, q, steps = 3000, 0.02, 240
+    sampler = PoissonSampler(n, q, seed=11, bands=bands)
+    groups = sampler.groups().numpy()
+    masks = np.stack([sampler.sample_mask(t).numpy() for t in range(steps)])
+    for t in range(steps):
+        assert np.all(groups[masks[t]] == t % bands)
+    rate = masks.mean()  # per example and step: q (binomial std over n * steps draws)
+    assert abs(rate - q) < 4 * math.sqrt(q * (1 - q) / (n * steps))
+    if bands > 1:
+        counts = np.bincount(groups, minlength=bands)
+        assert np.all(np.abs(counts - n / bands) < 4 * math.sqrt(n / bands))
+    else:
+        plain = PoissonSampler(n, q, seed=11)
+        assert all(np.array_equal(plain.sample_mask(t).numpy(), masks[t]) for t in range(steps))
+
+
+def _fake_set(shape):
+    variable = tf.Variable(tf.zeros(shape), name="w")
+    return TrainableSet.of_variables([variable])
+
+
+def test_correlated_noise_is_c_inverse_of_the_streams_draws_and_has_its_covariance():
+    bands, steps, coordinates, sigma = 3, 6, 20000, 1.5
+    mechanism = DpSgdMechanism(sigma, 0.05, clip_norm=2.0, bands=bands)
+    seed = tf.constant(5, tf.int64)
+    noise = CorrelatedNoise(mechanism, seed)
+    noise.build(_fake_set([coordinates]))
+    zeros = [tf.zeros([coordinates])]
+    w = np.stack([noise(zeros, tf.constant(t, tf.int64))[0].numpy() for t in range(steps)])
+    z = np.stack([gaussian_noise([tf.TensorShape([coordinates])], mechanism.noise_std, seed,
+                                 tf.constant(t, tf.int64))[0].numpy() for t in range(steps)])
+    factorization = BandedFactorization(bands)
+    np.testing.assert_allclose(w, factorization.correlate(z), rtol=1e-4, atol=1e-4)
+    inverse = np.linalg.inv(factorization.matrix(steps))
+    expected = (sigma * 2.0) ** 2 * inverse @ inverse.T
+    empirical = w @ w.T / coordinates
+    assert np.abs(empirical - expected).max() < 5 * (sigma * 2.0) ** 2 * np.abs(expected).max() / math.sqrt(
+        coordinates) * 3
+
+
+def test_one_band_adds_exactly_the_independent_noise():
+    mechanism = DpSgdMechanism(1.2, 0.05)
+    seed = tf.constant(9, tf.int64)
+    noise = CorrelatedNoise(mechanism, seed)
+    noise.build(_fake_set([7, 3]))
+    sums = [tf.ones([7, 3])]
+    for t in range(3):
+        step = tf.constant(t, tf.int64)
+        expected = sums[0] + gaussian_noise([tf.TensorShape([7, 3])], mechanism.noise_std, seed, step)[0]
+        assert np.array_equal(noise(sums, step)[0].numpy(), expected.numpy())
+
+
+def _data(n=96):
+    rng = np.random.RandomState(0)
+    x = rng.randn(n, 6).astype("float32")
+    return x, (x[:, 0] > 0).astype("int64")
+
+
+def _banded_model(bands=3, seed=4, frozen=False):
+    tf.keras.utils.set_random_seed(1)
+    model = tf.keras.Sequential([tf.keras.Input((6,)), tf.keras.layers.Dense(5, activation="tanh", name="hidden"),
+                                 tf.keras.layers.Dense(2, name="head")])
+    if frozen:
+        model.get_layer("hidden").trainable = False
+    dp = DPModel(model, noise_multiplier=1.0, sample_rate=0.125, delta=1e-4, seed=seed, bands=bands)
+    dp.compile(tf.keras.optimizers.SGD(0.05, momentum=0.5),
+               loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return dp
+
+
+def test_a_banded_fit_trains_only_trainable_coordinates_and_charges_the_reduction():
+    x, y = _data()
+    dp = _banded_model(frozen=True)
+    frozen = [v.numpy().copy() for v in dp.model.get_layer("hidden").weights]
+    dp.fit(x, y, epochs=2, verbose=0)
+    assert all(np.array_equal(a, b.numpy()) for a, b in zip(frozen, dp.model.get_layer("hidden").weights))
+    (entry,) = dp.ledger.entries
+    assert (entry.count, entry.bands, entry.compositions) == (16, 3, 6)
+    assert entry.sample_rate == pytest.approx(0.375)
+    assert dp.correlated_noise.memory_bytes == 2 * (5 * 2 + 2) * 4
+
+
+def test_a_model_restored_from_a_mid_run_checkpoint_continues_bit_identically(tmp_path):
+    x, y = _data()
+    straight = _banded_model()
+    straight.fit(x, y, epochs=2, verbose=0)
+    first = _banded_model()
+    first.fit(x, y, epochs=1, verbose=0)
+    tf.train.Checkpoint(**first.checkpoint_state()).write(str(tmp_path / "ckpt"))
+    resumed = _banded_model()
+    tf.train.Checkpoint(**resumed.checkpoint_state()).read(str(tmp_path / "ckpt")).assert_consumed()
+    resumed.ledger = first.ledger
+    resumed.fit(x, y, epochs=1, verbose=0)
+    for a, b in zip(straight.model.weights, resumed.model.weights):
+        assert np.array_equal(a.numpy(), b.numpy())
+    lost = _banded_model()  # the same restore without the buffered noise: not the same run
+    state = {k: v for k, v in lost.checkpoint_state().items() if k != "correlated_noise"}
+    tf.train.Checkpoint(**state).read(str(tmp_path / "ckpt")).expect_partial()
+    lost.ledger = first.ledger
+    lost.fit(x, y, epochs=1, verbose=0)
+    assert not all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(straight.model.weights, lost.model.weights))
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (dict(bands=9), r"^bands=9 needs a sampling rate of 1\.12 per group \(bands x q\), above 1: keep bands <= 8"),
+    (dict(bands=2, sampling="shuffle"), r"^bands=2 needs cyclic Poisson sampling, which sampling='shuffle' is not"),
+    (dict(bands=0), r"^bands=0 must be an integer >= 1"),
+])
+def test_what_the_analysis_does_not_cover_is_refused_in_one_line(arguments, message):
+    model = tf.keras.Sequential([tf.keras.Input((6,)), tf.keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match=message):
+        DPModel(model, noise_multiplier=1.0, sample_rate=0.125, delta=1e-4, **arguments)
+
+
+def test_a_phase_shorter_than_the_bands_is_refused_and_make_private_plans_with_bands():
+    with pytest.raises(ValueError, match=r"^bands=4 is more than the 3 steps of a phase: lower bands to at most 3"):
+        banded_compositions([40, 3], 4)
+    assert banded_compositions([40, 0, 9], 4) == (10, 0, 3)
+    model = tf.keras.Sequential([tf.keras.Input((6,)), tf.keras.layers.Dense(2)])
+    dp = sparta_tf.make_private(model, method="all", target_epsilon=4.0, delta=1e-4, epochs=2, batch_size=10,
+                                dataset_size=200, bands=4)
+    assert dp.mechanism.bands == 4 and dp.plan.bands == 4 and dp.plan.events()[0].compositions == 10
+    with pytest.raises(ValueError, match=r"^bands=40 needs a sampling rate of 2 per group"):
+        sparta_tf.make_private(model, method="all", target_epsilon=4.0, delta=1e-4, epochs=2, batch_size=10,
+                               dataset_size=200, bands=40)
