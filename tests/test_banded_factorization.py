@@ -83,21 +83,21 @@ def test_the_workload_is_sgd_with_momentum_on_unit_impulses():
 
 
 def test_cyclic_rate_and_reduced_steps():
-    assert cyclic_sample_rate(0.05, 5000, 1) == pytest.approx(0.05)
-    assert cyclic_sample_rate(0.05, 5000, 8) == pytest.approx(250 / 625)
-    assert cyclic_sample_rate(0.05, 5003, 8) == pytest.approx(0.05 * 5003 / 625)
+    assert cyclic_sample_rate(0.05, 1) == 0.05
+    assert cyclic_sample_rate(0.05, 8) == pytest.approx(0.4)
+    assert cyclic_sample_rate(0.05, 20) == 1.0  # b = 1/q: every example of the step's group
     assert reduced_steps(400, 8) == 50 and reduced_steps(401, 8) == 51 and reduced_steps(7, 1) == 7
     with pytest.raises(ValueError, match=r"^bands=32 needs a sampling rate of 1\.6 per group[^\n]*keep bands <= 20"):
-        cyclic_sample_rate(0.05, 5000, 32)
+        cyclic_sample_rate(0.05, 32)
     with pytest.raises(ValueError, match=r"^bands=0 must be an integer >= 1"):
         reduced_steps(10, 0)
 
 
 def test_banded_noise_beats_dp_sgd_at_epsilon_8_and_not_at_epsilon_2():
-    steps, q, n = 400, 0.05, 5000
+    steps, q = 400, 0.05
     ratios = {}
     for epsilon, bands in ((8.0, 8), (2.0, 2)):
         dp_sgd = calibrate_noise_multiplier(epsilon, 1e-5, q, steps) * np.sqrt(steps)
-        sigma = calibrate_noise_multiplier(epsilon, 1e-5, cyclic_sample_rate(q, n, bands), reduced_steps(steps, bands))
+        sigma = calibrate_noise_multiplier(epsilon, 1e-5, cyclic_sample_rate(q, bands), reduced_steps(steps, bands))
         ratios[epsilon] = sigma * BandedFactorization(bands).final_iterate_noise(steps) / dp_sgd
     assert ratios[8.0] < 0.95 and ratios[2.0] > 1.0

@@ -22,7 +22,7 @@ disjoint rows, each with norm at most 1 (times ``C_clip``). Cyclic Poisson sampl
 the examples are split into ``b`` groups and step ``t`` Poisson-samples group ``t mod b`` at rate
 ``q_b = q n / floor(n / b)`` (the same expected batch). The mechanism's privacy then reduces to
 DP-SGD's: ``ceil(T / b)`` compositions of a Poisson-subsampled Gaussian at ``(q_b, sigma)``
-(:func:`reduced_steps`; the rate is the plan's, :func:`sparta_tf.privacy.plan.cyclic_sample_rate`; the analysis of Choquette-Choo et al., Thm. 4).
+(:func:`reduced_steps`; the rate is the plan's, :func:`sparta_tf.privacy.rates.cyclic_sample_rate`; the analysis of Choquette-Choo et al., Thm. 4).
 
 **Error.** For a workload ``A`` the noise on the final iterate has standard deviation
 ``sigma C_clip ||(A C^{-1})_T||`` per coordinate (``||A_T|| = eta sqrt(T)`` for DP-SGD);

@@ -31,7 +31,7 @@ import dp_accounting
 from sparta_tf.privacy import accounting
 from sparta_tf.privacy.banded import check_bands
 from sparta_tf.privacy.ledger import DEFAULT_KIND, LedgerEntry
-from sparta_tf.privacy.plan import cyclic_sample_rate
+from sparta_tf.privacy.rates import cyclic_sample_rate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +75,7 @@ class DpSgdMechanism:
     @property
     def step_sample_rate(self) -> float:
         """The rate at which a step samples an example of the group it samples: ``q`` (one group), or
-        ``b q`` under cyclic Poisson sampling (the plan's :func:`~sparta_tf.privacy.plan.cyclic_sample_rate`)."""
+        ``b q`` under cyclic Poisson sampling (:func:`~sparta_tf.privacy.rates.cyclic_sample_rate`)."""
         return cyclic_sample_rate(self.sample_rate, self.bands)
 
     @property

@@ -36,6 +36,7 @@ from sparta_tf.privacy import accounting, banded, calibration
 from sparta_tf.privacy import tuning as tuning_privacy
 from sparta_tf.privacy.tuning import Repetition
 from sparta_tf.privacy.ledger import DEFAULT_KIND, LedgerEntry, PrivacyLedger
+from sparta_tf.privacy.rates import cyclic_sample_rate, sample_rate  # noqa: F401 -- the plan's rates
 from sparta_tf.privacy.sampling import steps_per_epoch
 
 
@@ -177,26 +178,6 @@ def _trainable(phase: Phase, trainable, total) -> str:
     if count is None:
         return "selected privately" if trainable is not None else "-"
     return f"{count:,} ({count / total:.2%})" if total else f"{count:,}"
-
-
-def sample_rate(n: int, expected_batch_size: float) -> float:
-    """``q = min(1, b / n)``: the Poisson rate of a run with expected batch ``b`` on ``n`` examples (the
-    only place ``q`` is computed; everything else reads the plan's)."""
-    if n < 1:
-        raise ValueError(f"n={n} private training examples: need at least 1")
-    return min(1.0, expected_batch_size / n)
-
-
-def cyclic_sample_rate(sample_rate: float, bands: int) -> float:
-    """``q_b = b q``: the rate at which a step of cyclic Poisson sampling samples its group, each example
-    in one of ``b`` groups drawn independently and uniformly (:mod:`sparta_tf.privacy.cyclic_sampling`), so
-    a step's expected batch is ``q n`` as without bands (ValueError when ``b q > 1``)."""
-    bands = banded.check_bands(bands)
-    rate = sample_rate * bands
-    if rate > 1.0 + 1e-12:
-        raise ValueError(f"bands={bands} needs a sampling rate of {rate:.3g} per group (bands x q), above 1: keep "
-                         f"bands <= {max(1, int(1 / sample_rate + 1e-9))} (1 / q) or lower the batch size")
-    return min(rate, 1.0)
 
 
 def banded_compositions(steps_per_phase: Sequence[int], bands: int) -> tuple[int, ...]:

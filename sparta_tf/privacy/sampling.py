@@ -62,7 +62,7 @@ group ``g_i``, uniform on ``0..b-1`` and independent of every other example's (o
 which the analysis needs), and step ``t``
 samples ``B_t = {i : g_i = t mod b, u_i < b q}``. Each example then takes part only in steps of its
 residue class, at least ``b`` steps apart, and per step still with probability ``q``; the rate of its
-group's steps, ``q_b = b q``, comes from :func:`sparta_tf.privacy.plan.cyclic_sample_rate`.
+group's steps, ``q_b = b q``, comes from :func:`sparta_tf.privacy.rates.cyclic_sample_rate`.
 
 Tensor placement: the data are converted once to tensors on the host CPU and
 captured by the ``tf.data`` map function (by reference, not as graph
@@ -88,6 +88,7 @@ from sparta_tf.privacy.array_inputs import (
     to_host_tensors,
 )
 from sparta_tf.privacy.banded import check_bands
+from sparta_tf.privacy.rates import cyclic_sample_rate
 
 __all__ = [
     "POISSON_DOMAIN",
@@ -215,8 +216,6 @@ class PoissonSampler:
         self.seed: int = random_streams.resolve_seed(seed)
         random_streams.domain(stream)  # an unknown stream name fails here, not mid-training
         self.stream: str = stream
-        from sparta_tf.privacy.plan import cyclic_sample_rate  # local: the plan reads steps_per_epoch from here
-
         self.bands: int = check_bands(bands)
         self.step_sample_rate: float = cyclic_sample_rate(self.sample_rate, self.bands)
 
