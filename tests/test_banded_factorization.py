@@ -101,3 +101,12 @@ def test_banded_noise_beats_dp_sgd_at_epsilon_8_and_not_at_epsilon_2():
         sigma = calibrate_noise_multiplier(epsilon, 1e-5, cyclic_sample_rate(q, bands), reduced_steps(steps, bands))
         ratios[epsilon] = sigma * BandedFactorization(bands).final_iterate_noise(steps) / dp_sgd
     assert ratios[8.0] < 0.95 and ratios[2.0] > 1.0
+
+
+@pytest.mark.parametrize("bands, momentum", [(1, 0.0), (4, 0.0), (5, 0.9)])
+def test_the_final_iterate_noise_by_back_substitution_is_the_matrix_solution(bands, momentum):
+    factorization = BandedFactorization(bands, momentum)
+    direct = factorization.final_iterate_noise(37, workload(37, momentum))
+    assert factorization.final_iterate_noise(37) == pytest.approx(direct, rel=1e-10)
+    if bands == 1 and momentum == 0:
+        assert direct == pytest.approx(np.sqrt(37))  # DP-SGD: ||A_T|| = sqrt(T)

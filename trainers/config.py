@@ -121,6 +121,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "noise_multiplier": Field(OPTIONAL_NUMBER, None, lambda v: None if v is None or v >= 0 else "must be >= 0"),
         "accountant": Field((str,), choices.ACCOUNTANTS[0], _one_of(*choices.ACCOUNTANTS)),
         "sampling": Field((str,), choices.SAMPLING_MODES[0], _one_of(*choices.SAMPLING_MODES)),
+        "bands": Field((int,), 1, _at_least_one),
     },
     "training": {
         "epochs": Field((int,), 50, run_checks.count_problem),

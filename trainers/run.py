@@ -161,7 +161,7 @@ def make_plan(config: dict, dataset, method: Method, tuning=None) -> PrivacyPlan
             method, dataset_size=len(dataset.x_train), batch_size=training["batch_size"], epochs=training["epochs"],
             delta=privacy["delta"], target_epsilon=privacy["target_epsilon"], accountant=privacy["accountant"],
             noise_multiplier=privacy["noise_multiplier"], nonprivate_reasons=dataset.nonprivate_reasons(),
-            tuning=tuning,
+            tuning=tuning, bands=privacy["bands"],
         )
     except FixedNoiseOverBudgetError as error:
         raise ConfigError(f"privacy.noise_multiplier={privacy['noise_multiplier']} spends {error.spent} over the "
@@ -176,6 +176,27 @@ def describe(plan: PrivacyPlan, method: Method, model: tf.keras.Model, config: d
     trainable = {phase.name: method.planned_trainable(phase, model) for phase in method.phases(plan.epochs)}
     lines = [plan.describe(trainable, _count(model)), augmult_line(config, plan)]
     return "\n".join(line for line in lines if line)
+
+
+def bands_line(config: dict, dataset, method: Method, plan: PrivacyPlan) -> str | None:
+    """The dry run's line on correlated noise: the noise on the final weights for each number of bands
+    against independent noise, each calibrated to the plan's epsilon
+    (:func:`sparta_tf.privacy.banded_error.compare_bands`); None for a plan without a target epsilon or
+    not private."""
+    if plan.target_epsilon is None or config["privacy"]["noise_multiplier"] is not None or not plan.private:
+        return None
+    from sparta_tf.privacy.banded_error import compare_bands, describe_comparison
+
+    def plan_with_bands(bands: int) -> PrivacyPlan:
+        with_bands = dict(config, privacy=dict(config["privacy"], bands=bands))
+        try:
+            return make_plan(with_bands, dataset, method)
+        except ConfigError as error:
+            raise ValueError(str(error)) from None
+
+    training = config["training"]
+    momentum = training["momentum"] if training["optimizer"] == "sgd" else 0.0
+    return describe_comparison(compare_bands(plan_with_bands, momentum), plan.bands)
 
 
 def augmentation_of(config: dict) -> dict | None:
@@ -237,6 +258,9 @@ def dry_run(config: dict) -> PrivacyPlan:
     plan = make_plan(config, dataset, method)
     print(describe(plan, method, model, config))
     print(memory_line(config, plan, model))
+    bands = bands_line(config, dataset, method, plan)
+    if bands:
+        print(bands)
     _warn_of_caveats(config, dataset, plan.private)
     print(strategy_line(config["training"]["strategy"]))
     return plan

@@ -40,6 +40,7 @@ FIXED_KEYS = {
     "privacy.noise_multiplier": "the noise (calibrated by the tuning)",
     "privacy.accountant": "the accounting (the tuning's is RDP)",
     "privacy.sampling": "the mechanism",
+    "privacy.bands": "the mechanism (the correlated noise and cyclic sampling)",
     "method.name": "the mechanism (tune one method per tuning)",
     "method.mask": "the mechanism",
 }

@@ -43,7 +43,7 @@ from sparta_tf.tuning import procedure
 from sparta_tf.tuning.space import check_space, corners, names
 
 FIXED = ("epochs", "batch_size", "target_epsilon", "delta", "noise_multiplier", "accountant", "method", "sampling",
-         "seed", "dataset_size", "run_dir")
+         "seed", "dataset_size", "run_dir", "bands")
 """``make_private`` arguments a candidate may not change: they set the mechanism every candidate repeats."""
 
 
@@ -175,7 +175,7 @@ def tune_privately(
         chosen = make_method(method, **split(values)[1])
         plan = procedure.tuned_plan(lambda tuning: plan_method(
             chosen, dataset_size=n, batch_size=batch_size, epochs=epochs, delta=delta, target_epsilon=target_epsilon,
-            tuning=tuning), repetition, target_epsilon, delta)
+            tuning=tuning, bands=make_private_options.get("bands", 1)), repetition, target_epsilon, delta)
         return chosen, plan
 
     _, plan = method_and_plan({})
@@ -208,8 +208,9 @@ def tune_privately(
 
 
 def _dp_model_option(name: str) -> bool:
-    """Whether a ``make_private`` option belongs to the DP model (not the method's plan)."""
-    return name in inspect.signature(make_private).parameters and name != "method_options"
+    """Whether a ``make_private`` option belongs to the DP model (not the method's plan; ``bands`` is the
+    plan's, which the DP model reads)."""
+    return name in inspect.signature(make_private).parameters and name not in ("method_options", "bands")
 
 
 class _IndependentModels:
