@@ -14,6 +14,7 @@ groups, the correlated noise's covariance, ``bands=1`` unchanged, frozen coordin
 
 from __future__ import annotations
 
+import json
 import math
 
 import dp_accounting
@@ -28,12 +29,17 @@ from sparta_tf import DPModel
 from sparta_tf.dp_step.correlated_noise import CorrelatedNoise
 from sparta_tf.dp_step.noise import gaussian_noise
 from sparta_tf.method_spec import Phase
+from sparta_tf.methods import METHODS
 from sparta_tf.privacy.banded import BandedFactorization
+from sparta_tf.privacy.banded_error import compare_bands, describe_comparison
 from sparta_tf.privacy.ledger import LedgerEntry
 from sparta_tf.privacy.mechanism import DpSgdMechanism
 from sparta_tf.privacy.plan import banded_compositions, make_privacy_plan
 from sparta_tf.privacy.sampling import PoissonSampler
 from sparta_tf.trainable import TrainableSet
+from small_configs import tiny_config
+from small_models import LOSS, small_data, small_mlp
+from small_runs import sparta_train
 
 DELTA = 1e-5
 
@@ -215,3 +221,50 @@ def test_a_phase_shorter_than_the_bands_is_refused_and_make_private_plans_with_b
     with pytest.raises(ValueError, match=r"^bands=40 needs a sampling rate of 2 per group"):
         sparta_tf.make_private(model, method="all", target_epsilon=4.0, delta=1e-4, epochs=2, batch_size=10,
                                dataset_size=200, bands=40)
+
+
+N, BATCH, EPOCHS = 64, 16, 3
+OPTIONS = {"sparta": {"warmup_epochs": 1}, "dpsgd_grad": {"warmup_epochs": 1}, "oracle": {"warmup_epochs": 1},
+           "x_bitfit": {"full_epochs": 1}}
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_every_method_trains_with_bands_and_its_ledger_is_its_plan(method, tmp_path):
+    model = small_mlp()
+    before = [v.numpy().copy() for v in model.trainable_variables]
+    dp = sparta_tf.make_private(model, method=method, target_epsilon=8.0, delta=1e-5, epochs=EPOCHS, batch_size=BATCH,
+                                dataset_size=N, seed=0, bands=2, mask_dir=str(tmp_path / "mask"),
+                                **OPTIONS.get(method, {}))
+    dp.compile(tf.keras.optimizers.SGD(0.5, momentum=0.5), loss=LOSS, metrics=["accuracy"])
+    x, y = small_data(N)
+    history = dp.fit(x, y, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    assert list(dp.ledger.entries) == dp.plan.events()
+    training = [e for e in dp.ledger.entries if e.kind == "dp_sgd_step"]
+    assert training and all(e.bands == 2 and e.sample_rate == pytest.approx(2 * BATCH / N) for e in training)
+    moved = [not np.array_equal(b, v.numpy()) for b, v in zip(before, model.trainable_variables)]
+    assert any(moved), f"{method}: no weight trained"
+
+
+def test_sparta_train_runs_with_bands_and_charges_them(tmp_path, write_config):
+    config = tiny_config(tmp_path / "out", method="all", epochs=2)
+    config["privacy"]["bands"] = 2
+    result = sparta_train(write_config(config), timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    ledger = json.loads((tmp_path / "out" / "ledger.json").read_text())
+    assert {entry.get("bands") for entry in ledger["entries"]} == {2}
+
+
+def test_the_dry_run_comparison_names_the_bands_with_the_least_noise():
+    phases = [Phase("train", epochs=4)]
+
+    def plan_with_bands(bands):
+        return make_privacy_plan(n=4000, expected_batch_size=200, phases=phases, delta=DELTA, target_epsilon=8.0,
+                                 bands=bands)
+
+    errors = compare_bands(plan_with_bands, momentum=0.0, candidates=(1, 2, 4, 8, 32))
+    assert [e.bands for e in errors] == [1, 2, 4, 8]  # b = 32 > 1 / q is skipped
+    assert errors[0].ratio == 1.0 and min(e.ratio for e in errors) < 1.0
+    line = describe_comparison(errors, chosen=1)
+    best = min(errors, key=lambda e: e.ratio).bands
+    assert f"bands={best} minimises it; this run uses bands=1" in line
