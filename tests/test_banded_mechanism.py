@@ -268,3 +268,37 @@ def test_the_dry_run_comparison_names_the_bands_with_the_least_noise():
     line = describe_comparison(errors, chosen=1)
     best = min(errors, key=lambda e: e.ratio).bands
     assert f"bands={best} minimises it; this run uses bands=1" in line
+
+
+class _StopAt(tf.keras.callbacks.Callback):
+    """Stops the process's fit mid-epoch, as a kill would: nothing after the last epoch's checkpoint."""
+
+    def __init__(self, step: int):
+        super().__init__()
+        self.step = step
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if int(self.model.dp_step.numpy()) == self.step:
+            raise KeyboardInterrupt
+
+
+def _sparta_with_bands(run_dir, stop_at=None):
+    tf.keras.utils.set_random_seed(0)
+    dp = sparta_tf.make_private(small_mlp(), method="sparta", target_epsilon=50.0, noise_multiplier=1.0, delta=1e-5,
+                                epochs=5, batch_size=BATCH, dataset_size=N, seed=0, bands=2, run_dir=str(run_dir),
+                                warmup_epochs=2, density=0.5)
+    dp.compile(tf.keras.optimizers.SGD(0.5, momentum=0.5), loss=LOSS)
+    x, y = small_data(N)
+    dp.fit(x, y, verbose=0, callbacks=[] if stop_at is None else [_StopAt(stop_at)])
+    return [v.numpy() for v in dp.model.weights]
+
+
+# 4 steps an epoch: warm-up 0-7, selection 8-11, sparse 12-19; each stop resumes from a checkpoint in the middle
+# of a phase, whose buffered noise (w of the step before) the next step needs
+@pytest.mark.parametrize("stop_at", [6, 17])
+def test_a_run_stopped_mid_phase_and_resumed_adds_the_noise_of_an_uninterrupted_one(tmp_path, stop_at):
+    straight = _sparta_with_bands(tmp_path / "straight")
+    with pytest.raises(KeyboardInterrupt):
+        _sparta_with_bands(tmp_path / "stopped", stop_at)
+    resumed = _sparta_with_bands(tmp_path / "stopped")
+    assert all(np.array_equal(a, b) for a, b in zip(straight, resumed))
