@@ -157,7 +157,7 @@ def _data(n=96):
 def _banded_model(bands=3, seed=4, frozen=False):
     tf.keras.utils.set_random_seed(1)
     model = tf.keras.Sequential([tf.keras.Input((6,)), tf.keras.layers.Dense(5, activation="tanh", name="hidden"),
-                                 tf.keras.layers.Dense(2, name="head")])
+                                 tf.keras.layers.Dense(2, name="head")], name="banded_mlp")  # Keras 3's state keys hold it
     if frozen:
         model.get_layer("hidden").trainable = False
     dp = DPModel(model, noise_multiplier=1.0, sample_rate=0.125, delta=1e-4, seed=seed, bands=bands)
@@ -282,9 +282,17 @@ class _StopAt(tf.keras.callbacks.Callback):
             raise KeyboardInterrupt
 
 
-def _sparta_with_bands(run_dir, stop_at=None):
+def _named_mlp() -> tf.keras.Model:
+    """small_mlp's layers in a model with a fixed name: Keras 3 keys the optimizer's and the noise's state by
+    the model's name, which a resumed run in a new process has again (here, in one process, it must be given)."""
     tf.keras.utils.set_random_seed(0)
-    dp = sparta_tf.make_private(small_mlp(), method="sparta", target_epsilon=50.0, noise_multiplier=1.0, delta=1e-5,
+    return tf.keras.Sequential([tf.keras.Input((8,)), tf.keras.layers.Dense(32, activation="relu", name="d1"),
+                                tf.keras.layers.Dense(32, activation="relu", name="d2"),
+                                tf.keras.layers.Dense(4, name="head")], name="resumed_mlp")
+
+
+def _sparta_with_bands(run_dir, stop_at=None):
+    dp = sparta_tf.make_private(_named_mlp(), method="sparta", target_epsilon=50.0, noise_multiplier=1.0, delta=1e-5,
                                 epochs=5, batch_size=BATCH, dataset_size=N, seed=0, bands=2, run_dir=str(run_dir),
                                 warmup_epochs=2, density=0.5)
     dp.compile(tf.keras.optimizers.SGD(0.5, momentum=0.5), loss=LOSS)
