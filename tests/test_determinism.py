@@ -18,14 +18,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _config(output_dir, deterministic):
     """SPARTA from a shipped pre-trained model: without ``deterministic``, two processes of this
-    config drifted apart within the first epoch (the 7th digit of the loss; measured)."""
+    config at twice the examples and batch drifted apart within the first epoch (the 7th digit of the loss;
+    measured); halved to keep CI's time."""
     return {
-        "data": {"source": "synthetic", "num_examples": 1235, "num_classes": 10, "val_fraction": 0.1,
+        "data": {"source": "synthetic", "num_examples": 620, "num_classes": 10, "val_fraction": 0.1,
                  "test_fraction": 0.1, "image_size": [28, 28], "channels": 1},
         "model": {"name": "pretrained", "weights": "mnist-resnet20-gn"},
         "method": {"name": "sparta", "density": 0.2, "warmup_epochs": 1},
         "privacy": {"target_epsilon": 1.0, "delta": 1e-5},
-        "training": {"epochs": 3, "batch_size": 250, "learning_rate": 0.3, "head_learning_rate": 3.0, "seed": 0,
+        "training": {"epochs": 3, "batch_size": 125, "learning_rate": 0.3, "head_learning_rate": 3.0, "seed": 0,
                      "deterministic": deterministic},
         "export": {"enabled": False},
         "output_dir": str(output_dir),
