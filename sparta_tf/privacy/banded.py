@@ -19,8 +19,8 @@ norm, ``sum_k c_k^2 = 1`` (:func:`banded_sqrt_coefficients`). ``b = 1`` is ``C =
 **Privacy.** One example's gradients enter ``C G`` through the columns of the steps it takes part in.
 A column of a ``b``-banded ``C`` spans ``b`` rows, so participations at least ``b`` steps apart touch
 disjoint rows, each with norm at most 1 (times ``C_clip``). Cyclic Poisson sampling makes that hold:
-the examples are split into ``b`` groups and step ``t`` Poisson-samples group ``t mod b`` at rate
-``q_b = q n / floor(n / b)`` (the same expected batch). The mechanism's privacy then reduces to
+each example is put in one of ``b`` groups, uniformly and independently, and step ``t`` Poisson-samples
+group ``t mod b`` at rate ``q_b = b q`` (the same expected batch; :mod:`sparta_tf.privacy.sampling`). The mechanism's privacy then reduces to
 DP-SGD's: ``ceil(T / b)`` compositions of a Poisson-subsampled Gaussian at ``(q_b, sigma)``
 (:func:`reduced_steps`; the rate is the plan's, :func:`sparta_tf.privacy.rates.cyclic_sample_rate`; the analysis of Choquette-Choo et al., Thm. 4).
 
@@ -31,8 +31,6 @@ each with its own calibrated ``sigma``.
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 
@@ -141,4 +139,4 @@ def workload(steps: int, momentum: float = 0.0, learning_rates=None) -> np.ndarr
 def reduced_steps(steps: int, bands: int) -> int:
     """``ceil(T / b)``: the DP-SGD compositions BandMF's ``T`` steps reduce to (each example's group is
     sampled once per cycle of ``b`` steps)."""
-    return math.ceil(steps / check_bands(bands))
+    return -(-steps // check_bands(bands))  # integer ceiling: exact for any step count

@@ -32,7 +32,7 @@ import dp_accounting
 from sparta_tf.atomic_files import write_atomic
 from sparta_tf.privacy import accounting, tuning
 from sparta_tf.privacy.accounting import PrivacyBudgetExceededError
-from sparta_tf.privacy.banded import check_bands
+from sparta_tf.privacy.banded import check_bands, reduced_steps
 from sparta_tf.privacy.tuning import CandidateCount
 
 __all__ = ["LedgerEntry", "PrivacyLedger", "PrivacyBudgetExceededError"]
@@ -83,7 +83,7 @@ class LedgerEntry:
     def compositions(self) -> int:
         """``ceil(count / bands)``: the runs of ``M_{q, sigma}`` the entry is charged as (``count`` when
         ``bands = 1``)."""
-        return -(-self.count // self.bands)
+        return reduced_steps(self.count, self.bands)
 
     def as_dp_event(self) -> dp_accounting.DpEvent:
         """``SelfComposedDpEvent(M_{q, sigma}, compositions)``."""
@@ -436,6 +436,6 @@ def _summary_rows(entries: Sequence[LedgerEntry]) -> list[str]:
         counts[key] = counts.get(key, 0) + entry.count
     return [
         f"phase {phase or '-'}: {count} x {kind}, noise_multiplier={sigma:.6g}, sample_rate={q:.6g}"
-        + ("" if bands == 1 else f" per group, bands={bands} (cyclic Poisson; charged as {-(-count // bands)})")
+        + ("" if bands == 1 else f" per group, bands={bands} (cyclic Poisson; charged as {reduced_steps(count, bands)})")
         for (phase, kind, sigma, q, bands), count in counts.items()
     ]

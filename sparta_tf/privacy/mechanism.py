@@ -29,7 +29,7 @@ import math
 import dp_accounting
 
 from sparta_tf.privacy import accounting
-from sparta_tf.privacy.banded import check_bands
+from sparta_tf.privacy.banded import check_bands, reduced_steps
 from sparta_tf.privacy.ledger import DEFAULT_KIND, LedgerEntry
 from sparta_tf.privacy.rates import cyclic_sample_rate
 
@@ -102,7 +102,7 @@ class DpSgdMechanism:
     def dp_event(self, steps: int) -> dp_accounting.DpEvent:
         """The dp-accounting event of ``steps`` consecutive runs of this mechanism (``ceil(steps / b)``
         runs of ``M_{q_b, sigma}`` with bands)."""
-        return accounting.dp_sgd_event(self.noise_multiplier, self.step_sample_rate, -(-steps // self.bands))
+        return accounting.dp_sgd_event(self.noise_multiplier, self.step_sample_rate, reduced_steps(steps, self.bands))
 
     def entry(self, steps: int, phase: str | None = None, kind: str = DEFAULT_KIND) -> LedgerEntry:
         """The ledger charge of ``steps`` consecutive runs (its ``as_dp_event()`` is :meth:`dp_event`)."""

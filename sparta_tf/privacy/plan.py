@@ -189,7 +189,7 @@ def banded_compositions(steps_per_phase: Sequence[int], bands: int) -> tuple[int
     if bands > 1 and short:
         raise ValueError(f"bands={bands} is more than the {short[0]} steps of a phase: lower bands to at most "
                          f"{min(short)} or train that phase longer")
-    return tuple(banded.reduced_steps(steps, bands) if steps else 0 for steps in steps_per_phase)
+    return tuple(banded.reduced_steps(steps, bands) for steps in steps_per_phase)
 
 
 def make_privacy_plan(

@@ -20,7 +20,7 @@ def sample_rate(n: int, expected_batch_size: float) -> float:
 
 def cyclic_sample_rate(sample_rate: float, bands: int) -> float:
     """``q_b = b q``: the rate at which a step of cyclic Poisson sampling samples its group, each example
-    in one of ``b`` groups drawn independently and uniformly (:mod:`sparta_tf.privacy.cyclic_sampling`), so
+    in one of ``b`` groups drawn independently and uniformly (:mod:`sparta_tf.privacy.sampling`), so
     a step's expected batch is ``q n`` as without bands (ValueError when ``b q > 1``)."""
     bands = check_bands(bands)
     rate = sample_rate * bands

@@ -218,6 +218,8 @@ class PoissonSampler:
         self.stream: str = stream
         self.bands: int = check_bands(bands)
         self.step_sample_rate: float = cyclic_sample_rate(self.sample_rate, self.bands)
+        with tf.device("/CPU:0"):  # drawn once, beside the data; every step's mask reads it
+            self._groups = self._draw_groups()
 
     @property
     def steps_per_epoch(self) -> int:
@@ -236,6 +238,9 @@ class PoissonSampler:
 
     def groups(self) -> tf.Tensor:
         """int64 [n]: each example's group ``g_i`` under cyclic Poisson sampling (all 0 with one band)."""
+        return self._groups
+
+    def _draw_groups(self) -> tf.Tensor:
         if self.bands == 1:
             return tf.zeros([self.n], tf.int64)
         return tf.random.stateless_uniform([self.n], seed=random_streams.step_key(self.seed, "cyclic_groups", 0),
@@ -253,7 +258,7 @@ class PoissonSampler:
         sampled = u < tf.constant(self.step_sample_rate, tf.float64)
         if self.bands == 1:
             return sampled
-        return sampled & tf.equal(self.groups(), tf.math.floormod(tf.cast(step, tf.int64), self.bands))
+        return sampled & tf.equal(self._groups, tf.math.floormod(tf.cast(step, tf.int64), self.bands))
 
     def padded_indices(self, step: int | tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         """Indices and weights of step ``step``, padded to ``k * P``.
