@@ -18,6 +18,7 @@ from sparta_tf.privacy.accounting import (
     epsilon_of_event,
     make_accountant,
 )
+from sparta_tf.privacy import calibration
 from sparta_tf.privacy.calibration import calibrate_noise_multiplier
 
 DELTA = 1e-5
@@ -249,6 +250,7 @@ from dp_accounting.rdp import rdp_privacy_accountant
 event = dp_accounting.PoissonSampledDpEvent(0.1, dp_accounting.GaussianDpEvent(0.5))
 rdp_privacy_accountant.RdpAccountant().compose(event)  # dp-accounting alone: its notes, if this version logs them
 print("--- sparta_tf", file=sys.stderr, flush=True)
+from sparta_tf.privacy import calibration
 from sparta_tf.privacy.calibration import calibrate_noise_multiplier
 
 calibrate_noise_multiplier(30.0, 1e-5, 0.1, 10, accountant="rdp")  # the bracket tries small noise multipliers
@@ -273,3 +275,28 @@ def test_the_library_drops_dp_accountings_rdp_convergence_notes_and_nothing_else
                     "notes (0.6 does)")
     assert RDP_CONVERGENCE_NOTE not in with_sparta, with_sparta[-3000:]
     assert "another absl warning passes" in with_sparta, with_sparta[-3000:]
+
+
+def test_pooled_event_merges_the_runs_of_each_mechanism_and_keeps_epsilon():
+    """Three phases of one mechanism compose like one run of the summed count (RDP: the same number;
+    PLD: within its discretisation), nested compositions flatten and no-ops drop."""
+    a, b = accounting.gaussian_step_event(0.9, 0.05), accounting.gaussian_step_event(2.0, 0.2)
+    split = dp_accounting.ComposedDpEvent([
+        dp_accounting.SelfComposedDpEvent(a, 30), dp_accounting.NoOpDpEvent(),
+        dp_accounting.ComposedDpEvent([dp_accounting.SelfComposedDpEvent(b, 4), dp_accounting.SelfComposedDpEvent(a, 20)]),
+        a,
+    ])
+    pooled = accounting.pooled_event(split)
+    assert pooled == dp_accounting.ComposedDpEvent([dp_accounting.SelfComposedDpEvent(a, 51),
+                                                    dp_accounting.SelfComposedDpEvent(b, 4)])
+    rdp = lambda event: accounting.make_accountant("rdp").compose(event).get_epsilon(1e-5)  # noqa: E731
+    assert accounting.epsilon_of_event(split, 1e-5, "rdp") == pytest.approx(rdp(split), rel=1e-12)
+    assert accounting.epsilon_of_event(split, 1e-5, "pld") == pytest.approx(
+        accounting.make_accountant("pld").compose(split).get_epsilon(1e-5), rel=1e-3)
+    assert accounting.pooled_event(dp_accounting.ComposedDpEvent([])) == dp_accounting.NoOpDpEvent()
+    assert accounting.pooled_event(a) is a
+
+
+def test_calibrating_the_phases_of_one_mechanism_equals_calibrating_their_sum():
+    phases = calibration.calibrate_composition((), ((0.1, 30), (0.1, 30), (0.1, 40)), 4.0, 1e-5)
+    assert phases == calibration.calibrate_composition((), ((0.1, 100),), 4.0, 1e-5)

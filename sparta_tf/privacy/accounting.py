@@ -272,16 +272,58 @@ def dp_sgd_event(noise_multiplier: float, sample_rate: float, steps: int) -> dp_
     return dp_accounting.SelfComposedDpEvent(step, steps)
 
 
+def pooled_event(event: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
+    """``event`` with the runs of each distinct mechanism of a composition pooled into one::
+
+        M_1^{n_1} o M_2^{n_2} o M_1^{n_3}   ->   M_1^{n_1 + n_3} o M_2^{n_2}
+
+    The same guarantee: adaptive composition is associative and commutative, and ``n`` runs of one
+    mechanism followed by ``m`` more are ``n + m`` runs of it, so every accountant bounds the same
+    mechanism (RDP gives the same number; PLD's self-composition of one distribution is a valid
+    pessimistic estimate of it too, and ``k`` times cheaper than ``k`` convolutions). Nested
+    compositions are flattened, ``NoOpDpEvent`` dropped (first appearance sets the order); an event that
+    is not a composition (e.g. a private tuning's ``RepeatAndSelectDpEvent``) is returned unchanged.
+    """
+    if not isinstance(event, (dp_accounting.ComposedDpEvent, dp_accounting.SelfComposedDpEvent)):
+        return event
+    mechanisms: list[dp_accounting.DpEvent] = []
+    counts: list[int] = []
+    for mechanism, count in _runs(event, 1):
+        if mechanism in mechanisms:
+            counts[mechanisms.index(mechanism)] += count
+        else:
+            mechanisms.append(mechanism)
+            counts.append(count)
+    pooled = [dp_accounting.SelfComposedDpEvent(m, n) if n > 1 else m for m, n in zip(mechanisms, counts)]
+    if not pooled:
+        return dp_accounting.NoOpDpEvent()
+    return pooled[0] if len(pooled) == 1 else dp_accounting.ComposedDpEvent(pooled)
+
+
+def _runs(event: dp_accounting.DpEvent, times: int):
+    """``(mechanism, count)`` pairs of a (nested) composition run ``times`` times."""
+    if isinstance(event, dp_accounting.ComposedDpEvent):
+        for inner in event.events:
+            yield from _runs(inner, times)
+    elif isinstance(event, dp_accounting.SelfComposedDpEvent):
+        if event.count:
+            yield from _runs(event.event, times * event.count)
+    elif not isinstance(event, dp_accounting.NoOpDpEvent):
+        yield event, times
+
+
 def epsilon_of_event(
     event: dp_accounting.DpEvent, delta: float, accountant: str = "pld"
 ) -> float:
-    """``epsilon(delta)`` of ``event`` under a fresh :func:`make_accountant` accountant.
+    """``epsilon(delta)`` of ``event`` (:func:`pooled_event`) under a fresh :func:`make_accountant`
+    accountant.
 
     Returns ``inf`` if the event contains a non-private part
     (``NonPrivateDpEvent`` or a Gaussian with ``sigma = 0``).
     """
     delta = check_delta(delta)
     check_resolvable(delta, check_accountant(accountant))
+    event = pooled_event(event)
     # A pure function of its arguments, memoised on the event's pickle: every field with its
     # exact value and type (a float32 sigma and its float64 rounding get separate entries).
     key = (pickle.dumps(event), delta, accountant)

@@ -56,7 +56,7 @@ def composition_event(fixed: Fixed, unknown: Unknown, sigma: float, wrap=None) -
     :class:`~sparta_tf.privacy.tuning.Repetition`)."""
     events = [accounting.dp_sgd_event(s, q, count) for s, q, count in fixed]
     events += [accounting.dp_sgd_event(sigma, q, count) for q, count in unknown]
-    event = dp_accounting.ComposedDpEvent(events)
+    event = accounting.pooled_event(dp_accounting.ComposedDpEvent(events))
     return event if wrap is None else wrap(event)
 
 
