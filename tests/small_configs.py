@@ -39,3 +39,11 @@ def tiny_config(output_dir, method="sparta", epochs=3, **training) -> dict:
         "training": {"epochs": epochs, "batch_size": 32, "learning_rate": 0.05, "seed": 0, **training},
         "output_dir": str(output_dir),
     }
+
+
+ONE_METHOD_OF_EACH_KIND = ("all", "dp_frost", "dp_ssgd", "mp", "oracle", "sparta", "x_bitfit")
+"""The methods the costlier per-method integration tests run (sparta-train end to end, augmentation
+multiplicity): one of each method class (a role set, two phases, a budget split before training, pruning
+before training, a static mask, a selection epoch) and the non-private oracle. Every method of
+``sparta_tf.methods.METHODS`` trains through ``make_private`` (``tests/test_make_private.py``);
+``tests/test_method_registry.py`` checks that this tuple keeps one method of every class."""

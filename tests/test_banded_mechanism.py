@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import dp_accounting
 import numpy as np
@@ -27,7 +28,7 @@ from dp_accounting.rdp import rdp_privacy_accountant
 
 import sparta_tf
 from sparta_tf import DPModel
-from sparta_tf.dp_step.correlated_noise import CorrelatedNoise
+from sparta_tf.dp_step.correlated_noise import CorrelatedNoise, noise_buffer_bytes
 from sparta_tf.dp_step.noise import gaussian_noise
 from sparta_tf.method_spec import Phase
 from sparta_tf.privacy.banded import BandedFactorization
@@ -39,7 +40,8 @@ from sparta_tf.privacy.sampling import PoissonSampler
 from sparta_tf.trainable import TrainableSet
 from small_configs import tiny_config
 from small_models import LOSS, small_data, small_mlp
-from small_runs import sparta_train
+from trainers import run
+from trainers.config import validate
 
 DELTA = 1e-5
 
@@ -154,13 +156,13 @@ def _data(n=96):
     return x, (x[:, 0] > 0).astype("int64")
 
 
-def _banded_model(bands=3, seed=4, frozen=False):
+def _banded_model(bands=3, seed=4, frozen=False, **options):
     tf.keras.utils.set_random_seed(1)
     model = tf.keras.Sequential([tf.keras.Input((6,)), tf.keras.layers.Dense(5, activation="tanh", name="hidden"),
                                  tf.keras.layers.Dense(2, name="head")], name="banded_mlp")  # Keras 3's state keys hold it
     if frozen:
         model.get_layer("hidden").trainable = False
-    dp = DPModel(model, noise_multiplier=1.0, sample_rate=0.125, delta=1e-4, seed=seed, bands=bands)
+    dp = DPModel(model, noise_multiplier=1.0, sample_rate=0.125, delta=1e-4, seed=seed, bands=bands, **options)
     dp.compile(tf.keras.optimizers.SGD(0.05, momentum=0.5),
                loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return dp
@@ -176,6 +178,17 @@ def test_a_banded_fit_trains_only_trainable_coordinates_and_charges_the_reductio
     assert (entry.count, entry.bands, entry.compositions) == (16, 3, 6)
     assert entry.sample_rate == pytest.approx(0.375)
     assert dp.correlated_noise.memory_bytes == 2 * (5 * 2 + 2) * 4
+
+
+@pytest.mark.parametrize("bands", [1, 3])
+def test_the_buffered_noise_counts_against_max_memory(bands):
+    x, y = _data()
+    dp = _banded_model(bands=bands, max_memory=4096)
+    dp.fit(x, y, epochs=1, verbose=0)
+    buffered = (bands - 1) * (6 * 5 + 5 + 5 * 2 + 2) * 4
+    assert (dp.correlated_noise is None) == (bands == 1)  # independent noise buffers nothing
+    assert bands == 1 or dp.correlated_noise.memory_bytes == buffered
+    assert dp.engine_memory_plan().budget == 4096 - buffered
 
 
 def test_a_model_restored_from_a_mid_run_checkpoint_continues_bit_identically(tmp_path):
@@ -251,13 +264,19 @@ def test_each_kind_of_method_trains_with_bands_and_its_ledger_is_its_plan(method
     assert any(moved), f"{method}: no weight trained"
 
 
-def test_sparta_train_runs_with_bands_and_charges_them(tmp_path, write_config):
-    config = tiny_config(tmp_path / "out", method="all", epochs=2)
+def test_sparta_train_runs_with_bands_and_charges_them(tmp_path, capsys):
+    config = validate(tiny_config(tmp_path / "out", method="all", epochs=2) | {"training": {
+        "epochs": 2, "batch_size": 32, "learning_rate": 0.05, "seed": 0, "max_memory": "1GiB"}})
     config["privacy"]["bands"] = 2
-    result = sparta_train(write_config(config), timeout=600)
-    assert result.returncode == 0, result.stderr[-2000:]
+    run.dry_run(config)
+    out = capsys.readouterr().out
+    coordinates = int(re.search(r"^all +2 +([\d,]+) \(100\.00%\)", out, re.M).group(1).replace(",", ""))
+    buffered = noise_buffer_bytes(2, coordinates)  # one buffered draw of every coordinate
+    assert f"budget {(2**30 - buffered) / 2**20:.0f} MiB (max_memory, less {buffered / 2**20:.0f} MiB of buffered " \
+           "correlated noise)" in out, out
+    results = run.train(config)  # sparta-train's run, in this process
     ledger = json.loads((tmp_path / "out" / "ledger.json").read_text())
-    assert {entry.get("bands") for entry in ledger["entries"]} == {2}
+    assert {entry.get("bands") for entry in ledger["entries"]} == {2} and results["epsilon"] <= 8.0 + 1e-6
 
 
 def test_the_dry_run_comparison_names_the_bands_with_the_least_noise():

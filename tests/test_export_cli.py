@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SAVED_MODEL_CLI = pathlib.Path(sys.executable).with_name("saved_model_cli")
 
 # ResNet-8-GN (the quickstart's network family, a third of its layers) keeps the export path the same
-SHORT_QUICKSTART = ["pretrain.epochs=6", "training.epochs=5", "method.warmup_epochs=1",
+SHORT_QUICKSTART = ["pretrain.epochs=6", "training.epochs=3", "method.warmup_epochs=1",
                     "model={name: cifar_resnet_gn, depth: 8}"]
 NORMALISED = SHORT_QUICKSTART + [  # per-channel standardisation with training-split statistics
     "data.normalize=standard",

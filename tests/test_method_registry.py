@@ -148,3 +148,14 @@ def test_the_method_interface_is_the_plan_and_phase_hooks():
     hooks = {name for name, _ in inspect.getmembers(Method) if not name.startswith("_")}
     assert hooks == {"phases", "mechanisms_before_training", "training_share", "nonprivate_reasons", "make_dp_model",
                      "check", "planned_trainable", "prepare", "start", "enter", "leave"}
+
+
+def test_the_per_kind_integration_tests_keep_one_method_of_every_class():
+    """sparta-train's and augmentation multiplicity's per-method tests run ONE_METHOD_OF_EACH_KIND: every
+    class a registered method inherits its behaviour from (its direct base) has a method there."""
+    from small_configs import ONE_METHOD_OF_EACH_KIND
+
+    assert set(ONE_METHOD_OF_EACH_KIND) <= set(methods.METHODS)
+    kinds = {cls.__mro__[1] for cls in methods.METHODS.values()}
+    covered = {methods.METHODS[name].__mro__[1] for name in ONE_METHOD_OF_EACH_KIND}
+    assert kinds == covered, sorted(k.__name__ for k in kinds - covered)

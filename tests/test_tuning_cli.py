@@ -15,8 +15,8 @@ from sparta_tf.privacy.ledger import PrivacyLedger
 from sparta_tf.privacy.tuning import CandidateCount, per_run_event, tuning_epsilon
 from sparta_tf.tuning import procedure
 from small_configs import set_key, tiny_config
-from small_runs import sparta_train, sparta_tune, start_sparta_tune, wait_mid_epoch_after
-from trainers import tune
+from small_runs import sparta_tune, start_sparta_tune, wait_mid_epoch_after
+from trainers import cli, tune, tune_cli
 from trainers.config import ConfigError, validate
 
 OPTIONS = {"x_bitfit": {"full_epochs": 1}}
@@ -59,28 +59,31 @@ def test_every_kind_of_method_tunes_through_the_cli(method, tmp_path):
     assert results["epsilon"] <= 8.0 * (1 + 1e-9) and results["epsilon"] == ledger.epsilon()
 
 
-def test_the_dry_run_prints_the_price_of_tuning_and_writes_nothing(tmp_path, write_config):
+# The dry runs call sparta-tune's and sparta-train's entry points in this process (the same code as a fresh
+# one; the kill test below runs sparta-tune in fresh processes).
+def test_the_dry_run_prints_the_price_of_tuning_and_writes_nothing(tmp_path, write_config, capsys):
     out = tmp_path / "dry"
-    result = sparta_tune(write_config(tuning_config(out, mean=4)), "--dry-run", timeout=600)
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert tune_cli.main(["--config", str(write_config(tuning_config(out, mean=4))), "--dry-run"]) == 0
+    stdout = capsys.readouterr().out
     for text in ("private tuning: release the best of a geometric number of candidate runs, mean 4",
                  "each candidate: epsilon", "whole tuning: epsilon", "price of tuning: one untuned run at epsilon 8",
                  "x its noise", "noise multiplier sigma ="):
-        assert text in result.stdout, result.stdout
+        assert text in stdout, stdout
     assert not out.exists()
 
 
-def test_a_tuning_that_leaves_nothing_to_learn_is_refused_in_one_line(tmp_path, write_config):
+def test_a_tuning_that_leaves_nothing_to_learn_is_refused_in_one_line(tmp_path, write_config, capsys):
     config = set_key(tuning_config(tmp_path / "t", mean=50), "privacy.target_epsilon", 0.02)
-    result = sparta_tune(write_config(config), "--dry-run", timeout=600)
-    lines = [line for line in result.stderr.splitlines() if line.startswith("config error")]
-    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("config error: tuning: "), result.stderr
+    status = tune_cli.main(["--config", str(write_config(config)), "--dry-run"])
+    stderr = capsys.readouterr().err
+    lines = [line for line in stderr.splitlines() if line.startswith("config error")]
+    assert status == 2 and len(lines) == 1 and lines[0].startswith("config error: tuning: "), stderr
     assert "no candidate can learn" in lines[0] or "no per-run noise meets target_epsilon=0.02" in lines[0]
 
 
 def test_sigkill_mid_candidate_then_resume_keeps_the_draws_and_never_undercounts(tmp_path, write_config):
     out = tmp_path / "killed"
-    path = write_config(tuning_config(out, epochs=6, mean=2, seed=0, batch_size=12))
+    path = write_config(tuning_config(out, epochs=4, mean=2, seed=0, batch_size=12))
     process = start_sparta_tune(path)
     second = out / "candidates" / "001"
     try:
@@ -134,12 +137,12 @@ def test_tuning_section_mistakes_are_one_line(tmp_path, key, value, message):
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
-def test_sparta_tune_needs_a_tuning_section_and_sparta_train_notes_it(tmp_path, write_config):
-    plain = sparta_tune(write_config(tiny_config(tmp_path / "a")), "--dry-run", timeout=300)
-    assert plain.returncode == 2 and "the config has no tuning section" in plain.stderr
-    noted = sparta_train(write_config(tuning_config(tmp_path / "b", epochs=1, method="bitfit")), "--dry-run",
-                         timeout=300)
-    assert noted.returncode == 0 and "the tuning section is sparta-tune's" in noted.stderr
+def test_sparta_tune_needs_a_tuning_section_and_sparta_train_notes_it(tmp_path, write_config, capsys):
+    assert tune_cli.main(["--config", str(write_config(tiny_config(tmp_path / "a"))), "--dry-run"]) == 2
+    assert "the config has no tuning section" in capsys.readouterr().err
+    noted = write_config(tuning_config(tmp_path / "b", epochs=1, method="bitfit"))
+    assert cli.main(["--config", str(noted), "--dry-run"]) == 0
+    assert "the tuning section is sparta-tune's" in capsys.readouterr().err
 
 
 def test_a_space_key_that_changes_the_mechanism_of_some_candidates_is_refused(tmp_path, capsys):

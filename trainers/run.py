@@ -37,6 +37,7 @@ import sparta_tf
 from sparta_tf import checkpointing, choices, determinism, distribute
 from sparta_tf.methods import Method, make_method
 from sparta_tf.per_example import memory_budget
+from sparta_tf.dp_step.correlated_noise import noise_buffer_bytes
 from sparta_tf.privacy.sampling import default_physical_batch_size
 from sparta_tf.private_training import plan_method, private_model
 from sparta_tf.privacy.plan import FixedNoiseOverBudgetError, PrivacyPlan
@@ -257,7 +258,7 @@ def dry_run(config: dict) -> PrivacyPlan:
     method = build_method(config, None, model)
     plan = make_plan(config, dataset, method)
     print(describe(plan, method, model, config))
-    print(memory_line(config, plan, model))
+    print(memory_line(config, plan, model, method))
     bands = bands_line(config, dataset, method, plan)
     if bands:
         print(bands)
@@ -266,12 +267,18 @@ def dry_run(config: dict) -> PrivacyPlan:
     return plan
 
 
-def memory_line(config: dict, plan: PrivacyPlan, model: tf.keras.Model) -> str:
+def memory_line(config: dict, plan: PrivacyPlan, model: tf.keras.Model, method: Method) -> str:
     """What a full-DP book-keeping step of ``model`` keeps at the run's physical batch, against
-    ``training.max_memory`` (:func:`sparta_tf.per_example.memory_budget.describe`)."""
+    ``training.max_memory`` less the buffer of correlated noise (``privacy.bands``: ``b - 1`` draws of the
+    most trainable coordinates of any phase; all of the model's where a phase chooses them as it runs)
+    (:func:`sparta_tf.per_example.memory_budget.describe`)."""
     training = config["training"]
     batch = training["physical_batch_size"] or default_physical_batch_size(plan.n, plan.sample_rate)
-    return memory_budget.describe(model, batch * training["augmult"], choices.memory_bytes(training["max_memory"]))
+    trainable = [method.planned_trainable(phase, model) for phase in method.phases(plan.epochs)]
+    most = max((_count(model) if count is None else count for count in trainable), default=0)
+    reserved = noise_buffer_bytes(plan.bands, most)
+    return memory_budget.describe(model, batch * training["augmult"], choices.memory_bytes(training["max_memory"]),
+                                  reserved)
 
 
 def strategy_line(name: str) -> str:

@@ -53,6 +53,7 @@ from sparta_tf.model_checks import reject_batch_mixing_layers, reject_unscopable
 from sparta_tf.optim.masked_optimizer import MaskedOptimizer
 from sparta_tf.optim.weight_average import AveragedWeights, WeightAverage, check_decay
 from sparta_tf.per_example import BookkeepingEngine, make_engine
+from sparta_tf.per_example.memory_budget import step_budget
 from sparta_tf.precision import require_ieee_float32_matmuls
 from sparta_tf.privacy import charging
 from sparta_tf.privacy.callbacks import PrivacyCallback
@@ -101,6 +102,7 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
         passes, keeping none for one more backward pass (:mod:`sparta_tf.per_example.streaming`).
         None (default): a quarter of the GPU's memory, else of the host's available memory
         (:mod:`sparta_tf.per_example.memory_budget`); :meth:`engine_memory_plan` says what a step chose.
+        With ``bands > 1`` the buffered correlated noise counts against it.
       jit_compile: ``"auto"`` (XLA on GPU/TPU, off on CPU), True or False.
       augmult: ``K``, augmented views per example (augmentation multiplicity, De et al. 2022;
         :mod:`sparta_tf.dp_step.views`): each example's gradient is the mean over its ``K`` views,
@@ -375,8 +377,10 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
         """The per-example engine of the current release and filter (:func:`~sparta_tf.per_example.make_engine`)."""
         release = self._release or self._gradient_release()
         materialise = release.needs_per_example_gradients() or self._gradient_filter.needs_per_example_gradients
+        reserved = 0 if self.correlated_noise is None else self.correlated_noise.memory_bytes
         return make_engine(self.model, release.selections(self.trainable_set), self.engine_name,
-                           materialise=materialise, views=self.augmult, max_memory=self.max_memory)
+                           materialise=materialise, views=self.augmult,
+                           max_memory=step_budget(self.max_memory, reserved))
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         """Keras 3 builds the model from ``fit``'s first batch averaged over the replicas, which fails

@@ -37,6 +37,12 @@ from sparta_tf.privacy.banded import BandedFactorization
 from sparta_tf.trainable import TrainableSet
 
 
+def noise_buffer_bytes(bands: int, coordinates: int, dtype_size: int = 4) -> int:
+    """The bytes of the ``b - 1`` buffered draws over ``coordinates`` trainable coordinates (float32: 4
+    bytes each); 0 for independent noise (``b = 1``)."""
+    return (bands - 1) * int(coordinates) * dtype_size
+
+
 def _state_variable(initial, name: str) -> tf.Variable:
     """The same value on every replica (every replica computes the same noise)."""
     return tf.Variable(initial, trainable=False, name=name, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)

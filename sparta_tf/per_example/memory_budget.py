@@ -104,17 +104,28 @@ def output_gradient_bytes(model: tf.keras.Model, batch: int) -> int | None:
     return total
 
 
-def describe(model: tf.keras.Model, batch: int, max_memory: int | None) -> str:
-    """The dry run's line on the book-keeping step's memory: what one pass keeps and whether it fits."""
-    budget = default_memory_budget() if max_memory is None else max_memory
+def step_budget(max_memory: int | None, reserved: int = 0) -> int:
+    """What the one-pass step may keep: ``max_memory`` (None: :func:`default_memory_budget`) less the
+    ``reserved`` bytes other state of the step holds for the whole run (correlated noise's buffered
+    draws, :mod:`sparta_tf.dp_step.correlated_noise`), at least 0."""
+    budget = default_memory_budget() if max_memory is None else int(max_memory)
+    return max(0, budget - int(reserved))
+
+
+def describe(model: tf.keras.Model, batch: int, max_memory: int | None, reserved: int = 0) -> str:
+    """The dry run's line on the book-keeping step's memory: what one pass keeps and whether it fits in
+    ``max_memory`` less ``reserved`` (the correlated noise's buffer, :func:`step_budget`)."""
+    budget = step_budget(max_memory, reserved)
     kept = one_pass_bound(output_gradient_bytes(model, batch))
     source = "max_memory" if max_memory is not None else "default max_memory (a quarter of the machine's memory)"
+    if reserved:
+        source += f", less {_mib(reserved)} of buffered correlated noise"
     if kept is None:
         return (f"memory: what one pass keeps is known when the step is traced "
                 f"(DPModel.engine_memory_plan()); budget {_mib(budget)} ({source})")
     mode = "one pass" if kept <= budget and budget > 0 else "two backward passes, keeping none"
     return (f"memory: one pass keeps at most {_mib(kept)} of layer output or per-example gradients at a "
-            f"physical batch of {batch}; {source} {_mib(budget)}: {mode}")
+            f"physical batch of {batch}; budget {_mib(budget)} ({source}): {mode}")
 
 
 def _mib(size: int) -> str:
