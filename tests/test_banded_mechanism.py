@@ -40,6 +40,7 @@ from sparta_tf.privacy.sampling import PoissonSampler
 from sparta_tf.trainable import TrainableSet
 from small_configs import tiny_config
 from small_models import LOSS, small_data, small_mlp
+from two_replicas import two_cpu_replicas
 from trainers import run
 from trainers.config import validate
 
@@ -119,16 +120,21 @@ def _fake_set(shape):
     return TrainableSet.of_variables([variable])
 
 
-def test_correlated_noise_is_c_inverse_of_the_streams_draws_and_has_its_covariance():
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_correlated_noise_is_c_inverse_of_the_streams_draws_and_has_its_covariance(jit_compile):
+    """Eagerly and compiled by XLA (whose draws of the same stream are other numbers than TensorFlow's
+    kernels': each is checked against the draws of its own kind)."""
     bands, steps, coordinates, sigma = 3, 6, 20000, 1.5
     mechanism = DpSgdMechanism(sigma, 0.05, clip_norm=2.0, bands=bands)
     seed = tf.constant(5, tf.int64)
     noise = CorrelatedNoise(mechanism, seed)
     noise.build(_fake_set([coordinates]))
     zeros = [tf.zeros([coordinates])]
-    w = np.stack([noise(zeros, tf.constant(t, tf.int64))[0].numpy() for t in range(steps)])
-    z = np.stack([gaussian_noise([tf.TensorShape([coordinates])], mechanism.noise_std, seed,
-                                 tf.constant(t, tf.int64))[0].numpy() for t in range(steps)])
+    compiled = (lambda f: tf.function(f, jit_compile=True)) if jit_compile else (lambda f: f)
+    correlated = compiled(lambda t: noise(zeros, t)[0])
+    independent = compiled(lambda t: gaussian_noise([tf.TensorShape([coordinates])], mechanism.noise_std, seed, t)[0])
+    w = np.stack([correlated(tf.constant(t, tf.int64)).numpy() for t in range(steps)])
+    z = np.stack([independent(tf.constant(t, tf.int64)).numpy() for t in range(steps)])
     factorization = BandedFactorization(bands)
     np.testing.assert_allclose(w, factorization.correlate(z), rtol=1e-4, atol=1e-4)
     inverse = np.linalg.inv(factorization.matrix(steps))
@@ -178,6 +184,47 @@ def test_a_banded_fit_trains_only_trainable_coordinates_and_charges_the_reductio
     assert (entry.count, entry.bands, entry.compositions) == (16, 3, 6)
     assert entry.sample_rate == pytest.approx(0.375)
     assert dp.correlated_noise.memory_bytes == 2 * (5 * 2 + 2) * 4
+
+
+# The same banded run by every way a step can be computed: the engines, micro-batches, K identical views
+# (their mean is the example's gradient), two replicas (every replica adds the same noise once). Under XLA
+# the stream's draws are other numbers: a jit-compiled step's noise is checked against XLA's own draws
+# (test_correlated_noise_is_c_inverse_of_the_streams_draws_and_has_its_covariance[True]) and trains below.
+STEP_VARIANTS = {
+    "layerwise": dict(engine="layerwise"),
+    "vectorized": dict(engine="vectorized"),
+    "micro_batches": dict(physical_batch_size=5),
+    "identical_views": dict(augmult=2, augmentation=lambda x, seed: x),
+    "two_replicas": dict(physical_batch_size=16),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(STEP_VARIANTS))
+def test_every_engine_xla_micro_batches_views_and_replicas_add_the_same_banded_noise(variant):
+    x, y = _data()
+    reference = _banded_model()
+    reference.fit(x, y, epochs=2, verbose=0)
+    strategy = two_cpu_replicas() if variant == "two_replicas" else tf.distribute.get_strategy()
+    with strategy.scope():
+        other = _banded_model(**STEP_VARIANTS[variant])
+    other.fit(x, y, epochs=2, verbose=0)
+    assert other.ledger.entries == reference.ledger.entries
+    for a, b in zip(reference.model.weights, other.model.weights):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"{variant}: {a.name}")
+    independent = _banded_model(bands=1)  # the noise is what makes the runs agree, not no noise at all
+    independent.fit(x, y, epochs=2, verbose=0)
+    assert not np.allclose(independent.model.weights[0].numpy(), reference.model.weights[0].numpy(), atol=1e-3)
+
+
+def test_a_jit_compiled_banded_fit_with_micro_batches_charges_the_reduction():
+    x, y = _data()
+    dp = _banded_model(jit_compile=True, physical_batch_size=5)
+    before = [v.numpy().copy() for v in dp.model.trainable_variables]
+    dp.fit(x, y, epochs=2, verbose=0)
+    (entry,) = dp.ledger.entries
+    assert (entry.count, entry.bands, entry.compositions) == (16, 3, 6)
+    assert all(not np.array_equal(b, v.numpy()) for b, v in zip(before, dp.model.trainable_variables))
+    assert all(np.isfinite(v.numpy()).all() for v in dp.model.weights)
 
 
 @pytest.mark.parametrize("bands", [1, 3])
