@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 
 import dp_accounting
@@ -324,6 +325,7 @@ def test_sparta_train_runs_with_bands_and_charges_them(tmp_path, capsys):
     results = run.train(config)  # sparta-train's run, in this process
     ledger = json.loads((tmp_path / "out" / "ledger.json").read_text())
     assert {entry.get("bands") for entry in ledger["entries"]} == {2} and results["epsilon"] <= 8.0 + 1e-6
+    assert os.path.exists(os.path.join(results["export_dir"], "saved_model.pb"))  # the TF Serving export
 
 
 def test_the_dry_run_comparison_names_the_bands_with_the_least_noise():

@@ -82,3 +82,15 @@ def test_the_tuning_seed_given_is_a_caveat_and_the_default_is_secret(digits):
     assert procedure.SEED_CAVEAT in tune(digits, mean=1.2).ledger.caveats()
     assert procedure.SEED_CAVEAT not in tune(digits, mean=1.2, tuning_seed=None).ledger.caveats()
     assert library.default_optimizer().learning_rate.numpy() == pytest.approx(0.1)
+
+
+def test_a_tuning_with_bands_releases_the_reduction_of_its_candidates(digits):
+    """BandMF in a tuning: each candidate runs cyclic Poisson groups and correlated noise; the released
+    ledger charges ``ceil(T_p / b)`` runs of ``M_{b q, sigma}`` per phase (what each candidate's plan charges)."""
+    result = tune(digits, "sparta", bands=2)
+    plan = result.model.plan
+    assert plan.bands == 2 and result.model.correlated_noise is not None
+    (training, score) = result.ledger.entries
+    assert training.sample_rate == pytest.approx(2 * plan.sample_rate) == pytest.approx(plan.group_sample_rate)
+    assert training.compositions == sum(entry.compositions for entry in plan.events()) < plan.steps
+    assert result.epsilon <= 8.0 * (1 + 1e-9)

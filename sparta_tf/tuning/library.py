@@ -168,7 +168,7 @@ def tune_privately(
         """``values`` and the common options as (optimizer arguments, method options, DP model options)."""
         options = {**make_private_options, **{k: v for k, v in values.items() if k not in optimizer_names}}
         return ({k: v for k, v in values.items() if k in optimizer_names},
-                {k: v for k, v in options.items() if not _dp_model_option(k)},
+                {k: v for k, v in options.items() if not _dp_model_option(k) and k not in PLAN_OPTIONS},
                 {k: v for k, v in options.items() if _dp_model_option(k)})
 
     def method_and_plan(values: dict):
@@ -207,10 +207,15 @@ def tune_privately(
     return TuningResult(best, draws.candidates[winner].values, tally.scores[winner], ledger, plan.epsilon)
 
 
+PLAN_OPTIONS = ("bands",)
+"""``make_private`` options that belong to the privacy plan (the DP model reads them from it), neither the
+method's nor the DP model's."""
+
+
 def _dp_model_option(name: str) -> bool:
-    """Whether a ``make_private`` option belongs to the DP model (not the method's plan; ``bands`` is the
-    plan's, which the DP model reads)."""
-    return name in inspect.signature(make_private).parameters and name not in ("method_options", "bands")
+    """Whether a ``make_private`` option belongs to the DP model (not the method, nor the plan:
+    :data:`PLAN_OPTIONS`)."""
+    return name in inspect.signature(make_private).parameters and name not in ("method_options", *PLAN_OPTIONS)
 
 
 class _IndependentModels:
