@@ -28,11 +28,13 @@ runnable block in another language, is an error too.
     python docs/run_examples.py --list          # where they are
     python docs/run_examples.py --only README   # blocks whose FILE:LINE contains README
     python docs/run_examples.py --check         # syntax only: compile / bash -n (no run)
+    python docs/run_examples.py --jobs 1        # one block at a time (default: 2 at once)
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import os
 import re
@@ -176,12 +178,30 @@ def run_block(block: Block) -> tuple[bool, str, float]:
     return passed, output, time.monotonic() - start
 
 
+def _key(block: Block) -> tuple:
+    return block.language, block.code, block.exit_status
+
+
+def _run_once_each(blocks: list[Block], jobs: int) -> dict:
+    """``{key: future of run_block}``, one run per distinct block, ``jobs`` at a time (each block is a
+    fresh process in its own directory, so they do not see each other)."""
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs))
+    runs: dict = {}
+    for block in blocks:
+        if _key(block) not in runs:
+            runs[_key(block)] = pool.submit(run_block, block)
+    pool.shutdown(wait=False)
+    return runs
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--list", action="store_true", help="list the runnable blocks and exit")
     parser.add_argument("--only", action="append", default=[], metavar="TEXT",
                         help="run the blocks whose FILE:LINE contains TEXT (repeatable)")
     parser.add_argument("--check", action="store_true", help="check the blocks' syntax only")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                        help="blocks run at once (default: 2, or 1 on one core)")
     args = parser.parse_args(argv)
     try:
         blocks = collect()
@@ -195,26 +215,24 @@ def main(argv=None) -> int:
             print(f"{block.where}  {block.language}  ({len(block.code.splitlines())} lines)")
         return 0
     failures = []
-    results: dict[tuple, tuple[bool, str]] = {}  # a block repeated on several pages runs once
-    for block in blocks:
-        if args.check:
+    if args.check:
+        for block in blocks:
             problem = check_syntax(block)
             if problem:
                 failures.append(block.where)
                 print(f"{block.where}: {block.language} block does not parse: {problem}", flush=True)
-            continue
-        key = (block.language, block.code, block.exit_status)
-        print(f"{block.where}: {block.language} ...", end=" ", flush=True)
-        if key in results:
-            passed, output = results[key]
-            print(f"{'ok' if passed else 'FAILED'} (the same block as above)", flush=True)
-        else:
-            passed, output, seconds = run_block(block)
-            results[key] = passed, output
-            print(f"{'ok' if passed else 'FAILED'} ({seconds:.0f} s)", flush=True)
-        if not passed:
-            failures.append(block.where)
-            print(f"--- {block.where}: output (last {TAIL} characters) ---\n{output[-TAIL:]}\n---", flush=True)
+    else:
+        runs = _run_once_each(blocks, args.jobs)  # a block repeated on several pages runs once
+        seen = set()
+        for block in blocks:
+            key = _key(block)
+            passed, output, seconds = runs[key].result()
+            again = " (the same block as above)" if key in seen else f" ({seconds:.0f} s)"
+            seen.add(key)
+            print(f"{block.where}: {block.language} ... {'ok' if passed else 'FAILED'}{again}", flush=True)
+            if not passed:
+                failures.append(block.where)
+                print(f"--- {block.where}: output (last {TAIL} characters) ---\n{output[-TAIL:]}\n---", flush=True)
     done = "checked" if args.check else "ran"
     print(f"{done} {len(blocks)} runnable block(s): {len(blocks) - len(failures)} passed"
           + (f", failed: {', '.join(failures)}" if failures else ""))

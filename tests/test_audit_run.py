@@ -32,7 +32,8 @@ def audit_config(output_dir, method="all", **training):
     })
 
 
-@pytest.mark.parametrize("noise, clipping", [(False, True), (False, False)], ids=["no-noise", "no-noise-no-clipping"])
+# Without noise and without clipping too: the SPARTA audit below
+@pytest.mark.parametrize("noise, clipping", [(False, True)], ids=["no-noise"])
 def test_audit_contradicts_the_claim_of_a_dp_step_broken_on_purpose(tmp_path, noise, clipping):
     with broken_mechanism(noise=noise, clipping=clipping):
         report = audit.run_audit(audit_config(tmp_path), canaries=270)

@@ -1,7 +1,7 @@
 """Augmentation multiplicity on every layer a user writes: each example's K views are one example.
 
-For each model of :mod:`layer_zoo`, under ``engine="auto"`` (jit off and on) and, on Keras 2, a
-materialising engine (jit off), the views drawn inside the traced step (:class:`~sparta_tf.dp_step.views.AugmentationMultiplicity`):
+For each model of :mod:`layer_zoo`, under ``engine="auto"`` (jit off; on too for one model of each
+family, :data:`XLA_CASES`) and, on Keras 2, a materialising engine (jit off), the views drawn inside the traced step (:class:`~sparta_tf.dp_step.views.AugmentationMultiplicity`):
 
 * the clipped sum equals the K-view one-example reference: every view's gradient taken alone with
   ``tf.GradientTape`` (float64), averaged over the example's views, clipped once, summed;
@@ -86,6 +86,15 @@ def view_reference_gradients(model, rows, labels, valid) -> list[list[np.ndarray
 ENGINES = ["auto"] if KERAS3 else ["auto", "materialising"]
 
 
+XLA_CASES = ("dense_relu", "conv2d_valid_strides_relu", "depthwise_conv2d_strides_same", "lstm_masked",
+             "multi_head_attention_masked", "shared_layer", "nested_model", "time_distributed_conv2d",
+             "two_inputs", "mixed_bfloat16")
+
+
+def test_the_xla_cases_are_zoo_models():
+    assert set(XLA_CASES) <= set(CASES)
+
+
 @pytest.mark.parametrize("engine_name", ENGINES)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_k_view_clipped_sum_equals_the_one_example_reference(name, engine_name):
@@ -96,8 +105,10 @@ def test_k_view_clipped_sum_equals_the_one_example_reference(name, engine_name):
     chosen = "auto" if engine_name == "auto" else MATERIALISING.get(name, "layerwise")
     engine = make_engine(model, model.trainable_variables, chosen, views=VIEWS)
     tolerance = LOW_PRECISION_TOLERANCE if case.low_precision else FLOAT_TOLERANCE
-    # XLA traces of the materialising engines cost the most and exercise no view code of their own
-    for jit in (False, True) if engine_name == "auto" else (False,):
+    # Under XLA: the auto engine on one model of each family (dense, convolution, recurrent, attention,
+    # shared and nested layers, time steps, two inputs, low precision). XLA runs the same view code; every
+    # rule is checked under XLA by test_layer_zoo, and the compiles cost most of this file's time.
+    for jit in (False, True) if engine_name == "auto" and name in XLA_CASES else (False,):
         step = _step(case, engine, jit)
         _, rows, labels = step(x, y, valid, np.float32(1.0))
         reference = view_reference_gradients(model, rows, labels, valid)

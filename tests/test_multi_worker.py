@@ -226,9 +226,9 @@ def test_without_a_seed_every_worker_uses_the_chiefs_secret_seed(tmp_path):
 
 
 def cli_config(out):
-    """:func:`small_configs.tiny_config` as SPARTA with one warm-up epoch, 4 epochs of batch 12 on the
+    """:func:`small_configs.tiny_config` as SPARTA with one warm-up epoch, 3 epochs of batch 12 on the
     multi-worker strategy, no export."""
-    config = tiny_config(out, "sparta", epochs=4, batch_size=12, strategy="multi_worker")
+    config = tiny_config(out, "sparta", epochs=3, batch_size=12, strategy="multi_worker")
     config["method"]["warmup_epochs"] = 1
     config["export"] = {"enabled": False}
     return config

@@ -83,7 +83,7 @@ def test_a_tuning_that_leaves_nothing_to_learn_is_refused_in_one_line(tmp_path, 
 
 def test_sigkill_mid_candidate_then_resume_keeps_the_draws_and_never_undercounts(tmp_path, write_config):
     out = tmp_path / "killed"
-    path = write_config(tuning_config(out, epochs=4, mean=2, seed=0, batch_size=12))
+    path = write_config(tuning_config(out, epochs=3, mean=2, seed=0, batch_size=12))
     process = start_sparta_tune(path)
     second = out / "candidates" / "001"
     try:
