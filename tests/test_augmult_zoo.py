@@ -82,7 +82,7 @@ def view_reference_gradients(model, rows, labels, valid) -> list[list[np.ndarray
 
 
 # On Keras 3 the auto engine only: the view code is the same for every engine and Keras line, and
-# test_layer_zoo checks the materialising engines on Keras 3 (CI runs this file on both lines).
+# test_layer_zoo checks every engine's rules on Keras 3 (CI runs this file on the TF 2.15 line).
 ENGINES = ["auto"] if KERAS3 else ["auto", "materialising"]
 
 
