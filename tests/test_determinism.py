@@ -33,14 +33,21 @@ def _config(output_dir, deterministic):
     }
 
 
-def _train_in_fresh_process(tmp_path, name, deterministic):
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(_config(tmp_path / name, deterministic)))
+def _train_in_fresh_processes(tmp_path, names, deterministic):
+    """One sparta-train process per name, all at once (each its own process and output directory); the
+    final checkpoint of each."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    result = subprocess.run([sys.executable, "-m", "trainers", "--config", str(path)], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    return _final_checkpoint(tmp_path / name)
+    processes = []
+    for name in names:
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(_config(tmp_path / name, deterministic)))
+        with open(tmp_path / f"{name}.log", "w") as log:  # a file, not a pipe: neither waits on a full pipe
+            processes.append(subprocess.Popen([sys.executable, "-m", "trainers", "--config", str(path)], cwd=ROOT,
+                                              env=env, stdout=log, stderr=subprocess.STDOUT))
+    for name, process in zip(names, processes):
+        process.wait(timeout=900)
+        assert process.returncode == 0, (tmp_path / f"{name}.log").read_text()[-4000:]
+    return [_final_checkpoint(tmp_path / name) for name in names]
 
 
 def _final_checkpoint(run_dir):
@@ -52,8 +59,7 @@ def _final_checkpoint(run_dir):
 
 
 def test_deterministic_runs_in_two_processes_end_bit_identical(tmp_path):
-    first = _train_in_fresh_process(tmp_path, "first", deterministic=True)
-    second = _train_in_fresh_process(tmp_path, "second", deterministic=True)
+    first, second = _train_in_fresh_processes(tmp_path, ["first", "second"], deterministic=True)
     assert first.keys() == second.keys() and len(first) > 10
     differing = [name for name in first if not np.array_equal(first[name], second[name])]
     assert not differing, f"{len(differing)} of {len(first)} checkpoint tensors differ, e.g. {differing[:3]}"
