@@ -809,7 +809,7 @@ def planned_selection_budgets(base: dict, profile: dict) -> dict[str, dict]:
         config = validate_config(cell_config(base, "sparta", epsilon, 0, lr_grid_of(profile, "sparta")[0], DEFAULT_DENSITY,
                                              os.path.join(ROOT, "runs", "unused")))
         with contextlib.redirect_stdout(io.StringIO()):
-            plan = run.dry_run(config)
+            plan = run.dry_run(config, compare_bands=False)
         budgets[f"{epsilon:g}"] = utility_analysis.selection_budget(plan.to_json())
     return budgets
 

@@ -32,6 +32,10 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from sparta_tf.autograph_rule import exempt_the_library
+
+exempt_the_library()  # before any traced code of the library runs (sparta_tf.autograph_rule)
+
 MIN_KERAS3 = (3, 10)  # what TensorFlow 2.21 requires; 3.15.1 is the version tested (requirements/keras3.txt)
 
 SUPPORTED = (f"Keras >= {MIN_KERAS3[0]}.{MIN_KERAS3[1]} with the TensorFlow backend (TensorFlow >= 2.16) or "

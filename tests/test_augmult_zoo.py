@@ -1,7 +1,8 @@
 """Augmentation multiplicity on every layer a user writes: each example's K views are one example.
 
-For each model of :mod:`layer_zoo`, under ``engine="auto"`` (jit off; on too for one model of each
-family, :data:`XLA_CASES`) and, on Keras 2, a materialising engine (jit off), the views drawn inside the traced step (:class:`~sparta_tf.dp_step.views.AugmentationMultiplicity`):
+For each model of :mod:`layer_zoo` under ``engine="auto"`` (jit off; on too for one model of each
+family, :data:`XLA_CASES`), and for those family models under a materialising engine on Keras 2 (jit off),
+with the views drawn inside the traced step (:class:`~sparta_tf.dp_step.views.AugmentationMultiplicity`):
 
 * the clipped sum equals the K-view one-example reference: every view's gradient taken alone with
   ``tf.GradientTape`` (float64), averaged over the example's views, clipped once, summed;
@@ -81,22 +82,23 @@ def view_reference_gradients(model, rows, labels, valid) -> list[list[np.ndarray
     return per_example
 
 
-# On Keras 3 the auto engine only: the view code is the same for every engine and Keras line, and
-# test_layer_zoo checks every engine's rules on Keras 3 (CI runs this file on the TF 2.15 line).
-ENGINES = ["auto"] if KERAS3 else ["auto", "materialising"]
-
-
 XLA_CASES = ("dense_relu", "conv2d_valid_strides_relu", "depthwise_conv2d_strides_same", "lstm_masked",
              "multi_head_attention_masked", "shared_layer", "nested_model", "time_distributed_conv2d",
              "two_inputs", "mixed_bfloat16")
+"""One model of each layer family: the auto engine's step compiled with XLA, and the materialising engine."""
+
+# Every model with the auto engine; the materialising engine on one model of each family, on Keras 2 only: the
+# view code is the same for every engine and Keras line, and test_layer_zoo checks every engine's rules on every
+# model (CI runs this file on the TF 2.15 line).
+ENGINE_CASES = [(name, "auto") for name in sorted(CASES)] + \
+    ([] if KERAS3 else [(name, "materialising") for name in XLA_CASES])
 
 
 def test_the_xla_cases_are_zoo_models():
     assert set(XLA_CASES) <= set(CASES)
 
 
-@pytest.mark.parametrize("engine_name", ENGINES)
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name, engine_name", ENGINE_CASES)
 def test_k_view_clipped_sum_equals_the_one_example_reference(name, engine_name):
     case = CASES[name]
     tf.keras.utils.set_random_seed(0)

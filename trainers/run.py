@@ -248,9 +248,11 @@ def _count(model: tf.keras.Model) -> int:
 # ----------------------------------------------------------------- the run
 
 
-def dry_run(config: dict) -> PrivacyPlan:
+def dry_run(config: dict, compare_bands: bool = True) -> PrivacyPlan:
     """Runs every check of the run, loads the data, builds the model (not pre-trained) and prints the
-    plan; writes nothing. It fails exactly when the run would fail before its first step."""
+    plan; writes nothing. It fails exactly when the run would fail before its first step.
+    ``compare_bands``: also print the noise each number of correlated-noise bands would leave
+    (:func:`bands_line`: one calibration per candidate, seconds each; no check of the run depends on it)."""
     preflight(config)
     dataset = load_private_data(config)
     check_pretraining(config, dataset, config["output_dir"])
@@ -259,7 +261,7 @@ def dry_run(config: dict) -> PrivacyPlan:
     plan = make_plan(config, dataset, method)
     print(describe(plan, method, model, config))
     print(memory_line(config, plan, model, method))
-    bands = bands_line(config, dataset, method, plan)
+    bands = bands_line(config, dataset, method, plan) if compare_bands else None
     if bands:
         print(bands)
     _warn_of_caveats(config, dataset, plan.private)
