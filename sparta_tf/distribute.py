@@ -135,7 +135,8 @@ def shared_seed(strategy: tf.distribute.Strategy, seed: int) -> int:
     def contribution(replica):
         # only one replica is the chief's first: wrong if the chief has >1 local replica and replica 0
         # is not its own, which TF's replica numbering (chief first) rules out.
-        return halves if is_chief(strategy) and replica == 0 else tf.zeros_like(halves)
+        first = tf.equal(replica, 0) if is_chief(strategy) else tf.constant(False)  # replica: a tensor when traced
+        return tf.where(first, halves, tf.zeros_like(halves))
 
     result = _sum_over_replicas(strategy, contribution)
     return (int(result[0]) << 32) | int(result[1])

@@ -814,7 +814,7 @@ def test_selection_budgets_follow_the_profile_not_the_invocations_methods(monkey
     from trainers import run
 
     monkeypatch.setattr(utility, "validate_config", lambda config: config)
-    monkeypatch.setattr(run, "dry_run", lambda config: SimpleNamespace(to_json=lambda: config))
+    monkeypatch.setattr(run, "dry_run", lambda config, **_: SimpleNamespace(to_json=lambda: config))
     monkeypatch.setattr(utility_analysis, "selection_budget", lambda plan: plan["privacy"]["target_epsilon"])
     base = {"data": {}, "model": {}, "privacy": {}, "training": {}}
     standard = utility.PROFILES["standard"]
