@@ -68,6 +68,8 @@ STREAMS: dict[str, Stream] = {
     "poisson_sampling": Stream(0x706F6973, True, "Poisson batch membership per DP step"),  # "pois"
     "shuffle": Stream(0x73687566, True, "fixed-size shuffled batches per epoch"),  # "shuf"
     "cyclic_groups": Stream(0x4359474E, True, "each example's group under cyclic Poisson sampling (BandMF)"),  # "CYGN"
+    "user_sampling": Stream(0x55535253, True, "Poisson batch membership of users per DP step (user level)"),  # "USRS"
+    "user_examples": Stream(0x55535258, True, "which of a sampled user's examples a DP step takes (user level)"),  # "USRX"
     "dp_sgd_noise": Stream(0x5EED0015, True, "Gaussian noise of every DP-SGD step"),
     "selection_noise": Stream(0x53454C4E, True, "Gaussian noise of the selection epoch's released scores"),  # "SELN"
     "dp_snip_noise": Stream(0x534E4950, True, "DP-SNIP's one Gaussian release"),  # "SNIP"

@@ -1,0 +1,162 @@
+"""Poisson sampling of users: the input pipeline of user-level DP-SGD.
+
+With the user as the privacy unit (Charles et al. 2024, "Fine-Tuning Large Language Models with
+User-Level Differential Privacy": user-level sampling, per-user clipping), the ``n`` examples carry
+user ids, ``U`` distinct users. At global step ``t``:
+
+* each user joins the sample independently with probability ``q`` (``u_v < q``,
+  ``u = stateless_uniform([U], step_key(seed, "user_sampling", t), float64)``, as
+  :mod:`sparta_tf.privacy.sampling` draws examples);
+* a sampled user ``v`` with ``n_v`` examples contributes ``k_v = min(n_v, k)`` of them
+  (``k = examples_per_user``): the ``k_v`` with the smallest keys
+  ``r_i = stateless_uniform([n], step_key(seed, "user_examples", t))`` among its examples, a uniform
+  subset without replacement drawn afresh each step;
+* the element holds ``k`` rows per sampled user, row ``s k + j`` the ``j``-th chosen example of the
+  ``s``-th sampled user (in user order), with row weight ``1 / k_v`` (the DP step's unit gradient is
+  the mean of the user's ``k_v`` example gradients, clipped once) and ``0`` on padding rows (a user
+  with fewer than ``k`` examples, and whole padding units up to ``ceil(m / P) P`` units for ``m``
+  sampled users and ``P`` units per physical batch).
+
+So one user changes one unit of one step's sum, whose norm the DP step clips to ``C``: the mechanism,
+its noise and its ledger are DP-SGD's over ``U`` users at rate ``q``. Padding rows repeat example 0
+with weight 0, as :class:`~sparta_tf.privacy.sampling.PoissonSampler` pads.
+
+Both streams are secret (the run's seed): whoever knows it knows every step's users and examples.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from sparta_tf import random_streams
+from sparta_tf.privacy.array_inputs import (
+    check_positive_int,
+    check_sample_rate,
+    check_start_step,
+    gather_rows,
+    num_examples,
+    to_host_tensors,
+)
+from sparta_tf.privacy.sampling import steps_per_epoch
+
+USER_STREAM = "user_sampling"
+EXAMPLES_STREAM = "user_examples"
+
+
+def dense_user_ids(users: Any) -> tuple[np.ndarray, int]:
+    """``(ids, U)``: each example's user as an int64 in ``0..U-1`` (users numbered in sorted order of
+    their ids), or a ValueError naming the fix (an empty or non-1-D key, a missing or non-finite id)."""
+    users = np.asarray(users)
+    if users.ndim != 1 or users.size == 0:
+        raise ValueError(f"users must be one id per example (a 1-D array), got shape {users.shape}; pass "
+                         "users=array_of_ids with len(users) == len(x)")
+    if users.dtype.kind == "f" and not np.all(np.isfinite(users)):
+        raise ValueError(f"users holds {int(np.sum(~np.isfinite(users)))} non-finite ids; give every example "
+                         "the id of its user (an int or a string)")
+    if users.dtype.kind == "O" and any(u is None for u in users):
+        raise ValueError("users holds None ids; give every example the id of its user (an int or a string)")
+    _, dense = np.unique(users, return_inverse=True)
+    return dense.astype(np.int64), int(dense.max()) + 1
+
+
+def default_units_per_batch(users: int, sample_rate: float) -> int:
+    """``P`` units (users) per physical batch: the expected ``q U`` users plus four standard deviations,
+    so a step almost always fits one micro-batch."""
+    expected = users * sample_rate
+    return max(1, int(np.ceil(expected + 4.0 * np.sqrt(expected * (1.0 - sample_rate)))))
+
+
+class UserPoissonSampler:
+    """Poisson sampling of users at rate ``q``, at most ``examples_per_user`` examples each (module doc).
+
+    Attributes:
+      users: the number of users ``U``; ``n``: of examples.
+      sample_rate: ``q`` (per user).
+      examples_per_user: ``k``.
+      units_per_batch: ``P``, users per physical batch (an element has ``c k P`` rows, ``c >= 1``).
+      expected_batch_size: ``q U``, the normaliser of the noisy sum (units, not rows).
+      left_out: the share of the examples the cap leaves out of every step (users with more than ``k``).
+    """
+
+    def __init__(self, users: Any, sample_rate: float, examples_per_user: int,
+                 units_per_batch: int | None = None, seed: int | None = None) -> None:
+        self._ids, self.users = dense_user_ids(users)
+        self.n: int = len(self._ids)
+        self.sample_rate: float = check_sample_rate(sample_rate)
+        self.examples_per_user: int = check_positive_int(examples_per_user, "examples_per_user",
+                                                         "cap each user's examples per step, e.g. 8")
+        if units_per_batch is None:
+            units_per_batch = default_units_per_batch(self.users, self.sample_rate)
+        self.units_per_batch: int = check_positive_int(units_per_batch, "units_per_batch",
+                                                       "pass e.g. default_units_per_batch(users, sample_rate)")
+        self.seed: int = random_streams.resolve_seed(seed)
+        counts = np.bincount(self._ids, minlength=self.users)
+        self.left_out: float = float(np.sum(np.maximum(counts - self.examples_per_user, 0)) / self.n)
+        self._counts = tf.constant(counts, tf.int64)
+        self._user_of = tf.constant(self._ids, tf.int64)
+
+    def __repr__(self) -> str:  # never print the secret seed
+        return (f"UserPoissonSampler(users={self.users}, n={self.n}, sample_rate={self.sample_rate}, "
+                f"examples_per_user={self.examples_per_user}, units_per_batch={self.units_per_batch}, "
+                "seed=<hidden>)")
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return steps_per_epoch(self.sample_rate)
+
+    @property
+    def expected_batch_size(self) -> float:
+        return self.sample_rate * self.users
+
+    def user_mask(self, step: int | tf.Tensor) -> tf.Tensor:
+        """Bool ``[U]``: the users in the sample of global step ``step``."""
+        u = tf.random.stateless_uniform([self.users], seed=random_streams.step_key(self.seed, USER_STREAM, step),
+                                        dtype=tf.float64, alg=random_streams.TF_ALGORITHM)
+        return u < tf.constant(self.sample_rate, tf.float64)
+
+    def example_ranks(self, step: int | tf.Tensor) -> tf.Tensor:
+        """Int64 ``[n]``: each example's rank among its user's examples in step ``step``'s random order
+        (the step takes ranks ``0..k-1``)."""
+        keys = tf.random.stateless_uniform([self.n], seed=random_streams.step_key(self.seed, EXAMPLES_STREAM, step),
+                                           dtype=tf.float64, alg=random_streams.TF_ALGORITHM)
+        order = tf.argsort(tf.cast(self._user_of, tf.float64) + keys, stable=True)  # by user, then by key
+        first = tf.cumsum(self._counts, exclusive=True)  # each user's first position in that order
+        position = tf.math.invert_permutation(tf.cast(order, tf.int64))
+        return position - tf.gather(first, self._user_of)
+
+    def padded_rows(self, step: int | tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        """``(indices, row_weights)`` of step ``step``: int64 and float32 ``[c k P]`` (module doc)."""
+        k, p = self.examples_per_user, self.units_per_batch
+        sampled = self.user_mask(step)
+        slot_of_user = tf.cumsum(tf.cast(sampled, tf.int64)) - 1  # the sampled users' slots, in user order
+        m = tf.reduce_sum(tf.cast(sampled, tf.int64))
+        units = tf.maximum(tf.constant(1, tf.int64), (m + p - 1) // p) * p
+        ranks = self.example_ranks(step)
+        taken = tf.gather(sampled, self._user_of) & (ranks < k)
+        examples = tf.where(taken)[:, 0]
+        user = tf.gather(self._user_of, examples)
+        rows = tf.gather(slot_of_user, user) * k + tf.gather(ranks, examples)
+        length = units * k
+        indices = tf.scatter_nd(rows[:, None], examples, [length])  # padding: example 0
+        share = 1.0 / tf.cast(tf.minimum(tf.gather(self._counts, user), k), tf.float32)
+        weights = tf.scatter_nd(rows[:, None], share, [length])
+        return indices, weights
+
+    def dataset(self, x: Any, y: Any, start_step: int = 0) -> tf.data.Dataset:
+        """Infinite dataset of ``(x_rows, y_rows, row_weights)``, one element per global step from
+        ``start_step`` (module doc); ``x`` and ``y`` hold the ``n`` examples the user ids describe."""
+        n = num_examples(x, y)
+        if n != self.n:
+            raise ValueError(f"the sampler was built for n={self.n} examples (one user id each) but x/y have {n}; "
+                             "pass users with one id per example of x")
+        start_step = check_start_step(start_step)
+        x_t, y_t = to_host_tensors(x), to_host_tensors(y)
+
+        def element(t: tf.Tensor):
+            indices, weights = self.padded_rows(t)
+            return gather_rows(x_t, indices), gather_rows(y_t, indices), weights
+
+        return tf.data.Dataset.counter(start_step, dtype=tf.int64).map(element).prefetch(tf.data.AUTOTUNE)
