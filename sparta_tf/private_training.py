@@ -109,6 +109,8 @@ def make_private(
     ema: float | None = None,
     use_ema_weights: bool | None = None,
     bands: int = 1,
+    unit: str = "example",
+    examples_per_user: int | None = None,
     **method_options: Any,
 ):
     """A DP model for ``model`` whose ``fit`` runs ``method`` within ``(target_epsilon, delta)``.
@@ -148,6 +150,10 @@ def make_private(
         cyclic Poisson sampling at ``b q`` and ``ceil(T_p / b)`` charged steps per phase, with the noise
         multiplier calibrated for that; 1 (the default): independent noise (DP-SGD). Needs ``b q <= 1``
         and at least ``b`` steps in every phase.
+      unit: ``"example"`` (the default) or ``"user"``: user-level DP, as for :class:`~sparta_tf.DPModel`;
+        ``fit(x, y, users=ids)`` then samples users, and ``dataset_size`` and ``batch_size`` count users.
+      examples_per_user: ``k``, the most examples of one user in a step (``unit="user"``; None: the
+        smallest that leaves out at most 10% of the examples).
       **method_options: the method's options (``warmup_epochs``, ``density``, ... for sparta), as
         :func:`sparta_tf.methods.make_method` takes them.
 
@@ -167,13 +173,26 @@ def make_private(
     run_checks.check_against_data(run_checks.LIBRARY, dataset_size=dataset_size, batch_size=batch_size, delta=delta)
     run_checks.check_method_run(run_checks.LIBRARY, method.name, method.option_values, epochs)
     method.check(model)
+    check_unit_of_method(method, unit, dataset_size, batch_size)
     plan = plan_method(method, dataset_size=dataset_size, batch_size=batch_size, epochs=epochs, delta=delta,
                        target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, accountant=accountant,
                        bands=bands)
     return private_model(model, method, plan, run_dir=run_dir, clip_norm=clip_norm,
                          physical_batch_size=physical_batch_size, sampling=sampling, seed=seed, engine=engine,
                          max_memory=max_memory, jit_compile=jit_compile, augmult=augmult, augmentation=augmentation, ema=ema,
-                         use_ema_weights=use_ema_weights)
+                         use_ema_weights=use_ema_weights, unit=unit, examples_per_user=examples_per_user)
+
+
+def check_unit_of_method(method: Method, unit: str, dataset_size: int, batch_size: float) -> None:
+    """One line, before anything is charged, for a method whose mechanisms before training (DP-FROST's
+    mask, DP-SSGD's pruning) run over examples, with ``unit="user"``: their analysis is per example."""
+    if unit != "user":
+        return
+    n = int(dataset_size)
+    if method.mechanisms_before_training(n, sample_rate(n, batch_size)):
+        raise ValueError(f"method {method.name!r} runs a mechanism over examples before training, which "
+                         "unit='user' does not cover; use a method without one (sparta, all, bitfit, ...) or "
+                         "unit='example'")
 
 
 def private_model(model: tf.keras.Model, method: Method, plan: PrivacyPlan, *, run_dir: str | None = None,

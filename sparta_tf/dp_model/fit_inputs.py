@@ -33,6 +33,12 @@ from sparta_tf.privacy.sampling import (
     default_physical_batch_size,
     poisson_provenance,
 )
+from sparta_tf.privacy.user_sampling import (
+    UserPoissonSampler,
+    default_examples_per_user,
+    default_units_per_batch,
+    dense_user_ids,
+)
 from sparta_tf.privacy.shuffling import shuffled_dataset, shuffled_steps_per_epoch
 from sparta_tf.trainable import TrainableSet
 
@@ -48,7 +54,7 @@ def first_element(x):
     return next(iter(x.take(1))) if isinstance(x, tf.data.Dataset) else None
 
 
-def check_fit_call(dp, first, fit_kwargs: dict, callbacks: list) -> None:
+def check_fit_call(dp, first, fit_kwargs: dict, callbacks: list, users=None) -> None:
     """Refuses, with one line and before anything is charged, what ``DPModel.fit`` cannot honour: a model
     not compiled, ``sample_weight`` / ``class_weight`` (:data:`PADDING_MASK_ONLY`), a ``batch_size``
     (the batches are Poisson samples of ``q n``), a dataset whose ``first`` element (:func:`first_element`)
@@ -67,7 +73,23 @@ def check_fit_call(dp, first, fit_kwargs: dict, callbacks: list) -> None:
                          "leave batch_size out (physical_batch_size= sets how many examples run at once)")
     if first is not None:
         check_first_padding_mask(first)
+    check_users_argument(dp, first is not None, users)
     check_keras_callbacks(dp, callbacks)
+
+
+def check_users_argument(dp, dataset: bool, users) -> None:
+    """One line when ``users`` does not match the model's unit: user ids without ``unit="user"``, none
+    with it, or a ``tf.data.Dataset`` with it (user sampling is built from arrays and their ids)."""
+    if dp.unit == "example":
+        if users is not None:
+            raise ValueError("fit(users=...) needs a model with unit='user' (user-level DP); pass unit='user' to "
+                             "make_private or DPModel, or leave users out for example-level DP")
+        return
+    if dataset:
+        raise ValueError("unit='user' samples users from arrays: pass fit(x, y, users=ids) with in-memory arrays, "
+                         "not a tf.data.Dataset")
+    if users is None:
+        raise ValueError("unit='user' needs each example's user: pass fit(x, y, users=ids), one id per example")
 
 
 def check_first_padding_mask(element) -> None:
@@ -124,7 +146,7 @@ def _holds_files(directory: str) -> bool:
     return any(files for _, _, files in os.walk(directory))
 
 
-def prepare(dp, x, y, steps_per_epoch: int | None, first=None):
+def prepare(dp, x, y, steps_per_epoch: int | None, first=None, users=None):
     """``(x, y, steps_per_epoch)`` for Keras' ``fit``: arrays become the Poisson (or shuffled)
     dataset of :func:`input_pipeline` from the model's ``dp_step``; a dataset has its padding mask
     checked (:func:`checked_padding_mask`) and its provenance compared with the ledger's charge. Then,
@@ -134,7 +156,7 @@ def prepare(dp, x, y, steps_per_epoch: int | None, first=None):
         if y is None:
             raise ValueError("fit(x, y): labels y are required with array inputs")
         first = first_rows(x), first_rows(y)
-        x, steps_per_epoch = input_pipeline(dp, x, y, int(dp.dp_step.numpy()))
+        x, steps_per_epoch = input_pipeline(dp, x, y, int(dp.dp_step.numpy()), users)
         y = None
     elif isinstance(x, tf.data.Dataset):
         check_dataset_provenance(dp, x)
@@ -149,8 +171,10 @@ def prepare(dp, x, y, steps_per_epoch: int | None, first=None):
     return x, y, steps_per_epoch
 
 
-def input_pipeline(dp, x, y, initial_step: int):
-    """(dataset, steps_per_epoch) for in-memory arrays, Poisson or shuffled."""
+def input_pipeline(dp, x, y, initial_step: int, users=None):
+    """(dataset, steps_per_epoch) for in-memory arrays, Poisson or shuffled (or Poisson over users)."""
+    if dp.unit == "user":
+        return user_pipeline(dp, x, y, users, initial_step)
     n = len(tf.nest.flatten(x)[0])
     dp.bind_dataset_size(n)  # delta < 1/n is checked there
     if dp.sampling == "shuffle":
@@ -162,6 +186,26 @@ def input_pipeline(dp, x, y, initial_step: int):
         dp.physical_batch_size = default_physical_batch_size(n, dp.sample_rate, multiple_of=replicas)
     sampler = PoissonSampler(n, dp.sample_rate, dp.physical_batch_size, seed=dp._seed, bands=dp.mechanism.bands)
     return sampler.dataset(x, y, start_step=initial_step), sampler.steps_per_epoch
+
+def user_pipeline(dp, x, y, users, initial_step: int):
+    """(dataset, steps_per_epoch) of user-level DP (:class:`~sparta_tf.privacy.user_sampling.UserPoissonSampler`):
+    ``n`` of the mechanism is the number of users, ``k`` the model's or the default, ``P`` users per micro-batch."""
+    if len(np.asarray(users)) != len(tf.nest.flatten(x)[0]):
+        raise ValueError(f"users has {len(np.asarray(users))} ids for {len(tf.nest.flatten(x)[0])} examples; pass one "
+                         "user id per example of x")
+    ids, user_count = dense_user_ids(users)
+    dp.bind_dataset_size(user_count)  # delta < 1/U is checked there
+    k = dp.examples_per_user_setting
+    if k is None:
+        k = default_examples_per_user(ids)
+    replicas = dp.distribute_strategy.num_replicas_in_sync
+    if dp.physical_batch_size is None:
+        units = default_units_per_batch(user_count, dp.sample_rate)
+        dp.physical_batch_size = -(-units // replicas) * replicas
+    sampler = UserPoissonSampler(ids, dp.sample_rate, k, units_per_batch=dp.physical_batch_size, seed=dp._seed)
+    dp.bind_users(k)
+    return sampler.dataset(x, y, start_step=initial_step), sampler.steps_per_epoch
+
 
 def check_dataset_provenance(dp, dataset: tf.data.Dataset) -> None:
     """Records a ledger caveat unless ``dataset`` is, unchanged, what ``PoissonSampler(n, q)

@@ -47,6 +47,7 @@ from sparta_tf.dp_model.wrapped_saving import WrappedModelSaving
 from sparta_tf.dp_step import KEEP_ALL, GradientFilter, GradientRelease, MicroBatches, Release, ScoreRelease, StepParts
 from sparta_tf.dp_step.correlated_noise import CorrelatedNoise
 from sparta_tf.dp_step.usable_examples import METRIC_NAME as NON_FINITE, NonFiniteExamples
+from sparta_tf.dp_step.user_units import UserUnits, check_unit, check_user_level
 from sparta_tf.dp_step.views import AugmentationMultiplicity, check_multiplicity
 from sparta_tf.losses import per_example_loss_fn
 from sparta_tf.model_checks import reject_batch_mixing_layers, reject_unscopable_name
@@ -124,6 +125,14 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
         are cyclic Poisson samples (step ``t`` samples group ``t mod b`` at ``b q``), charged as
         ``ceil(T / b)`` steps at ``b q``. Needs ``b q <= 1`` and Poisson sampling; keeps ``b - 1`` noise
         tensors of the trainable coordinates. 1 (the default): independent noise, DP-SGD.
+      unit: what one guarantee protects: ``"example"`` (the default), or ``"user"`` (user-level DP,
+        :mod:`sparta_tf.dp_step.user_units`): ``fit(x, y, users=ids)`` samples users at rate ``q``,
+        each sampled user brings at most ``examples_per_user`` of its examples, and the user's mean
+        gradient is clipped to ``C`` as one unit; ``dataset_size``, the expected batch ``q n`` and
+        ``physical_batch_size`` then count users, and the ledger's epsilon is per user.
+      examples_per_user: ``k``, the most examples of one user in a step (``unit="user"`` only). None:
+        the smallest ``k`` that leaves out at most 10% of the examples
+        (:func:`~sparta_tf.privacy.user_sampling.default_examples_per_user`).
     """
 
     def __init__(
@@ -148,6 +157,8 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
         ema: float | None = None,
         use_ema_weights: bool | None = None,
         bands: int = 1,
+        unit: str = "example",
+        examples_per_user: int | None = None,
         name: str | None = None,
     ):
         super().__init__(name=name or f"dp_{model.name}")
@@ -169,6 +180,9 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
             raise ValueError(f"bands={bands} needs cyclic Poisson sampling, which sampling={sampling!r} is not: "
                              "use sampling='poisson' or bands=1")
         self.correlated_noise: CorrelatedNoise | None = None  # BandMF's noise state, built by compile
+        self.unit = check_user_level(check_unit(unit), examples_per_user, sampling, self._mechanism.bands)
+        self._examples_per_user = examples_per_user
+        self._users: UserUnits | None = None  # the step's user units, built by fit from the user ids
         self.physical_batch_size = physical_batch_size
         self.sampling = sampling
         self.engine_name = engine
@@ -186,7 +200,7 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
                        if augmult > 1 or augmentation is not None else None)
         self.ledger = (
             PrivacyLedger(self._mechanism.delta, accountant=accountant, target_epsilon=target_epsilon,
-                          sampling=sampling)
+                          sampling=sampling, unit=self.unit)
             if self._mechanism.delta is not None else None
         )
         self._trainable_set: TrainableSet | None = None
@@ -232,6 +246,27 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
     def views(self) -> AugmentationMultiplicity | None:
         """The step's augmentation multiplicity (None: each example as is)."""
         return self._views
+
+    @property
+    def users(self) -> UserUnits | None:
+        """The step's user units (``unit="user"``, after ``fit`` got the user ids), else None."""
+        return self._users
+
+    def bind_users(self, examples_per_user: int) -> None:
+        """Fixes ``k`` (from the user ids ``fit`` got, when it was not given) and builds the user units."""
+        if self._users is not None and self._users.examples_per_user != examples_per_user:
+            raise ValueError(f"this model trained with examples_per_user={self._users.examples_per_user}; its next "
+                             f"fit would use {examples_per_user}: pass examples_per_user= to keep one unit")
+        self._users = UserUnits(examples_per_user)
+        self._engine = None  # the engine groups k K rows per unit
+
+    examples_per_user_setting = property(lambda self: self._examples_per_user,
+                                         doc="``k`` as given (None: the default from the user ids).")
+
+    @property
+    def rows_per_unit(self) -> int:
+        """The rows the engine treats as one unit: ``K`` views, times ``k`` with user units."""
+        return self.augmult * (1 if self._users is None else self._users.examples_per_user)
 
     @property
     def augmult(self) -> int:
@@ -379,7 +414,7 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
         materialise = release.needs_per_example_gradients() or self._gradient_filter.needs_per_example_gradients
         reserved = 0 if self.correlated_noise is None else self.correlated_noise.memory_bytes
         return make_engine(self.model, release.selections(self.trainable_set), self.engine_name,
-                           materialise=materialise, views=self.augmult,
+                           materialise=materialise, views=self.rows_per_unit,
                            max_memory=step_budget(self.max_memory, reserved))
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
@@ -405,10 +440,12 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
         return StepParts(
             engine=self._engine if self._engine is not None else self._make_engine(),
             gradient_filter=self._gradient_filter if release.uses_gradient_filter else KEEP_ALL,
-            micro_batches=MicroBatches.per_replica(self.physical_batch_size),
+            micro_batches=MicroBatches.per_replica(
+                self.physical_batch_size, 1 if self._users is None else self._users.examples_per_user),
             release=release,
             trainable_set=self.trainable_set,
             views=self._views,
+            users=self._users,
         )
 
     def train_step(self, data):
@@ -438,6 +475,7 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
         steps_per_epoch: int | None = None,
         on_budget_exhausted=None,
         initial_epoch: int = 0,
+        users=None,
         **kwargs,
     ):
         """``keras.Model.fit`` with DP input and privacy bookkeeping.
@@ -448,19 +486,22 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
         :class:`sparta_tf.privacy.PoissonSampler` for the accounting to hold).
         When the model has a ledger, ``epsilon`` is logged every epoch.
 
+        ``users``: with ``unit="user"``, each example's user id (ints or strings, one per example of
+        the arrays ``x``); the batches are then Poisson samples of users (:attr:`users`).
+
         ``epochs``: default 1, or for a model from :func:`sparta_tf.make_private` the planned
         epochs, whose ``fit`` also runs the method's phases (and with ``run_dir`` resumes a killed run;
         see :mod:`sparta_tf.private_training`).
         """
         callbacks = list(callbacks or [])
         first = fit_inputs.first_element(x)
-        fit_inputs.check_fit_call(self, first, kwargs, callbacks)  # before anything is charged
+        fit_inputs.check_fit_call(self, first, kwargs, callbacks, users)  # before anything is charged
         if self.private_run is not None:
             epochs, initial_epoch, callbacks = self.private_run.before_fit(
                 self, x, y, epochs, initial_epoch, callbacks)
         elif epochs is None:
             epochs = 1
-        x, y, steps_per_epoch = fit_inputs.prepare(self, x, y, steps_per_epoch, first)
+        x, y, steps_per_epoch = fit_inputs.prepare(self, x, y, steps_per_epoch, first, users)
         if isinstance(x, tf.data.Dataset):
             kwargs.setdefault("shuffle", False)  # the batches are the sampler's (Keras 3 warns on shuffle=True)
         self.privacy_callback = charging.model_callback(self, callbacks, steps_per_epoch, on_budget_exhausted)

@@ -25,9 +25,10 @@ class MicroBatches:
         self.size = size
 
     @classmethod
-    def per_replica(cls, physical_batch_size: int | None) -> MicroBatches:
-        """Micro-batches of ``P / R`` rows on each of the ``R`` replicas in sync (``P``: the global
-        physical batch size; a ValueError unless ``R`` divides it)."""
+    def per_replica(cls, physical_batch_size: int | None, rows_per_unit: int = 1) -> MicroBatches:
+        """Micro-batches of ``P / R`` units on each of the ``R`` replicas in sync (``P``: the global
+        physical batch size; a ValueError unless ``R`` divides it), ``rows_per_unit`` rows each (the
+        ``k`` rows of a user, :mod:`~sparta_tf.dp_step.user_units`; 1: a unit is an example)."""
         if physical_batch_size is None:
             return cls(None)
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
@@ -36,7 +37,7 @@ class MicroBatches:
                 f"physical_batch_size={physical_batch_size} is not divisible by the "
                 f"{replicas} replicas; use a multiple of {replicas}"
             )
-        return cls(physical_batch_size // replicas)
+        return cls(physical_batch_size // replicas * rows_per_unit)
 
     def sum(self, statistic: Statistic, x, y, weights: tf.Tensor, specs: Sequence[tf.TensorSpec]) -> list:
         """``statistic(x, y, weights, j)`` summed over the micro-batches ``j``; ``specs``: its outputs' shapes."""

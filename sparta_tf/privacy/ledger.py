@@ -155,6 +155,8 @@ class PrivacyLedger:
       sampling: how batches were drawn. ``"poisson"`` is what the accountant
         assumes; any other name (e.g. ``"shuffle"``) is recorded and the
         report states that the guarantee does not cover it.
+      unit: what a neighbouring dataset adds or removes: ``"example"`` (default) or ``"user"``
+        (all of one person's examples; user-level DP, :mod:`sparta_tf.dp_step.user_units`).
     """
 
     def __init__(
@@ -163,7 +165,11 @@ class PrivacyLedger:
         accountant: str = "pld",
         target_epsilon: float | None = None,
         sampling: str = POISSON,
+        unit: str = "example",
     ) -> None:
+        if unit not in ("example", "user"):
+            raise ValueError(f"unit must be 'example' or 'user', got {unit!r}")
+        self.unit = unit
         self.delta = accounting.check_delta(delta)
         self.accountant = accounting.check_accountant(accountant)
         self.target_epsilon = target_epsilon
@@ -316,7 +322,8 @@ class PrivacyLedger:
             "entries": [entry.to_dict() for entry in self._entries],
             "nonprivate": list(self._nonprivate),
             "caveats": list(self._caveats),
-        } | ({} if self._tuning is None else {"tuning": self._tuning.to_dict()})
+        } | ({} if self._tuning is None else {"tuning": self._tuning.to_dict()}) | (
+            {} if self.unit == "example" else {"unit": self.unit})
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> PrivacyLedger:
@@ -331,6 +338,7 @@ class PrivacyLedger:
             accountant=data["accountant"],
             target_epsilon=data.get("target_epsilon"),
             sampling=data.get("sampling", POISSON),
+            unit=data.get("unit", "example"),
         )
         for entry in data["entries"]:
             ledger._entries = _appended(ledger._entries, LedgerEntry.from_dict(entry))
@@ -360,6 +368,7 @@ class PrivacyLedger:
         lines += [
             f"  delta         : {self.delta:g}",
             f"  accountant    : {self.accountant} (dp_accounting, add/remove-one neighbours)",
+            f"  unit          : {UNIT_LINES[self.unit]}",
             f"  sampling      : {self.sampling}",
             f"  mechanism runs: {self.steps}" + ("" if self._tuning is None else " (one candidate)"),
         ]
@@ -393,6 +402,12 @@ class PrivacyLedger:
             f"target_epsilon={self.target_epsilon}, sampling={self.sampling!r}, "
             f"steps={self.steps}, entries={len(self._entries)})"
         )
+
+
+UNIT_LINES = {
+    "example": "one example (a person with k examples is covered only by group privacy, about k epsilon)",
+    "user": "one user (add or remove all of one person's examples)",
+}
 
 
 COVERAGE = (

@@ -62,6 +62,20 @@ def dense_user_ids(users: Any) -> tuple[np.ndarray, int]:
     return dense.astype(np.int64), int(dense.max()) + 1
 
 
+LEFT_OUT_BY_DEFAULT = 0.1
+
+
+def default_examples_per_user(users: Any, left_out: float = LEFT_OUT_BY_DEFAULT) -> int:
+    """The default cap ``k``: the smallest that leaves out at most ``left_out`` of the examples
+    (``sum_v max(n_v - k, 0) <= left_out * n``). A larger ``k`` uses more of the data per step and
+    runs more rows (``k`` per sampled user); the guarantee does not depend on it."""
+    counts = np.bincount(dense_user_ids(users)[0])
+    for k in range(1, int(counts.max()) + 1):
+        if np.sum(np.maximum(counts - k, 0)) <= left_out * counts.sum():
+            return k
+    return int(counts.max())
+
+
 def default_units_per_batch(users: int, sample_rate: float) -> int:
     """``P`` units (users) per physical batch: the expected ``q U`` users plus four standard deviations,
     so a step almost always fits one micro-batch."""

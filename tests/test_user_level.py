@@ -1,0 +1,261 @@
+"""User-level DP (``unit="user"``) in the DP step, ``DPModel.fit`` and ``make_private``.
+
+Checked against independent references:
+
+* a user's unit is the mean of its chosen examples' gradients, clipped once: every engine (and
+  augmentation multiplicity's views within a user) against one example at a time with
+  ``tf.GradientTape``, with padding rows and padding units;
+* adding one user with 1, 5 or 50 examples changes the clipped sum by at most ``C``, while the same
+  examples at example level change it by up to ``m C`` (shown: more than ``C``);
+* a user with a non-finite example is dropped as a whole, the others untouched;
+* the ledger of a user-level run equals a direct dp-accounting composition over ``U`` users at ``q``;
+* ``unit="example"`` is the step without user units (bit-identical weights to the default);
+* what user-level DP does not cover is refused in one line before anything is charged.
+"""
+
+import dp_accounting
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import sparta_tf
+from sparta_tf.dp_step.clip import ClippedSum
+from sparta_tf.dp_step.user_units import UserUnits
+from sparta_tf.dp_step.views import AugmentationMultiplicity
+from sparta_tf.per_example import make_engine
+from sparta_tf.trainable import TrainableSet
+from small_models import LOSS, PER_EXAMPLE_LOSS, conv_gn_model, gaussian_data, small_data, small_mlp
+
+K_CAP = 3  # examples_per_user in the unit tests
+CLIP = 0.05  # small enough that every unit is clipped
+
+
+def _batch(examples_of_unit: list[list[int]], k: int = K_CAP):
+    """``(indices, weights)`` of a batch laid out as UserPoissonSampler lays it out: ``k`` rows per unit,
+    the unit's chosen examples with weight ``1 / k_v``, then padding rows (example 0, weight 0)."""
+    indices, weights = [], []
+    for chosen in examples_of_unit:
+        indices += list(chosen) + [0] * (k - len(chosen))
+        weights += [1.0 / len(chosen)] * len(chosen) + [0.0] * (k - len(chosen)) if chosen else [0.0] * k
+    return np.array(indices), np.array(weights, np.float32)
+
+
+def _unit_statistic(model, engine_name, x, y, weights, k=K_CAP, views=None, clip=CLIP):
+    """The step's clipped sum of a batch of user units (the rows the views made, and the usable units)."""
+    units = UserUnits(k)
+    engine = make_engine(model, TrainableSet.of_variables(model.trainable_variables), engine_name,
+                         views=k * (1 if views is None else views.views))
+    key = None if views is None else views.key(0, 0)
+    rows, labels, valid, _ = units.group(tf.constant(x), tf.constant(y), tf.constant(weights), views, key)
+    result = ClippedSum(clip)(engine, rows, labels, units.unit_loss(PER_EXAMPLE_LOSS), valid, None)
+    return [s.numpy() for s in result.sums], rows.numpy(), valid.numpy()
+
+
+def _clipped_reference(model, grads_of_units, clip=CLIP):
+    """``sum_v min(1, C / ||g_v||) g_v`` over the units' gradients (lists of arrays)."""
+    total = [np.zeros(v.shape, np.float64) for v in model.trainable_variables]
+    for grads in grads_of_units:
+        norm = np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for g in grads))
+        factor = min(1.0, clip / norm) if norm > 0 else 0.0
+        total = [t + factor * g for t, g in zip(total, grads)]
+    return total
+
+
+def _tape_gradient(model, x_rows, y_rows):
+    """The gradient of the mean loss over ``x_rows`` (one row at a time, averaged)."""
+    grads = None
+    for x_i, y_i in zip(x_rows, y_rows):
+        with tf.GradientTape() as tape:
+            loss = PER_EXAMPLE_LOSS(y_i[None], model(x_i[None], training=True))[0]
+        g = [gr.numpy().astype(np.float64) for gr in tape.gradient(loss, model.trainable_variables)]
+        grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+    return [g / len(x_rows) for g in grads]
+
+
+UNITS = [[1, 2, 3], [4], [5, 6], []]  # three users (3, 1 and 2 chosen examples) and a padding unit
+
+
+@pytest.mark.parametrize("engine_name", ["bookkeeping", "layerwise", "vectorized"])
+def test_a_users_unit_is_its_examples_mean_gradient_clipped_once(engine_name):
+    model = conv_gn_model()
+    x, y = gaussian_data(8, (6, 6, 2), 3)
+    indices, weights = _batch(UNITS)
+    ours, _, valid = _unit_statistic(model, engine_name, x[indices], y[indices], weights)
+    assert valid.tolist() == [True, True, True, False]
+    expected = _clipped_reference(model, [_tape_gradient(model, x[u], y[u]) for u in UNITS if u])
+    for a, b in zip(ours, expected):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6)
+
+
+def _jitter(example, seed):
+    return example + 0.1 * tf.random.stateless_normal(tf.shape(example), seed)
+
+
+@pytest.mark.parametrize("engine_name", ["bookkeeping", "vectorized"])
+def test_views_are_drawn_within_a_user_and_averaged_before_the_users_clip(engine_name):
+    model = small_mlp()
+    x, y = small_data(8)
+    indices, weights = _batch(UNITS)
+    views = AugmentationMultiplicity(2, _jitter, seed=3)
+    ours, rows, _ = _unit_statistic(model, engine_name, x[indices], y[indices], weights, views=views)
+    labels = np.repeat(y[indices], 2)
+    units = []
+    for s, chosen in enumerate(UNITS):
+        if chosen:  # unit s: rows (s k + j) K + v for its chosen j and both views v
+            picked = [(s * K_CAP + j) * 2 + v for j in range(len(chosen)) for v in range(2)]
+            units.append(_tape_gradient(model, rows[picked], labels[picked]))
+    for a, b in zip(ours, _clipped_reference(model, units)):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6)
+
+
+@pytest.mark.parametrize("examples", [1, 5, 50])
+def test_one_user_moves_the_clipped_sum_by_at_most_C_while_its_examples_at_example_level_move_it_more(examples):
+    model = small_mlp()
+    x, y = small_data(8)
+    others = [[0, 1], [2], [3, 4]]
+    newcomer = [5] * examples  # one person, many (here identical) records: the worst case at example level
+    k = max(examples, 2)
+    without, _, _ = _unit_statistic(model, "bookkeeping", *_rows(x, y, others, k), k=k)
+    with_user, _, _ = _unit_statistic(model, "bookkeeping", *_rows(x, y, others + [newcomer], k), k=k)
+    change = np.sqrt(sum(np.sum((a - b) ** 2) for a, b in zip(with_user, without)))
+    assert change <= CLIP * (1 + 1e-5)
+    assert change > 0.5 * CLIP  # the user did contribute (its gradient norm is far above C)
+
+    as_examples = [[i] for chosen in others for i in chosen]
+    before, _, _ = _unit_statistic(model, "bookkeeping", *_rows(x, y, as_examples, 1), k=1)
+    after, _, _ = _unit_statistic(model, "bookkeeping", *_rows(x, y, as_examples + [[5]] * examples, 1), k=1)
+    example_change = np.sqrt(sum(np.sum((a - b) ** 2) for a, b in zip(after, before)))
+    np.testing.assert_allclose(example_change, examples * change, rtol=1e-4)  # m records: m clipped units
+    if examples > 1:
+        assert example_change > CLIP * 1.5
+
+
+def _rows(x, y, units, k):
+    indices, weights = _batch(units, k)
+    return x[indices], y[indices], weights
+
+
+def test_a_user_with_a_non_finite_example_is_dropped_whole_and_the_others_are_untouched():
+    model = small_mlp()
+    x, y = small_data(8)
+    indices, weights = _batch(UNITS)
+    clean, _, _ = _unit_statistic(model, "bookkeeping", x[indices], y[indices], weights)
+    broken = x.copy()
+    broken[6, 0] = np.nan  # the third user's second example
+    ours, _, valid = _unit_statistic(model, "bookkeeping", broken[indices], y[indices], weights)
+    assert valid.tolist() == [True, True, False, False]
+    expected, _, _ = _unit_statistic(model, "bookkeeping", *_rows(x, y, UNITS[:2], K_CAP))
+    for a, b, c in zip(ours, expected, clean):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        assert np.all(np.isfinite(a)) and not np.allclose(a, c)
+
+
+N_USERS, USER_BATCH, EPOCHS = 16, 4, 2
+
+
+def _user_data():
+    x, y = small_data(60)
+    users = np.repeat(np.arange(N_USERS), [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2, 8, 7])
+    return x, y, users
+
+
+@pytest.mark.parametrize("accountant", ["pld", "rdp"])
+def test_the_user_level_ledger_is_dp_sgd_composed_over_users(accountant):
+    x, y, users = _user_data()
+    dp = sparta_tf.make_private(small_mlp(), method="all", target_epsilon=8.0, delta=1e-3, epochs=EPOCHS,
+                                batch_size=USER_BATCH, dataset_size=N_USERS, seed=0, unit="user",
+                                examples_per_user=4, accountant=accountant)
+    dp.compile(tf.keras.optimizers.SGD(0.5), loss=LOSS)
+    history = dp.fit(x, y, users=users, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    q = USER_BATCH / N_USERS
+    steps = EPOCHS * round(1 / q)
+    assert dp.ledger.steps == steps and dp.ledger.unit == "user" and dp.dataset_size == N_USERS
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(dp.noise_multiplier)), steps)
+    direct = (dp_accounting.pld.PLDAccountant() if accountant == "pld" else dp_accounting.rdp.RdpAccountant())
+    direct.compose(event)
+    np.testing.assert_allclose(dp.ledger.epsilon(), direct.get_epsilon(1e-3), rtol=1e-3)
+    assert "one user" in dp.ledger.report() and dp.ledger.to_json()["unit"] == "user"
+
+
+def test_sparta_trains_at_user_level_and_its_ledger_is_its_plan(tmp_path):
+    x, y, users = _user_data()
+    model = small_mlp()
+    before = [v.numpy().copy() for v in model.trainable_variables]
+    dp = sparta_tf.make_private(model, method="sparta", target_epsilon=8.0, delta=1e-3, epochs=3,
+                                batch_size=USER_BATCH, dataset_size=N_USERS, seed=0, unit="user", warmup_epochs=1,
+                                mask_dir=str(tmp_path / "mask"))
+    dp.compile(tf.keras.optimizers.SGD(0.5), loss=LOSS, metrics=["accuracy"])
+    dp.fit(x, y, users=users, verbose=0)
+    assert list(dp.ledger.entries) == dp.plan.events()
+    assert dp.users.examples_per_user == 6  # the default: leaves out at most 10% of the 60 examples
+    assert any(not np.array_equal(b, v.numpy()) for b, v in zip(before, model.trainable_variables))
+
+
+def test_example_level_is_the_step_without_user_units():
+    x, y = small_data(64)
+    weights = []
+    for unit in (None, "example"):
+        options = {} if unit is None else {"unit": unit}
+        model = small_mlp()
+        dp = sparta_tf.DPModel(model, noise_multiplier=1.0, sample_rate=0.25, delta=1e-3, seed=0, **options)
+        dp.compile(tf.keras.optimizers.SGD(0.5), loss=LOSS)
+        dp.fit(x, y, verbose=0)
+        assert dp.users is None and dp.step_parts().users is None and dp.rows_per_unit == 1
+        weights.append([v.numpy() for v in model.trainable_variables])
+    for a, b in zip(*weights):
+        np.testing.assert_array_equal(a, b)
+
+
+def _user_model(**options):
+    dp = sparta_tf.DPModel(small_mlp(), noise_multiplier=1.0, sample_rate=0.25, delta=1e-3, seed=0, **options)
+    dp.compile(tf.keras.optimizers.SGD(0.5), loss=LOSS)
+    return dp
+
+
+@pytest.mark.parametrize("options, fit_users, message", [
+    ({}, "ids", "needs a model with unit='user'"),
+    ({"unit": "user"}, None, "needs each example's user"),
+    ({"unit": "user"}, "short", "ids for 60 examples"),
+    ({"unit": "user"}, "nan", "non-finite ids"),
+])
+def test_a_users_argument_that_does_not_fit_the_unit_is_refused_before_a_step(options, fit_users, message):
+    x, y, users = _user_data()
+    given = {"ids": users, "short": users[:10], "nan": np.where(users == 3, np.nan, users.astype(float)),
+             None: None}[fit_users]
+    dp = _user_model(**options)
+    with pytest.raises(ValueError, match=message) as error:
+        dp.fit(x, y, users=given, verbose=0)
+    assert "\n" not in str(error.value)
+    assert dp.ledger.steps == 0 and int(dp.dp_step.numpy()) == 0
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"unit": "person"}, "must be 'example'"),
+    ({"examples_per_user": 4}, "needs unit='user'"),
+    ({"unit": "user", "examples_per_user": 0}, "must be an integer >= 1"),
+    ({"unit": "user", "sampling": "shuffle"}, "Poisson sampling"),
+    ({"unit": "user", "bands": 2}, "bands=2"),
+])
+def test_options_user_level_does_not_cover_are_refused_in_one_line(options, message):
+    with pytest.raises(ValueError, match=message) as error:
+        dp = _user_model(**options)
+        x, y, users = _user_data()
+        dp.fit(x, y, users=users, verbose=0)
+    assert "\n" not in str(error.value)
+
+
+def test_a_dataset_is_refused_at_user_level():
+    x, y, users = _user_data()
+    dp = _user_model(unit="user")
+    with pytest.raises(ValueError, match="not a tf.data.Dataset"):
+        dp.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(4), users=users, verbose=0)
+
+
+@pytest.mark.parametrize("method, options", [("dp_frost", {}), ("dp_ssgd", {"prune": "dp_snip"})])
+def test_a_method_with_a_mechanism_over_examples_before_training_is_refused_at_user_level(method, options):
+    with pytest.raises(ValueError, match="unit='user' does not cover") as error:
+        sparta_tf.make_private(small_mlp(), method=method, target_epsilon=8.0, delta=1e-3, epochs=3,
+                               batch_size=USER_BATCH, dataset_size=N_USERS, seed=0, unit="user", **options)
+    assert "\n" not in str(error.value)
