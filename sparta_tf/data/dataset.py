@@ -32,6 +32,11 @@ class Dataset:
     name: str
     mean: Optional[np.ndarray] = None
     std: Optional[np.ndarray] = None
+    users_train: Optional[np.ndarray] = None
+    """Each training example's user id (strings; ``data.user_key``), None without user ids; likewise
+    ``users_val`` and ``users_test``. A user's examples are all in one split."""
+    users_val: Optional[np.ndarray] = None
+    users_test: Optional[np.ndarray] = None
     statistics_from_private_data: bool = False
     """True when ``mean``/``std`` were computed from ``x_train`` without noise: a release of the
     private data that no DP accounting covers (a run using them is reported NOT private)."""
@@ -60,6 +65,11 @@ class Dataset:
             return []
         return ["data.normalize: standard computed mean/std from the private training split without noise; "
                 "pass data.mean and data.std computed on public data"]
+
+    @property
+    def user_count(self) -> Optional[int]:
+        """The number of distinct users in the training split (None without user ids)."""
+        return None if self.users_train is None else len(np.unique(self.users_train))
 
     @property
     def input_shape(self) -> tuple[int, int, int]:

@@ -57,7 +57,14 @@ class _Part:
     def with_digests(self) -> "_Part":
         if self.digests is not None:
             return self
+        if self.split.users is not None:  # a user is held out whole (membership.user_digests)
+            return dataclasses.replace(self, digests=membership.user_digests(self.split.users[self.index]))
         return dataclasses.replace(self, digests=membership.content_digests(self.split, self.index))
+
+    @property
+    def users(self) -> Optional[np.ndarray]:
+        """The selected examples' user ids (None: the source has none)."""
+        return None if self.split.users is None else self.split.users[self.index]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +151,9 @@ def build_dataset(raw: RawData, spec: DataSpec, seed: int, split_key: Optional[i
         y_val=parts["val"].y,
         x_test=standardize(arrays["test"], mean, std),
         y_test=parts["test"].y,
+        users_train=parts["train"].users,
+        users_val=parts["val"].users,
+        users_test=parts["test"].users,
         num_classes=len(kept),
         class_names=[raw.class_names[k] for k in kept],
         name=raw.name,

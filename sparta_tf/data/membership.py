@@ -20,6 +20,10 @@ Limits (``data.limit_train`` / ``limit_test``: at most ``m`` examples) keep the 
 smallest ``u_p`` (:func:`smallest`): one added example either stays out or displaces exactly one
 other, a replace-one neighbour (the caveat the data set records, :mod:`sparta_tf.data.dataset`).
 
+With user ids (``data.user_key``) the digest is the user's, ``digest(v) = BLAKE2b-128("user|" || id(v))``
+(:func:`user_digests`): a user's examples are held out together, never split across training,
+validation and test, and adding or removing a user changes the membership of that user's examples only.
+
 The key must stay as secret as the data when the ``splits`` a run used should not be
 recomputable from the data (``sparta-train`` draws a secret one per run by default); a known
 key (``data.split_seed``, ``training.seed``) is recorded as a caveat.
@@ -33,7 +37,7 @@ import numpy as np
 
 from sparta_tf.data.raw import Split
 
-__all__ = ["CHUNK", "content_digests", "held_out", "smallest", "uniform_scores"]
+__all__ = ["CHUNK", "content_digests", "held_out", "smallest", "uniform_scores", "user_digests"]
 
 CHUNK = 1024
 """Images read at a time while hashing (a chunk of CIFAR-sized images is ~3 MB)."""
@@ -50,6 +54,13 @@ def content_digests(split: Split, index: np.ndarray) -> list[bytes]:
         for label, image in zip(labels, images):
             digests.append(hashlib.blake2b(label.tobytes() + header + image.tobytes(), digest_size=16).digest())
     return digests
+
+
+def user_digests(users: np.ndarray) -> list[bytes]:
+    """``digest(v)`` of each example's user ``v`` (``data.user_key``), in place of its content: every example
+    of one user shares the user's score, so a user is held out whole, and one user more or less changes only
+    that user's examples' splits (the neighbouring relation of user-level DP)."""
+    return [hashlib.blake2b(b"user|" + str(user).encode(), digest_size=16).digest() for user in users]
 
 
 def uniform_scores(digests: list[bytes], key: int, purpose: str) -> np.ndarray:

@@ -15,7 +15,7 @@ import numpy as np
 
 from sparta_tf.data.errors import DataError
 
-__all__ = ["ArraySplit", "RawData", "Split", "check_labels", "images_with_channel_axis"]
+__all__ = ["ArraySplit", "RawData", "Split", "check_labels", "check_users", "images_with_channel_axis"]
 
 
 class Split(abc.ABC):
@@ -23,6 +23,9 @@ class Split(abc.ABC):
 
     labels: np.ndarray
     """int64 class ids, one per example."""
+
+    users: Optional[np.ndarray] = None
+    """Each example's user id as a string (``data.user_key``), or None when the source has no users."""
 
     @abc.abstractmethod
     def images(self, indices: np.ndarray) -> np.ndarray:
@@ -35,6 +38,7 @@ class ArraySplit(Split):
 
     x: np.ndarray
     labels: np.ndarray
+    users: Optional[np.ndarray] = None
 
     def images(self, indices: np.ndarray) -> np.ndarray:
         return self.x[indices]
@@ -81,3 +85,28 @@ def check_labels(y: np.ndarray, num_images: int, what: str) -> np.ndarray:
     if y.size and y.min() < 0:
         raise DataError(f"{what} has negative labels; store class ids 0 .. K-1")
     return y.astype(np.int64)
+
+
+def check_users(users, num_images: int, what: str) -> np.ndarray:
+    """Returns ``users`` as a ``[N]`` array of string ids after checking it holds one usable id per image
+    (no empty or missing id, no NaN or infinite number)."""
+    users = np.asarray(users)
+    if users.ndim == 2 and users.shape[1] == 1:
+        users = users[:, 0]
+    if users.ndim != 1:
+        raise DataError(f"{what} has shape {users.shape}; store one user id per image, shape [N]")
+    if len(users) != num_images:
+        raise DataError(f"{what} has {len(users)} user ids for {num_images} images; store one user id per image")
+    if users.dtype.kind == "f" and not np.all(np.isfinite(users)):
+        raise DataError(f"{what} has {int(np.sum(~np.isfinite(users)))} NaN or infinite user ids; give every image "
+                        "its user's id")
+    if users.dtype.kind == "f" and not np.all(users == np.round(users)):
+        raise DataError(f"{what} has fractional user ids; store integer or string ids")
+    if users.dtype.kind == "f":
+        users = users.astype(np.int64)
+    if users.dtype.kind == "O" and any(u is None for u in users):
+        raise DataError(f"{what} has missing (None) user ids; give every image its user's id")
+    ids = users.astype(str)
+    if np.any(ids == ""):
+        raise DataError(f"{what} has empty user ids; give every image its user's id")
+    return ids

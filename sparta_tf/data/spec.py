@@ -46,11 +46,11 @@ COMMON_KEYS: frozenset[str] = frozenset(
 SOURCE_KEYS: dict[str, frozenset[str]] = {
     "synthetic": frozenset({"num_examples", "num_classes", "class_names"}),
     "digits": frozenset(),
-    "npz": frozenset({"path", "class_names"}),
+    "npz": frozenset({"path", "class_names", "user_key"}),
     "idx": frozenset({"path", "class_names"}),
-    "folder": frozenset({"path"}),
-    "tar": frozenset({"path", "cache_dir"}),
-    "tfds": frozenset({"name", "data_dir", "download"}),
+    "folder": frozenset({"path", "user_key"}),
+    "tar": frozenset({"path", "cache_dir", "user_key"}),
+    "tfds": frozenset({"name", "data_dir", "download", "user_key"}),
 }
 """Keys each source accepts on top of :data:`COMMON_KEYS`."""
 
@@ -92,6 +92,10 @@ class DataSpec:
     num_classes: int = 10
     split: str = DEFAULT_SPLIT
     split_seed: Optional[int] = None
+    user_key: Optional[str] = None
+    """Where each example's user id is (user-level DP, ``privacy.unit: user``): the npz arrays
+    ``<user_key>_train`` / ``<user_key>_test``, a TFDS feature, or ``folder`` for image folders laid out
+    ``<class>/<user>/<image>``. None: no user ids."""
 
     @property
     def effective_test_fraction(self) -> float:
@@ -114,6 +118,7 @@ def parse_spec(spec: Mapping[str, Any]) -> DataSpec:
             fields[key] = _PARSERS[key](key, value)
     _check_required(fields, source)
     _check_normalization(fields)
+    _check_user_key(fields, source)
     return DataSpec(**fields)
 
 
@@ -167,6 +172,25 @@ def _check_required(fields: dict[str, Any], source: str) -> None:
         raise key_error("path", "missing", f"set data.path for source {source!r}")
     if source == "tfds" and fields.get("name") is None:
         raise key_error("name", "missing", "set data.name to a TFDS data set name, e.g. 'mnist'")
+
+
+USER_FOLDER = "folder"
+
+
+def _check_user_key(fields: dict[str, Any], source: str) -> None:
+    """A user key keeps a user's examples in one split: refused with what would cut users apart."""
+    if fields.get("user_key") is None:
+        return
+    if source in ("folder", "tar") and fields["user_key"] != USER_FOLDER:
+        raise key_error("user_key", f"source {source!r} reads users from sub-folders, got {fields['user_key']!r}",
+                        f"write user_key: {USER_FOLDER} with images under <class>/<user>/")
+    if fields.get("split") == POSITIONS_SPLIT:
+        raise key_error("split", "positions would split a user's examples across training, validation and test",
+                        "remove data.split (the default holds out whole users) or data.user_key")
+    for limit in ("limit_train", "limit_test"):
+        if fields.get(limit) is not None:
+            raise key_error(limit, "a limit on examples would cut a user's examples apart",
+                            "remove the limit, or keep fewer users in the data itself")
 
 
 def _check_normalization(fields: dict[str, Any]) -> None:
@@ -335,4 +359,5 @@ _PARSERS = {
     "num_classes": _num_classes,
     "split": _split,
     "split_seed": _split_seed,
+    "user_key": _text,
 }

@@ -5,6 +5,10 @@ Accepted layouts (class names are the folder names, sorted)::
     path/<class>/*.{jpg,jpeg,png}                       (no test split: carved)
     path/train/<class>/...  [+ path/test/<class>/...]   (test classes must occur in train)
 
+With ``data.user_key: folder`` each class folder holds one sub-folder per user (``<class>/<user>/*.png``,
+one folder per patient is how such data is often laid out); the sub-folder's name is the user id, the
+same name under two classes being the same user.
+
 A single wrapping folder (``path/cifar10/train/...``) is looked through.
 Images are decoded lazily, only those selected by the split and limits, with
 the channel count of the first image (1 for grayscale, 3 otherwise; alpha is
@@ -40,6 +44,7 @@ class FileSplit(Split):
     labels: np.ndarray
     channels: int
     image_size: Optional[tuple[int, int]]
+    users: Optional[np.ndarray] = None
 
     def images(self, indices: np.ndarray) -> np.ndarray:
         return decode_files(self.paths[indices].tolist(), self.channels, self.image_size)
@@ -56,23 +61,24 @@ def load_folder(spec: DataSpec, seed: int) -> RawData:
 def load_image_tree(root: Path, spec: DataSpec, name: str) -> RawData:
     """Lists the images under ``root`` (either layout) as a :class:`RawData`."""
     root = _unwrap(root)
+    by_user = spec.user_key is not None
     if (root / "train").is_dir():
-        train_files = _class_files(root / "train")
-        test_files = _class_files(root / "test") if (root / "test").is_dir() else None
+        train_files = _class_files(root / "train", by_user)
+        test_files = _class_files(root / "test", by_user) if (root / "test").is_dir() else None
     else:
-        train_files, test_files = _class_files(root), None
+        train_files, test_files = _class_files(root, by_user), None
     names = sorted(train_files)
     if test_files is not None and set(test_files) - set(names):
         extra = sorted(set(test_files) - set(names))
         raise DataError(
             f"{root}/test has classes {extra} that {root}/train lacks; add them to train or remove them"
         )
-    first = next((files[0] for files in train_files.values() if files), None)
+    first = next((files[0][0] for files in train_files.values() if files), None)
     if first is None:
         raise key_error("path", f"no .jpg/.jpeg/.png images under {root}", "check data.path")
     channels = file_channels(Path(first))  # data.channels converts later, like other sources
-    train = _file_split(train_files, names, channels, spec.image_size)
-    test = None if test_files is None else _file_split(test_files, names, channels, spec.image_size)
+    train = _file_split(train_files, names, channels, spec.image_size, by_user)
+    test = None if test_files is None else _file_split(test_files, names, channels, spec.image_size, by_user)
     return RawData(train, test, names, name)
 
 
@@ -87,20 +93,33 @@ def _unwrap(root: Path) -> Path:
     return root
 
 
-def _class_files(directory: Path) -> dict[str, list[str]]:
-    classes = {d.name: _image_files(d) for d in _visible(directory) if d.is_dir()}
+def _class_files(directory: Path, by_user: bool = False) -> dict[str, list[tuple[str, Optional[str]]]]:
+    """Per class folder, its images as ``(path, user)``: the user sub-folder's name with ``by_user``, else None."""
+    classes = {d.name: (_user_files(d) if by_user else [(p, None) for p in _image_files(d)])
+               for d in _visible(directory) if d.is_dir()}
     if not classes:
         raise key_error("path", f"{directory} has no class sub-folders",
                         "arrange images as <class>/<image>.png (optionally under train/ and test/)")
     return classes
 
 
-def _file_split(
-    files: dict[str, list[str]], names: list[str], channels: int, image_size: Optional[tuple[int, int]]
-) -> FileSplit:
-    paths = [path for name in names for path in files.get(name, [])]
-    labels = [label for label, name in enumerate(names) for _ in files.get(name, [])]
-    return FileSplit(np.array(paths, dtype=object), np.array(labels, dtype=np.int64), channels, image_size)
+def _user_files(class_dir: Path) -> list[tuple[str, Optional[str]]]:
+    """The images of ``class_dir``'s user sub-folders, ``(path, user)``; images outside one are refused."""
+    loose = _image_files(class_dir)
+    if loose:
+        raise key_error("user_key", f"{class_dir} holds {len(loose)} images outside a user sub-folder "
+                        f"(e.g. {Path(loose[0]).name})", "move each image into <class>/<user>/, or remove "
+                        "data.user_key")
+    return [(path, user.name) for user in _visible(class_dir) if user.is_dir() for path in _image_files(user)]
+
+
+def _file_split(files: dict[str, list[tuple[str, Optional[str]]]], names: list[str], channels: int,
+                image_size: Optional[tuple[int, int]], by_user: bool = False) -> FileSplit:
+    listed = [(label, path, user) for label, name in enumerate(names) for path, user in files.get(name, [])]
+    paths = np.array([path for _, path, _ in listed], dtype=object)
+    labels = np.array([label for label, _, _ in listed], dtype=np.int64)
+    users = np.array([user for _, _, user in listed], dtype=str) if by_user else None
+    return FileSplit(paths, labels, channels, image_size, users)
 
 
 def _visible(directory: Path) -> list[Path]:

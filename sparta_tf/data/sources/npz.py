@@ -1,5 +1,8 @@
 """A numpy ``.npz`` file with ``x_train``, ``y_train`` and optionally ``x_test``, ``y_test``.
 
+With ``data.user_key: <key>``, the arrays ``<key>_train`` (and ``<key>_test`` with a test split) hold
+each image's user id (ints or strings), for user-level DP.
+
 Images are ``[N, H, W]`` (grayscale; a channel axis is added) or
 ``[N, H, W, C]``, uint8 0..255 or floats in [0, 1]. An optional
 ``class_names`` array names the classes (else ``data.class_names``, else
@@ -15,7 +18,7 @@ from typing import Optional
 import numpy as np
 
 from sparta_tf.data.errors import key_error
-from sparta_tf.data.raw import ArraySplit, RawData, check_labels, images_with_channel_axis
+from sparta_tf.data.raw import ArraySplit, RawData, check_labels, check_users, images_with_channel_axis
 from sparta_tf.data.sources.naming import class_names_for, names_from_labels
 from sparta_tf.data.spec import DataSpec
 
@@ -25,7 +28,7 @@ __all__ = ["load_npz"]
 def load_npz(spec: DataSpec, seed: int) -> RawData:
     """Reads ``spec.path``; without ``x_test``/``y_test`` the test split is carved."""
     arrays = _read(spec.path)
-    train = _split(arrays, "train", spec.path)
+    train = _split(arrays, "train", spec.path, spec.user_key)
     if train is None:
         raise key_error(
             "path", f"{spec.path} has no x_train/y_train (keys: {sorted(arrays)})",
@@ -34,7 +37,7 @@ def load_npz(spec: DataSpec, seed: int) -> RawData:
     if len(train.labels) == 0:
         raise key_error("path", f"{spec.path} has 0 training examples (x_train is empty)",
                         "store the training images in x_train and their labels in y_train")
-    test = _split(arrays, "test", spec.path)
+    test = _split(arrays, "test", spec.path, spec.user_key)
     stored = [str(n) for n in arrays["class_names"]] if "class_names" in arrays else None
     names = class_names_for(spec, [train, test], stored)
     return RawData(train, test, names, spec.path.name.removesuffix(".npz"), names_from_labels(spec, stored))
@@ -51,7 +54,7 @@ def _read(path: Path) -> dict[str, np.ndarray]:
                         "write it with numpy.savez") from None
 
 
-def _split(arrays: dict[str, np.ndarray], split: str, path: Path) -> Optional[ArraySplit]:
+def _split(arrays: dict[str, np.ndarray], split: str, path: Path, user_key: Optional[str]) -> Optional[ArraySplit]:
     x_key, y_key = f"x_{split}", f"y_{split}"
     if x_key not in arrays and y_key not in arrays:
         return None
@@ -59,4 +62,11 @@ def _split(arrays: dict[str, np.ndarray], split: str, path: Path) -> Optional[Ar
         missing = x_key if x_key not in arrays else y_key
         raise key_error("path", f"{path} has no {missing!r}", f"store both {x_key} and {y_key}")
     x = images_with_channel_axis(arrays[x_key], f"{path.name}:{x_key}")
-    return ArraySplit(x, check_labels(arrays[y_key], len(x), f"{path.name}:{y_key}"))
+    labels = check_labels(arrays[y_key], len(x), f"{path.name}:{y_key}")
+    if user_key is None:
+        return ArraySplit(x, labels)
+    users_key = f"{user_key}_{split}"
+    if users_key not in arrays:
+        raise key_error("user_key", f"{path} has no {users_key!r} array (keys: {sorted(arrays)})",
+                        f"store each image's user id as {users_key}, or fix data.user_key")
+    return ArraySplit(x, labels, check_users(arrays[users_key], len(x), f"{path.name}:{users_key}"))

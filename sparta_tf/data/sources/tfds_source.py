@@ -7,7 +7,8 @@ nothing is fetched and nothing retries. ``download: true`` calls
 
 The ``train`` split is the training data; ``test`` (when the data set has
 one) the test data. Images and labels come from the data set's supervised
-keys; class names from its ``ClassLabel`` feature.
+keys; class names from its ``ClassLabel`` feature; with ``data.user_key``, each image's user id
+from that feature (an int or a text feature).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from sparta_tf.data.errors import DataError, key_error
-from sparta_tf.data.raw import ArraySplit, RawData, check_labels
+from sparta_tf.data.raw import ArraySplit, RawData, check_labels, check_users
 from sparta_tf.data.spec import DataSpec
 
 __all__ = ["load_tfds"]
@@ -44,8 +45,12 @@ def load_tfds(spec: DataSpec, seed: int) -> RawData:
                         "use an image-classification data set")
     image_key, label_key = info.supervised_keys
     label_feature = info.features[label_key]
-    train = _split(builder, "train", spec, image_key)
-    test = _split(builder, "test", spec, image_key) if "test" in info.splits else None
+    if spec.user_key is not None and spec.user_key not in info.features:
+        raise key_error("user_key", f"TFDS data set {spec.name!r} has no feature {spec.user_key!r} (features: "
+                        f"{sorted(info.features)})", "name the feature that holds each image's user id")
+    keys = (image_key, label_key, spec.user_key)
+    train = _split(builder, "train", spec, keys)
+    test = _split(builder, "test", spec, keys) if "test" in info.splits else None
     num_classes = getattr(label_feature, "num_classes", None)
     names = list(getattr(label_feature, "names", None) or [])
     from_labels = not names and not num_classes
@@ -104,28 +109,39 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
-def _split(builder, split: str, spec: DataSpec, image_key: str) -> ArraySplit:
+def _split(builder, split: str, spec: DataSpec, keys: tuple) -> ArraySplit:
+    """The images, labels and (``keys[2]`` not None) user ids of ``split``; ``keys``: the image, label and
+    user features."""
     import tensorflow as tf
 
+    image_key, label_key, user_key = keys
     shape = builder.info.features[image_key].shape
     if spec.image_size is None and None in tuple(shape[:2]):
         raise key_error("image_size", f"images of TFDS data set {spec.name!r} vary in size",
                         "set data.image_size, e.g. [224, 224]")
 
-    def prepare(image: tf.Tensor, label: tf.Tensor):
+    def prepare(features: dict):
+        image = features[image_key]
         if spec.image_size is not None:
             image = tf.image.resize(tf.image.convert_image_dtype(image, tf.float32), spec.image_size)
-        return image, label
+        user = features[user_key] if user_key is not None else tf.zeros([], tf.int64)
+        return image, features[label_key], user
 
-    data = builder.as_dataset(split=split, as_supervised=True, shuffle_files=False)
+    data = builder.as_dataset(split=split, shuffle_files=False)
     data = data.map(prepare, num_parallel_calls=tf.data.AUTOTUNE).batch(BATCH)
-    xs, ys = [], []
-    for x, y in data.as_numpy_iterator():
+    xs, ys, users = [], [], []
+    for x, y, user in data.as_numpy_iterator():
         xs.append(x)
         ys.append(y)
+        users.append(user)
     if not xs:
         raise DataError(f"TFDS split {spec.name}/{split} is empty; prepare the data set again")
     x = np.concatenate(xs)
     if x.ndim == 3:
         x = x[..., np.newaxis]
-    return ArraySplit(x, check_labels(np.concatenate(ys), len(x), f"{spec.name}/{split} labels"))
+    labels = check_labels(np.concatenate(ys), len(x), f"{spec.name}/{split} labels")
+    if user_key is None:
+        return ArraySplit(x, labels)
+    ids = np.concatenate(users)
+    ids = np.char.decode(ids.astype(bytes), "utf-8") if ids.dtype.kind in "OS" else ids
+    return ArraySplit(x, labels, check_users(ids, len(x), f"{spec.name}/{split} {user_key}"))
