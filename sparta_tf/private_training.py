@@ -44,6 +44,7 @@ from typing import Any
 import tensorflow as tf
 
 from sparta_tf import checkpointing, distribute, run_checks
+from sparta_tf.dp_step.user_units import check_unit
 from sparta_tf.methods import Method, make_method
 from sparta_tf.privacy import charging
 from sparta_tf.privacy.ledger import PrivacyLedger
@@ -66,22 +67,25 @@ def plan_method(
     nonprivate_reasons: tuple[str, ...] | list[str] = (),
     tuning: Repetition | None = None,
     bands: int = 1,
+    unit: str = "example",
 ) -> PrivacyPlan:
     """The :class:`PrivacyPlan` of ``epochs`` epochs of ``method`` on ``dataset_size`` examples with
     expected batch ``batch_size``. A given ``noise_multiplier`` that would spend more than
     ``target_epsilon`` is refused (:class:`~sparta_tf.privacy.plan.FixedNoiseOverBudgetError`, one line).
     ``tuning``: the plan of one candidate of a private tuning whose whole procedure meets the target
-    (:func:`~sparta_tf.privacy.plan.make_privacy_plan`)."""
+    (:func:`~sparta_tf.privacy.plan.make_privacy_plan`). ``unit="user"``: ``dataset_size`` and
+    ``batch_size`` count users; a method with a mechanism over examples before training is refused."""
     n = int(dataset_size)
     if n < 1:
         raise ValueError(f"dataset_size={dataset_size!r}: need at least 1 private training example")
+    check_unit_of_method(method, unit, n, batch_size)
     return make_privacy_plan(
         n=n, expected_batch_size=batch_size, phases=method.phases(epochs), delta=delta,
         target_epsilon=target_epsilon, accountant=accountant, noise_multiplier=noise_multiplier,
         before_training=method.mechanisms_before_training(n, sample_rate(n, batch_size)),
         training_share=method.training_share,
         nonprivate_reasons=list(method.nonprivate_reasons()) + list(nonprivate_reasons), tuning=tuning,
-        bands=bands,
+        bands=bands, unit=unit,
     )
 
 
@@ -173,20 +177,19 @@ def make_private(
     run_checks.check_against_data(run_checks.LIBRARY, dataset_size=dataset_size, batch_size=batch_size, delta=delta)
     run_checks.check_method_run(run_checks.LIBRARY, method.name, method.option_values, epochs)
     method.check(model)
-    check_unit_of_method(method, unit, dataset_size, batch_size)
     plan = plan_method(method, dataset_size=dataset_size, batch_size=batch_size, epochs=epochs, delta=delta,
                        target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, accountant=accountant,
-                       bands=bands)
+                       bands=bands, unit=unit)
     return private_model(model, method, plan, run_dir=run_dir, clip_norm=clip_norm,
                          physical_batch_size=physical_batch_size, sampling=sampling, seed=seed, engine=engine,
                          max_memory=max_memory, jit_compile=jit_compile, augmult=augmult, augmentation=augmentation, ema=ema,
-                         use_ema_weights=use_ema_weights, unit=unit, examples_per_user=examples_per_user)
+                         use_ema_weights=use_ema_weights, examples_per_user=examples_per_user)
 
 
 def check_unit_of_method(method: Method, unit: str, dataset_size: int, batch_size: float) -> None:
     """One line, before anything is charged, for a method whose mechanisms before training (DP-FROST's
     mask, DP-SSGD's pruning) run over examples, with ``unit="user"``: their analysis is per example."""
-    if unit != "user":
+    if check_unit(unit) != "user":
         return
     n = int(dataset_size)
     if method.mechanisms_before_training(n, sample_rate(n, batch_size)):
@@ -208,7 +211,7 @@ def private_model(model: tf.keras.Model, method: Method, plan: PrivacyPlan, *, r
     dp = method.make_dp_model(
         model, noise_multiplier=plan.noise_multiplier, sample_rate=plan.sample_rate, dataset_size=plan.n,
         delta=plan.delta, target_epsilon=plan.run_budget, accountant=plan.accountant, seed=seed, bands=plan.bands,
-        **dp_options,
+        unit=plan.unit, **dp_options,
     )
     for reason in plan.nonprivate_reasons:
         dp.ledger.record_nonprivate(reason)

@@ -32,8 +32,8 @@ def test_it_is_tighter_than_the_textbook_bound_and_overflows_to_inf():
 
 def test_the_dry_run_sentence_says_what_is_left_for_a_person():
     line = describe_group_guarantee(4.0, 1e-5, 10)
-    assert "says nothing about such a person" in line and "privacy.unit: user" in line
-    assert "(epsilon 2, delta 3.72e-06) for them" in describe_group_guarantee(1.0, 1e-6, 2)
+    assert "a person with 10 examples only through group privacy, which says nothing about them" in line
+    assert "leaves them (epsilon 2, delta 3.72e-06)" in describe_group_guarantee(1.0, 1e-6, 2)
 
 
 @pytest.mark.parametrize("args, message", [((1.0, 1e-5, 0), "group_size=0"), ((1.0, 1e-5, 2.5), "group_size=2.5"),

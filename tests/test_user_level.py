@@ -10,8 +10,12 @@ Checked against independent references:
 * a user with a non-finite example is dropped as a whole, the others untouched;
 * the ledger of a user-level run equals a direct dp-accounting composition over ``U`` users at ``q``;
 * ``unit="example"`` is the step without user units (bit-identical weights to the default);
-* what user-level DP does not cover is refused in one line before anything is charged.
+* what user-level DP does not cover is refused in one line before anything is charged;
+* ``sparta-train`` with ``privacy.unit: user``: the dry run counts users and compares with example
+  level; a run records the unit in its results and ledger; bad configs are one line.
 """
+
+import json
 
 import dp_accounting
 import numpy as np
@@ -24,7 +28,11 @@ from sparta_tf.dp_step.user_units import UserUnits
 from sparta_tf.dp_step.views import AugmentationMultiplicity
 from sparta_tf.per_example import make_engine
 from sparta_tf.trainable import TrainableSet
+from small_configs import DELETE, set_key, tiny_config
 from small_models import LOSS, PER_EXAMPLE_LOSS, conv_gn_model, gaussian_data, small_data, small_mlp
+from sparta_tf.data import load_dataset
+from trainers import cli, run
+from trainers.config import ConfigError, validate
 
 K_CAP = 3  # examples_per_user in the unit tests
 CLIP = 0.05  # small enough that every unit is clipped
@@ -258,4 +266,56 @@ def test_a_method_with_a_mechanism_over_examples_before_training_is_refused_at_u
     with pytest.raises(ValueError, match="unit='user' does not cover") as error:
         sparta_tf.make_private(small_mlp(), method=method, target_epsilon=8.0, delta=1e-3, epochs=3,
                                batch_size=USER_BATCH, dataset_size=N_USERS, seed=0, unit="user", **options)
+    assert "\n" not in str(error.value)
+
+
+# ----------------------------------------------------------------- sparta-train
+
+
+def _user_config(tmp_path, **privacy):
+    """The tiny config on an npz of 160 images owned by 40 users of 1-7 examples each."""
+    rng = np.random.default_rng(0)
+    x = rng.random((160, 8, 8, 3)).astype(np.float32)
+    y = np.arange(160) % 3
+    users = np.repeat(np.arange(40), [4] * 20 + [1] * 10 + [7] * 10)[:160]
+    np.savez(tmp_path / "patients.npz", x_train=x, y_train=y, patient_train=users)
+    config = tiny_config(tmp_path / "out", method="sparta", epochs=3, batch_size=8)
+    config["data"] = {"source": "npz", "path": str(tmp_path / "patients.npz"), "user_key": "patient",
+                      "class_names": ["a", "b", "c"], "val_fraction": 0.1, "test_fraction": 0.2}
+    config["method"]["warmup_epochs"] = 1
+    config["privacy"].update(unit="user", **privacy)
+    return config
+
+
+def test_the_dry_run_counts_users_and_says_what_example_level_would_claim_for_a_person(tmp_path, write_config,
+                                                                                         capsys):
+    assert cli.main(["--config", str(write_config(_user_config(tmp_path))), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "private training users n = " in out and "privacy unit: one user" in out
+    assert "examples_per_user k = " in out and "leaving out" in out
+    assert "is per user; for comparison, an example-level run at (epsilon 8" in out and "group privacy" in out
+
+
+def test_sparta_train_trains_at_user_level_and_records_the_unit(tmp_path):
+    results = run.train(validate(_user_config(tmp_path, examples_per_user=4)))
+    assert results["private"] and results["epsilon"] <= 8.0 + 1e-6
+    assert results["unit"] == "user" and results["examples_per_user"] == 4 and results["plan"]["unit"] == "user"
+    ledger = json.loads((tmp_path / "out" / "ledger.json").read_text())
+    assert ledger["unit"] == "user" and ledger["entries"]
+    data = load_dataset(_user_config(tmp_path)["data"], split_key=0)
+    assert results["n"] < len(data.x_train)  # users, not examples
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"privacy.unit": "example"}, "data.user_key='patient' is given but privacy.unit is example"),
+    ({"data.user_key": DELETE}, "privacy.unit: user needs each example's user"),
+    ({"privacy.bands": 2}, "privacy.bands=2"),
+    ({"privacy.sampling": "shuffle"}, "privacy.sampling='shuffle'"),
+])
+def test_a_config_user_level_does_not_cover_is_refused_in_one_line(tmp_path, edit, message):
+    config = _user_config(tmp_path)
+    for key, value in edit.items():
+        set_key(config, key, value)
+    with pytest.raises(ConfigError, match=message) as error:
+        validate(config)
     assert "\n" not in str(error.value)

@@ -122,6 +122,8 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "accountant": Field((str,), choices.ACCOUNTANTS[0], _one_of(*choices.ACCOUNTANTS)),
         "sampling": Field((str,), choices.SAMPLING_MODES[0], _one_of(*choices.SAMPLING_MODES)),
         "bands": Field((int,), 1, _at_least_one),
+        "unit": Field((str,), "example", _one_of("example", "user")),
+        "examples_per_user": Field(OPTIONAL_INT, None, lambda v: None if v is None or v >= 1 else "must be >= 1"),
     },
     "training": {
         "epochs": Field((int,), 50, run_checks.count_problem),
@@ -388,10 +390,34 @@ def _check_cross_field(config: dict) -> None:
         run_checks.check_method_run(run_checks.CONFIG, name, method, epochs)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    _check_unit(config)
     pretrain = config["pretrain"]
     if pretrain["enabled"] and pretrain["data"] is None and not pretrain["checkpoint"]:
         raise ConfigError("pretrain.enabled is true but there is neither pretrain.data (the public data set to "
                           "pre-train on) nor pretrain.checkpoint (a pre-trained model); give one")
+
+
+def _check_unit(config: dict) -> None:
+    """``privacy.unit`` against the data's user key and what user-level DP covers (one line each)."""
+    privacy, user_key = config["privacy"], config["data"].get("user_key")
+    if privacy["unit"] == "example":
+        if user_key is not None:
+            raise ConfigError(f"data.user_key={user_key!r} is given but privacy.unit is example, so the guarantee "
+                              "would protect one example, not one user: set privacy.unit: user, or remove "
+                              "data.user_key")
+        if privacy["examples_per_user"] is not None:
+            raise ConfigError("privacy.examples_per_user needs privacy.unit: user; set it, or remove "
+                              "examples_per_user")
+        return
+    if user_key is None:
+        raise ConfigError("privacy.unit: user needs each example's user: set data.user_key (an npz array stem, a "
+                          "TFDS feature, or 'folder' for <class>/<user>/<image> folders)")
+    if privacy["bands"] > 1:
+        raise ConfigError(f"privacy.unit: user with privacy.bands={privacy['bands']}: correlated noise's cyclic groups "
+                          "are of examples, and user-level DP here covers independent noise only; set bands: 1")
+    if privacy["sampling"] != "poisson":
+        raise ConfigError(f"privacy.unit: user samples users with Poisson sampling; privacy.sampling="
+                          f"{privacy['sampling']!r} is not that: set sampling: poisson")
 
 
 def check_against_data(config: dict, n: int) -> None:

@@ -17,7 +17,8 @@ from sparta_tf.privacy.plan import PrivacyPlan
 
 def run_results(config: dict, dp, plan: PrivacyPlan, dataset, phase_seconds: dict, timings: dict, history) -> dict:
     """``results.json``'s content after ``dp.fit``: test accuracy and loss, what the ledger spent (its
-    epsilon, None when not private, and why), the plan, the steps that ran and the timings."""
+    epsilon, None when not private, and why), the plan, the steps that ran and the timings. ``n`` counts
+    the privacy ``unit``: examples, or users (then with ``examples_per_user``)."""
     test_loss, test_accuracy = dp.evaluate(dataset.x_test, dataset.y_test, verbose=0)[:2]
     return {
         "method": config["method"]["name"],
@@ -35,6 +36,8 @@ def run_results(config: dict, dp, plan: PrivacyPlan, dataset, phase_seconds: dic
         "epochs": plan.epochs,
         **what_ran(dp, plan),
         "n": plan.n,
+        "unit": plan.unit,
+        **({} if dp.users is None else {"examples_per_user": dp.users.examples_per_user}),
         "plan": plan.to_json(),
         "test_accuracy": float(test_accuracy),
         "test_loss": float(test_loss),

@@ -87,8 +87,46 @@ def load_private_data(config: dict, split_key: int | None = None):
 
     split_key = split_key if split_key is not None else split_keys.new_key(config)
     dataset = load_dataset(config["data"], seed=data_seed(config), split_key=split_key)
-    check_against_data(config, len(dataset.x_train))
+    check_against_data(config, private_units(config, dataset))
     return dataset
+
+
+def private_units(config: dict, dataset) -> int:
+    """``n`` of the mechanism: the training examples, or with ``privacy.unit: user`` the training users."""
+    return len(dataset.x_train) if config["privacy"]["unit"] == "example" else dataset.user_count
+
+
+def examples_per_user(config: dict, dataset) -> int:
+    """``k`` of a user-level run: ``privacy.examples_per_user``, else the default from the training users
+    (:func:`~sparta_tf.privacy.user_sampling.default_examples_per_user`); 1 at example level."""
+    from sparta_tf.privacy.user_sampling import default_examples_per_user
+
+    if config["privacy"]["unit"] == "example":
+        return 1
+    return config["privacy"]["examples_per_user"] or default_examples_per_user(dataset.users_train)
+
+
+def unit_line(config: dict, dataset, plan: PrivacyPlan) -> str | None:
+    """The dry run's lines on the privacy unit (user level): the users, the cap ``k`` and the share of the
+    examples it leaves out of every step, and what an example-level run would claim for a person (group
+    privacy); None at example level."""
+    from sparta_tf.privacy.group_privacy import describe_group_guarantee
+
+    if plan.unit == "example":
+        return None
+    sizes = np.unique(dataset.users_train, return_counts=True)[1]
+    k = examples_per_user(config, dataset)
+    left_out = np.sum(np.maximum(sizes - k, 0)) / sizes.sum()
+    chosen = "" if config["privacy"]["examples_per_user"] else " (default: leaves out at most 10%)"
+    lines = [f"users: {len(sizes)} in the training split, {sizes.sum()} examples (per user: min {sizes.min()}, "
+             f"median {int(np.median(sizes))}, max {sizes.max()}); examples_per_user k = {k}{chosen}: each step uses "
+             f"at most k of a sampled user's examples, leaving out {100 * left_out:.1f}% of the examples"]
+    if plan.target_epsilon is not None:
+        median = int(np.median(sizes))
+        lines.append(f"this run's (epsilon {plan.target_epsilon:g}, delta {plan.delta:g}) is per user; for comparison, "
+                     + describe_group_guarantee(plan.target_epsilon, plan.delta, median)
+                     .replace("a person with", "a person with the median"))
+    return "\n".join(lines)
 
 
 SEED_CAVEAT = ("training.seed is set: the DP noise, batches and data splits follow from it, so the guarantee holds only "
@@ -159,10 +197,11 @@ def make_plan(config: dict, dataset, method: Method, tuning=None) -> PrivacyPlan
     privacy, training = config["privacy"], config["training"]
     try:
         plan = plan_method(
-            method, dataset_size=len(dataset.x_train), batch_size=training["batch_size"], epochs=training["epochs"],
+            method, dataset_size=private_units(config, dataset), batch_size=training["batch_size"],
+            epochs=training["epochs"],
             delta=privacy["delta"], target_epsilon=privacy["target_epsilon"], accountant=privacy["accountant"],
             noise_multiplier=privacy["noise_multiplier"], nonprivate_reasons=dataset.nonprivate_reasons(),
-            tuning=tuning, bands=privacy["bands"],
+            tuning=tuning, bands=privacy["bands"], unit=privacy["unit"],
         )
     except FixedNoiseOverBudgetError as error:
         raise ConfigError(f"privacy.noise_multiplier={privacy['noise_multiplier']} spends {error.spent} over the "
@@ -184,7 +223,8 @@ def bands_line(config: dict, dataset, method: Method, plan: PrivacyPlan) -> str 
     against independent noise, each calibrated to the plan's epsilon
     (:func:`sparta_tf.privacy.banded_error.compare_bands`); None for a plan without a target epsilon or
     not private."""
-    if plan.target_epsilon is None or config["privacy"]["noise_multiplier"] is not None or not plan.private:
+    if (plan.target_epsilon is None or config["privacy"]["noise_multiplier"] is not None or not plan.private
+            or plan.unit == "user"):  # user level runs independent noise only
         return None
     from sparta_tf.privacy.banded_error import compare_bands, describe_comparison
 
@@ -260,7 +300,10 @@ def dry_run(config: dict, compare_bands: bool = True) -> PrivacyPlan:
     method = build_method(config, None, model)
     plan = make_plan(config, dataset, method)
     print(describe(plan, method, model, config))
-    print(memory_line(config, plan, model, method))
+    units = unit_line(config, dataset, plan)
+    if units:
+        print(units)
+    print(memory_line(config, plan, model, method, examples_per_user(config, dataset)))
     bands = bands_line(config, dataset, method, plan) if compare_bands else None
     if bands:
         print(bands)
@@ -269,13 +312,18 @@ def dry_run(config: dict, compare_bands: bool = True) -> PrivacyPlan:
     return plan
 
 
-def memory_line(config: dict, plan: PrivacyPlan, model: tf.keras.Model, method: Method) -> str:
+def memory_line(config: dict, plan: PrivacyPlan, model: tf.keras.Model, method: Method,
+                rows_per_unit: int = 1) -> str:
     """What a full-DP book-keeping step of ``model`` keeps at the run's physical batch, against
     ``training.max_memory`` less the buffer of correlated noise (``privacy.bands``: ``b - 1`` draws of the
     most trainable coordinates of any phase; all of the model's where a phase chooses them as it runs)
-    (:func:`sparta_tf.per_example.memory_budget.describe`)."""
+    (:func:`sparta_tf.per_example.memory_budget.describe`). ``rows_per_unit``: ``k`` rows per user at user level.
+    """
+    from sparta_tf.privacy.user_sampling import default_units_per_batch
+
     training = config["training"]
-    batch = training["physical_batch_size"] or default_physical_batch_size(plan.n, plan.sample_rate)
+    default = default_physical_batch_size if plan.unit == "example" else default_units_per_batch
+    batch = (training["physical_batch_size"] or default(plan.n, plan.sample_rate)) * rows_per_unit
     trainable = [method.planned_trainable(phase, model) for phase in method.phases(plan.epochs)]
     most = max((_count(model) if count is None else count for count in trainable), default=0)
     reserved = noise_buffer_bytes(plan.bands, most)
@@ -353,7 +401,8 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
                        engine=training["engine"], max_memory=training["max_memory"],
                        jit_compile=training["jit_compile"],
                        augmult=training["augmult"], augmentation=augmentation_of(config), ema=training["ema"],
-                       use_ema_weights=training["use_ema_weights"] if training["ema"] is not None else None)
+                       use_ema_weights=training["use_ema_weights"] if training["ema"] is not None else None,
+                       examples_per_user=privacy["examples_per_user"])
     dp.compile(make_optimizer(config, plan.update_steps), loss=LOSS, metrics=["accuracy"])
     if dp.private_run.previous is None:  # a fresh run (RunDirectory refuses a checkpoint without --resume)
         if run_dir.resume:
@@ -365,7 +414,7 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
     callbacks = [sparta_tf.NonFiniteGuard(), tf.keras.callbacks.TensorBoard(os.path.join(output_dir, "tensorboard"))]
     callbacks += hooks.callbacks() if hooks is not None else []
     start = time.perf_counter()
-    history = dp.fit(dataset.x_train, dataset.y_train,
+    history = dp.fit(dataset.x_train, dataset.y_train, users=None if plan.unit == "example" else dataset.users_train,
                      validation_data=(dataset.x_val, dataset.y_val) if len(dataset.x_val) else None,
                      callbacks=callbacks, verbose=1 if sys.stdout.isatty() else 2,
                      on_budget_exhausted=lambda: dp.ledger.save(ledger_path))

@@ -36,11 +36,10 @@ def group_guarantee(epsilon: float, delta: float, group_size: int) -> tuple[floa
 
 
 def describe_group_guarantee(epsilon: float, delta: float, group_size: int) -> str:
-    """One sentence for the dry run: what an example-level ``(epsilon, delta)`` leaves a person with
+    """One clause for the dry run: what an example-level ``(epsilon, delta)`` leaves a person with
     ``group_size`` examples."""
     group_epsilon, group_delta = group_guarantee(epsilon, delta, group_size)
-    says = "says nothing about such a person (delta >= 1)" if group_delta >= 1 else \
-        f"is (epsilon {group_epsilon:.3g}, delta {group_delta:.3g}) for them"
-    return (f"at example level, (epsilon {epsilon:g}, delta {delta:g}) for one example {says}: a person with "
-            f"{group_size} examples is protected through group privacy only; train with the person as the unit "
-            "(privacy.unit: user) for a guarantee per person")
+    for_them = ("says nothing about them (delta >= 1)" if group_delta >= 1 else
+                f"leaves them (epsilon {group_epsilon:.3g}, delta {group_delta:.3g})")
+    return (f"an example-level run at (epsilon {epsilon:g}, delta {delta:g}) covers a person with {group_size} "
+            f"examples only through group privacy, which {for_them}")

@@ -82,6 +82,9 @@ class PrivacyPlan:
     bands: int = 1
     """``b``: the training's noise is ``b``-banded correlated (BandMF, :mod:`sparta_tf.privacy.banded`) under
     cyclic Poisson sampling at :attr:`group_sample_rate`; 1: independent noise (DP-SGD)."""
+    unit: str = "example"
+    """What the guarantee protects: ``"example"``, or ``"user"`` (``n`` and the batch count users,
+    :mod:`sparta_tf.dp_step.user_units`)."""
 
     @property
     def group_sample_rate(self) -> float:
@@ -151,7 +154,8 @@ class PrivacyPlan:
         if self.tuning is not None:
             target += " for the whole tuning"
         lines = [
-            f"private training examples n = {self.n}",
+            f"private training examples n = {self.n}" if self.unit == "example" else
+            f"private training users n = {self.n} (privacy unit: one user, all of their examples)",
             f"sample rate q = {self.sample_rate:.6g} (expected batch {self.sample_rate * self.n:.1f}), "
             f"{self.steps_per_epoch} steps/epoch, {self.epochs} epochs = {self.steps} steps",
             f"noise multiplier sigma = {self.noise_multiplier:.6g} "
@@ -206,6 +210,7 @@ def make_privacy_plan(
     nonprivate_reasons: Sequence[str] = (),
     tuning: Repetition | None = None,
     bands: int = 1,
+    unit: str = "example",
 ) -> PrivacyPlan:
     """Calibrates every noise multiplier of a run and the epsilon after each phase (module doc).
 
@@ -265,7 +270,7 @@ def make_privacy_plan(
         ledger.record(noise_multiplier, step_rate, steps, DEFAULT_KIND, phase.name, bands)
         planned.append(phase.planned(steps, ledger.epsilon()))
     plan = PrivacyPlan(n, q, per_epoch, epochs, float(noise_multiplier), delta, target_epsilon, accountant,
-                       before, tuple(planned), tuple(nonprivate_reasons), tuning, banded.check_bands(bands))
+                       before, tuple(planned), tuple(nonprivate_reasons), tuning, banded.check_bands(bands), unit)
     if given and plan.epsilon > target_epsilon * (1 + 1e-9):
         raise FixedNoiseOverBudgetError(noise_multiplier, target_epsilon, f"epsilon={plan.epsilon:.4g}")
     return plan
