@@ -61,9 +61,9 @@ def test_the_score_reads_the_validation_split_only(digits, monkeypatch):
     seen = []
     original = procedure.count_correct
 
-    def spy(model, x, y, batch_size=256):
+    def spy(model, x, y, batch_size=256, users=None):
         seen.append((x, y))
-        return original(model, x, y, batch_size)
+        return original(model, x, y, batch_size, users)
 
     monkeypatch.setattr(procedure, "count_correct", spy)
     tune(digits)

@@ -12,7 +12,9 @@ Checked against independent references:
 * ``unit="example"`` is the step without user units (bit-identical weights to the default);
 * what user-level DP does not cover is refused in one line before anything is charged;
 * ``sparta-train`` with ``privacy.unit: user``: the dry run counts users and compares with example
-  level; a run records the unit in its results and ledger; bad configs are one line.
+  level; a run records the unit in its results and ledger; bad configs are one line;
+* private tuning at user level: the score counts users (one user moves it by at most 1), and
+  ``tune_privately`` / ``sparta-tune`` plan, train and score over users.
 """
 
 import json
@@ -31,7 +33,9 @@ from sparta_tf.trainable import TrainableSet
 from small_configs import DELETE, set_key, tiny_config
 from small_models import LOSS, PER_EXAMPLE_LOSS, conv_gn_model, gaussian_data, small_data, small_mlp
 from sparta_tf.data import load_dataset
-from trainers import cli, run
+from sparta_tf.privacy.tuning import per_run_event, tuning_epsilon
+from sparta_tf.tuning import procedure
+from trainers import cli, run, tune_cli
 from trainers.config import ConfigError, validate
 
 K_CAP = 3  # examples_per_user in the unit tests
@@ -319,3 +323,51 @@ def test_a_config_user_level_does_not_cover_is_refused_in_one_line(tmp_path, edi
     with pytest.raises(ConfigError, match=message) as error:
         validate(config)
     assert "\n" not in str(error.value)
+
+
+# ----------------------------------------------------------------- private tuning
+
+
+def test_the_tuning_score_counts_users_so_one_user_moves_it_by_at_most_one():
+    model = small_mlp()
+    x, y = small_data(80)
+    users = np.repeat(np.arange(20), 4)
+    right = np.argmax(model.predict(x, verbose=0), axis=-1) == y
+    newcomer_x, newcomer_y = np.repeat(x[right][:1], 50, axis=0), np.repeat(y[right][:1], 50)  # 50 right answers
+    grown = np.concatenate([x, newcomer_x]), np.concatenate([y, newcomer_y]), np.append(users, [99] * 50)
+    by_example = procedure.count_correct(model, *grown[:2]), procedure.count_correct(model, x, y)
+    assert by_example[0] - by_example[1] == 50  # at example level one person moves the count by 50
+    at_user_level = (procedure.count_correct(model, *grown[:2], users=grown[2]),
+                     procedure.count_correct(model, x, y, users=users))
+    assert at_user_level[0] - at_user_level[1] == pytest.approx(1.0)
+    expected = sum(np.mean(right[users == u]) for u in range(20))
+    assert at_user_level[1] == pytest.approx(expected)
+    assert procedure.validation_units(y, users) == 20 and procedure.validation_units(y) == 80
+
+
+def test_tune_privately_at_user_level_samples_users_and_scores_users():
+    x, y, users = _user_data()
+    x_val, y_val = small_data(30)
+    validation_users = np.repeat(np.arange(10), 3)
+    result = sparta_tf.tune_privately(
+        small_mlp, x, y, validation_data=(x_val, y_val), space={"learning_rate": [0.1, 0.5]}, target_epsilon=8.0,
+        delta=1e-3, epochs=2, batch_size=USER_BATCH, method="all", mean=1.5, tuning_seed=0, unit="user",
+        examples_per_user=4, users=users, validation_users=validation_users)
+    plan = result.model.plan
+    assert plan.unit == "user" and plan.n == N_USERS and result.model.users.examples_per_user == 4
+    planned = [e for e in result.ledger.entries if e.kind != "tuning_score"]
+    score_noise = procedure.default_score_noise(10)  # sqrt(validation users) / 2
+    assert result.epsilon == pytest.approx(tuning_epsilon(per_run_event(planned, score_noise), result.ledger.tuning,
+                                                          1e-3), rel=1e-9)
+    with pytest.raises(ValueError, match="needs users= .* and validation_users="):
+        sparta_tf.tune_privately(small_mlp, x, y, validation_data=(x_val, y_val), space={"learning_rate": [0.1]},
+                                 target_epsilon=8.0, delta=1e-3, epochs=2, batch_size=USER_BATCH, unit="user",
+                                 users=users)
+
+
+def test_sparta_tune_dry_run_scores_validation_users(tmp_path, write_config, capsys):
+    config = _user_config(tmp_path)
+    config["tuning"] = {"space": {"training.learning_rate": [0.03, 0.1]}, "mean": 2, "seed": 0}
+    assert tune_cli.main(["--config", str(write_config(config)), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "validation users (each its share of examples right)" in out

@@ -86,7 +86,8 @@ class Setup:
         run.preflight(config)
         self.config = config
         self.dataset = run.load_private_data(config, data_split_key)
-        self.validation_size = len(self.dataset.x_val)
+        users = None if config["privacy"]["unit"] == "example" else self.dataset.users_val
+        self.validation_size = procedure.validation_units(self.dataset.y_val, users)  # the score's n_val
         try:
             procedure.check_validation_size(self.validation_size)
         except ValueError as error:
@@ -165,8 +166,9 @@ class CandidateHooks:
         return []
 
     def after_fit(self, dp, dataset) -> dict:
+        users = None if dp.unit == "example" else dataset.users_val
         score = procedure.score_candidate(dp, dataset.x_val, dataset.y_val, self.draws, self.index,
-                                          self.tuning.score_noise)
+                                          self.tuning.score_noise, users)
         replace_atomically(os.path.join(self.output_dir, MODEL), dp.model.save, suffix=".keras")
         preprocessing = run.serving_preprocessing(dataset)  # JSON-ready: results.json holds it
         if preprocessing is not None:

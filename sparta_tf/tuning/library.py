@@ -37,13 +37,14 @@ import tensorflow as tf
 from sparta_tf import backend
 from sparta_tf.methods import make_method
 from sparta_tf.privacy.ledger import PrivacyLedger
+from sparta_tf.privacy.user_sampling import dense_user_ids
 from sparta_tf.privacy.tuning import CandidateCount, Repetition
 from sparta_tf.private_training import make_private, plan_method, private_model
 from sparta_tf.tuning import procedure
 from sparta_tf.tuning.space import check_space, corners, names
 
 FIXED = ("epochs", "batch_size", "target_epsilon", "delta", "noise_multiplier", "accountant", "method", "sampling",
-         "seed", "dataset_size", "run_dir", "bands")
+         "seed", "dataset_size", "run_dir", "bands", "unit")
 """``make_private`` arguments a candidate may not change: they set the mechanism every candidate repeats."""
 
 
@@ -115,6 +116,8 @@ def tune_privately(
     score_noise: float | None = None,
     tuning_seed: int | None = None,
     verbose: int = 0,
+    users: Any = None,
+    validation_users: Any = None,
     **make_private_options: Any,
 ) -> TuningResult:
     """Tunes ``space`` privately and returns the best candidate (module doc).
@@ -142,6 +145,10 @@ def tune_privately(
       tuning_seed: the secret seed of the draws (None: a fresh one from the OS; a given one becomes a
         caveat in the ledger).
       verbose: ``fit``'s verbosity.
+      users: with ``unit="user"`` (user-level DP), each training example's user id; ``batch_size`` then
+        counts users.
+      validation_users: with ``unit="user"``, each validation example's user id: the score is then the
+        mean over validation users of each one's accuracy (a user moves the count by at most 1).
       **make_private_options: every candidate's other :func:`make_private` options.
     """
     if not (isinstance(validation_data, (tuple, list)) and len(validation_data) == 2):
@@ -151,7 +158,9 @@ def tune_privately(
         raise ValueError("run_dir would make every candidate resume the first one's run: tune_privately keeps its "
                          "candidates in memory; for a resumable tuning use sparta-tune")
     x_val, y_val = validation_data
-    validation_size = len(y_val)
+    unit = make_private_options.get("unit", "example")
+    check_users_given(unit, users, validation_users)
+    validation_size = procedure.validation_units(y_val, validation_users)
     procedure.check_validation_size(validation_size)
     space = check_space(space, "space")
     optimizer_names = set(inspect.signature(optimizer).parameters)
@@ -162,7 +171,7 @@ def tune_privately(
     repetition = Repetition(CandidateCount(mean, shape),
                             float(score_noise or procedure.default_score_noise(validation_size)))
     loss = loss or tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    n = len(y)
+    n = len(y) if users is None else dense_user_ids(users)[1]
 
     def split(values: dict) -> tuple[dict, dict, dict]:
         """``values`` and the common options as (optimizer arguments, method options, DP model options)."""
@@ -175,7 +184,7 @@ def tune_privately(
         chosen = make_method(method, **split(values)[1])
         plan = procedure.tuned_plan(lambda tuning: plan_method(
             chosen, dataset_size=n, batch_size=batch_size, epochs=epochs, delta=delta, target_epsilon=target_epsilon,
-            tuning=tuning, bands=make_private_options.get("bands", 1)), repetition, target_epsilon, delta)
+            tuning=tuning, bands=make_private_options.get("bands", 1), unit=unit), repetition, target_epsilon, delta)
         return chosen, plan
 
     _, plan = method_and_plan({})
@@ -193,8 +202,9 @@ def tune_privately(
         chosen.check(model)
         dp = private_model(model, chosen, candidate_plan, seed=candidate.run_seed, **dp_options)
         dp.compile(optimizer(**optimizer_values), loss=loss, metrics=metrics)
-        dp.fit(x, y, verbose=verbose)
-        tally.add(procedure.score_candidate(dp, x_val, y_val, draws, index, repetition.score_noise), dp.ledger)
+        dp.fit(x, y, verbose=verbose, users=users)
+        tally.add(procedure.score_candidate(dp, x_val, y_val, draws, index, repetition.score_noise, validation_users),
+                  dp.ledger)
         if tally.best == index:
             best = dp
     built.finish()
@@ -207,7 +217,7 @@ def tune_privately(
     return TuningResult(best, draws.candidates[winner].values, tally.scores[winner], ledger, plan.epsilon)
 
 
-PLAN_OPTIONS = ("bands",)
+PLAN_OPTIONS = ("bands", "unit")
 """``make_private`` options that belong to the privacy plan (the DP model reads them from it), neither the
 method's nor the DP model's."""
 
@@ -261,3 +271,14 @@ class _IndependentModels:
                              f"candidate's (e.g. {shared[0]}): a candidate would start from another's trained weights "
                              "and the release would depend on every candidate; build every layer inside build_model "
                              "(load the pre-trained backbone there, e.g. from a .keras file)")
+
+
+def check_users_given(unit: str, users, validation_users) -> None:
+    """One line unless user ids come with ``unit="user"`` (for both splits) and only then."""
+    given = users is not None or validation_users is not None
+    if unit == "example" and given:
+        raise ValueError("users= and validation_users= need unit='user' (user-level DP); pass unit='user', or leave "
+                         "them out")
+    if unit == "user" and (users is None or validation_users is None):
+        raise ValueError("unit='user' needs users= (each training example's user id) and validation_users= (each "
+                         "validation example's): the training samples users and the score counts them")

@@ -117,11 +117,22 @@ def check_validation_size(validation_size: int) -> None:
                          "data (data.val_fraction > 0 in a config)")
 
 
-def count_correct(model, x, y, batch_size: int = 256) -> int:
+def count_correct(model, x, y, batch_size: int = 256, users=None) -> float:
     """How many of the examples ``x`` the model labels ``y`` (argmax of its outputs): each example adds
-    0 or 1, so adding or removing one example moves the count by at most 1."""
+    0 or 1, so adding or removing one example moves the count by at most 1. With ``users`` (each example's
+    user id; user-level DP) the count is over users: each user adds the share of its examples labelled
+    right, in ``[0, 1]``, so adding or removing one user moves it by at most 1."""
     predictions = model.predict(x, batch_size=batch_size, verbose=0)
-    return int(np.sum(np.argmax(predictions, axis=-1) == np.asarray(y).reshape(-1)))
+    right = (np.argmax(predictions, axis=-1) == np.asarray(y).reshape(-1)).astype(np.float64)
+    if users is None:
+        return int(np.sum(right))
+    _, user, sizes = np.unique(np.asarray(users), return_inverse=True, return_counts=True)
+    return float(np.sum(np.bincount(user, weights=right) / sizes))
+
+
+def validation_units(y_val, users=None) -> int:
+    """``n_val`` of the score: the validation examples, or with ``users`` the validation users."""
+    return len(y_val) if users is None else len(np.unique(np.asarray(users)))
 
 
 def noisy_score(correct: int, noise: float, validation_size: int) -> float:
@@ -129,14 +140,15 @@ def noisy_score(correct: int, noise: float, validation_size: int) -> float:
     return (correct + noise) / validation_size
 
 
-def score_candidate(dp, x_val, y_val, draws: Draws, index: int, score_noise: float) -> float:
+def score_candidate(dp, x_val, y_val, draws: Draws, index: int, score_noise: float, users=None) -> float:
     """Candidate ``index``'s noisy validation accuracy (:func:`count_correct`, the noise of
     :meth:`Draws.score_noise`), charged to its ledger as :func:`score_entry`. The candidate's own budget
-    covered its training; the tuning's ledger covers the score, so the candidate's budget is dropped."""
-    correct = count_correct(dp.model, x_val, y_val)
+    covered its training; the tuning's ledger covers the score, so the candidate's budget is dropped.
+    ``users``: the validation examples' user ids at user level (the accuracy is then the users' mean)."""
+    correct = count_correct(dp.model, x_val, y_val, users=users)
     dp.ledger.target_epsilon = None
     dp.ledger.charge(score_entry(score_noise))
-    return noisy_score(correct, draws.score_noise(index, score_noise), len(y_val))
+    return noisy_score(correct, draws.score_noise(index, score_noise), validation_units(y_val, users))
 
 
 def best_index(scores: Sequence[float | None]) -> int | None:
@@ -253,7 +265,8 @@ def describe_tuning(plan, space: Mapping | list, validation_size: int, untuned=N
     lines = [
         f"private tuning: release the best of a {repetition.count.describe()} (RepeatAndSelectDpEvent, RDP)",
         f"search space (each candidate draws independently): {search_space.describe(space)}",
-        f"score: correct predictions on the n_val = {validation_size} validation examples + N(0, "
+        f"score: correct predictions on the n_val = {validation_size} validation "
+        f"{'examples' if plan.unit == 'example' else 'users (each its share of examples right)'} + N(0, "
         f"{repetition.score_noise:.3g}^2) (std {repetition.score_noise / validation_size:.2%} of accuracy)",
         f"each candidate: epsilon {plan.epsilon:.4g} (rdp) for its training, noise multiplier "
         f"{plan.noise_multiplier:.4g}; signal sqrt(T) b / sigma = {signal:.4g} (refused below "
