@@ -18,6 +18,10 @@ Checked against independent references:
 """
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import dp_accounting
 import numpy as np
@@ -371,3 +375,60 @@ def test_sparta_tune_dry_run_scores_validation_users(tmp_path, write_config, cap
     assert tune_cli.main(["--config", str(write_config(config)), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "validation users (each its share of examples right)" in out
+
+
+# ----------------------------------------------------------------- kill -9 and resume
+
+_KILLED_SCRIPT = textwrap.dedent("""
+    import os, signal, sys
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    import numpy as np
+    import tensorflow as tf
+    import sparta_tf
+
+    run_dir, kill_at, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+
+    class KillAt(tf.keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.dp_step.numpy()) == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    tf.keras.utils.set_random_seed(0)
+    model = tf.keras.Sequential([tf.keras.Input((8,)), tf.keras.layers.Dense(16, activation="relu"),
+                                 tf.keras.layers.Dense(4, name="head")])
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(90, 8)).astype(np.float32), rng.integers(0, 4, 90)
+    users = np.repeat(np.arange(30), rng.integers(1, 6, 30))[:90]
+    users = np.concatenate([users, np.full(90 - len(users), 30)])
+    # a budget with room for the steps a resumed run repeats (each is charged again)
+    dp = sparta_tf.make_private(model, method="sparta", target_epsilon=50.0, noise_multiplier=1.0, delta=1e-3,
+                                epochs=4, batch_size=8, dataset_size=len(np.unique(users)), warmup_epochs=1, density=0.5, run_dir=run_dir,
+                                seed=7, unit="user", examples_per_user=3)
+    dp.compile(tf.keras.optimizers.SGD(0.1, momentum=0.9),
+               loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    dp.fit(x, y, users=users, verbose=0, callbacks=[KillAt()])
+    np.savez(out, *[v.numpy() for v in model.weights], steps=dp.ledger.steps)
+""")
+
+
+@pytest.mark.parametrize("kill_at", [6, 13])  # 4 steps an epoch: mid-selection epoch; mid-sparse phase
+def test_a_user_level_run_killed_and_resumed_ends_as_an_uninterrupted_one(tmp_path, kill_at):
+    script = tmp_path / "train.py"
+    script.write_text(_KILLED_SCRIPT)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+
+    def run_script(run_dir, kill, out):
+        return subprocess.run([sys.executable, str(script), str(run_dir), str(kill), str(out)], capture_output=True,
+                              text=True, env=env, timeout=600)
+
+    whole = run_script(tmp_path / "whole", -1, tmp_path / "whole.npz")
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    killed = run_script(tmp_path / "run", kill_at, tmp_path / "unused.npz")
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    resumed = run_script(tmp_path / "run", -1, tmp_path / "resumed.npz")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    expected, got = np.load(tmp_path / "whole.npz"), np.load(tmp_path / "resumed.npz")
+    assert int(got["steps"]) >= int(expected["steps"])  # the steps run twice are charged twice
+    for key in expected.files:
+        if key != "steps":
+            np.testing.assert_array_equal(got[key], expected[key])
