@@ -39,7 +39,7 @@ from small_models import LOSS, PER_EXAMPLE_LOSS, conv_gn_model, gaussian_data, s
 from sparta_tf.data import load_dataset
 from sparta_tf.privacy.tuning import per_run_event, tuning_epsilon
 from sparta_tf.tuning import procedure
-from trainers import cli, run, tune_cli
+from trainers import audit, cli, run, tune_cli
 from trainers.config import ConfigError, validate
 
 K_CAP = 3  # examples_per_user in the unit tests
@@ -310,6 +310,7 @@ def test_sparta_train_trains_at_user_level_and_records_the_unit(tmp_path):
     assert results["unit"] == "user" and results["examples_per_user"] == 4 and results["plan"]["unit"] == "user"
     ledger = json.loads((tmp_path / "out" / "ledger.json").read_text())
     assert ledger["unit"] == "user" and ledger["entries"]
+    assert os.path.isfile(os.path.join(results["export_dir"], "saved_model.pb"))  # the serving export
     data = load_dataset(_user_config(tmp_path)["data"], split_key=0)
     assert results["n"] < len(data.x_train)  # users, not examples
 
@@ -432,3 +433,9 @@ def test_a_user_level_run_killed_and_resumed_ends_as_an_uninterrupted_one(tmp_pa
     for key in expected.files:
         if key != "steps":
             np.testing.assert_array_equal(got[key], expected[key])
+
+
+def test_the_audit_refuses_a_user_level_config_in_one_line(tmp_path, write_config, capsys):
+    assert audit.main(["--config", str(write_config(_user_config(tmp_path)))]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "canaries are single examples" in lines[0]

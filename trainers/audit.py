@@ -130,6 +130,7 @@ def run_audit(config: dict, canaries: int | None = None, kind: str = "mislabelle
     import numpy as np
 
     check_arguments(canaries, kind, score, confidence)
+    check_unit(config)
     import_tensorflow()
     from sparta_tf.atomic_files import write_atomic
     from sparta_tf.audit import audit_report, summary_line
@@ -167,6 +168,15 @@ def check_arguments(canaries: int | None, kind: str, score: str, confidence: flo
         raise ConfigError(f"--score {score} is unknown; use one of {', '.join(SCORES)}")
     if not 0 < confidence < 1:
         raise ConfigError(f"--confidence {confidence} must be in (0, 1), e.g. 0.95")
+
+
+def check_unit(config: dict) -> None:
+    """One line for a user-level config: the audit's canaries are examples, so it would audit a guarantee
+    the run does not claim (a canary user, several examples included or left out together, is not built)."""
+    if config["privacy"]["unit"] != "example":
+        raise ConfigError("privacy.unit: user: sparta-audit's canaries are single examples, so it would audit an "
+                          "example-level claim, not this run's per-user one; audit a copy of the config without "
+                          "privacy.unit and data.user_key")
 
 
 def main(argv=None) -> int:
