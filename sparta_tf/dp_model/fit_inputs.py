@@ -177,6 +177,7 @@ def input_pipeline(dp, x, y, initial_step: int, users=None):
         return user_pipeline(dp, x, y, users, initial_step)
     n = len(tf.nest.flatten(x)[0])
     dp.bind_dataset_size(n)  # delta < 1/n is checked there
+    extra = 0 if dp.canaries is None else dp.canaries.participants  # a white-box audit's included canaries
     if dp.sampling == "shuffle":
         batch = max(1, round(dp.sample_rate * n))
         dataset = shuffled_dataset(x, y, batch, seed=dp._seed, start_step=initial_step)
@@ -184,7 +185,10 @@ def input_pipeline(dp, x, y, initial_step: int, users=None):
     replicas = dp.distribute_strategy.num_replicas_in_sync
     if dp.physical_batch_size is None:
         dp.physical_batch_size = default_physical_batch_size(n, dp.sample_rate, multiple_of=replicas)
-    sampler = PoissonSampler(n, dp.sample_rate, dp.physical_batch_size, seed=dp._seed, bands=dp.mechanism.bands)
+    sampler = PoissonSampler(n, dp.sample_rate, dp.physical_batch_size, seed=dp._seed, bands=dp.mechanism.bands,
+                             extra=extra)
+    if dp.canaries is not None:
+        dp.canaries.bind_sampler(sampler)
     return sampler.dataset(x, y, start_step=initial_step), sampler.steps_per_epoch
 
 def user_pipeline(dp, x, y, users, initial_step: int):

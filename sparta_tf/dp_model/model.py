@@ -214,8 +214,19 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
         self._non_finite = NonFiniteExamples()  # sampled examples dropped as non-finite, per epoch
         self._model_probed = False
         self.private_run = None  # set by sparta_tf.make_private
+        self.canaries = None  # a white-box audit's gradient canaries (attach_canaries)
 
     # ------------------------------------------------------------------ model
+
+    def attach_canaries(self, canaries) -> None:
+        """Makes every DP gradient step of ``fit`` run with a white-box audit's gradient canaries
+        (:class:`~sparta_tf.audit.gradient_canaries.GradientCanaries`): they join the sampler as extra
+        participants, the clipped sum before the noise, and are observed after it."""
+        if self.unit != "example" or self.sampling != "poisson":
+            raise ValueError("white-box canaries join Poisson sampling of examples: audit a run with unit='example' "
+                             "and sampling='poisson'")
+        self.canaries = canaries
+        self._engine = None
 
     def attach_run(self, run) -> None:
         """Makes ``fit`` run ``run``'s method and plan (:class:`sparta_tf.private_training.PrivateRun`)."""
@@ -432,7 +443,7 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
     def _gradient_release(self) -> GradientRelease:
         """DP-SGD's release of :attr:`mechanism` (``sigma, C, q, n``) to the optimizer."""
         return GradientRelease.of_mechanism(self._mechanism, self._noise_seed, self._masked_optimizer,
-                                            self.weight_average, self.correlated_noise)
+                                            self.weight_average, self.correlated_noise, self.canaries)
 
     def step_parts(self) -> StepParts:
         """The parts a step traced now runs with (:mod:`sparta_tf.dp_step`); configuration only."""

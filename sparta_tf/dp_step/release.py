@@ -66,26 +66,29 @@ class GradientRelease:
     uses_gradient_filter = True
 
     def __init__(self, clip: ClippedSum, noise: GaussianNoise | CorrelatedNoise, normalise: ExpectedBatchNormalisation,
-                 optimizer: MaskedOptimizer, average: WeightAverage | None = None):
+                 optimizer: MaskedOptimizer, average: WeightAverage | None = None, canaries=None):
         self.clip = clip
         self.noise = noise
         self.normalise = normalise
         self.optimizer = optimizer
         self.average = average
+        self.canaries = canaries  # white-box audit canaries (sparta_tf.audit.gradient_canaries), or None
 
     @classmethod
     def of_mechanism(cls, mechanism, seed: tf.Variable | tf.Tensor, optimizer: MaskedOptimizer,
                      average: WeightAverage | None = None,
-                     correlated: CorrelatedNoise | None = None) -> "GradientRelease":
+                     correlated: CorrelatedNoise | None = None, canaries=None) -> "GradientRelease":
         """DP-SGD's release of ``mechanism`` (a :class:`~sparta_tf.privacy.mechanism.DpSgdMechanism`:
         ``C``, ``sigma``, ``q n``), its noise drawn from ``seed`` (independent, or ``correlated``'s when
         the mechanism has bands: the model's state of BandMF's noise), applied by ``optimizer``, averaged
-        by ``average`` (None: no weight average)."""
+        by ``average`` (None: no weight average); ``canaries``: a white-box audit's gradient canaries,
+        inserted into the clipped sum before the noise and observed after it (None: none)."""
         if (mechanism.bands > 1) != (correlated is not None):
             raise ValueError(f"a mechanism with bands={mechanism.bands} needs "
                              f"{'its CorrelatedNoise' if mechanism.bands > 1 else 'no CorrelatedNoise'}")
         noise = correlated if correlated is not None else GaussianNoise(mechanism, seed)
-        return cls(ClippedSum(mechanism.clip_norm), noise, ExpectedBatchNormalisation(mechanism), optimizer, average)
+        return cls(ClippedSum(mechanism.clip_norm), noise, ExpectedBatchNormalisation(mechanism), optimizer, average,
+                   canaries)
 
     def selections(self, trainable_set: TrainableSet) -> list:
         return trainable_set.selections
@@ -100,8 +103,15 @@ class GradientRelease:
         return self.clip(engine, x, y, loss_fn, valid, keep)
 
     def noisy_gradient(self, sums: list, step: tf.Tensor, keep: KeepMasks | None) -> list:
-        """``g~_t = 1_s (.) (S_t + N(0, sigma^2 C^2 I)) / (q n)``, the same on every replica."""
-        noisy = self.normalise(self.noise(sums, step))
+        """``g~_t = 1_s (.) (S_t + N(0, sigma^2 C^2 I)) / (q n)``, the same on every replica (with audit
+        canaries: inserted into ``S_t``, observed in ``S_t + noise``)."""
+        if self.canaries is None:
+            noisy = self.normalise(self.noise(sums, step))
+        else:
+            selections = self.optimizer.selections
+            noisy = self.noise(self.canaries.insert(sums, step, selections), step)
+            with tf.control_dependencies(self.canaries.observe(noisy, step, selections)):
+                noisy = self.normalise([tf.identity(t) for t in noisy])
         return noisy if keep is None else restrict(noisy, keep)
 
     def release(self, sums, step, keep):

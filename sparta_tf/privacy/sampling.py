@@ -187,6 +187,9 @@ class PoissonSampler:
         (:mod:`sparta_tf.random_streams`; ``"poisson_sampling"`` for DP-SGD).
       steps_per_epoch: ``max(1, round(1 / q))``.
       expected_batch_size: ``q * n``, the normaliser of the noisy gradient sum.
+      extra: participants beyond the ``n`` examples, sampled by the same draws (positions ``n ..
+        n + extra - 1``; :meth:`extra_mask`): the white-box audit's gradient canaries
+        (:mod:`sparta_tf.audit.gradient_canaries`), which have no rows in the dataset.
 
     Example::
 
@@ -203,8 +206,12 @@ class PoissonSampler:
         seed: int | None = None,
         stream: str = POISSON_STREAM,
         bands: int = 1,
+        extra: int = 0,
     ) -> None:
         self.n: int = check_positive_int(n, "n", "pass the number of training examples")
+        if isinstance(extra, bool) or not isinstance(extra, int) or extra < 0:
+            raise ValueError(f"extra={extra!r} must be an integer >= 0 (participants without rows)")
+        self.extra: int = extra
         self.sample_rate: float = check_sample_rate(sample_rate)
         if physical_batch_size is None:
             physical_batch_size = default_physical_batch_size(self.n, self.sample_rate)
@@ -227,30 +234,37 @@ class PoissonSampler:
 
     @property
     def expected_batch_size(self) -> float:
-        return self.sample_rate * self.n
+        return self.sample_rate * (self.n + self.extra)
 
     def __repr__(self) -> str:  # never print the secret seed
         return (
             f"PoissonSampler(n={self.n}, sample_rate={self.sample_rate}, "
             f"physical_batch_size={self.physical_batch_size}, seed=<hidden>"
-            + ("" if self.bands == 1 else f", bands={self.bands}") + ")"
+            + ("" if self.bands == 1 else f", bands={self.bands}")
+            + ("" if self.extra == 0 else f", extra={self.extra}") + ")"
         )
 
     def groups(self) -> tf.Tensor:
-        """int64 [n]: each example's group ``g_i`` under cyclic Poisson sampling (all 0 with one band)."""
+        """int64 [n + extra]: each participant's group ``g_i`` under cyclic Poisson sampling (all 0 with one
+        band)."""
         return self._groups
 
     def _draw_groups(self) -> tf.Tensor:
         if self.bands == 1:
-            return tf.zeros([self.n], tf.int64)
-        return tf.random.stateless_uniform([self.n], seed=random_streams.step_key(self.seed, "cyclic_groups", 0),
+            return tf.zeros([self.participants], tf.int64)
+        return tf.random.stateless_uniform([self.participants], seed=random_streams.step_key(self.seed, "cyclic_groups", 0),
                                            minval=0, maxval=self.bands, dtype=tf.int64,
                                            alg=random_streams.TF_ALGORITHM)
 
-    def sample_mask(self, step: int | tf.Tensor) -> tf.Tensor:
-        """Bool [n]: which examples are in the sample of global step ``step`` (of its group, with bands)."""
+    @property
+    def participants(self) -> int:
+        """``n + extra``: everyone the draws sample."""
+        return self.n + self.extra
+
+    def participant_mask(self, step: int | tf.Tensor) -> tf.Tensor:
+        """Bool [n + extra]: who is in the sample of global step ``step`` (of its group, with bands)."""
         u = tf.random.stateless_uniform(
-            [self.n],
+            [self.participants],
             seed=random_streams.step_key(self.seed, self.stream, step),
             dtype=tf.float64,
             alg=random_streams.TF_ALGORITHM,
@@ -259,6 +273,15 @@ class PoissonSampler:
         if self.bands == 1:
             return sampled
         return sampled & tf.equal(self._groups, tf.math.floormod(tf.cast(step, tf.int64), self.bands))
+
+    def sample_mask(self, step: int | tf.Tensor) -> tf.Tensor:
+        """Bool [n]: which examples are in the sample of global step ``step``."""
+        mask = self.participant_mask(step)
+        return mask if self.extra == 0 else mask[: self.n]
+
+    def extra_mask(self, step: int | tf.Tensor) -> tf.Tensor:
+        """Bool [extra]: which extra participants are in the sample of global step ``step``."""
+        return self.participant_mask(step)[self.n:]
 
     def padded_indices(self, step: int | tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         """Indices and weights of step ``step``, padded to ``k * P``.
