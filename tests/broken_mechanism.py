@@ -3,7 +3,9 @@
 ``broken_mechanism(noise=False)`` makes every Gaussian noise draw of the
 DP step (training and SPARTA's selection) exactly zero;
 ``broken_mechanism(clipping=False)`` makes every clip factor 1 (padding
-still weighs 0). The ledger does not know: it keeps claiming the epsilon of
+still weighs 0). :func:`subtly_broken_mechanism` makes the bugs a white-box audit must catch: the DP
+step's noise at a fraction of its standard deviation, the Poisson sampler at a multiple of its rate,
+BandMF's factorization without its unit column norm. The ledger does not know: it keeps claiming the epsilon of
 the intact mechanism, which is the bug an audit must expose. Nothing in the
 library or the CLIs can reach this; it patches module attributes for the
 duration of a ``with`` block and checks that every patched attribute exists
@@ -58,3 +60,47 @@ def broken_mechanism(noise: bool = True, clipping: bool = True):
     finally:
         for module, attribute, original in reversed(saved):
             setattr(module, attribute, original)
+
+
+@contextlib.contextmanager
+def subtly_broken_mechanism(noise_scale: float = 1.0, rate_scale: float = 1.0, unnormalised_bands: bool = False):
+    """Within the block, DP steps and samplers built from now on draw noise at ``noise_scale`` times its
+    standard deviation, sample at ``rate_scale`` times the rate (at most 1), and (``unnormalised_bands``)
+    correlate noise with BandMF's square-root series before its scaling to unit column norm."""
+    noise = importlib.import_module("sparta_tf.dp_step.noise")
+    sampling = importlib.import_module("sparta_tf.privacy.sampling")
+    correlated = importlib.import_module("sparta_tf.dp_step.correlated_noise")
+    banded = importlib.import_module("sparta_tf.privacy.banded")
+    for module, attribute in ((noise, "noise_draws"), (sampling.PoissonSampler, "participant_mask"),
+                              (correlated, "BandedFactorization"), (banded, "sqrt_series")):
+        if not hasattr(module, attribute):
+            raise AssertionError(f"{module}.{attribute} is gone: update tests/broken_mechanism.py")
+    draws, mask, factorization = noise.noise_draws, sampling.PoissonSampler.participant_mask, \
+        correlated.BandedFactorization
+
+    def scaled_draws(shapes, stddev, *args, **kwargs):
+        return draws(shapes, stddev * noise_scale, *args, **kwargs)
+
+    def faster_mask(self, step):
+        rate = self.step_sample_rate
+        self.step_sample_rate = min(1.0, rate * rate_scale)
+        try:
+            return mask(self, step)
+        finally:
+            self.step_sample_rate = rate
+
+    class Unnormalised(factorization):
+        def __init__(self, bands, momentum=0.0):
+            super().__init__(bands, momentum)
+            self.coefficients = banded.sqrt_series(bands, momentum)
+
+    noise.noise_draws = correlated.noise_draws = scaled_draws
+    sampling.PoissonSampler.participant_mask = faster_mask
+    if unnormalised_bands:
+        correlated.BandedFactorization = Unnormalised
+    try:
+        yield
+    finally:
+        noise.noise_draws = correlated.noise_draws = draws
+        sampling.PoissonSampler.participant_mask = mask
+        correlated.BandedFactorization = factorization

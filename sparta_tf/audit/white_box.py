@@ -84,7 +84,7 @@ class Interval:
 
     @property
     def matches(self) -> bool:
-        return self.low <= self.claimed <= self.high
+        return bool(self.low <= self.claimed <= self.high)
 
 
 def noise_interval(noise: np.ndarray, claimed_std: float) -> Interval:
