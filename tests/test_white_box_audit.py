@@ -9,8 +9,12 @@
 * three subtly broken mechanisms, the ledger still claiming epsilon 1, are caught by the white box:
   the noise at half its std, the sampler at twice its rate, BandMF without unit column norm (the
   mechanism checks; the one-run bound's values are reported, see docs/audit.md for its reach);
-* the scores and checks against direct computations.
+* the scores and checks against direct computations;
+* ``sparta-audit --white-box`` audits SPARTA through the CLI and exits 3 on a mechanism that does not
+  match its ledger.
 """
+
+import json
 
 import numpy as np
 import pytest
@@ -18,12 +22,14 @@ import tensorflow as tf
 
 import sparta_tf
 from broken_mechanism import subtly_broken_mechanism
+from small_configs import tiny_config
 from small_models import LOSS, small_data
 from sparta_tf.audit import white_box
 from sparta_tf.audit.gradient_canaries import GradientCanaries
 from sparta_tf.audit.white_box_run import audit_white_box, whitening_factor
 from sparta_tf.privacy.sampling import PoissonSampler
 from sparta_tf.trainable import TrainableSet
+from trainers import audit
 
 N, CANARIES = 512, 2000
 
@@ -130,3 +136,23 @@ def test_the_checks_measure_noise_and_rate_and_whitening_undoes_the_factorizatio
     steps = [0, 1, 2, 5, 6]  # a gap: steps 3-4 released no gradient
     factor = whitening_factor(coefficients, steps)
     assert factor[1, 0] == 0.6 and factor[3, 2] == 0 and factor[4, 3] == 0.6 and np.allclose(np.diag(factor), 0.8)
+
+
+def test_sparta_audit_white_box_runs_sparta_and_writes_its_report(tmp_path, write_config, capsys):
+    config = tiny_config(tmp_path / "out", method="sparta", epochs=3)
+    config["method"]["warmup_epochs"] = 1
+    path = write_config(config)
+    assert audit.main(["--config", path, "--white-box", "--canaries", "150"]) == 0
+    report = json.loads((tmp_path / "out" / "audit" / "audit.json").read_text())
+    assert report["kind"] == "white_box" and report["passed"] and report["canaries"] == 150
+    assert set(report["bounds"]) == {"steps", "final_model"} and report["mismatches"] == []
+    assert report["observed_steps"] > 0 and report["steps"] > report["observed_steps"]  # selection: not observed
+    assert "white-box audit of epsilon" in capsys.readouterr().out
+
+
+def test_sparta_audit_white_box_exits_3_on_a_mechanism_that_does_not_match_its_ledger(tmp_path, write_config):
+    config = tiny_config(tmp_path / "out", method="all", epochs=2)
+    with subtly_broken_mechanism(noise_scale=0.5):
+        assert audit.main(["--config", write_config(config), "--white-box", "--canaries", "150"]) == 3
+    report = json.loads((tmp_path / "out" / "audit" / "audit.json").read_text())
+    assert report["mismatches"] == ["noise_std"] and report["passed"] is False

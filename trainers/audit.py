@@ -57,6 +57,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--score", default="loss", choices=SCORES,
                         help="canary score: loss (-loss of the trained model, default) or loss_drop (start - end)")
     parser.add_argument("--confidence", type=float, default=0.95, help="confidence of the bound (default 0.95)")
+    parser.add_argument("--white-box", action="store_true",
+                        help="gradient canaries inside the DP step, scored from every step's release, and the "
+                             "mechanism's noise and sampling rate checked against the ledger (default: data "
+                             "canaries scored by the trained model's loss)")
     return parser.parse_args(argv)
 
 
@@ -158,6 +162,68 @@ def run_audit(config: dict, canaries: int | None = None, kind: str = "mislabelle
     return report
 
 
+class _WhiteBoxHooks:
+    """The ``trainers.run.train`` seam of ``--white-box``: the data as they are, gradient canaries in the step."""
+
+    def __init__(self, count: int | None, seed: int, confidence: float):
+        self.count, self.seed, self.confidence = count, seed, confidence
+        self.planted = None
+        self.report = None
+
+    def private_data(self, dataset):
+        return dataset
+
+    def attach(self, dp) -> None:
+        from sparta_tf.audit.white_box_run import plant_gradient_canaries
+
+        try:
+            self.planted = plant_gradient_canaries(dp, self.count, self.seed)
+        except ValueError as error:
+            raise ConfigError(f"--canaries: {error}") from None
+        canaries = self.planted.canaries
+        print(f"== white-box audit: {canaries.count} gradient canaries on {canaries.variable.name}, "
+              f"{canaries.participants} included (canary seed {self.seed})")
+
+    def callbacks(self) -> list:
+        return [self.planted.recorder]
+
+    def after_fit(self, dp, dataset) -> dict:
+        from sparta_tf.audit.white_box_run import white_box_report
+
+        self.report = white_box_report(dp, self.planted, self.confidence)
+        return {}
+
+
+def run_white_box_audit(config: dict, canaries: int | None = None, seed: int | None = None,
+                        confidence: float = 0.95) -> dict:
+    """Trains ``audit_config(config)`` with gradient canaries in its DP steps and returns (and writes) the
+    ``audit.json`` report (:mod:`sparta_tf.audit.white_box`)."""
+    check_arguments(canaries, CANARY_KINDS[0], SCORES[0], confidence)
+    check_unit(config)
+    import_tensorflow()
+    from sparta_tf.atomic_files import write_atomic
+    from sparta_tf.audit.white_box import describe_audit
+    from trainers import run
+
+    config = audit_config(config)
+    seed = run.data_seed(config) if seed is None else seed
+    output_dir = config["output_dir"]
+    if os.path.exists(os.path.join(output_dir, AUDIT_JSON)) or os.path.exists(os.path.join(output_dir, run.RESULTS)):
+        raise ConfigError(f"{output_dir} already holds an audit; pass --set output_dir=NEW_DIR "
+                          "(the audit trains in NEW_DIR/audit)")
+    hooks = _WhiteBoxHooks(canaries, seed, confidence)
+    results = run.train(config, hooks=hooks)
+    audit = hooks.report
+    report = {"kind": "white_box", **audit.to_json(),
+              "passed": not (audit.contradicts_claim or audit.mismatches)}
+    report |= {key: results[key] for key in ("method", "private", "target_epsilon", "noise_multiplier",
+                                             "sample_rate", "steps", "n", "test_accuracy", "train_s")}
+    path = os.path.join(output_dir, AUDIT_JSON)
+    write_atomic(path, json.dumps(report, indent=1))
+    print(describe_audit(audit) + f"; report in {path}")
+    return report
+
+
 def check_arguments(canaries: int | None, kind: str, score: str, confidence: float) -> None:
     """Raises :class:`ConfigError` (one line, with the fix) for audit arguments that cannot work."""
     if canaries is not None and canaries < 2:
@@ -190,8 +256,11 @@ def _audit(args: argparse.Namespace, loaded: dict) -> int:
     try:
         loaded["config"] = load_config(args.config, args.overrides)  # checked before TensorFlow is imported
         check_arguments(args.canaries, args.canary_kind, args.score, args.confidence)
-        report = run_audit(loaded["config"], args.canaries, args.canary_kind, args.canary_seed, args.confidence,
-                           args.score)
+        if args.white_box:
+            report = run_white_box_audit(loaded["config"], args.canaries, args.canary_seed, args.confidence)
+        else:
+            report = run_audit(loaded["config"], args.canaries, args.canary_kind, args.canary_seed, args.confidence,
+                               args.score)
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2

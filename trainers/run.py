@@ -404,6 +404,8 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
                        use_ema_weights=training["use_ema_weights"] if training["ema"] is not None else None,
                        examples_per_user=privacy["examples_per_user"])
     dp.compile(make_optimizer(config, plan.update_steps), loss=LOSS, metrics=["accuracy"])
+    if hasattr(hooks, "attach"):
+        hooks.attach(dp)  # sparta-audit --white-box: its gradient canaries join the DP step
     if dp.private_run.previous is None:  # a fresh run (RunDirectory refuses a checkpoint without --resume)
         if run_dir.resume:
             print(f"== --resume: no checkpoint in {output_dir}, starting from scratch")

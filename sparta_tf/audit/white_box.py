@@ -182,3 +182,15 @@ def white_box_audit(observations: np.ndarray, included: np.ndarray, initial: np.
                               clip_norm=clip_norm, factor=factor)
     return WhiteBoxAudit(claimed_epsilon, delta, len(included), int(np.asarray(observations).shape[0]), bounds,
                          ceiling(len(included), delta, each), checks)
+
+
+def describe_audit(audit: WhiteBoxAudit) -> str:
+    """One line: the claim, each bound, the ceiling, the checks and the verdict."""
+    bounds = ", ".join(f"{name} {b.epsilon_lower_bound:.3g}" for name, b in audit.bounds.items())
+    checks = "; ".join(f"{name} {c.estimate:.4g} [{c.low:.4g}, {c.high:.4g}] vs claimed {c.claimed:.4g}"
+                       f"{'' if c.matches else ' MISMATCH'}" for name, c in audit.checks.items())
+    verdict = ("CONTRADICTS the claim" if audit.contradicts_claim else
+               "the mechanism does NOT match its ledger" if audit.mismatches else "consistent with the claim")
+    return (f"white-box audit of epsilon {audit.claimed_epsilon:.4g} (delta {audit.delta:g}), {audit.canaries} canaries "
+            f"over {audit.observed_steps} steps: lower bounds {bounds} (at most {audit.ceiling:.3g} with this many "
+            f"canaries); measured {checks}: {verdict}")

@@ -1,6 +1,10 @@
-"""One white-box audit run through ``DPModel.fit`` (:func:`audit_white_box`)."""
+"""One white-box audit run through ``DPModel.fit``: :func:`audit_white_box`, or its parts
+(:func:`plant_gradient_canaries` before ``fit``, :func:`white_box_report` after) for a caller that runs
+``fit`` itself (``sparta-audit --white-box``)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import tensorflow as tf
@@ -9,35 +13,60 @@ from sparta_tf.audit.gradient_canaries import CanaryObservations, GradientCanari
 from sparta_tf.audit.white_box import WhiteBoxAudit, white_box_audit
 from sparta_tf.privacy.banded import BandedFactorization
 
+DEFAULT_CANARIES = 1000
+
 
 def canary_values(canaries: GradientCanaries) -> np.ndarray:
     """The canary coordinates' current values."""
     return np.reshape(canaries.variable.numpy(), [-1])[canaries.coordinates].astype(np.float64)
 
 
-def audit_white_box(dp, x, y, *, canaries: int = 1000, seed: int = 0, variable: tf.Variable | None = None,
-                    confidence: float = 0.95, callbacks=None, **fit_kwargs) -> WhiteBoxAudit:
-    """Trains ``dp`` (a compiled :class:`~sparta_tf.DPModel`, e.g. from ``make_private``, whose ledger holds
-    the claim) on ``x, y`` with ``canaries`` gradient canaries on ``variable`` (default: the head's kernel,
-    :func:`~sparta_tf.audit.gradient_canaries.head_kernel`), drawn from ``seed``'s ``canaries`` stream, and
-    returns the white-box bounds against the ledger's epsilon (:mod:`sparta_tf.audit.white_box`)."""
+@dataclasses.dataclass
+class PlantedCanaries:
+    """What :func:`plant_gradient_canaries` attached: the canaries, their coordinates' values before
+    training and the callback that records every step's observations."""
+
+    canaries: GradientCanaries
+    initial: np.ndarray
+    recorder: CanaryObservations
+
+
+def plant_gradient_canaries(dp, count: int | None = None, seed: int = 0,
+                            variable: tf.Variable | None = None) -> PlantedCanaries:
+    """Attaches ``count`` gradient canaries (default: 1000, or the variable's size if smaller) on ``variable``
+    (default: the head's kernel) to ``dp``, drawn from ``seed``'s ``canaries`` stream; pass ``.recorder``
+    to ``fit``'s callbacks."""
     if dp.ledger is None:
         raise ValueError("the DP model has no ledger, so there is no claim to audit: give it delta (make_private does)")
-    planted = GradientCanaries(variable if variable is not None else head_kernel(dp.model), canaries, seed,
-                               dp.clip_norm)
-    dp.attach_canaries(planted)
-    initial = canary_values(planted)
-    recorder = CanaryObservations(planted)
-    dp.fit(x, y, callbacks=[recorder, *(callbacks or [])], **fit_kwargs)
+    variable = variable if variable is not None else head_kernel(dp.model)
+    count = count if count is not None else min(DEFAULT_CANARIES, int(np.prod(variable.shape)))
+    canaries = GradientCanaries(variable, count, seed, dp.clip_norm)
+    dp.attach_canaries(canaries)
+    return PlantedCanaries(canaries, canary_values(canaries), CanaryObservations(canaries))
+
+
+def white_box_report(dp, planted: PlantedCanaries, confidence: float = 0.95) -> WhiteBoxAudit:
+    """The bounds and checks of a finished ``fit`` against ``dp``'s ledger (:mod:`sparta_tf.audit.white_box`)."""
     mechanism = dp.mechanism
     factor = None
     if mechanism.bands > 1:  # the claimed factorization (the analysis's), not the one the noise used
         claimed = BandedFactorization(mechanism.bands, dp._masked_optimizer.workload_momentum).coefficients
-        factor = whitening_factor(claimed, recorder.steps)
-    return white_box_audit(recorder.array, planted.included, initial, canary_values(planted),
-                           claimed_epsilon=dp.ledger.epsilon(), delta=dp.ledger.delta,
-                           sample_rate=mechanism.step_sample_rate, noise_std=mechanism.noise_std,
-                           clip_norm=mechanism.clip_norm, factor=factor, confidence=confidence)
+        factor = whitening_factor(claimed, planted.recorder.steps)
+    return white_box_audit(planted.recorder.array, planted.canaries.included, planted.initial,
+                           canary_values(planted.canaries), claimed_epsilon=dp.ledger.epsilon(),
+                           delta=dp.ledger.delta, sample_rate=mechanism.step_sample_rate,
+                           noise_std=mechanism.noise_std, clip_norm=mechanism.clip_norm, factor=factor,
+                           confidence=confidence)
+
+
+def audit_white_box(dp, x, y, *, canaries: int | None = None, seed: int = 0, variable: tf.Variable | None = None,
+                    confidence: float = 0.95, callbacks=None, **fit_kwargs) -> WhiteBoxAudit:
+    """Trains ``dp`` (a compiled :class:`~sparta_tf.DPModel`, e.g. from ``make_private``, whose ledger holds
+    the claim) on ``x, y`` with gradient canaries (:func:`plant_gradient_canaries`) and returns the white-box
+    bounds and mechanism checks against the ledger (:func:`white_box_report`)."""
+    planted = plant_gradient_canaries(dp, canaries, seed, variable)
+    dp.fit(x, y, callbacks=[planted.recorder, *(callbacks or [])], **fit_kwargs)
+    return white_box_report(dp, planted, confidence)
 
 
 def whitening_factor(coefficients: np.ndarray, steps: list[int]) -> np.ndarray:
