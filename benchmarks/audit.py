@@ -21,6 +21,15 @@ The pre-trained model is cached in ``--work-dir``.
     python benchmarks/audit.py --methods all --epsilons 1 --no-nonprivate   # one cell
     python benchmarks/audit.py --methods bitfit --epsilons 8 --no-nonprivate --canaries 40 --epochs 1 \
         --work-dir /tmp/w --out /tmp/audit-smoke                              # CI smoke, ~30 s
+
+``--white-box``: the same regime audited with gradient canaries inside the DP step (``sparta-audit
+--white-box``, :mod:`sparta_tf.audit.white_box`; ``--canaries`` on ``--canary-variable``), honest at every
+epsilon and, claiming epsilon 1, three subtly broken mechanisms (``tests/broken_mechanism.py``): the noise
+at half its standard deviation, the sampler at twice its rate, BandMF (4 bands) without its unit column
+norm. Its table is ``--out``-white-box.{json,md}:
+
+    python benchmarks/audit.py --white-box --methods all --epsilons 1 2 4 8 --canaries 2000 \
+        --canary-variable stage3_block3_conv2/kernel   # docs/audit.md white-box table
 """
 
 from __future__ import annotations
@@ -60,7 +69,88 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "audit-bench"))
     parser.add_argument("--out", default=OUT, help="stem of the .json / .md outputs")
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--white-box", action="store_true", help="gradient canaries in the DP step (module doc)")
+    parser.add_argument("--canary-variable", default=None, help="with --white-box: the canaries' variable")
     return parser.parse_args(argv)
+
+
+SUBTLE = {"half-noise": ({"noise_scale": 0.5}, []), "double-rate": ({"rate_scale": 2.0}, []),
+          "unnormalised-bands": ({"unnormalised_bands": True}, ["privacy.bands=4"])}
+"""The white-box table's broken mechanisms, each claiming epsilon 1: the sabotage and its config overrides."""
+
+
+def white_box_cells(args) -> list[tuple[str, str, int]]:
+    settings = [f"{eps:g}" for eps in args.epsilons] + ([] if args.no_nonprivate else list(SUBTLE))
+    return [(m, s, seed) for seed in args.canary_seeds for s in settings for m in args.methods]
+
+
+def run_white_box_cell(args, method: str, setting: str, seed: int) -> dict:
+    import tensorflow as tf
+
+    from broken_mechanism import subtly_broken_mechanism
+    from trainers.audit import run_white_box_audit
+
+    sabotage, extra = SUBTLE.get(setting, ({}, []))
+    epsilon = 1.0 if setting in SUBTLE else float(setting)
+    overrides = REGIME + extra + [
+        f"training.epochs={args.epochs}", f"method.name={method}", f"privacy.target_epsilon={epsilon}",
+        f"pretrain.checkpoint={os.path.join(args.work_dir, 'pretrained.keras')}",
+        f"output_dir={os.path.join(args.work_dir, 'white-box-' + cell_key(method, setting, seed))}"]
+    if method != "sparta":
+        overrides.append("method.warmup_epochs=0")
+    config = load_config(CONFIG, overrides)
+    shutil.rmtree(config["output_dir"], ignore_errors=True)
+    tf.keras.backend.clear_session()
+    start = time.perf_counter()
+    with subtly_broken_mechanism(**sabotage):
+        report = run_white_box_audit(config, args.canaries, seed=seed, variable=args.canary_variable)
+    return report | {"setting": setting, "canary_seed": seed, "seconds": time.perf_counter() - start,
+                     "epochs": args.epochs}
+
+
+def white_box_markdown(results: dict) -> str:
+    """One row per cell: the claim, each bound, the ceiling, each check (measured [99.9% interval] vs claimed)."""
+    rows = ["| method | mechanism | ε claimed | bound: steps or prefix sum | bound: final model | ceiling "
+            "| noise std measured vs claimed | rate measured vs claimed | verdict | canaries | steps observed | s |",
+            "|" + "---|" * 12]
+    for report in sorted(results.values(), key=lambda r: (r["method"], r["setting"] in SUBTLE, r["setting"])):
+        bounds = report["bounds"]
+        first = next(name for name in bounds if name != "final_model")
+        checks = report["checks"]
+
+        def check(name):
+            if name not in checks:
+                return "—"
+            c = checks[name]
+            return f"{c['estimate']:.3g} [{c['low']:.3g}, {c['high']:.3g}] vs {c['claimed']:.3g}"
+
+        verdict = ("contradicts" if report["contradicts_claim"] else
+                   "mismatch: " + ", ".join(report["mismatches"]) if report["mismatches"] else "consistent")
+        rows.append(f"| {report['method']} | {'honest' if report['setting'] not in SUBTLE else report['setting']} "
+                    f"| {report['claimed_epsilon']:.2f} | {bounds[first]['epsilon_lower_bound']:.2f} ({first}) "
+                    f"| {bounds['final_model']['epsilon_lower_bound']:.2f} | {report['ceiling']:.2f} "
+                    f"| {check('noise_std')} | {check('sample_rate')} | {verdict} | {report['canaries']} "
+                    f"| {report['observed_steps']} | {report['seconds']:.0f} |")
+    return "\n".join(rows) + "\n"
+
+
+def white_box_main(args) -> int:
+    stem = args.out + "-white-box"
+    json_path, md_path = stem + ".json", stem + ".md"
+    results = load(json_path)
+    if not args.report_only:
+        os.makedirs(args.work_dir, exist_ok=True)
+        for method, setting, seed in white_box_cells(args):
+            key = cell_key(method, setting, seed)
+            if key in results:
+                continue
+            print(f"== white-box cell {key}", flush=True)
+            results[key] = run_white_box_cell(args, method, setting, seed)
+            save(json_path, results)
+    with open(md_path, "w") as f:
+        f.write(white_box_markdown(results))
+    print(white_box_markdown(results))
+    return 0
 
 
 BROKEN = {"no-noise": {"noise": False}, "no-noise-no-clipping": {"noise": False, "clipping": False}}
@@ -72,7 +162,8 @@ def cells(args) -> list[tuple[str, str, int]]:
 
 
 def cell_key(method: str, setting: str, seed: int) -> str:
-    return f"{method}-{setting if setting in BROKEN else 'eps' + setting}-canaryseed{seed}"
+    named = setting in BROKEN or setting in SUBTLE
+    return f"{method}-{setting if named else 'eps' + setting}-canaryseed{seed}"
 
 
 def run_cell(args, method: str, setting: str, seed: int) -> dict:
@@ -164,6 +255,8 @@ def _same_regime(record: dict, args) -> bool:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.white_box:
+        return white_box_main(args)
     json_path, md_path = args.out + ".json", args.out + ".md"
     results = load(json_path)
     if not args.report_only:

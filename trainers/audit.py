@@ -61,6 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="gradient canaries inside the DP step, scored from every step's release, and the "
                              "mechanism's noise and sampling rate checked against the ledger (default: data "
                              "canaries scored by the trained model's loss)")
+    parser.add_argument("--canary-variable", default=None, metavar="NAME",
+                        help="with --white-box: the trainable variable the gradient canaries live on (its name as "
+                             "Keras prints it, e.g. stage3_block3_conv2/kernel); default: the head's kernel")
     return parser.parse_args(argv)
 
 
@@ -165,8 +168,8 @@ def run_audit(config: dict, canaries: int | None = None, kind: str = "mislabelle
 class _WhiteBoxHooks:
     """The ``trainers.run.train`` seam of ``--white-box``: the data as they are, gradient canaries in the step."""
 
-    def __init__(self, count: int | None, seed: int, confidence: float):
-        self.count, self.seed, self.confidence = count, seed, confidence
+    def __init__(self, count: int | None, seed: int, confidence: float, variable: str | None = None):
+        self.count, self.seed, self.confidence, self.variable = count, seed, confidence, variable
         self.planted = None
         self.report = None
 
@@ -174,10 +177,11 @@ class _WhiteBoxHooks:
         return dataset
 
     def attach(self, dp) -> None:
-        from sparta_tf.audit.white_box_run import plant_gradient_canaries
+        from sparta_tf.audit.white_box_run import plant_gradient_canaries, trainable_variable
 
         try:
-            self.planted = plant_gradient_canaries(dp, self.count, self.seed)
+            variable = None if self.variable is None else trainable_variable(dp.model, self.variable)
+            self.planted = plant_gradient_canaries(dp, self.count, self.seed, variable)
         except ValueError as error:
             raise ConfigError(f"--canaries: {error}") from None
         canaries = self.planted.canaries
@@ -195,7 +199,7 @@ class _WhiteBoxHooks:
 
 
 def run_white_box_audit(config: dict, canaries: int | None = None, seed: int | None = None,
-                        confidence: float = 0.95) -> dict:
+                        confidence: float = 0.95, variable: str | None = None) -> dict:
     """Trains ``audit_config(config)`` with gradient canaries in its DP steps and returns (and writes) the
     ``audit.json`` report (:mod:`sparta_tf.audit.white_box`)."""
     check_arguments(canaries, CANARY_KINDS[0], SCORES[0], confidence)
@@ -211,7 +215,7 @@ def run_white_box_audit(config: dict, canaries: int | None = None, seed: int | N
     if os.path.exists(os.path.join(output_dir, AUDIT_JSON)) or os.path.exists(os.path.join(output_dir, run.RESULTS)):
         raise ConfigError(f"{output_dir} already holds an audit; pass --set output_dir=NEW_DIR "
                           "(the audit trains in NEW_DIR/audit)")
-    hooks = _WhiteBoxHooks(canaries, seed, confidence)
+    hooks = _WhiteBoxHooks(canaries, seed, confidence, variable)
     results = run.train(config, hooks=hooks)
     audit = hooks.report
     report = {"kind": "white_box", **audit.to_json(),
@@ -257,7 +261,8 @@ def _audit(args: argparse.Namespace, loaded: dict) -> int:
         loaded["config"] = load_config(args.config, args.overrides)  # checked before TensorFlow is imported
         check_arguments(args.canaries, args.canary_kind, args.score, args.confidence)
         if args.white_box:
-            report = run_white_box_audit(loaded["config"], args.canaries, args.canary_seed, args.confidence)
+            report = run_white_box_audit(loaded["config"], args.canaries, args.canary_seed, args.confidence,
+                                         args.canary_variable)
         else:
             report = run_audit(loaded["config"], args.canaries, args.canary_kind, args.canary_seed, args.confidence,
                                args.score)

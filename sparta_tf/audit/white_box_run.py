@@ -9,6 +9,7 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
+from sparta_tf.backend import variable_key
 from sparta_tf.audit.gradient_canaries import CanaryObservations, GradientCanaries, head_kernel
 from sparta_tf.audit.white_box import WhiteBoxAudit, white_box_audit
 from sparta_tf.privacy.banded import BandedFactorization
@@ -29,6 +30,16 @@ class PlantedCanaries:
     canaries: GradientCanaries
     initial: np.ndarray
     recorder: CanaryObservations
+
+
+def trainable_variable(model: tf.keras.Model, name: str) -> tf.Variable:
+    """The trainable variable of ``model`` named ``name`` (Keras 2's ``name`` with or without ``:0``, or
+    Keras 3's ``path``), or a ValueError listing a few names."""
+    for variable in model.trainable_variables:
+        if name in (variable_key(variable), variable_key(variable).removesuffix(":0")):
+            return variable
+    names = [variable_key(v) for v in model.trainable_variables]
+    raise ValueError(f"no trainable variable named {name!r}; the model's include {names[-4:]}")
 
 
 def plant_gradient_canaries(dp, count: int | None = None, seed: int = 0,
