@@ -135,18 +135,15 @@ def white_box_markdown(results: dict) -> str:
 
 
 def white_box_main(args) -> int:
-    stem = args.out + "-white-box"
-    json_path, md_path = stem + ".json", stem + ".md"
+    """The white-box table: every missing cell run and saved as soon as it is done, then the Markdown."""
+    json_path, md_path = args.out + "-white-box.json", args.out + "-white-box.md"
     results = load(json_path)
-    if not args.report_only:
+    missing = [] if args.report_only else [c for c in white_box_cells(args) if cell_key(*c) not in results]
+    for method, setting, seed in missing:
         os.makedirs(args.work_dir, exist_ok=True)
-        for method, setting, seed in white_box_cells(args):
-            key = cell_key(method, setting, seed)
-            if key in results:
-                continue
-            print(f"== white-box cell {key}", flush=True)
-            results[key] = run_white_box_cell(args, method, setting, seed)
-            save(json_path, results)
+        print(f"== white-box cell {cell_key(method, setting, seed)}", flush=True)
+        results[cell_key(method, setting, seed)] = run_white_box_cell(args, method, setting, seed)
+        save(json_path, results)
     with open(md_path, "w") as f:
         f.write(white_box_markdown(results))
     print(white_box_markdown(results))

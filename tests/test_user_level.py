@@ -389,16 +389,13 @@ _KILLED_SCRIPT = textwrap.dedent("""
 
     run_dir, kill_at, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 
-    class KillAt(tf.keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if int(self.model.dp_step.numpy()) == kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
-
+    kill = tf.keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: (
+        os.kill(os.getpid(), signal.SIGKILL) if int(dp.dp_step.numpy()) == kill_at else None))
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(90, 8)).astype(np.float32), rng.integers(0, 4, 90)
     tf.keras.utils.set_random_seed(0)
     model = tf.keras.Sequential([tf.keras.Input((8,)), tf.keras.layers.Dense(16, activation="relu"),
                                  tf.keras.layers.Dense(4, name="head")])
-    rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(90, 8)).astype(np.float32), rng.integers(0, 4, 90)
     users = np.repeat(np.arange(30), rng.integers(1, 6, 30))[:90]
     users = np.concatenate([users, np.full(90 - len(users), 30)])
     # a budget with room for the steps a resumed run repeats (each is charged again)
@@ -407,7 +404,7 @@ _KILLED_SCRIPT = textwrap.dedent("""
                                 seed=7, unit="user", examples_per_user=3)
     dp.compile(tf.keras.optimizers.SGD(0.1, momentum=0.9),
                loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    dp.fit(x, y, users=users, verbose=0, callbacks=[KillAt()])
+    dp.fit(x, y, users=users, verbose=0, callbacks=[kill])
     np.savez(out, *[v.numpy() for v in model.weights], steps=dp.ledger.steps)
 """)
 

@@ -32,14 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from sparta_tf import random_streams
-from sparta_tf.privacy.array_inputs import (
-    check_positive_int,
-    check_sample_rate,
-    check_start_step,
-    gather_rows,
-    num_examples,
-    to_host_tensors,
-)
+from sparta_tf.privacy import array_inputs as inputs
 from sparta_tf.privacy.sampling import steps_per_epoch
 
 USER_STREAM = "user_sampling"
@@ -99,12 +92,12 @@ class UserPoissonSampler:
                  units_per_batch: int | None = None, seed: int | None = None) -> None:
         self._ids, self.users = dense_user_ids(users)
         self.n: int = len(self._ids)
-        self.sample_rate: float = check_sample_rate(sample_rate)
-        self.examples_per_user: int = check_positive_int(examples_per_user, "examples_per_user",
+        self.sample_rate: float = inputs.check_sample_rate(sample_rate)
+        self.examples_per_user: int = inputs.check_positive_int(examples_per_user, "examples_per_user",
                                                          "cap each user's examples per step, e.g. 8")
         if units_per_batch is None:
             units_per_batch = default_units_per_batch(self.users, self.sample_rate)
-        self.units_per_batch: int = check_positive_int(units_per_batch, "units_per_batch",
+        self.units_per_batch: int = inputs.check_positive_int(units_per_batch, "units_per_batch",
                                                        "pass e.g. default_units_per_batch(users, sample_rate)")
         self.seed: int = random_streams.resolve_seed(seed)
         counts = np.bincount(self._ids, minlength=self.users)
@@ -162,15 +155,15 @@ class UserPoissonSampler:
     def dataset(self, x: Any, y: Any, start_step: int = 0) -> tf.data.Dataset:
         """Infinite dataset of ``(x_rows, y_rows, row_weights)``, one element per global step from
         ``start_step`` (module doc); ``x`` and ``y`` hold the ``n`` examples the user ids describe."""
-        n = num_examples(x, y)
+        n = inputs.num_examples(x, y)
         if n != self.n:
             raise ValueError(f"the sampler was built for n={self.n} examples (one user id each) but x/y have {n}; "
                              "pass users with one id per example of x")
-        start_step = check_start_step(start_step)
-        x_t, y_t = to_host_tensors(x), to_host_tensors(y)
+        start_step = inputs.check_start_step(start_step)
+        x_t, y_t = inputs.to_host_tensors(x), inputs.to_host_tensors(y)
 
         def element(t: tf.Tensor):
             indices, weights = self.padded_rows(t)
-            return gather_rows(x_t, indices), gather_rows(y_t, indices), weights
+            return inputs.gather_rows(x_t, indices), inputs.gather_rows(y_t, indices), weights
 
         return tf.data.Dataset.counter(start_step, dtype=tf.int64).map(element).prefetch(tf.data.AUTOTUNE)
