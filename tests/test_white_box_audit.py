@@ -10,6 +10,8 @@
   the noise at half its std, the sampler at twice its rate, BandMF without unit column norm (the
   mechanism checks; the one-run bound's values are reported, see docs/audit.md for its reach);
 * the scores and checks against direct computations;
+* every kind of method is audited (DP-FROST on a variable its mask trains); a variable no step trains is
+  refused in one line;
 * ``sparta-audit --white-box`` audits SPARTA through the CLI and exits 3 on a mechanism that does not
   match its ledger.
 """
@@ -22,7 +24,7 @@ import tensorflow as tf
 
 import sparta_tf
 from broken_mechanism import subtly_broken_mechanism
-from small_configs import tiny_config
+from small_configs import ONE_METHOD_OF_EACH_KIND, tiny_config
 from small_models import LOSS, small_data
 from sparta_tf.audit import white_box
 from sparta_tf.audit.gradient_canaries import GradientCanaries
@@ -156,3 +158,30 @@ def test_sparta_audit_white_box_exits_3_on_a_mechanism_that_does_not_match_its_l
         assert audit.main(["--config", write_config(config), "--white-box", "--canaries", "150"]) == 3
     report = json.loads((tmp_path / "out" / "audit" / "audit.json").read_text())
     assert report["mismatches"] == ["noise_std"] and report["passed"] is False
+
+
+OPTIONS = {"sparta": {"warmup_epochs": 1}, "oracle": {"warmup_epochs": 1}, "x_bitfit": {"full_epochs": 1}}
+
+
+@pytest.mark.parametrize("method", ONE_METHOD_OF_EACH_KIND)
+def test_every_kind_of_method_is_audited_without_contradiction(method):
+    x, y = small_data(256)
+    model = _model()
+    dp = sparta_tf.make_private(model, method=method, target_epsilon=4.0, delta=1e-5, epochs=3, batch_size=64,
+                                dataset_size=256, seed=1, **OPTIONS.get(method, {}))
+    dp.compile(tf.keras.optimizers.SGD(0.1), loss=LOSS)
+    variable = model.layers[0].kernel if method == "dp_frost" else None  # DP-FROST's mask here: the first layer
+    report = audit_white_box(dp, x, y, canaries=100, variable=variable, verbose=0)
+    assert report.observed_steps > 0 and report.mismatches == []
+    assert not report.contradicts_claim  # the oracle claims inf: nothing to contradict
+
+
+def test_a_variable_no_step_trains_is_refused_in_one_line():
+    x, y = small_data(256)
+    model = _model()
+    dp = sparta_tf.make_private(model, method="dp_frost", target_epsilon=4.0, delta=1e-5, epochs=3, batch_size=64,
+                                dataset_size=256, seed=1)
+    dp.compile(tf.keras.optimizers.SGD(0.1), loss=LOSS)
+    with pytest.raises(ValueError, match="no gradient step trained a canary's coordinate") as error:
+        audit_white_box(dp, x, y, canaries=100, variable=model.layers[-1].kernel, verbose=0)
+    assert "\n" not in str(error.value)

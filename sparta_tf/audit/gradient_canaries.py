@@ -19,9 +19,11 @@ every example's contribution, which can only shrink its norm), so the released n
 ``c_j`` is ``x_t,j = C [j sampled at t] + noise_t,j``. The auditor (white box) reads ``x_t,j`` at
 every step that releases a gradient (:class:`CanaryObservations`) and scores each canary
 (:mod:`sparta_tf.audit.white_box`). Steps whose trainable set does not hold the canary variable
-whole (SPARTA's selection epoch releases scores, not gradients; a phase that freezes it) neither
-insert nor observe canaries: a canary then takes part in fewer mechanisms than an example, which
-keeps the lower bound valid.
+whole or as entries (SPARTA's selection epoch releases scores, not gradients; a phase that freezes it
+or trains rows of it) neither insert nor observe canaries, and a step that trains some entries of it
+(DP-FROST's mask, DP-SSGD's pre-pruning) only those canaries' (the others are NaN in its
+observations): a canary then takes part in fewer mechanisms than an example, which keeps the lower
+bound valid.
 
 The guarantee audited is the ledger's, for neighbouring data sets that differ in one participant
 (a canary), with ``n + m_in`` participants in all.
@@ -84,12 +86,23 @@ class GradientCanaries:
                              "included canaries")
         self.sampler = sampler
 
-    def _slot(self, selections) -> int | None:
-        """The index of the canary variable's selection in ``selections`` (the step's, in the order of its
-        sums) when it is trained whole, else None."""
+    def _slot(self, selections):
+        """``(k, available, positions)`` for the canary variable's selection ``k`` in ``selections`` (the
+        step's, in the order of its sums): which canaries' coordinates it trains (bool ``[m]``) and their
+        flat positions in its compact tensor; None when it trains none (absent, or rows of it)."""
         for k, selection in enumerate(selections):
-            if variable_key(selection.variable) == variable_key(self.variable):
-                return k if selection.kind == "dense" else None
+            if variable_key(selection.variable) != variable_key(self.variable):
+                continue
+            if selection.kind == "dense":
+                return k, np.ones(self.count, bool), self.coordinates
+            if selection.kind == "entries":
+                entries = np.asarray(selection.entries, np.int64)
+                order = np.argsort(entries, kind="stable")
+                found = np.searchsorted(entries[order], self.coordinates)
+                found = np.minimum(found, len(entries) - 1)
+                available = entries[order][found] == self.coordinates
+                return (k, available, order[found][available]) if available.any() else None
+            return None
         return None
 
     def _sampled(self, step) -> tf.Tensor:
@@ -102,28 +115,33 @@ class GradientCanaries:
         return tf.logical_and(gathered, tf.constant(self.included))
 
     def insert(self, sums: list, step, selections) -> list:
-        """``sums`` with the data's sum zeroed on the canary coordinates and the sampled canaries'
-        clipped gradients added there (before the step's noise)."""
+        """``sums`` with the data's sum zeroed on the canary coordinates the step trains and the sampled
+        canaries' clipped gradients added there (before the step's noise)."""
         slot = self._slot(selections)
         if slot is None:
             return sums
-        dtype = sums[slot].dtype
+        k, available, positions = slot
+        dtype = sums[k].dtype
         gradients = tf.eye(self.count, dtype=dtype) * tf.cast(GRADIENT_SCALE * self.clip_norm, dtype)
         (canary_sum,), _ = clipped_sum([gradients], self.clip_norm, self._sampled(step))
-        flat = tf.reshape(sums[slot], [-1])
-        index = tf.constant(self.coordinates[:, None])
-        flat = tf.tensor_scatter_nd_update(flat, index, tf.cast(canary_sum, dtype))
+        flat = tf.reshape(sums[k], [-1])
+        flat = tf.tensor_scatter_nd_update(flat, tf.constant(positions[:, None]),
+                                           tf.gather(tf.cast(canary_sum, dtype), np.flatnonzero(available)))
         out = list(sums)
-        out[slot] = tf.reshape(flat, tf.shape(sums[slot]))
+        out[k] = tf.reshape(flat, tf.shape(sums[k]))
         return out
 
     def observe(self, noisy_sums: list, step, selections) -> list:
-        """Records ``x_t`` (the noisy sums on the canary coordinates) of step ``step``; returns the ops."""
+        """Records ``x_t`` (the noisy sums on the canary coordinates; NaN where the step does not train
+        them) of step ``step``; returns the ops."""
         slot = self._slot(selections)
         if slot is None:
             return []
-        values = tf.gather(tf.reshape(noisy_sums[slot], [-1]), self.coordinates)
-        return [self.observed.assign(tf.cast(values, tf.float32)), self.observed_at.assign(tf.cast(step, tf.int64))]
+        k, available, positions = slot
+        values = tf.gather(tf.cast(tf.reshape(noisy_sums[k], [-1]), tf.float32), positions)
+        observed = tf.tensor_scatter_nd_update(tf.fill([self.count], float("nan")),
+                                               tf.constant(np.flatnonzero(available)[:, None]), values)
+        return [self.observed.assign(observed), self.observed_at.assign(tf.cast(step, tf.int64))]
 
 
 class CanaryObservations(tf.keras.callbacks.Callback):

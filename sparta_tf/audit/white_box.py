@@ -57,12 +57,12 @@ def step_scores(observations: np.ndarray, sample_rate: float, noise_std: float, 
     x = np.asarray(observations, np.float64)
     exponent = (clip_norm * x - 0.5 * clip_norm**2) / noise_std**2
     per_step = np.logaddexp(np.log1p(-sample_rate), np.log(sample_rate) + exponent)
-    return per_step.sum(axis=0)
+    return np.nansum(per_step, axis=0)  # NaN: a step that did not train the canary's coordinate
 
 
 def prefix_sum_scores(observations: np.ndarray) -> np.ndarray:
     """``prefix_sum`` scores: each canary's total over the observed steps."""
-    return np.asarray(observations, np.float64).sum(axis=0)
+    return np.nansum(np.asarray(observations, np.float64), axis=0)
 
 
 def final_model_scores(initial: np.ndarray, final: np.ndarray) -> np.ndarray:
@@ -90,6 +90,7 @@ class Interval:
 def noise_interval(noise: np.ndarray, claimed_std: float) -> Interval:
     """The standard deviation of ``noise`` (zero-mean draws) with its chi-square interval."""
     values = np.asarray(noise, np.float64).ravel()
+    values = values[np.isfinite(values)]
     k, total = values.size, float(np.sum(values**2))
     tail = (1 - CHECK_CONFIDENCE) / 2
     low, high = np.sqrt(total / stats.chi2.ppf(1 - tail, k)), np.sqrt(total / stats.chi2.ppf(tail, k))
@@ -100,6 +101,7 @@ def rate_interval(observations: np.ndarray, clip_norm: float, noise_std: float, 
     """The participation rate ``mean(x) / C`` of included canaries' observations, with its normal interval
     (the variance of ``x / C``: ``q (1 - q) + (sigma C / C)^2``, at the estimate)."""
     values = np.asarray(observations, np.float64).ravel() / clip_norm
+    values = values[np.isfinite(values)]
     estimate = float(np.mean(values))
     rate = min(max(estimate, 0.0), 1.0)
     spread = np.sqrt((rate * (1 - rate) + (noise_std / clip_norm) ** 2) / values.size)
@@ -115,12 +117,16 @@ def mechanism_checks(observations: np.ndarray, included: np.ndarray, *, sample_r
     spread over its band)."""
     x = np.asarray(observations, np.float64)
     included = np.asarray(included, bool)
+    if not np.isfinite(x).any():
+        raise ValueError("no gradient step trained a canary's coordinate, so the run cannot be audited there: "
+                         "put the canaries on a variable every phase trains (--canary-variable)")
     excluded = x[:, ~included]
     if factor is None:
         checks = {"noise_std": noise_interval(excluded, noise_std)}
         if included.any():
             checks["sample_rate"] = rate_interval(x[:, included], clip_norm, noise_std, sample_rate)
         return checks
+    excluded = excluded[:, np.isfinite(excluded).all(axis=0)]  # whitening needs a canary's every step
     whitened = np.asarray(factor, np.float64) @ excluded / noise_std
     interval = noise_interval(whitened, 1.0)
     return {"noise_std": Interval(interval.estimate * noise_std, interval.low * noise_std, interval.high * noise_std,
