@@ -35,6 +35,7 @@ from sparta_tf.dp_step.views import AugmentationMultiplicity
 from sparta_tf.per_example import make_engine
 from sparta_tf.trainable import TrainableSet
 from small_configs import DELETE, set_key, tiny_config
+from two_replicas import two_cpu_replicas
 from small_models import LOSS, PER_EXAMPLE_LOSS, conv_gn_model, gaussian_data, small_data, small_mlp
 from sparta_tf.data import load_dataset
 from sparta_tf.privacy.tuning import per_run_event, tuning_epsilon
@@ -436,3 +437,25 @@ def test_the_audit_refuses_a_user_level_config_in_one_line(tmp_path, write_confi
     assert audit.main(["--config", str(write_config(_user_config(tmp_path)))]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "canaries are single examples" in lines[0]
+
+
+@pytest.mark.parametrize("setting", ["micro-batches", "jit", "two-replicas"])
+def test_micro_batches_xla_and_two_replicas_train_as_one_batch_on_one_replica(setting):
+    """The same users and sample: one micro-batch of every sampled user on one replica, against micro-batches
+    of 2 users, an XLA-compiled step, or two replicas (each half of every micro-batch). The noise is kept
+    tiny: XLA draws the noise stream's values its own way."""
+    x, y, users = _user_data()
+    weights = []
+    for name in ("reference", setting):
+        strategy = two_cpu_replicas() if name == "two-replicas" else tf.distribute.get_strategy()
+        with strategy.scope():
+            tf.keras.utils.set_random_seed(0)
+            dp = sparta_tf.DPModel(small_mlp(), noise_multiplier=1e-7, sample_rate=USER_BATCH / N_USERS,
+                                   seed=0, unit="user", examples_per_user=4,  # no delta: nothing to account
+                                   physical_batch_size={"reference": 16, "micro-batches": 2}.get(name, 16),
+                                   jit_compile=name == "jit")
+            dp.compile(tf.keras.optimizers.SGD(0.5), loss=LOSS)
+        dp.fit(x, y, users=users, epochs=1, verbose=0)
+        weights.append([v.numpy() for v in dp.model.trainable_variables])
+    for one, other in zip(*weights):
+        np.testing.assert_allclose(one, other, rtol=1e-4, atol=1e-5)
