@@ -10,7 +10,8 @@ Checked against independent references:
 * a user with a non-finite example is dropped as a whole, the others untouched;
 * the ledger of a user-level run equals a direct dp-accounting composition over ``U`` users at ``q``;
 * ``unit="example"`` is the step without user units (bit-identical weights to the default);
-* what user-level DP does not cover is refused in one line before anything is charged;
+* what user-level DP does not cover is refused in one line before anything is charged; the white-box
+  audit draws canary users and stays below the claim;
 * ``sparta-train`` with ``privacy.unit: user``: the dry run counts users and compares with example
   level; a run records the unit in its results and ledger; bad configs are one line;
 * private tuning at user level: the score counts users (one user moves it by at most 1), and
@@ -31,6 +32,7 @@ import tensorflow as tf
 import sparta_tf
 from sparta_tf.dp_step.clip import ClippedSum
 from sparta_tf.dp_step.user_units import UserUnits
+from sparta_tf.audit.white_box_run import audit_white_box
 from sparta_tf.dp_step.views import AugmentationMultiplicity
 from sparta_tf.per_example import make_engine
 from sparta_tf.trainable import TrainableSet
@@ -436,7 +438,7 @@ def test_a_user_level_run_killed_and_resumed_ends_as_an_uninterrupted_one(tmp_pa
 def test_the_audit_refuses_a_user_level_config_in_one_line(tmp_path, write_config, capsys):
     assert audit.main(["--config", str(write_config(_user_config(tmp_path)))]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and "canaries are single examples" in lines[0]
+    assert len(lines) == 1 and "data canaries are single examples" in lines[0] and "--white-box" in lines[0]
 
 
 @pytest.mark.parametrize("setting", ["micro-batches", "jit", "two-replicas"])
@@ -459,3 +461,13 @@ def test_micro_batches_xla_and_two_replicas_train_as_one_batch_on_one_replica(se
         weights.append([v.numpy() for v in dp.model.trainable_variables])
     for one, other in zip(*weights):
         np.testing.assert_allclose(one, other, rtol=1e-4, atol=1e-5)
+
+
+def test_the_white_box_audit_of_a_user_level_run_draws_canary_users_and_stays_below_its_claim():
+    x, y, users = _user_data()
+    dp = sparta_tf.make_private(small_mlp(), method="all", target_epsilon=4.0, delta=1e-3, epochs=3,
+                                batch_size=USER_BATCH, dataset_size=N_USERS, seed=0, unit="user", examples_per_user=4)
+    dp.compile(tf.keras.optimizers.SGD(0.5), loss=LOSS)
+    report = audit_white_box(dp, x, y, users=users, canaries=40, verbose=0)
+    assert report.observed_steps == dp.ledger.steps and report.mismatches == [] and not report.contradicts_claim
+    assert report.checks["sample_rate"].claimed == pytest.approx(USER_BATCH / N_USERS)  # users at the user rate

@@ -203,7 +203,6 @@ def run_white_box_audit(config: dict, canaries: int | None = None, seed: int | N
     """Trains ``audit_config(config)`` with gradient canaries in its DP steps and returns (and writes) the
     ``audit.json`` report (:mod:`sparta_tf.audit.white_box`)."""
     check_arguments(canaries, CANARY_KINDS[0], SCORES[0], confidence)
-    check_unit(config)
     import_tensorflow()
     from sparta_tf.atomic_files import write_atomic
     from sparta_tf.audit.white_box import describe_audit
@@ -244,9 +243,9 @@ def check_unit(config: dict) -> None:
     """One line for a user-level config: the audit's canaries are examples, so it would audit a guarantee
     the run does not claim (a canary user, several examples included or left out together, is not built)."""
     if config["privacy"]["unit"] != "example":
-        raise ConfigError("privacy.unit: user: sparta-audit's canaries are single examples, so it would audit an "
-                          "example-level claim, not this run's per-user one; audit a copy of the config without "
-                          "privacy.unit and data.user_key")
+        raise ConfigError("privacy.unit: user: sparta-audit's data canaries are single examples, so they would audit "
+                          "an example-level claim, not this run's per-user one; use --white-box (its gradient "
+                          "canaries are users)")
 
 
 def main(argv=None) -> int:

@@ -8,7 +8,9 @@ example (or user):
 * **sampled** by the run's own sampler: the :class:`~sparta_tf.privacy.sampling.PoissonSampler`
   draws ``n + m_in`` participants (``m_in`` included canaries without rows,
   :meth:`~sparta_tf.privacy.sampling.PoissonSampler.extra_mask`), at the sampler's rate and in its
-  cyclic groups with correlated noise;
+  cyclic groups with correlated noise; at user level the
+  :class:`~sparta_tf.privacy.user_sampling.UserPoissonSampler` draws them as ``m_in`` extra users (a
+  canary user's examples all carry its one gradient, whose mean is that gradient);
 * **clipped** by the step's clipping code (:func:`~sparta_tf.dp_step.clipping.clipped_sum`): its
   gradient is ``a C e_{c_j}`` (``a = 2``), clipped to ``C e_{c_j}``;
 * **summed** into the step's clipped sum after the all-reduce and **before** the step's noise

@@ -206,7 +206,11 @@ def user_pipeline(dp, x, y, users, initial_step: int):
     if dp.physical_batch_size is None:
         units = default_units_per_batch(user_count, dp.sample_rate)
         dp.physical_batch_size = -(-units // replicas) * replicas
-    sampler = UserPoissonSampler(ids, dp.sample_rate, k, units_per_batch=dp.physical_batch_size, seed=dp._seed)
+    extra = 0 if dp.canaries is None else dp.canaries.participants  # a white-box audit's included canary users
+    sampler = UserPoissonSampler(ids, dp.sample_rate, k, units_per_batch=dp.physical_batch_size, seed=dp._seed,
+                                 extra=extra)
+    if dp.canaries is not None:
+        dp.canaries.bind_sampler(sampler)
     dp.bind_users(k)
     return sampler.dataset(x, y, start_step=initial_step), sampler.steps_per_epoch
 

@@ -221,10 +221,10 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
     def attach_canaries(self, canaries) -> None:
         """Makes every DP gradient step of ``fit`` run with a white-box audit's gradient canaries
         (:class:`~sparta_tf.audit.gradient_canaries.GradientCanaries`): they join the sampler as extra
-        participants, the clipped sum before the noise, and are observed after it."""
-        if self.unit != "example" or self.sampling != "poisson":
-            raise ValueError("white-box canaries join Poisson sampling of examples: audit a run with unit='example' "
-                             "and sampling='poisson'")
+        participants (examples, or users with ``unit="user"``), the clipped sum before the noise, and are
+        observed after it."""
+        if self.sampling != "poisson":
+            raise ValueError("white-box canaries join Poisson sampling: audit a run with sampling='poisson'")
         self.canaries = canaries
         self._engine = None
 

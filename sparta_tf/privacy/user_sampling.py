@@ -86,11 +86,16 @@ class UserPoissonSampler:
       units_per_batch: ``P``, users per physical batch (an element has ``c k P`` rows, ``c >= 1``).
       expected_batch_size: ``q U``, the normaliser of the noisy sum (units, not rows).
       left_out: the share of the examples the cap leaves out of every step (users with more than ``k``).
+      extra: participants beyond the ``U`` users, sampled by the same draws (:meth:`extra_mask`): the
+        white-box audit's canary users (:mod:`sparta_tf.audit.gradient_canaries`), without rows.
     """
 
     def __init__(self, users: Any, sample_rate: float, examples_per_user: int,
-                 units_per_batch: int | None = None, seed: int | None = None) -> None:
+                 units_per_batch: int | None = None, seed: int | None = None, extra: int = 0) -> None:
         self._ids, self.users = dense_user_ids(users)
+        if isinstance(extra, bool) or not isinstance(extra, int) or extra < 0:
+            raise ValueError(f"extra={extra!r} must be an integer >= 0 (participants without rows)")
+        self.extra: int = extra
         self.n: int = len(self._ids)
         self.sample_rate: float = inputs.check_sample_rate(sample_rate)
         self.examples_per_user: int = inputs.check_positive_int(examples_per_user, "examples_per_user",
@@ -118,11 +123,22 @@ class UserPoissonSampler:
     def expected_batch_size(self) -> float:
         return self.sample_rate * self.users
 
-    def user_mask(self, step: int | tf.Tensor) -> tf.Tensor:
-        """Bool ``[U]``: the users in the sample of global step ``step``."""
-        u = tf.random.stateless_uniform([self.users], seed=random_streams.step_key(self.seed, USER_STREAM, step),
+    def participant_mask(self, step: int | tf.Tensor) -> tf.Tensor:
+        """Bool ``[U + extra]``: the users and extra participants in the sample of global step ``step``."""
+        u = tf.random.stateless_uniform([self.users + self.extra],
+                                        seed=random_streams.step_key(self.seed, USER_STREAM, step),
                                         dtype=tf.float64, alg=random_streams.TF_ALGORITHM)
         return u < tf.constant(self.sample_rate, tf.float64)
+
+    def user_mask(self, step: int | tf.Tensor) -> tf.Tensor:
+        """Bool ``[U]``: the users in the sample of global step ``step``."""
+        mask = self.participant_mask(step)
+        return mask if self.extra == 0 else mask[: self.users]
+
+    def extra_mask(self, step: int | tf.Tensor) -> tf.Tensor:
+        """Bool ``[extra]``: the extra participants (a white-box audit's canary users, without rows) in the
+        sample of global step ``step``."""
+        return self.participant_mask(step)[self.users:]
 
     def example_ranks(self, step: int | tf.Tensor) -> tf.Tensor:
         """Int64 ``[n]``: each example's rank among its user's examples in step ``step``'s random order
