@@ -152,3 +152,21 @@ def test_a_space_key_that_changes_the_mechanism_of_some_candidates_is_refused(tm
         tune.tune(validate(config))
     assert not os.path.exists(tmp_path / "t" / tune.STATE)
     assert math.isfinite(procedure.default_score_noise(100))
+
+
+def test_a_tuning_with_correlated_noise_releases_its_banded_charges(tmp_path):
+    """sparta-tune with privacy.bands: every candidate runs BandMF (its own ledger's entries have 2 bands),
+    and the released ledger charges what the analysis sees of them: ceil(T / b) runs at b q."""
+    config = tuning_config(tmp_path / "t", "all", epochs=2)
+    config["privacy"]["bands"] = 2
+    config["export"] = {"enabled": False}
+    results = tune.tune(validate(config))
+    candidates = sorted((tmp_path / "t").glob(f"{tune.CANDIDATES}/*/ledger.json"))
+    assert candidates
+    ran = [e for e in PrivacyLedger.load(candidates[0]).entries if e.kind != "tuning_score"]
+    assert ran and all(entry.bands == 2 for entry in ran)
+    released = [e for e in PrivacyLedger.load(tmp_path / "t" / "release" / "ledger.json").entries
+                if e.kind != "tuning_score"]
+    assert [e.sample_rate for e in released] == [ran[0].sample_rate]  # b q, the group's rate
+    assert sum(e.compositions for e in released) == sum(e.compositions for e in ran) < sum(e.count for e in ran)
+    assert results["epsilon"] <= 8.0 * (1 + 1e-9)
