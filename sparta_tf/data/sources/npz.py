@@ -1,7 +1,8 @@
 """A numpy ``.npz`` file with ``x_train``, ``y_train`` and optionally ``x_test``, ``y_test``.
 
-With ``data.user_key: <key>``, the arrays ``<key>_train`` (and ``<key>_test`` with a test split) hold
-each image's user id (ints or strings), for user-level DP.
+With ``data.user_key: <key>``, the array ``<key>_train`` holds each training image's user id (ints or
+strings), for user-level DP; ``<key>_test``, when stored, the test images' (the guarantee does not need
+them: the test split is never trained on).
 
 Images are ``[N, H, W]`` (grayscale; a channel axis is added) or
 ``[N, H, W, C]``, uint8 0..255 or floats in [0, 1]. An optional
@@ -66,6 +67,8 @@ def _split(arrays: dict[str, np.ndarray], split: str, path: Path, user_key: Opti
     if user_key is None:
         return ArraySplit(x, labels)
     users_key = f"{user_key}_{split}"
+    if users_key not in arrays and split == "test":
+        return ArraySplit(x, labels)
     if users_key not in arrays:
         raise key_error("user_key", f"{path} has no {users_key!r} array (keys: {sorted(arrays)})",
                         f"store each image's user id as {users_key}, or fix data.user_key")
