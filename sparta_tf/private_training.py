@@ -157,7 +157,7 @@ def make_private(
       unit: ``"example"`` (the default) or ``"user"``: user-level DP, as for :class:`~sparta_tf.DPModel`;
         ``fit(x, y, users=ids)`` then samples users, and ``dataset_size`` and ``batch_size`` count users.
       examples_per_user: ``k``, the most examples of one user in a step (``unit="user"``; None: the
-        smallest that leaves out at most 10% of the examples).
+        constant 8, not read off the data).
       **method_options: the method's options (``warmup_epochs``, ``density``, ... for sparta), as
         :func:`sparta_tf.methods.make_method` takes them.
 

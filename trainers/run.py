@@ -96,14 +96,14 @@ def private_units(config: dict, dataset) -> int:
     return len(dataset.x_train) if config["privacy"]["unit"] == "example" else dataset.user_count
 
 
-def examples_per_user(config: dict, dataset) -> int:
+def examples_per_user(config: dict) -> int:
     """``k`` of a user-level run: ``privacy.examples_per_user``, else the default from the training users
-    (:func:`~sparta_tf.privacy.user_sampling.default_examples_per_user`); 1 at example level."""
-    from sparta_tf.privacy.user_sampling import default_examples_per_user
+    (:data:`~sparta_tf.privacy.user_sampling.DEFAULT_EXAMPLES_PER_USER`, a constant); 1 at example level."""
+    from sparta_tf.privacy.user_sampling import DEFAULT_EXAMPLES_PER_USER
 
     if config["privacy"]["unit"] == "example":
         return 1
-    return config["privacy"]["examples_per_user"] or default_examples_per_user(dataset.users_train)
+    return config["privacy"]["examples_per_user"] or DEFAULT_EXAMPLES_PER_USER
 
 
 def unit_line(config: dict, dataset, plan: PrivacyPlan) -> str | None:
@@ -111,13 +111,14 @@ def unit_line(config: dict, dataset, plan: PrivacyPlan) -> str | None:
     examples it leaves out of every step, and what an example-level run would claim for a person (group
     privacy); None at example level."""
     from sparta_tf.privacy.group_privacy import describe_group_guarantee
+    from sparta_tf.privacy.user_sampling import share_left_out
 
     if plan.unit == "example":
         return None
     sizes = np.unique(dataset.users_train, return_counts=True)[1]
-    k = examples_per_user(config, dataset)
-    left_out = np.sum(np.maximum(sizes - k, 0)) / sizes.sum()
-    chosen = "" if config["privacy"]["examples_per_user"] else " (default: leaves out at most 10%)"
+    k = examples_per_user(config)
+    left_out = share_left_out(dataset.users_train, k)
+    chosen = "" if config["privacy"]["examples_per_user"] else " (the default)"
     lines = [f"users: {len(sizes)} in the training split, {sizes.sum()} examples (per user: min {sizes.min()}, "
              f"median {int(np.median(sizes))}, max {sizes.max()}); examples_per_user k = {k}{chosen}: each step uses "
              f"at most k of a sampled user's examples, leaving out {100 * left_out:.1f}% of the examples"]
@@ -303,7 +304,7 @@ def dry_run(config: dict, compare_bands: bool = True) -> PrivacyPlan:
     units = unit_line(config, dataset, plan)
     if units:
         print(units)
-    print(memory_line(config, plan, model, method, examples_per_user(config, dataset)))
+    print(memory_line(config, plan, model, method, examples_per_user(config)))
     bands = bands_line(config, dataset, method, plan) if compare_bands else None
     if bands:
         print(bands)

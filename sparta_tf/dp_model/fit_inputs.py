@@ -34,8 +34,8 @@ from sparta_tf.privacy.sampling import (
     poisson_provenance,
 )
 from sparta_tf.privacy.user_sampling import (
+    DEFAULT_EXAMPLES_PER_USER,
     UserPoissonSampler,
-    default_examples_per_user,
     default_units_per_batch,
     dense_user_ids,
 )
@@ -201,7 +201,7 @@ def user_pipeline(dp, x, y, users, initial_step: int):
     dp.bind_dataset_size(user_count)  # delta < 1/U is checked there
     k = dp.examples_per_user_setting
     if k is None:
-        k = default_examples_per_user(ids)
+        k = DEFAULT_EXAMPLES_PER_USER
     replicas = dp.distribute_strategy.num_replicas_in_sync
     if dp.physical_batch_size is None:
         units = default_units_per_batch(user_count, dp.sample_rate)

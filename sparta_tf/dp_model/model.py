@@ -131,8 +131,8 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
         gradient is clipped to ``C`` as one unit; ``dataset_size``, the expected batch ``q n`` and
         ``physical_batch_size`` then count users, and the ledger's epsilon is per user.
       examples_per_user: ``k``, the most examples of one user in a step (``unit="user"`` only). None:
-        the smallest ``k`` that leaves out at most 10% of the examples
-        (:func:`~sparta_tf.privacy.user_sampling.default_examples_per_user`).
+        8 (:data:`~sparta_tf.privacy.user_sampling.DEFAULT_EXAMPLES_PER_USER`, a constant: a ``k``
+        read off the data would make the mechanism depend on it).
     """
 
     def __init__(

@@ -55,18 +55,16 @@ def dense_user_ids(users: Any) -> tuple[np.ndarray, int]:
     return dense.astype(np.int64), int(dense.max()) + 1
 
 
-LEFT_OUT_BY_DEFAULT = 0.1
+DEFAULT_EXAMPLES_PER_USER = 8
+"""``k`` when none is given: a constant, not read off the data. A ``k`` chosen from the users' sizes would make
+the mechanism itself depend on the private data (one user more could change it for everyone), which the
+guarantee does not cover; :func:`share_left_out` says what a ``k`` leaves out, for choosing one."""
 
 
-def default_examples_per_user(users: Any, left_out: float = LEFT_OUT_BY_DEFAULT) -> int:
-    """The default cap ``k``: the smallest that leaves out at most ``left_out`` of the examples
-    (``sum_v max(n_v - k, 0) <= left_out * n``). A larger ``k`` uses more of the data per step and
-    runs more rows (``k`` per sampled user); the guarantee does not depend on it."""
+def share_left_out(users: Any, examples_per_user: int) -> float:
+    """The share of the examples a cap ``k`` leaves out of every step: ``sum_v max(n_v - k, 0) / n``."""
     counts = np.bincount(dense_user_ids(users)[0])
-    for k in range(1, int(counts.max()) + 1):
-        if np.sum(np.maximum(counts - k, 0)) <= left_out * counts.sum():
-            return k
-    return int(counts.max())
+    return float(np.sum(np.maximum(counts - examples_per_user, 0)) / counts.sum())
 
 
 def default_units_per_batch(users: int, sample_rate: float) -> int:
@@ -106,7 +104,7 @@ class UserPoissonSampler:
                                                        "pass e.g. default_units_per_batch(users, sample_rate)")
         self.seed: int = random_streams.resolve_seed(seed)
         counts = np.bincount(self._ids, minlength=self.users)
-        self.left_out: float = float(np.sum(np.maximum(counts - self.examples_per_user, 0)) / self.n)
+        self.left_out: float = share_left_out(self._ids, self.examples_per_user)
         self._counts = tf.constant(counts, tf.int64)
         self._user_of = tf.constant(self._ids, tf.int64)
 
