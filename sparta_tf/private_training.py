@@ -44,7 +44,7 @@ from typing import Any
 import tensorflow as tf
 
 from sparta_tf import checkpointing, distribute, run_checks
-from sparta_tf.dp_step.user_units import check_unit
+from sparta_tf.privacy.ledger import check_unit
 from sparta_tf.methods import Method, make_method
 from sparta_tf.privacy import charging
 from sparta_tf.privacy.ledger import PrivacyLedger

@@ -40,6 +40,9 @@ CANARY_LOSSES = "canary_losses.npz"
 CANARY_KINDS = ("mislabelled", "clean", "noise")
 SCORES = ("loss", "loss_drop")
 CONTRADICTED = 3
+RUN_KEYS = ("method", "private", "target_epsilon", "noise_multiplier", "sample_rate", "steps", "n", "test_accuracy",
+            "train_s")
+"""What ``audit.json`` repeats of the audited run's ``results.json``."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -128,6 +131,21 @@ def _train_test_auc(model, dataset, canaries) -> float:
     return roc_auc(-members, -non_members)
 
 
+def fresh_audit_run(config: dict, seed: int | None) -> tuple[dict, int, str]:
+    """``(audit_config(config), the canary seed, its output directory)``: the seed as given, else the run's
+    data seed (the seed run.py gives the data streams); a ConfigError when the directory already holds an
+    audit (an audit cannot be resumed)."""
+    from trainers import run
+
+    config = audit_config(config)
+    seed = run.data_seed(config) if seed is None else seed
+    output_dir = config["output_dir"]
+    if os.path.exists(os.path.join(output_dir, AUDIT_JSON)) or os.path.exists(os.path.join(output_dir, run.RESULTS)):
+        raise ConfigError(f"{output_dir} already holds an audit; pass --set output_dir=NEW_DIR "
+                          "(the audit trains in NEW_DIR/audit)")
+    return config, seed, output_dir
+
+
 def run_audit(config: dict, canaries: int | None = None, kind: str = "mislabelled", seed: int | None = None,
               confidence: float = 0.95, score: str = "loss") -> dict:
     """Trains ``audit_config(config)`` with canaries and returns (and writes) the ``audit.json`` report.
@@ -143,20 +161,14 @@ def run_audit(config: dict, canaries: int | None = None, kind: str = "mislabelle
     from sparta_tf.audit import audit_report, summary_line
     from trainers import run
 
-    config = audit_config(config)
-    seed = run.data_seed(config) if seed is None else seed  # the seed run.py gives the data streams
-    output_dir = config["output_dir"]
-    if os.path.exists(os.path.join(output_dir, AUDIT_JSON)) or os.path.exists(os.path.join(output_dir, run.RESULTS)):
-        raise ConfigError(f"{output_dir} already holds an audit; pass --set output_dir=NEW_DIR "
-                          "(the audit trains in NEW_DIR/audit)")
+    config, seed, output_dir = fresh_audit_run(config, seed)
     hooks = _Hooks(config, canaries, kind, seed, confidence)
     results = run.train(config, hooks=hooks)
     recorder = hooks.recorder
     report = audit_report(hooks.canaries, recorder.start, recorder.end, delta=results["delta"],
                           epsilon_claimed=results["epsilon"], confidence=confidence, score=score)
     report["mia_train_test_auc"] = _train_test_auc(recorder.model.model, hooks.dataset, hooks.canaries)
-    report |= {key: results[key] for key in ("method", "private", "target_epsilon", "noise_multiplier",
-                                             "sample_rate", "steps", "n", "test_accuracy", "train_s")}
+    report |= {key: results[key] for key in RUN_KEYS}
     np.savez(os.path.join(output_dir, CANARY_LOSSES), included=hooks.canaries.included, labels=hooks.canaries.y,
              loss_start=recorder.start, loss_end=recorder.end)
     path = os.path.join(output_dir, AUDIT_JSON)
@@ -181,6 +193,9 @@ class _WhiteBoxHooks:
 
         try:
             variable = None if self.variable is None else trainable_variable(dp.model, self.variable)
+        except ValueError as error:
+            raise ConfigError(f"--canary-variable: {error}") from None
+        try:
             self.planted = plant_gradient_canaries(dp, self.count, self.seed, variable)
         except ValueError as error:
             raise ConfigError(f"--canaries: {error}") from None
@@ -208,19 +223,13 @@ def run_white_box_audit(config: dict, canaries: int | None = None, seed: int | N
     from sparta_tf.audit.white_box import describe_audit
     from trainers import run
 
-    config = audit_config(config)
-    seed = run.data_seed(config) if seed is None else seed
-    output_dir = config["output_dir"]
-    if os.path.exists(os.path.join(output_dir, AUDIT_JSON)) or os.path.exists(os.path.join(output_dir, run.RESULTS)):
-        raise ConfigError(f"{output_dir} already holds an audit; pass --set output_dir=NEW_DIR "
-                          "(the audit trains in NEW_DIR/audit)")
+    config, seed, output_dir = fresh_audit_run(config, seed)
     hooks = _WhiteBoxHooks(canaries, seed, confidence, variable)
     results = run.train(config, hooks=hooks)
     audit = hooks.report
     report = {"kind": "white_box", **audit.to_json(),
               "passed": not (audit.contradicts_claim or audit.mismatches)}
-    report |= {key: results[key] for key in ("method", "private", "target_epsilon", "noise_multiplier",
-                                             "sample_rate", "steps", "n", "test_accuracy", "train_s")}
+    report |= {key: results[key] for key in RUN_KEYS}
     path = os.path.join(output_dir, AUDIT_JSON)
     write_atomic(path, json.dumps(report, indent=1))
     print(describe_audit(audit) + f"; report in {path}")
@@ -240,8 +249,8 @@ def check_arguments(canaries: int | None, kind: str, score: str, confidence: flo
 
 
 def check_unit(config: dict) -> None:
-    """One line for a user-level config: the audit's canaries are examples, so it would audit a guarantee
-    the run does not claim (a canary user, several examples included or left out together, is not built)."""
+    """One line for a user-level config in the black-box audit: its data canaries are single examples, so it
+    would audit a guarantee the run does not claim (``--white-box`` draws canary users)."""
     if config["privacy"]["unit"] != "example":
         raise ConfigError("privacy.unit: user: sparta-audit's data canaries are single examples, so they would audit "
                           "an example-level claim, not this run's per-user one; use --white-box (its gradient "

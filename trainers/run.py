@@ -97,8 +97,8 @@ def private_units(config: dict, dataset) -> int:
 
 
 def examples_per_user(config: dict) -> int:
-    """``k`` of a user-level run: ``privacy.examples_per_user``, else the default from the training users
-    (:data:`~sparta_tf.privacy.user_sampling.DEFAULT_EXAMPLES_PER_USER`, a constant); 1 at example level."""
+    """``k`` of a user-level run: ``privacy.examples_per_user``, else the constant default
+    (:data:`~sparta_tf.privacy.user_sampling.DEFAULT_EXAMPLES_PER_USER`); 1 at example level."""
     from sparta_tf.privacy.user_sampling import DEFAULT_EXAMPLES_PER_USER
 
     if config["privacy"]["unit"] == "example":
@@ -117,13 +117,13 @@ def unit_line(config: dict, dataset, plan: PrivacyPlan) -> str | None:
         return None
     sizes = np.unique(dataset.users_train, return_counts=True)[1]
     k = examples_per_user(config)
-    left_out = share_left_out(dataset.users_train, k)
+    left_out = share_left_out(sizes, k)
     chosen = "" if config["privacy"]["examples_per_user"] else " (the default)"
+    median = int(np.median(sizes))
     lines = [f"users: {len(sizes)} in the training split, {sizes.sum()} examples (per user: min {sizes.min()}, "
-             f"median {int(np.median(sizes))}, max {sizes.max()}); examples_per_user k = {k}{chosen}: each step uses "
+             f"median {median}, max {sizes.max()}); examples_per_user k = {k}{chosen}: each step uses "
              f"at most k of a sampled user's examples, leaving out {100 * left_out:.1f}% of the examples"]
     if plan.target_epsilon is not None:
-        median = int(np.median(sizes))
         lines.append(f"this run's (epsilon {plan.target_epsilon:g}, delta {plan.delta:g}) is per user; for comparison, "
                      + describe_group_guarantee(plan.target_epsilon, plan.delta, median)
                      .replace("a person with", "a person with the median"))
@@ -320,11 +320,8 @@ def memory_line(config: dict, plan: PrivacyPlan, model: tf.keras.Model, method: 
     most trainable coordinates of any phase; all of the model's where a phase chooses them as it runs)
     (:func:`sparta_tf.per_example.memory_budget.describe`). ``rows_per_unit``: ``k`` rows per user at user level.
     """
-    from sparta_tf.privacy.user_sampling import default_units_per_batch
-
-    training = config["training"]
-    default = default_physical_batch_size if plan.unit == "example" else default_units_per_batch
-    batch = (training["physical_batch_size"] or default(plan.n, plan.sample_rate)) * rows_per_unit
+    training = config["training"]  # the physical batch counts the plan's units (examples or users)
+    batch = (training["physical_batch_size"] or default_physical_batch_size(plan.n, plan.sample_rate)) * rows_per_unit
     trainable = [method.planned_trainable(phase, model) for phase in method.phases(plan.epochs)]
     most = max((_count(model) if count is None else count for count in trainable), default=0)
     reserved = noise_buffer_bytes(plan.bands, most)

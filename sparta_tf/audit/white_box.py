@@ -49,9 +49,6 @@ from scipy import stats
 
 from sparta_tf.audit.one_run import OneRunBound, audit_scores, ceiling
 
-WHITE_BOX_SCORES = ("steps", "prefix_sum", "final_model")
-
-
 def step_scores(observations: np.ndarray, sample_rate: float, noise_std: float, clip_norm: float) -> np.ndarray:
     """``steps`` scores (module doc) of ``observations`` ``[T, m]``; ``noise_std = sigma C``."""
     x = np.asarray(observations, np.float64)

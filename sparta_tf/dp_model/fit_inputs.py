@@ -34,9 +34,7 @@ from sparta_tf.privacy.sampling import (
     poisson_provenance,
 )
 from sparta_tf.privacy.user_sampling import (
-    DEFAULT_EXAMPLES_PER_USER,
     UserPoissonSampler,
-    default_units_per_batch,
     dense_user_ids,
 )
 from sparta_tf.privacy.shuffling import shuffled_dataset, shuffled_steps_per_epoch
@@ -193,25 +191,20 @@ def input_pipeline(dp, x, y, initial_step: int, users=None):
 
 def user_pipeline(dp, x, y, users, initial_step: int):
     """(dataset, steps_per_epoch) of user-level DP (:class:`~sparta_tf.privacy.user_sampling.UserPoissonSampler`):
-    ``n`` of the mechanism is the number of users, ``k`` the model's or the default, ``P`` users per micro-batch."""
+    ``n`` of the mechanism is the number of users, ``k`` the model's, ``P`` users per micro-batch."""
     if len(np.asarray(users)) != len(tf.nest.flatten(x)[0]):
         raise ValueError(f"users has {len(np.asarray(users))} ids for {len(tf.nest.flatten(x)[0])} examples; pass one "
                          "user id per example of x")
     ids, user_count = dense_user_ids(users)
     dp.bind_dataset_size(user_count)  # delta < 1/U is checked there
-    k = dp.examples_per_user_setting
-    if k is None:
-        k = DEFAULT_EXAMPLES_PER_USER
     replicas = dp.distribute_strategy.num_replicas_in_sync
-    if dp.physical_batch_size is None:
-        units = default_units_per_batch(user_count, dp.sample_rate)
-        dp.physical_batch_size = -(-units // replicas) * replicas
+    if dp.physical_batch_size is None:  # in users
+        dp.physical_batch_size = default_physical_batch_size(user_count, dp.sample_rate, multiple_of=replicas)
     extra = 0 if dp.canaries is None else dp.canaries.participants  # a white-box audit's included canary users
-    sampler = UserPoissonSampler(ids, dp.sample_rate, k, units_per_batch=dp.physical_batch_size, seed=dp._seed,
-                                 extra=extra)
+    sampler = UserPoissonSampler(ids, dp.sample_rate, dp.users.examples_per_user,
+                                 units_per_batch=dp.physical_batch_size, seed=dp._seed, extra=extra)
     if dp.canaries is not None:
         dp.canaries.bind_sampler(sampler)
-    dp.bind_users(k)
     return sampler.dataset(x, y, start_step=initial_step), sampler.steps_per_epoch
 
 

@@ -47,8 +47,9 @@ from sparta_tf.dp_model.wrapped_saving import WrappedModelSaving
 from sparta_tf.dp_step import KEEP_ALL, GradientFilter, GradientRelease, MicroBatches, Release, ScoreRelease, StepParts
 from sparta_tf.dp_step.correlated_noise import CorrelatedNoise
 from sparta_tf.dp_step.usable_examples import METRIC_NAME as NON_FINITE, NonFiniteExamples
-from sparta_tf.dp_step.user_units import UserUnits, check_unit, check_user_level
+from sparta_tf.dp_step.user_units import UserUnits, check_user_level
 from sparta_tf.dp_step.views import AugmentationMultiplicity, check_multiplicity
+from sparta_tf.privacy.user_sampling import DEFAULT_EXAMPLES_PER_USER
 from sparta_tf.losses import per_example_loss_fn
 from sparta_tf.model_checks import reject_batch_mixing_layers, reject_unscopable_name
 from sparta_tf.optim.masked_optimizer import MaskedOptimizer
@@ -180,9 +181,9 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
             raise ValueError(f"bands={bands} needs cyclic Poisson sampling, which sampling={sampling!r} is not: "
                              "use sampling='poisson' or bands=1")
         self.correlated_noise: CorrelatedNoise | None = None  # BandMF's noise state, built by compile
-        self.unit = check_user_level(check_unit(unit), examples_per_user, sampling, self._mechanism.bands)
-        self._examples_per_user = examples_per_user
-        self._users: UserUnits | None = None  # the step's user units, built by fit from the user ids
+        self.unit = check_user_level(unit, examples_per_user, sampling, self._mechanism.bands)
+        self._users = (UserUnits(DEFAULT_EXAMPLES_PER_USER if examples_per_user is None else examples_per_user)
+                       if self.unit == "user" else None)
         self.physical_batch_size = physical_batch_size
         self.sampling = sampling
         self.engine_name = engine
@@ -260,19 +261,8 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
 
     @property
     def users(self) -> UserUnits | None:
-        """The step's user units (``unit="user"``, after ``fit`` got the user ids), else None."""
+        """The step's user units (``unit="user"``), else None."""
         return self._users
-
-    def bind_users(self, examples_per_user: int) -> None:
-        """Fixes ``k`` (from the user ids ``fit`` got, when it was not given) and builds the user units."""
-        if self._users is not None and self._users.examples_per_user != examples_per_user:
-            raise ValueError(f"this model trained with examples_per_user={self._users.examples_per_user}; its next "
-                             f"fit would use {examples_per_user}: pass examples_per_user= to keep one unit")
-        self._users = UserUnits(examples_per_user)
-        self._engine = None  # the engine groups k K rows per unit
-
-    examples_per_user_setting = property(lambda self: self._examples_per_user,
-                                         doc="``k`` as given (None: the default from the user ids).")
 
     @property
     def rows_per_unit(self) -> int:

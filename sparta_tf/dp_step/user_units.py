@@ -31,30 +31,19 @@ from __future__ import annotations
 import tensorflow as tf
 
 from sparta_tf.per_example.engines import finite_rows, view_rows
-
-UNITS = ("example", "user")
-
-
-def check_unit(unit: str) -> str:
-    """``unit`` if it is one of :data:`UNITS`, else a ValueError naming the fix."""
-    if unit not in UNITS:
-        raise ValueError(f"unit={unit!r} must be 'example' (each example is protected) or 'user' (all of one "
-                         "person's examples together; pass users= to fit)")
-    return unit
+from sparta_tf.privacy.ledger import check_unit
 
 
 def check_user_level(unit: str, examples_per_user, sampling: str, bands: int) -> str:
-    """``unit`` (checked by :func:`check_unit`), or a ValueError naming the fix for what user-level DP
-    does not cover: ``examples_per_user`` without ``unit="user"``, sampling other than Poisson over users,
-    correlated noise (``bands > 1``: its cyclic groups are of examples)."""
-    unit = check_unit(unit)
-    if unit == "example":
+    """``unit`` (checked by :func:`~sparta_tf.privacy.ledger.check_unit`), or a ValueError naming the fix for
+    what user-level DP does not cover: ``examples_per_user`` without ``unit="user"``, sampling other than
+    Poisson over users, correlated noise (``bands > 1``: its cyclic groups are of examples). ``k`` itself is
+    checked by :class:`UserUnits`."""
+    if check_unit(unit) == "example":
         if examples_per_user is not None:
             raise ValueError(f"examples_per_user={examples_per_user!r} needs unit='user' (user-level DP); pass "
                              "unit='user' with users= in fit, or leave examples_per_user out")
         return unit
-    if examples_per_user is not None:
-        check_examples_per_user(examples_per_user)
     if sampling != "poisson":
         raise ValueError(f"unit='user' samples users with Poisson sampling, which sampling={sampling!r} is not; use "
                          "sampling='poisson'")
@@ -117,12 +106,3 @@ class UserUnits:
 
     def _per_unit(self, per_row: tf.Tensor) -> tf.Tensor:
         return tf.reshape(per_row, [-1, self.examples_per_user])
-
-    def describe(self, units_per_batch: int | None, views: int = 1) -> str:
-        """One line for dry runs: the unit and what a micro-batch runs."""
-        k = self.examples_per_user
-        rows = ("k rows per sampled user" if units_per_batch is None
-                else f"{units_per_batch} users x {k} rows{'' if views == 1 else f' x {views} views'} = "
-                     f"{units_per_batch * k * views} rows")
-        return (f"privacy unit: one user, at most {k} of their examples per step, their mean gradient clipped "
-                f"once; each micro-batch runs {rows}")

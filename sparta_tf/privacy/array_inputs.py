@@ -40,6 +40,13 @@ def check_positive_int(value: Any, name: str, fix: str) -> int:
     return int(value)
 
 
+def check_extra_participants(extra: Any) -> int:
+    """``extra`` participants without rows (a white-box audit's canaries), an int ``>= 0``."""
+    if isinstance(extra, bool) or not isinstance(extra, numbers.Integral) or extra < 0:
+        raise ValueError(f"extra={extra!r} must be an integer >= 0 (participants without rows)")
+    return int(extra)
+
+
 def check_start_step(start_step: Any) -> int:
     """The global step a pipeline starts at, an int ``>= 0``."""
     if (

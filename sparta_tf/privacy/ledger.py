@@ -167,9 +167,7 @@ class PrivacyLedger:
         sampling: str = POISSON,
         unit: str = "example",
     ) -> None:
-        if unit not in ("example", "user"):
-            raise ValueError(f"unit must be 'example' or 'user', got {unit!r}")
-        self.unit = unit
+        self.unit = check_unit(unit)
         self.delta = accounting.check_delta(delta)
         self.accountant = accounting.check_accountant(accountant)
         self.target_epsilon = target_epsilon
@@ -402,6 +400,18 @@ class PrivacyLedger:
             f"target_epsilon={self.target_epsilon}, sampling={self.sampling!r}, "
             f"steps={self.steps}, entries={len(self._entries)})"
         )
+
+
+UNITS = ("example", "user")
+"""What a neighbouring data set adds or removes: one example, or all of one user's examples."""
+
+
+def check_unit(unit: str) -> str:
+    """``unit`` if it is one of :data:`UNITS`, else a ValueError naming the fix."""
+    if unit not in UNITS:
+        raise ValueError(f"unit={unit!r} must be 'example' (each example is protected) or 'user' (all of one "
+                         "person's examples together; pass users= to fit)")
+    return unit
 
 
 UNIT_LINES = {

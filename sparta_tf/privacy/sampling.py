@@ -80,6 +80,7 @@ import tensorflow as tf
 
 from sparta_tf import random_streams
 from sparta_tf.privacy.array_inputs import (
+    check_extra_participants,
     check_positive_int,
     check_sample_rate,
     check_start_step,
@@ -209,9 +210,7 @@ class PoissonSampler:
         extra: int = 0,
     ) -> None:
         self.n: int = check_positive_int(n, "n", "pass the number of training examples")
-        if isinstance(extra, bool) or not isinstance(extra, int) or extra < 0:
-            raise ValueError(f"extra={extra!r} must be an integer >= 0 (participants without rows)")
-        self.extra: int = extra
+        self.extra: int = check_extra_participants(extra)
         self.sample_rate: float = check_sample_rate(sample_rate)
         if physical_batch_size is None:
             physical_batch_size = default_physical_batch_size(self.n, self.sample_rate)

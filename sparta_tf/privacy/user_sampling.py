@@ -33,7 +33,7 @@ import tensorflow as tf
 
 from sparta_tf import random_streams
 from sparta_tf.privacy import array_inputs as inputs
-from sparta_tf.privacy.sampling import steps_per_epoch
+from sparta_tf.privacy.sampling import default_physical_batch_size, steps_per_epoch
 
 USER_STREAM = "user_sampling"
 EXAMPLES_STREAM = "user_examples"
@@ -61,17 +61,11 @@ the mechanism itself depend on the private data (one user more could change it f
 guarantee does not cover; :func:`share_left_out` says what a ``k`` leaves out, for choosing one."""
 
 
-def share_left_out(users: Any, examples_per_user: int) -> float:
-    """The share of the examples a cap ``k`` leaves out of every step: ``sum_v max(n_v - k, 0) / n``."""
-    counts = np.bincount(dense_user_ids(users)[0])
-    return float(np.sum(np.maximum(counts - examples_per_user, 0)) / counts.sum())
-
-
-def default_units_per_batch(users: int, sample_rate: float) -> int:
-    """``P`` units (users) per physical batch: the expected ``q U`` users plus four standard deviations,
-    so a step almost always fits one micro-batch."""
-    expected = users * sample_rate
-    return max(1, int(np.ceil(expected + 4.0 * np.sqrt(expected * (1.0 - sample_rate)))))
+def share_left_out(sizes: np.ndarray, examples_per_user: int) -> float:
+    """The share of the examples a cap ``k`` leaves out of every step, from the users' sizes ``n_v``:
+    ``sum_v max(n_v - k, 0) / n``."""
+    sizes = np.asarray(sizes)
+    return float(np.sum(np.maximum(sizes - examples_per_user, 0)) / sizes.sum())
 
 
 class UserPoissonSampler:
@@ -91,20 +85,18 @@ class UserPoissonSampler:
     def __init__(self, users: Any, sample_rate: float, examples_per_user: int,
                  units_per_batch: int | None = None, seed: int | None = None, extra: int = 0) -> None:
         self._ids, self.users = dense_user_ids(users)
-        if isinstance(extra, bool) or not isinstance(extra, int) or extra < 0:
-            raise ValueError(f"extra={extra!r} must be an integer >= 0 (participants without rows)")
-        self.extra: int = extra
+        self.extra: int = inputs.check_extra_participants(extra)
         self.n: int = len(self._ids)
         self.sample_rate: float = inputs.check_sample_rate(sample_rate)
         self.examples_per_user: int = inputs.check_positive_int(examples_per_user, "examples_per_user",
                                                          "cap each user's examples per step, e.g. 8")
         if units_per_batch is None:
-            units_per_batch = default_units_per_batch(self.users, self.sample_rate)
+            units_per_batch = default_physical_batch_size(self.users, self.sample_rate)  # in users
         self.units_per_batch: int = inputs.check_positive_int(units_per_batch, "units_per_batch",
-                                                       "pass e.g. default_units_per_batch(users, sample_rate)")
+                                                       "pass e.g. default_physical_batch_size(users, sample_rate)")
         self.seed: int = random_streams.resolve_seed(seed)
         counts = np.bincount(self._ids, minlength=self.users)
-        self.left_out: float = share_left_out(self._ids, self.examples_per_user)
+        self.left_out: float = share_left_out(counts, self.examples_per_user)
         self._counts = tf.constant(counts, tf.int64)
         self._user_of = tf.constant(self._ids, tf.int64)
 
