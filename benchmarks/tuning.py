@@ -12,7 +12,9 @@ profile's, whose learning rate was chosen non-privately on the same validation s
 The tuning seed of each cell is public (1000 + seed, so the benchmark reproduces; the ledger notes it) and
 the benchmark reads the number of candidates from each tuning's private state for the cost table, which a
 real user would keep secret. Resumable: each tuning runs (or resumes) in ``--work-dir``; finished ones are
-read back. Outputs ``benchmarks/results/cifar10-transfer-tuned.{json,md}``, rewritten after every cell,
+read back from the committed report. A tuning of seed 0 takes longer than a machine is held, so the finished
+candidates of the tunings still running are copied to ``--cache-dir`` (committed, :func:`save_cache`) while they
+run, and a fresh machine restores them into ``--work-dir`` and resumes there (:func:`restore_cache`). Outputs ``benchmarks/results/cifar10-transfer-tuned.{json,md}``, rewritten after every cell,
 with the cells still missing named.
 
     python benchmarks/tuning.py --data-dir ../shared/data --jobs 2
@@ -26,6 +28,7 @@ import copy
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -37,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import utility  # noqa: E402
 from sparta_tf.atomic_files import write_atomic  # noqa: E402
+from sparta_tf.tuning.procedure import best_index  # noqa: E402
 
 TRACK, PROFILE = "cifar10-transfer", "standard"
 SMOKE = {"methods": ("sparta",), "epsilons": (8.0,), "seeds": (0,), "mean": 1.5, "seed_base": 0}
@@ -55,6 +59,16 @@ GRIDS = {"sparta": (0.01, 0.03, 0.1, 0.3), "all": (0.01, 0.03, 0.1)}
 """The rates the standard profile's non-private tuning tried (its grid and bracket extension)."""
 MEAN, SHAPE = 3, "geometric"
 NAME = f"{TRACK}-tuned"
+CACHE_DIR = os.path.join(ROOT, "benchmarks", "cache", NAME)
+"""Where the finished candidates of unfinished tunings are kept between machines (committed; see the module doc)."""
+TUNING_FILES = ("tuning.json", "config.json")
+"""A tuning's state (its secret draws and split key, the config it was started with): all ``--resume`` reads."""
+CANDIDATE_FILES = ("results.json", "ledger.json", "config.json", "plan.json", "diverged.json")
+"""What ``--resume`` reads of a finished candidate (its score and ledger), with its config and plan for the record;
+its model (``model.keras``) is kept only while it is the best so far, the one a release could still copy."""
+MODEL = "model.keras"
+CACHE_INTERVAL_S = 60
+"""How often a running tuning's finished candidates are copied to the cache."""
 
 
 def cell_config(base: dict, method: str, epsilon: float, seed: int, work_dir: str, mean: float = MEAN,
@@ -66,21 +80,103 @@ def cell_config(base: dict, method: str, epsilon: float, seed: int, work_dir: st
     return config
 
 
-def run_tuning(config: dict) -> dict:
-    """The tuning's released ``results.json`` (running or resuming it first), with its cost."""
+def finished_candidates(out: str) -> list[str]:
+    """The candidate directories of the tuning in ``out`` that finished (with a score or diverged), in order:
+    candidates run one after another, so these are a prefix of the draws."""
+    with open(os.path.join(out, "tuning.json")) as f:
+        total = len(json.load(f)["draws"]["candidates"])
+    finished = []
+    for index in range(total):
+        path = os.path.join(out, "candidates", f"{index:03d}")
+        if not any(os.path.exists(os.path.join(path, name)) for name in ("results.json", "diverged.json")):
+            break
+        finished.append(path)
+    return finished
+
+
+def _score(candidate_dir: str) -> float | None:
+    path = os.path.join(candidate_dir, "results.json")
+    if not os.path.exists(path):
+        return None  # diverged: ranks last
+    with open(path) as f:
+        return json.load(f)["tuning_score"]
+
+
+def save_cache(out: str, cache: str) -> int:
+    """Copies the tuning in ``out`` (unfinished, with its state) to ``cache``: its state, every finished
+    candidate's :data:`CANDIDATE_FILES`, and the model of the best of them only (by the release's own rule,
+    :func:`~sparta_tf.tuning.procedure.best_index`: a later candidate must beat it, so no other can be
+    released). Returns the number of finished candidates kept."""
+    if not os.path.exists(os.path.join(out, "tuning.json")) or os.path.exists(os.path.join(out, "results.json")):
+        return 0
+    finished = finished_candidates(out)
+    best = best_index([_score(path) for path in finished])
+    for name in TUNING_FILES:
+        _copy(os.path.join(out, name), os.path.join(cache, name))
+    for index, path in enumerate(finished):
+        kept = os.path.join(cache, "candidates", os.path.basename(path))
+        for name in CANDIDATE_FILES + (MODEL,):
+            source = os.path.join(path, name)
+            if os.path.exists(source) and (name != MODEL or index == best):
+                _copy(source, os.path.join(kept, name))
+            elif name == MODEL and os.path.exists(os.path.join(kept, name)):
+                os.remove(os.path.join(kept, name))  # beaten: it can no longer be released
+    return len(finished)
+
+
+def _copy(source: str, destination: str) -> None:
+    """``source`` to ``destination`` unless it is there with the same bytes (atomically: a kill leaves either)."""
+    with open(source, "rb") as f:
+        content = f.read()
+    if os.path.exists(destination):
+        with open(destination, "rb") as f:
+            if f.read() == content:
+                return
+    os.makedirs(os.path.dirname(destination), exist_ok=True)
+    temporary = destination + ".partial"
+    with open(temporary, "wb") as f:
+        f.write(content)
+    os.replace(temporary, destination)
+
+
+def restore_cache(out: str, cache: str) -> bool:
+    """Copies a cached tuning into ``out`` (which must not exist) so that ``sparta-tune --resume`` continues it
+    after its last finished candidate; False when there is nothing cached."""
+    if os.path.exists(out) or not os.path.exists(os.path.join(cache, "tuning.json")):
+        return False
+    shutil.copytree(cache, out)
+    print(f"restored {len(finished_candidates(out))} finished candidate(s) of {os.path.basename(out)} from {cache}",
+          flush=True)
+    return True
+
+
+def run_tuning(config: dict, cache: str | None = None) -> dict:
+    """The tuning's released ``results.json`` (running or resuming it first, from ``cache`` on a fresh machine,
+    which it keeps up to date while it runs), with its cost."""
     out = config["output_dir"]
     results_path = os.path.join(out, "results.json")
     if not os.path.exists(results_path):
+        if cache:
+            restore_cache(out, cache)
         os.makedirs(out, exist_ok=True)
         config_path = os.path.join(out, "..", os.path.basename(out) + ".yaml")
         write_atomic(config_path, json.dumps(config, indent=1))
         resume = ["--resume"] if os.path.exists(os.path.join(out, "tuning.json")) else []
         start = time.time()
         with open(out + ".log", "a") as log:
-            process = subprocess.run([sys.executable, "-m", "trainers.tune_cli", "--config", config_path, *resume],
-                                     cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        if process.returncode:
-            raise RuntimeError(f"sparta-tune failed for {out} (exit {process.returncode}); see {out}.log")
+            process = subprocess.Popen([sys.executable, "-m", "trainers.tune_cli", "--config", config_path, *resume],
+                                       cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+            while True:
+                try:
+                    returncode = process.wait(timeout=CACHE_INTERVAL_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    if cache:
+                        save_cache(out, cache)
+        if returncode:
+            if cache:
+                save_cache(out, cache)
+            raise RuntimeError(f"sparta-tune failed for {out} (exit {returncode}); see {out}.log")
         print(f"tuned {os.path.basename(out)} in {time.time() - start:.0f} s", flush=True)
     with open(results_path) as f:
         results = json.load(f)
@@ -176,7 +272,8 @@ def report(records: list[dict], missing: list[str], out_dir: str, name: str = NA
              "within the total epsilon (delta 1e-5). Today's: the standard profile's runs at the rate chosen "
              "non-privately at epsilon 2 on the same validation split (the " + profile + " profile). 95% t-intervals "
              "over seeds.", "",
-             "Run (resumes): `python benchmarks/tuning.py --data-dir ../shared/data --jobs 2`; the tuning seeds are "
+             "Run (resumes, on a fresh machine from the committed cache of unfinished tunings): `python "
+             "benchmarks/tuning.py --data-dir ../shared/data --jobs 2`; the tuning seeds are "
              "public (1000 + seed) so that the benchmark reproduces, which the released ledgers note.", "",
              "| method | epsilon | privately tuned (covered) | today's rate (not covered) | tuned − today, paired "
              "(points) | rates released | noise: each candidate / one untuned run | per-run epsilon | candidates "
@@ -221,17 +318,28 @@ def committed_records(out_dir: str, name: str, cells: list, configs: dict) -> di
     return kept
 
 
+def cell_cache(cache_dir: str, config: dict) -> str:
+    return os.path.join(cache_dir, os.path.basename(config["output_dir"]))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--data-dir", default=os.path.join(ROOT, "..", "shared", "data"))
     parser.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "tuning", NAME))
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
+    parser.add_argument("--cache-dir", help="where the finished candidates of unfinished tunings are kept between "
+                        f"machines (default {os.path.relpath(CACHE_DIR, ROOT)}, committed: a fresh machine resumes "
+                        "from it; with --smoke, under --work-dir)")
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--report", action="store_true", help="rewrite the report from the finished tunings and "
                         "the progress of the others; run nothing")
     parser.add_argument("--smoke", action="store_true", help="one tiny cell on the smoke profile's sizes (CI)")
     args = parser.parse_args(argv)
     profile = utility.PROFILES["smoke" if args.smoke else PROFILE]
+    args.data_dir, args.work_dir = os.path.abspath(args.data_dir), os.path.abspath(args.work_dir)  # a tuning's state
+    # records its data's path, which a resume on another machine (or checkout) must find the same
+    if args.cache_dir is None:
+        args.cache_dir = os.path.join(args.work_dir, "cache") if args.smoke else CACHE_DIR
     base = utility.base_config(TRACK, profile, args.data_dir, "", args.work_dir)
     methods, epsilons, seeds = (SMOKE["methods"], SMOKE["epsilons"], SMOKE["seeds"]) if args.smoke else \
         (METHODS, EPSILONS, SEEDS)
@@ -253,10 +361,12 @@ def main(argv=None) -> int:
                args.out_dir, name, mean, profile_name)
         return 0
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        futures = {pool.submit(run_tuning, configs[cell]): cell for cell in cells if cell not in records}
+        futures = {pool.submit(run_tuning, configs[cell], cell_cache(args.cache_dir, configs[cell])): cell
+                   for cell in cells if cell not in records}
         for future in concurrent.futures.as_completed(futures):
             cell = futures[future]
             records[cell] = {"method": cell[0], "target_epsilon": cell[1], "seed": cell[2], **future.result()}
+            shutil.rmtree(cell_cache(args.cache_dir, configs[cell]), ignore_errors=True)  # the report holds it now
             ordered = [records[c] for c in cells if c in records]
             report(ordered, [names[c] for c in cells if c not in records], args.out_dir, name, mean, profile_name)
     return 0
