@@ -140,16 +140,28 @@ def test_the_checks_measure_noise_and_rate_and_whitening_undoes_the_factorizatio
     assert factor[1, 0] == 0.6 and factor[3, 2] == 0 and factor[4, 3] == 0.6 and np.allclose(np.diag(factor), 0.8)
 
 
-def test_sparta_audit_white_box_runs_sparta_and_writes_its_report(tmp_path, write_config, capsys):
+def test_sparta_audit_white_box_runs_sparta_and_writes_its_report_with_the_black_box_audit_of_the_same_run(
+        tmp_path, write_config, capsys):
     config = tiny_config(tmp_path / "out", method="sparta", epochs=3)
     config["method"]["warmup_epochs"] = 1
     path = write_config(config)
-    assert audit.main(["--config", path, "--white-box", "--canaries", "150"]) == 0
+    assert audit.main(["--config", path, "--white-box", "--canaries", "150", "--data-canaries", "40"]) == 0
     report = json.loads((tmp_path / "out" / "audit" / "audit.json").read_text())
     assert report["kind"] == "white_box" and report["passed"] and report["canaries"] == 150
     assert set(report["bounds"]) == {"steps", "final_model"} and report["mismatches"] == []
     assert report["observed_steps"] > 0 and report["steps"] > report["observed_steps"]  # selection: not observed
-    assert "white-box audit of epsilon" in capsys.readouterr().out
+    black_box = report["black_box"]  # the data canaries of the same run: one training, two audits
+    assert black_box["canaries"] == 40 and black_box["passed"] and black_box["test_accuracy"] == report["test_accuracy"]
+    assert black_box["n"] == report["n"]  # the data canaries are private training examples of this run
+    output = capsys.readouterr().out
+    assert "white-box audit of epsilon" in output and "black box (data canaries)" in output
+
+
+def test_data_canaries_need_the_white_box_audit(tmp_path, write_config, capsys):
+    path = write_config(tiny_config(tmp_path / "out", method="all", epochs=1))
+    assert audit.main(["--config", path, "--data-canaries", "40"]) == 2
+    assert "--data-canaries adds data canaries to a --white-box audit" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_sparta_audit_white_box_exits_3_on_a_mechanism_that_does_not_match_its_ledger(tmp_path, write_config):

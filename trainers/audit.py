@@ -1,4 +1,4 @@
-"""``sparta-audit --config CONFIG [--canaries M] [--canary-kind K] [--score S] [--set ...]``.
+"""``sparta-audit --config CONFIG [--canaries M] [--canary-kind K] [--score S] [--white-box [--data-canaries [N]]] [--set ...]``.
 
 An empirical privacy audit of one ``sparta-train`` run (Steinke, Nasr and
 Jagielski, NeurIPS 2023; see :mod:`sparta_tf.audit`): ``M`` canaries, each
@@ -40,6 +40,8 @@ CANARY_LOSSES = "canary_losses.npz"
 CANARY_KINDS = ("mislabelled", "clean", "noise")
 SCORES = ("loss", "loss_drop")
 CONTRADICTED = 3
+DEFAULT_COUNT = -1
+"""``--data-canaries`` without a number: the black-box audit's default count (:func:`default_canaries`)."""
 RUN_KEYS = ("method", "private", "target_epsilon", "noise_multiplier", "sample_rate", "steps", "n", "test_accuracy",
             "train_s")
 """What ``audit.json`` repeats of the audited run's ``results.json``."""
@@ -64,6 +66,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="gradient canaries inside the DP step, scored from every step's release, and the "
                              "mechanism's noise and sampling rate checked against the ledger (default: data "
                              "canaries scored by the trained model's loss)")
+    parser.add_argument("--data-canaries", type=int, nargs="?", const=DEFAULT_COUNT, default=None, metavar="N",
+                        help="with --white-box: also plant N data canaries (--canary-kind, --score; N as for the "
+                             "black-box audit when left out) in the same run, and report the black-box bound "
+                             "beside the white-box one: two views of one training run")
     parser.add_argument("--canary-variable", default=None, metavar="NAME",
                         help="with --white-box: the trainable variable the gradient canaries live on (its name as "
                              "Keras prints it, e.g. stage3_block3_conv2/kernel); default: the head's kernel")
@@ -152,18 +158,29 @@ def run_audit(config: dict, canaries: int | None = None, kind: str = "mislabelle
 
     ``seed``: of the ``canaries`` stream (:mod:`sparta_tf.random_streams`); None: the run's data seed
     (``training.seed``, 0 when it is null: the seed of the data splits), a number: an explicit override."""
-    import numpy as np
-
     check_arguments(canaries, kind, score, confidence)
     check_unit(config)
     import_tensorflow()
     from sparta_tf.atomic_files import write_atomic
-    from sparta_tf.audit import audit_report, summary_line
+    from sparta_tf.audit import summary_line
     from trainers import run
 
     config, seed, output_dir = fresh_audit_run(config, seed)
     hooks = _Hooks(config, canaries, kind, seed, confidence)
     results = run.train(config, hooks=hooks)
+    report = _black_box_report(hooks, results, confidence, score, output_dir)
+    path = os.path.join(output_dir, AUDIT_JSON)
+    write_atomic(path, json.dumps(report, indent=1))
+    print(summary_line(report) + f"; report in {path}")
+    return report
+
+
+def _black_box_report(hooks: _Hooks, results: dict, confidence: float, score: str, output_dir: str) -> dict:
+    """The black-box audit of the run ``hooks`` planted data canaries in (its canaries' losses saved beside)."""
+    import numpy as np
+
+    from sparta_tf.audit import audit_report
+
     recorder = hooks.recorder
     report = audit_report(hooks.canaries, recorder.start, recorder.end, delta=results["delta"],
                           epsilon_claimed=results["epsilon"], confidence=confidence, score=score)
@@ -171,9 +188,6 @@ def run_audit(config: dict, canaries: int | None = None, kind: str = "mislabelle
     report |= {key: results[key] for key in RUN_KEYS}
     np.savez(os.path.join(output_dir, CANARY_LOSSES), included=hooks.canaries.included, labels=hooks.canaries.y,
              loss_start=recorder.start, loss_end=recorder.end)
-    path = os.path.join(output_dir, AUDIT_JSON)
-    write_atomic(path, json.dumps(report, indent=1))
-    print(summary_line(report) + f"; report in {path}")
     return report
 
 
@@ -213,25 +227,63 @@ class _WhiteBoxHooks:
         return {}
 
 
+class _BothHooks:
+    """The seam of ``--white-box --data-canaries``: the data canaries of :class:`_Hooks` in the private data and
+    the gradient canaries of :class:`_WhiteBoxHooks` in the DP step, in one run. Each audit's canaries are
+    participants the other's bound counts as data: the data canaries are examples (clipped, sampled, noised like
+    any), and the gradient canaries' reserved coordinates take nothing from the data canaries but what they take
+    from every example."""
+
+    def __init__(self, black_box: _Hooks, white_box: _WhiteBoxHooks):
+        self.black_box, self.white_box = black_box, white_box
+
+    def private_data(self, dataset):
+        return self.black_box.private_data(dataset)
+
+    def attach(self, dp) -> None:
+        self.white_box.attach(dp)
+
+    def callbacks(self) -> list:
+        return self.black_box.callbacks() + self.white_box.callbacks()
+
+    def after_fit(self, dp, dataset) -> dict:
+        return self.white_box.after_fit(dp, dataset)
+
+
 def run_white_box_audit(config: dict, canaries: int | None = None, seed: int | None = None,
-                        confidence: float = 0.95, variable: str | None = None) -> dict:
+                        confidence: float = 0.95, variable: str | None = None, data_canaries: int | None = None,
+                        kind: str = "mislabelled", score: str = "loss") -> dict:
     """Trains ``audit_config(config)`` with gradient canaries in its DP steps and returns (and writes) the
-    ``audit.json`` report (:mod:`sparta_tf.audit.white_box`)."""
-    check_arguments(canaries, CANARY_KINDS[0], SCORES[0], confidence)
+    ``audit.json`` report (:mod:`sparta_tf.audit.white_box`). With ``data_canaries`` (a count, or
+    :data:`DEFAULT_COUNT` for the black-box default) the same run also carries that many data canaries of
+    ``kind``, and the report holds the black-box audit of them under ``"black_box"`` (as :func:`run_audit`
+    reports it); ``passed`` is then both audits'."""
+    check_arguments(canaries, kind, score, confidence)
+    data_count = None if data_canaries in (None, DEFAULT_COUNT) else data_canaries
+    if data_canaries is not None:
+        check_arguments(data_count, kind, score, confidence)
+        check_unit(config)
     import_tensorflow()
     from sparta_tf.atomic_files import write_atomic
+    from sparta_tf.audit import summary_line
     from sparta_tf.audit.white_box import describe_audit
     from trainers import run
 
     config, seed, output_dir = fresh_audit_run(config, seed)
-    hooks = _WhiteBoxHooks(canaries, seed, confidence, variable)
-    results = run.train(config, hooks=hooks)
-    audit = hooks.report
+    white_box = _WhiteBoxHooks(canaries, seed, confidence, variable)
+    black_box = None if data_canaries is None else _Hooks(config, data_count, kind, seed, confidence)
+    results = run.train(config, hooks=white_box if black_box is None else _BothHooks(black_box, white_box))
+    audit = white_box.report
     report = {"kind": "white_box", **audit.to_json(),
               "passed": not (audit.contradicts_claim or audit.mismatches)}
     report |= {key: results[key] for key in RUN_KEYS}
+    if black_box is not None:
+        report["black_box"] = _black_box_report(black_box, results, confidence, score, output_dir)
+        report["passed"] = report["passed"] and report["black_box"]["passed"] is not False
     path = os.path.join(output_dir, AUDIT_JSON)
     write_atomic(path, json.dumps(report, indent=1))
+    if black_box is not None:
+        print(f"black box (data canaries): {summary_line(report['black_box'])}")
     print(describe_audit(audit) + f"; report in {path}")
     return report
 
@@ -268,9 +320,12 @@ def _audit(args: argparse.Namespace, loaded: dict) -> int:
     try:
         loaded["config"] = load_config(args.config, args.overrides)  # checked before TensorFlow is imported
         check_arguments(args.canaries, args.canary_kind, args.score, args.confidence)
+        if args.data_canaries is not None and not args.white_box:
+            raise ConfigError("--data-canaries adds data canaries to a --white-box audit; without --white-box, "
+                              "--canaries sets the data canaries")
         if args.white_box:
             report = run_white_box_audit(loaded["config"], args.canaries, args.canary_seed, args.confidence,
-                                         args.canary_variable)
+                                         args.canary_variable, args.data_canaries, args.canary_kind, args.score)
         else:
             report = run_audit(loaded["config"], args.canaries, args.canary_kind, args.canary_seed, args.confidence,
                                args.score)
