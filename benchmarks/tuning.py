@@ -14,7 +14,9 @@ the benchmark reads the number of candidates from each tuning's private state fo
 real user would keep secret. Resumable: each tuning runs (or resumes) in ``--work-dir``; finished ones are
 read back from the committed report. A tuning of seed 0 takes longer than a machine is held, so the finished
 candidates of the tunings still running are copied to ``--cache-dir`` (committed, :func:`save_cache`) while they
-run, and a fresh machine restores them into ``--work-dir`` and resumes there (:func:`restore_cache`). Outputs ``benchmarks/results/cifar10-transfer-tuned.{json,md}``, rewritten after every cell,
+run, and a fresh machine restores them into ``--work-dir`` and resumes there (:func:`restore_cache`). The cache
+holds each tuning's private state (its draws, split key and candidates' scores), which a real user keeps with the
+data; here the data are public and the tuning seeds already are. Outputs ``benchmarks/results/cifar10-transfer-tuned.{json,md}``, rewritten after every cell,
 with the cells still missing named.
 
     python benchmarks/tuning.py --data-dir ../shared/data --jobs 2

@@ -42,12 +42,16 @@ claim outside it is reported as a mechanism that does not match its ledger.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from scipy import stats
 
 from sparta_tf.audit.one_run import OneRunBound, audit_scores, ceiling
+
+if TYPE_CHECKING:  # power simulates this module's scores
+    from sparta_tf.audit.power import SimulatedBound
 
 def step_scores(observations: np.ndarray, sample_rate: float, noise_std: float, clip_norm: float) -> np.ndarray:
     """``steps`` scores (module doc) of ``observations`` ``[T, m]``; ``noise_std = sigma C``."""
@@ -143,6 +147,10 @@ class WhiteBoxAudit:
     ceiling: float
     checks: dict[str, Interval] = dataclasses.field(default_factory=dict)
     """The mechanism's parameters measured against the ledger (:func:`mechanism_checks`)."""
+    expected: SimulatedBound | None = None
+    """The ``steps`` bound an exact, honest mechanism gives with these canaries and steps
+    (:func:`~sparta_tf.audit.power.simulated_bound`): the yardstick of the measured one (independent noise
+    only; None with correlated noise)."""
 
     @property
     def best(self) -> OneRunBound:
@@ -165,7 +173,8 @@ class WhiteBoxAudit:
                 "contradicts_claim": self.contradicts_claim, "mismatches": self.mismatches,
                 "bounds": {name: dataclasses.asdict(bound) for name, bound in self.bounds.items()},
                 "checks": {name: dataclasses.asdict(check) | {"matches": check.matches}
-                           for name, check in self.checks.items()}}
+                           for name, check in self.checks.items()},
+                "expected_bound": None if self.expected is None else dataclasses.asdict(self.expected)}
 
 
 def white_box_audit(observations: np.ndarray, included: np.ndarray, initial: np.ndarray, final: np.ndarray, *,
@@ -183,8 +192,13 @@ def white_box_audit(observations: np.ndarray, included: np.ndarray, initial: np.
     bounds = {name: audit_scores(s, included, delta, each) for name, s in scores.items()}
     checks = mechanism_checks(observations, included, sample_rate=sample_rate, noise_std=noise_std,
                               clip_norm=clip_norm, factor=factor)
-    return WhiteBoxAudit(claimed_epsilon, delta, len(included), int(np.asarray(observations).shape[0]), bounds,
-                         ceiling(len(included), delta, each), checks)
+    from sparta_tf.audit.power import simulated_bound
+
+    steps = int(np.asarray(observations).shape[0])
+    expected = None if correlated or steps == 0 else simulated_bound(
+        noise_std / clip_norm, sample_rate, steps, len(included), delta, confidence=each)
+    return WhiteBoxAudit(claimed_epsilon, delta, len(included), steps, bounds, ceiling(len(included), delta, each),
+                         checks, expected)
 
 
 def describe_audit(audit: WhiteBoxAudit) -> str:
@@ -194,6 +208,9 @@ def describe_audit(audit: WhiteBoxAudit) -> str:
                        f"{'' if c.matches else ' MISMATCH'}" for name, c in audit.checks.items())
     verdict = ("CONTRADICTS the claim" if audit.contradicts_claim else
                "the mechanism does NOT match its ledger" if audit.mismatches else "consistent with the claim")
+    expected = "" if audit.expected is None else (
+        f"; an exact mechanism at the claim gives steps {audit.expected.mean:.3g} ({audit.expected.low:.3g} to "
+        f"{audit.expected.high:.3g} in {audit.expected.trials} simulations)")
     return (f"white-box audit of epsilon {audit.claimed_epsilon:.4g} (delta {audit.delta:g}), {audit.canaries} canaries "
             f"over {audit.observed_steps} steps: lower bounds {bounds} (at most {audit.ceiling:.3g} with this many "
-            f"canaries); measured {checks}: {verdict}")
+            f"canaries{expected}); measured {checks}: {verdict}")
