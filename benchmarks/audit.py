@@ -122,16 +122,16 @@ def run_white_box_cell(args, method: str, setting: str, seed: int) -> dict:
 
 
 def expected_bound(report: dict) -> str:
-    """The steps bound of the exact mechanism at the claim, simulated (the report's, or computed for a report
-    written before it carried one); "—" with correlated noise."""
+    """The steps bound of the exact mechanism at the claim, simulated as the report does
+    (:func:`~sparta_tf.audit.power.simulated_bound`, recomputed: reports of other versions ran fewer trials);
+    "—" with correlated noise."""
     from sparta_tf.audit.power import simulated_bound
 
     if "steps" not in report["bounds"]:
         return "—"
-    bound = report.get("expected_bound") or simulated_bound(
-        report["noise_multiplier"], report["sample_rate"], report["observed_steps"], report["canaries"],
-        report["delta"], confidence=0.975).__dict__
-    return f"{bound['mean']:.2f} ({bound['low']:.2f}-{bound['high']:.2f})"
+    bound = simulated_bound(report["noise_multiplier"], report["sample_rate"], report["observed_steps"],
+                            report["canaries"], report["delta"], confidence=0.975)
+    return f"{bound.mean:.2f} ({bound.low:.2f}-{bound.high:.2f})"
 
 
 def white_box_markdown(results: dict) -> str:

@@ -57,7 +57,7 @@ def test_an_honest_dp_sgd_run_stays_below_its_claim_and_matches_its_ledger(epsil
     assert not report.contradicts_claim and report.mismatches == []
     assert 0 < report.best.epsilon_lower_bound <= epsilon
     assert report.claimed_epsilon == pytest.approx(epsilon, rel=1e-4)
-    assert report.expected.trials == 5 and 0 <= report.expected.mean <= epsilon  # the exact mechanism's, simulated
+    assert report.expected.trials == 20 and 0 <= report.expected.mean <= epsilon  # the exact mechanism's, simulated
 
 
 def test_an_honest_bandmf_run_stays_below_its_claim_and_matches_its_factorization():
@@ -152,7 +152,7 @@ def test_sparta_audit_white_box_runs_sparta_and_writes_its_report_with_the_black
     assert report["kind"] == "white_box" and report["passed"] and report["canaries"] == 150
     assert set(report["bounds"]) == {"steps", "final_model"} and report["mismatches"] == []
     assert report["observed_steps"] > 0 and report["steps"] > report["observed_steps"]  # selection: not observed
-    assert report["expected_bound"]["trials"] == 5
+    assert report["expected_bound"]["trials"] == 20
     black_box = report["black_box"]  # the data canaries of the same run: one training, two audits
     assert black_box["canaries"] == 40 and black_box["passed"] and black_box["test_accuracy"] == report["test_accuracy"]
     assert black_box["n"] == report["n"]  # the data canaries are private training examples of this run
