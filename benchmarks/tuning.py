@@ -194,15 +194,15 @@ def run_tuning(config: dict, cache: str | None = None) -> dict:
     return results | {"candidates": len(state["draws"]["candidates"]), "candidate_seconds": seconds}
 
 
-def today(method: str, epsilon: float, profile: str = PROFILE) -> dict[int, float]:
-    """Seed -> the profile's test accuracy (seeds 0-2, rate tuned non-privately) at ``epsilon``."""
+def today(method: str, epsilon: float, profile: str = PROFILE, seeds=SEEDS) -> dict[int, float]:
+    """Seed -> the profile's test accuracy (of ``seeds``, rate tuned non-privately) at ``epsilon``."""
     path = os.path.join(ROOT, "benchmarks", "results", f"{TRACK}-{profile}.json")
     if not os.path.exists(path):
         return {}
     with open(path) as f:
         runs = json.load(f)["runs"]
     return {r["seed"]: r["test_accuracy"] for r in runs if r["method"] == method and r["target_epsilon"] == epsilon
-            and r["kind"] == "main" and r["seed"] in SEEDS}
+            and r["kind"] == "main" and r["seed"] in seeds}
 
 
 def paired(tuned: dict[int, float], untuned: dict[int, float]) -> str:

@@ -221,13 +221,22 @@ def describe(plan: PrivacyPlan, method: Method, model: tf.keras.Model, config: d
 
 def bands_line(config: dict, dataset, method: Method, plan: PrivacyPlan) -> str | None:
     """The dry run's line on correlated noise: the noise on the final weights for each number of bands
-    against independent noise, each calibrated to the plan's epsilon
-    (:func:`sparta_tf.privacy.banded_error.compare_bands`); None for a plan without a target epsilon or
-    not private."""
+    against independent noise, each calibrated to the plan's epsilon (:func:`bands_comparison`); None for
+    a plan without a target epsilon or not private."""
+    from sparta_tf.privacy.banded_error import describe_comparison
+
+    errors = bands_comparison(config, dataset, method, plan)
+    return None if errors is None else describe_comparison(errors, plan.bands)
+
+
+def bands_comparison(config: dict, dataset, method: Method, plan: PrivacyPlan) -> list | None:
+    """:func:`sparta_tf.privacy.banded_error.compare_bands` for the run of ``config``: each number of bands
+    the run admits, its calibrated noise multiplier and its noise on the final weights against
+    independent noise; None for a plan without a target epsilon, not private, or at user level."""
     if (plan.target_epsilon is None or config["privacy"]["noise_multiplier"] is not None or not plan.private
             or plan.unit == "user"):  # user level runs independent noise only
         return None
-    from sparta_tf.privacy.banded_error import compare_bands, describe_comparison
+    from sparta_tf.privacy.banded_error import compare_bands
 
     def plan_with_bands(bands: int) -> PrivacyPlan:
         with_bands = dict(config, privacy=dict(config["privacy"], bands=bands))
@@ -238,7 +247,17 @@ def bands_line(config: dict, dataset, method: Method, plan: PrivacyPlan) -> str 
 
     training = config["training"]
     momentum = training["momentum"] if training["optimizer"] == "sgd" else 0.0
-    return describe_comparison(compare_bands(plan_with_bands, momentum), plan.bands)
+    return compare_bands(plan_with_bands, momentum)
+
+
+def planned_bands_comparison(config: dict) -> list | None:
+    """:func:`bands_comparison` of ``config`` (validated) as its dry run computes it: the data loaded, the
+    model built (not pre-trained), the method's phases planned; nothing written."""
+    preflight(config)
+    dataset = load_private_data(config)
+    model = build_private_model(config, dataset, None)
+    method = build_method(config, None, model)
+    return bands_comparison(config, dataset, method, make_plan(config, dataset, method))
 
 
 def augmentation_of(config: dict) -> dict | None:
