@@ -92,6 +92,8 @@ STREAMS: dict[str, Stream] = {
     "val_split": Stream(0x5EED0005, False, "the validation split", "pcg64"),
     "split_key": Stream(0x53504C4B, False, "the stable splits' key derived from a public data seed"),  # "SPLK"
     "canaries": Stream(0x00CA4A21, False, "which audit canaries, their labels and coin flips", "pcg64"),
+    "audit_simulation": Stream(0x41534D4C, False, "the white-box audit's simulated exact mechanism (its yardstick)",
+                               "pcg64"),  # "ASML"
 }
 
 SECRET_STREAMS = tuple(name for name, stream in STREAMS.items() if stream.secret)

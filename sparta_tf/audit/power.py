@@ -27,9 +27,11 @@ import dataclasses
 
 import numpy as np
 
+from sparta_tf import random_streams
 from sparta_tf.audit.one_run import audit_scores
 from sparta_tf.audit.white_box import step_scores
 
+STREAM = "audit_simulation"
 _CHUNK = 2_000_000  # observations drawn at a time (memory: 16 MB of float64)
 
 
@@ -75,7 +77,7 @@ def simulated_bound(noise_multiplier: float, sample_rate: float, steps: int, can
     if noise_multiplier <= 0 or not 0 < sample_rate <= 1 or steps < 1 or canaries < 2 or trials < 1:
         raise ValueError(f"need noise_multiplier > 0, 0 < sample_rate <= 1, steps >= 1, canaries >= 2 and trials "
                          f">= 1; got {noise_multiplier}, {sample_rate}, {steps}, {canaries}, {trials}")
-    rng = np.random.default_rng(seed)
+    rng = random_streams.numpy_rng(seed, STREAM)
     bounds = []
     for _ in range(trials):
         included = rng.random(canaries) < 0.5
