@@ -42,16 +42,12 @@ claim outside it is reported as a mechanism that does not match its ledger.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from scipy import stats
 
 from sparta_tf.audit.one_run import OneRunBound, audit_scores, ceiling
-
-if TYPE_CHECKING:  # power simulates this module's scores
-    from sparta_tf.audit.power import SimulatedBound
 
 def step_scores(observations: np.ndarray, sample_rate: float, noise_std: float, clip_norm: float) -> np.ndarray:
     """``steps`` scores (module doc) of ``observations`` ``[T, m]``; ``noise_std = sigma C``."""
@@ -147,10 +143,11 @@ class WhiteBoxAudit:
     ceiling: float
     checks: dict[str, Interval] = dataclasses.field(default_factory=dict)
     """The mechanism's parameters measured against the ledger (:func:`mechanism_checks`)."""
-    expected: SimulatedBound | None = None
+    expected: "SimulatedBound | None" = None
     """The ``steps`` bound an exact, honest mechanism gives with these canaries and steps
-    (:func:`~sparta_tf.audit.power.simulated_bound`): the yardstick of the measured one (independent noise
-    only; None with correlated noise)."""
+    (:class:`~sparta_tf.audit.power.SimulatedBound`, set by
+    :func:`~sparta_tf.audit.white_box_run.white_box_report`): the yardstick of the measured one (independent
+    noise only; None with correlated noise)."""
 
     @property
     def best(self) -> OneRunBound:
@@ -183,7 +180,7 @@ def white_box_audit(observations: np.ndarray, included: np.ndarray, initial: np.
     """Both bounds of a run (the step score, or the prefix sum with correlated noise, ``factor`` BandMF's
     ``C`` over the observed steps; and the final model's), each at ``confidence / 2`` so that the pair
     holds at ``confidence`` (Bonferroni), and the :func:`mechanism_checks`."""
-    each = 1 - (1 - confidence) / 2
+    each = per_score_confidence(confidence)
     correlated = factor is not None
     scores = {"prefix_sum" if correlated else "steps": (
         prefix_sum_scores(observations) if correlated else
@@ -192,13 +189,13 @@ def white_box_audit(observations: np.ndarray, included: np.ndarray, initial: np.
     bounds = {name: audit_scores(s, included, delta, each) for name, s in scores.items()}
     checks = mechanism_checks(observations, included, sample_rate=sample_rate, noise_std=noise_std,
                               clip_norm=clip_norm, factor=factor)
-    from sparta_tf.audit.power import simulated_bound
+    return WhiteBoxAudit(claimed_epsilon, delta, len(included), int(np.asarray(observations).shape[0]), bounds,
+                         ceiling(len(included), delta, each), checks)
 
-    steps = int(np.asarray(observations).shape[0])
-    expected = None if correlated or steps == 0 else simulated_bound(
-        noise_std / clip_norm, sample_rate, steps, len(included), delta, confidence=each)
-    return WhiteBoxAudit(claimed_epsilon, delta, len(included), steps, bounds, ceiling(len(included), delta, each),
-                         checks, expected)
+
+def per_score_confidence(confidence: float) -> float:
+    """Each of the two scores' confidence, so that both bounds hold together at ``confidence`` (Bonferroni)."""
+    return 1 - (1 - confidence) / 2
 
 
 def describe_audit(audit: WhiteBoxAudit) -> str:

@@ -11,7 +11,8 @@ import tensorflow as tf
 
 from sparta_tf.backend import variable_key
 from sparta_tf.audit.gradient_canaries import CanaryObservations, GradientCanaries, head_kernel
-from sparta_tf.audit.white_box import WhiteBoxAudit, white_box_audit
+from sparta_tf.audit.power import simulated_bound
+from sparta_tf.audit.white_box import WhiteBoxAudit, per_score_confidence, white_box_audit
 from sparta_tf.privacy.banded import BandedFactorization
 
 DEFAULT_CANARIES = 1000
@@ -63,11 +64,17 @@ def white_box_report(dp, planted: PlantedCanaries, confidence: float = 0.95) -> 
     if mechanism.bands > 1:  # the claimed factorization (the analysis's), not the one the noise used
         claimed = BandedFactorization(mechanism.bands, dp._masked_optimizer.workload_momentum).coefficients
         factor = whitening_factor(claimed, planted.recorder.steps)
-    return white_box_audit(planted.recorder.array, planted.canaries.included, planted.initial,
-                           canary_values(planted.canaries), claimed_epsilon=dp.ledger.epsilon(),
-                           delta=dp.ledger.delta, sample_rate=mechanism.step_sample_rate,
-                           noise_std=mechanism.noise_std, clip_norm=mechanism.clip_norm, factor=factor,
-                           confidence=confidence)
+    audit = white_box_audit(planted.recorder.array, planted.canaries.included, planted.initial,
+                            canary_values(planted.canaries), claimed_epsilon=dp.ledger.epsilon(),
+                            delta=dp.ledger.delta, sample_rate=mechanism.step_sample_rate,
+                            noise_std=mechanism.noise_std, clip_norm=mechanism.clip_norm, factor=factor,
+                            confidence=confidence)
+    if factor is not None or audit.observed_steps == 0:  # the yardstick simulates independent noise
+        return audit
+    expected = simulated_bound(mechanism.noise_std / mechanism.clip_norm, mechanism.step_sample_rate,
+                               audit.observed_steps, audit.canaries, audit.delta,
+                               confidence=per_score_confidence(confidence))
+    return dataclasses.replace(audit, expected=expected)
 
 
 def audit_white_box(dp, x, y, *, canaries: int | None = None, seed: int = 0, variable: tf.Variable | None = None,
