@@ -44,7 +44,6 @@ from typing import Any
 import tensorflow as tf
 
 from sparta_tf import checkpointing, distribute, run_checks
-from sparta_tf.privacy.ledger import check_unit
 from sparta_tf.methods import Method, make_method
 from sparta_tf.privacy import charging
 from sparta_tf.privacy.ledger import PrivacyLedger
@@ -74,11 +73,10 @@ def plan_method(
     ``target_epsilon`` is refused (:class:`~sparta_tf.privacy.plan.FixedNoiseOverBudgetError`, one line).
     ``tuning``: the plan of one candidate of a private tuning whose whole procedure meets the target
     (:func:`~sparta_tf.privacy.plan.make_privacy_plan`). ``unit="user"``: ``dataset_size`` and
-    ``batch_size`` count users; a method with a mechanism over examples before training is refused."""
+    ``batch_size`` count users, as do the method's mechanisms before training."""
     n = int(dataset_size)
     if n < 1:
         raise ValueError(f"dataset_size={dataset_size!r}: need at least 1 private training example")
-    check_unit_of_method(method, unit, n, batch_size)
     return make_privacy_plan(
         n=n, expected_batch_size=batch_size, phases=method.phases(epochs), delta=delta,
         target_epsilon=target_epsilon, accountant=accountant, noise_multiplier=noise_multiplier,
@@ -186,18 +184,6 @@ def make_private(
                          use_ema_weights=use_ema_weights, examples_per_user=examples_per_user)
 
 
-def check_unit_of_method(method: Method, unit: str, dataset_size: int, batch_size: float) -> None:
-    """One line, before anything is charged, for a method whose mechanisms before training (DP-FROST's
-    mask, DP-SSGD's pruning) run over examples, with ``unit="user"``: their analysis is per example."""
-    if check_unit(unit) != "user":
-        return
-    n = int(dataset_size)
-    if method.mechanisms_before_training(n, sample_rate(n, batch_size)):
-        raise ValueError(f"method {method.name!r} runs a mechanism over examples before training, which "
-                         "unit='user' does not cover; use a method without one (sparta, all, bitfit, ...) or "
-                         "unit='example'")
-
-
 def private_model(model: tf.keras.Model, method: Method, plan: PrivacyPlan, *, run_dir: str | None = None,
                   seed: int | None = None, **dp_options: Any):
     """The DP model of ``method`` built with ``plan``'s ``sigma``, ``q``, ``n``, ``delta`` and budget (its
@@ -241,8 +227,10 @@ class PrivateRun:
         fit: it trains while the budget lasts and stops early instead of refusing to start."""
         return "until_exhausted" if self.run_dir is not None else "strict"
 
-    def before_fit(self, dp, x, y, epochs: int | None, initial_epoch: int, callbacks: list) -> tuple[int, int, list]:
-        """The ``(epochs, initial_epoch, callbacks)`` of the method's ``fit`` on ``dp`` (module doc)."""
+    def before_fit(self, dp, x, y, epochs: int | None, initial_epoch: int, callbacks: list,
+                   users=None) -> tuple[int, int, list]:
+        """The ``(epochs, initial_epoch, callbacks)`` of the method's ``fit`` on ``dp`` (module doc); ``users``:
+        ``fit``'s, for the method's mechanisms before training."""
         from sparta_tf.callbacks import MethodCallback  # late: callbacks imports the DP model
 
         if self._fit_called:
@@ -262,7 +250,7 @@ class PrivateRun:
         first_epoch = previous[1]["epoch"] if previous else 0
         distribute.check_same_checkpoint(dp.distribute_strategy, first_epoch if previous else None)
         if not self._started:
-            self._start(dp, x, y, first_epoch, fresh=previous is None)
+            self._start(dp, x, y, first_epoch, fresh=previous is None, users=users)
         method_callback = MethodCallback(self.method)
         method_callback.begin(dp, self.plan.epochs, first_epoch)
         if previous is not None:
@@ -276,14 +264,15 @@ class PrivateRun:
         journal = charging.StepJournal(self.run_dir)
         return self.plan.epochs, first_epoch, [method_callback, journal] + list(callbacks) + [self.checkpoint]
 
-    def _start(self, dp, x, y, first_epoch: int, fresh: bool) -> None:
+    def _start(self, dp, x, y, first_epoch: int, fresh: bool, users=None) -> None:
         """Once per process: charge what a killed run left in the journal, then the method's preparation."""
         self._started = True
         if self.run_dir is not None and fresh:
             releases = self.plan.before_training_entries(releases_only=True)
             charging.charge_steps_before_first_checkpoint(dp, releases, self.run_dir)
             charging.journal_before_training(self.run_dir, dp.ledger, releases)
-        self.prepare_info = self.method.prepare(dp, x, y, tf.keras.losses.get(dp.loss), self.plan, first_epoch)
+        self.prepare_info = self.method.prepare(dp, x, y, tf.keras.losses.get(dp.loss), self.plan, first_epoch,
+                                                users)
 
 
 def restore_run(previous: tuple[str, dict], dp, method_callback, plan: PrivacyPlan, run_dir: str) -> None:

@@ -8,6 +8,10 @@ Checked against independent references:
 * adding one user with 1, 5 or 50 examples changes the clipped sum by at most ``C``, while the same
   examples at example level change it by up to ``m C`` (shown: more than ``C``);
 * a user with a non-finite example is dropped as a whole, the others untouched;
+* the mechanisms before training count users: DP-SNIP's sum is each user's mean connection gradient
+  clipped once (against the tape, one example at a time), and one user of 1 to 50 examples moves it by at
+  most ``C`` and a DP-FROST round's magnitudes by one unit's bound (the same examples at example level:
+  more); DP-FROST and DP-SSGD with ``dp_snip`` train at user level through ``make_private``;
 * the ledger of a user-level run equals a direct dp-accounting composition over ``U`` users at ``q``;
 * ``unit="example"`` is the step without user units (bit-identical weights to the default);
 * what user-level DP does not cover is refused in one line before anything is charged; the white-box
@@ -272,12 +276,118 @@ def test_a_dataset_is_refused_at_user_level():
         dp.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(4), users=users, verbose=0)
 
 
-@pytest.mark.parametrize("method, options", [("dp_frost", {}), ("dp_ssgd", {"prune": "dp_snip"})])
-def test_a_method_with_a_mechanism_over_examples_before_training_is_refused_at_user_level(method, options):
-    with pytest.raises(ValueError, match="unit='user' does not cover") as error:
-        sparta_tf.make_private(small_mlp(), method=method, target_epsilon=8.0, delta=1e-3, epochs=3,
-                               batch_size=USER_BATCH, dataset_size=N_USERS, seed=0, unit="user", **options)
-    assert "\n" not in str(error.value)
+@pytest.mark.parametrize("method, options", [("dp_frost", {"gamma": 0.9}), ("dp_ssgd", {"prune": "dp_snip"})])
+def test_a_method_with_a_mechanism_before_training_runs_it_over_users(method, options):
+    x, y, users = _user_data()
+    dp = sparta_tf.make_private(small_mlp(), method=method, target_epsilon=8.0, delta=1e-3, epochs=2,
+                                batch_size=USER_BATCH, dataset_size=N_USERS, seed=0, unit="user",
+                                examples_per_user=K_CAP, **options)
+    dp.compile(tf.keras.optimizers.SGD(0.1), loss=LOSS)
+    dp.fit(x, y, users=users, verbose=0)
+    assert list(dp.ledger.entries) == dp.plan.events() and dp.plan.before_training  # the release before training
+    assert dp.ledger.unit == "user" and dp.ledger.epsilon() <= 8.0 * (1 + 1e-6)
+    assert all(np.isfinite(v.numpy()).all() for v in dp.model.trainable_variables)
+
+
+def test_sparta_train_runs_dp_ssgds_dp_snip_at_user_level(tmp_path):
+    config = _user_config(tmp_path, examples_per_user=4)
+    config["method"] = {"name": "dp_ssgd", "prune": "dp_snip"}
+    results = run.train(validate(config))
+    assert results["private"] and results["unit"] == "user" and results["epsilon"] <= 8.0 + 1e-6
+    ledger = json.loads((tmp_path / "out" / "ledger.json").read_text())
+    assert ledger["unit"] == "user" and any(e["kind"] == "dp_snip" for e in ledger["entries"])
+
+
+# ----------------------------------------------------------------- the mechanisms before training, per user
+
+
+def _connection_sums(x, y, users, clip, k=K_CAP):
+    from sparta_tf.ssgd.pruning import clipped_connection_sums, prunable_variables
+
+    model = _snip_model()
+    return clipped_connection_sums(model, x, y, LOSS, prunable_variables(model), clip, users=users,
+                                   examples_per_user=None if users is None else k, seed=3)
+
+
+def _snip_model():
+    tf.keras.utils.set_random_seed(0)
+    return small_mlp()
+
+
+@pytest.mark.parametrize("clip", [CLIP, 100.0])  # every user clipped; none (the mean itself)
+def test_dp_snip_over_users_is_each_users_mean_connection_gradient_clipped_once(clip):
+    from sparta_tf.ssgd.pruning import prunable_variables
+
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(11, 8)).astype(np.float32), rng.integers(0, 4, 11)
+    users = np.array([5, 5, 9, 9, 9, 2, 7, 7, 7, 7, 1])  # 5 users, at most 4 examples: k = 4 takes all
+    sums, count = _connection_sums(x, y, users, clip, k=4)
+    model = _snip_model()
+    prunable = prunable_variables(model)
+    reference = [np.zeros(v.shape) for v in prunable]
+    for user in np.unique(users):
+        per_example = []
+        for i in np.nonzero(users == user)[0]:
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(PER_EXAMPLE_LOSS(y[i:i + 1], model(x[i:i + 1])))
+            per_example.append([g.numpy() * v.numpy() for g, v in zip(tape.gradient(loss, prunable), prunable)])
+        mean = [np.mean(parts, axis=0) for parts in zip(*per_example)]
+        norm = np.sqrt(sum(np.sum(m**2) for m in mean))
+        reference = [r + m * min(1.0, clip / norm) for r, m in zip(reference, mean)]
+    assert count == 5
+    for got, want in zip(sums, reference):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("size", [1, 5, 50])
+def test_one_user_moves_dp_snips_sum_by_at_most_the_clip_norm_whatever_its_size(size):
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(12, 8)).astype(np.float32), rng.integers(0, 4, 12)
+    users = np.repeat(np.arange(6), 2)
+    extra_x = np.repeat(rng.normal(size=(1, 8)).astype(np.float32), size, axis=0)
+    extra_y = np.full(size, 1)
+    both_x, both_y = np.concatenate([x, extra_x]), np.concatenate([y, extra_y])
+    without, _ = _connection_sums(x, y, users, CLIP)
+    with_user, _ = _connection_sums(both_x, both_y, np.concatenate([users, np.full(size, 99)]), CLIP)
+    moved = np.sqrt(sum(np.sum((a - b).numpy() ** 2) for a, b in zip(with_user, without)))
+    assert moved <= CLIP * (1 + 1e-5)
+    if size > 1:  # the same records as examples: each clipped alone, they add up
+        examples, _ = _connection_sums(x, y, None, CLIP)
+        with_examples, _ = _connection_sums(both_x, both_y, None, CLIP)
+        assert np.sqrt(sum(np.sum((a - b).numpy() ** 2) for a, b in zip(with_examples, examples))) > 1.5 * CLIP
+
+
+def _frost_round(monkeypatch, x, y, users, k=K_CAP):
+    """The magnitudes of DP-FROST's first round, noiseless, every unit sampled (q_ps = 1)."""
+    from sparta_tf.selection import frost
+
+    observed = {}
+
+    def capture(observe, sizes, *args):
+        observed["mu"], observed["sensitivity"] = observe(0, np.arange(len(sizes)))
+        return [0], {}
+
+    monkeypatch.setattr(frost, "psel", capture)
+    monkeypatch.setattr(frost, "gaussian_noise", lambda shapes, *a, **kw: [tf.zeros(s, tf.float64) for s in shapes])
+    tf.keras.utils.set_random_seed(0)
+    frost.frost_select(small_mlp(), x, y, LOSS, target_epsilon=8.0, delta=1e-5, sample_rate=0.1, steps=10,
+                       gamma=0.9, clip_norm=CLIP, q_ps=1.0, iterations=1, noise_multiplier=1.0, seed=4,
+                       users=users, examples_per_user=None if users is None else k)
+    return observed["mu"], observed["sensitivity"]
+
+
+def test_one_user_moves_a_dp_frost_round_as_one_example_does(monkeypatch):
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(12, 8)).astype(np.float32), rng.integers(0, 4, 12)
+    users = np.repeat(np.arange(6), 2)
+    extra_x = np.repeat(rng.normal(size=(1, 8)).astype(np.float32), 50, axis=0)
+    both_x, both_y = np.concatenate([x, extra_x]), np.concatenate([y, np.full(50, 1)])
+    mu, sensitivity = _frost_round(monkeypatch, x, y, users)
+    mu_user, _ = _frost_round(monkeypatch, both_x, both_y, np.concatenate([users, np.full(50, 99)]))
+    assert np.all(np.abs(mu_user - mu) <= sensitivity * (1 + 1e-6))  # each magnitude: one unit's bound
+    mu_examples, _ = _frost_round(monkeypatch, x, y, None)
+    mu_more, _ = _frost_round(monkeypatch, both_x, both_y, None)
+    assert np.max(np.abs(mu_more - mu_examples)) > 1.5 * sensitivity  # 50 examples, each clipped alone
 
 
 # ----------------------------------------------------------------- sparta-train

@@ -499,7 +499,7 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
         fit_inputs.check_fit_call(self, first, kwargs, callbacks, users)  # before anything is charged
         if self.private_run is not None:
             epochs, initial_epoch, callbacks = self.private_run.before_fit(
-                self, x, y, epochs, initial_epoch, callbacks)
+                self, x, y, epochs, initial_epoch, callbacks, users)
         elif epochs is None:
             epochs = 1
         x, y, steps_per_epoch = fit_inputs.prepare(self, x, y, steps_per_epoch, first, users)

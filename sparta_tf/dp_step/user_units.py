@@ -106,3 +106,27 @@ class UserUnits:
 
     def _per_unit(self, per_row: tf.Tensor) -> tf.Tensor:
         return tf.reshape(per_row, [-1, self.examples_per_user])
+
+
+def user_mean_gradients(grads, row_weights: tf.Tensor, row_valid: tf.Tensor, examples_per_user: int):
+    """Each user's mean gradient from the per-row gradients of ``P`` users' padded rows (``k`` rows per user,
+    :meth:`~sparta_tf.privacy.user_sampling.UserPoissonSampler.padded_rows`: row weight ``1 / k_v``, 0 on
+    padding): ``g_v = sum_j w_j g_j``, ``[P, ...]`` per gradient of ``grads`` (``[k P, ...]`` each), and ``[P]``
+    bools, the users a mechanism may count (a weighted row, and no weighted row that is not ``row_valid``: a
+    user with a non-finite example is dropped whole, as the DP step drops it). The mechanisms run before
+    training (DP-SNIP, DP-FROST's rounds) clip ``g_v`` once per user, as the DP step clips a user's unit."""
+    k = check_examples_per_user(examples_per_user)
+    weights = tf.cast(row_weights, tf.float32)
+    weighted = weights > 0
+    kept = tf.logical_and(weighted, tf.cast(row_valid, tf.bool))
+    usable = tf.logical_and(tf.reduce_any(tf.reshape(weighted, [-1, k]), axis=1),
+                            tf.reduce_all(tf.reshape(tf.equal(kept, weighted), [-1, k]), axis=1))
+    means = []
+    for gradient in grads:
+        gradient = tf.convert_to_tensor(gradient)
+        shape = tf.concat([[-1, k], tf.shape(gradient)[1:]], axis=0)
+        row_shape = tf.concat([tf.shape(weights), tf.ones([tf.rank(gradient) - 1], tf.int32)], axis=0)
+        rows = tf.where(tf.reshape(kept, row_shape), gradient, tf.zeros_like(gradient))  # NaN * 0 is NaN
+        means.append(tf.reduce_sum(tf.reshape(rows * tf.cast(tf.reshape(weights, row_shape), gradient.dtype),
+                                              shape), axis=1))
+    return means, usable

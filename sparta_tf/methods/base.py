@@ -35,7 +35,7 @@ The hooks, all with defaults but :meth:`Method.enter`:
   ``DPModel.fit``::
 
     dp = method.make_dp_model(model, **dp_kwargs)              # DPModel, or DP-SSGD's SSGDModel
-    info = method.prepare(dp, x, y, loss, plan, first_epoch)   # before fit: choices made before training
+    info = method.prepare(dp, x, y, loss, plan, first_epoch, users)  # before fit: choices made before training
     method.start(dp, epochs, first_epoch)                      # on_train_begin: masks, provenance
     method.enter(phase, dp)                                    # first epoch of each phase
     method.leave(phase, dp)                                    # after its last epoch
@@ -59,6 +59,17 @@ COMMON_OPTIONS = ("head", "head_learning_rate_scale", "mask_dir", "verbose")
 METHODS: dict[str, type[Method]] = {}
 """The registry: method name -> :class:`Method` class, the built-in methods in the order of
 :data:`sparta_tf.method_spec.SPECS`, then the registered user methods."""
+
+
+def user_level(dp, users) -> dict[str, Any]:
+    """The keyword arguments that put a mechanism run before training (DP-SNIP, DP-FROST's rounds) at the DP
+    model's privacy unit: ``users`` and ``examples_per_user`` at user level, none at example level."""
+    if dp.users is None:
+        return {}
+    if users is None:
+        raise ValueError("a user-level run's mechanism before training needs each example's user: fit(x, y, "
+                         "users=ids)")
+    return {"users": users, "examples_per_user": dp.users.examples_per_user}
 
 
 class Method(abc.ABC):
@@ -133,9 +144,11 @@ class Method(abc.ABC):
 
     # ------------------------------------------------------------------ phases
 
-    def prepare(self, dp, x, y, loss, plan, first_epoch: int = 0) -> dict[str, Any]:
+    def prepare(self, dp, x, y, loss, plan, first_epoch: int = 0, users=None) -> dict[str, Any]:
         """Runs the choices made before training (charging ``plan.before_training``); returns info.
-        ``first_epoch > 0``: a resumed run, whose choices were made (and charged) already."""
+        ``first_epoch > 0``: a resumed run, whose choices were made (and charged) already. ``users``: with
+        user-level DP (``dp.users``), each example's user id: a mechanism before training then counts
+        users, each the mean of at most ``dp.users.examples_per_user`` of its examples, clipped once."""
         return {}
 
     def start(self, dp, epochs: int, first_epoch: int = 0) -> None:

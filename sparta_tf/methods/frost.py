@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from sparta_tf import masks
 from sparta_tf.method_spec import SPECS, Phase
-from sparta_tf.methods.base import PreparedMethod, SetMethod
+from sparta_tf.methods.base import PreparedMethod, SetMethod, user_level
 from sparta_tf.privacy.plan import Mechanism
 from sparta_tf.selection import frost
 from sparta_tf.trainable import TrainableSet
@@ -43,7 +43,7 @@ class DpFrost(PreparedMethod, SetMethod, spec=SPECS["dp_frost"]):
     def trainable_set(self, phase: Phase, model: tf.keras.Model) -> TrainableSet | None:
         return self.selected
 
-    def prepare(self, dp, x, y, loss, plan, first_epoch: int = 0) -> dict:
+    def prepare(self, dp, x, y, loss, plan, first_epoch: int = 0, users=None) -> dict:
         self.need_arrays(x, y)
         if first_epoch and masks.has_mask(self.mask_dir):  # resumed: the selection was made (and charged) already
             selections, _ = masks.load_mask(self.mask_dir, dp.model)
@@ -56,7 +56,7 @@ class DpFrost(PreparedMethod, SetMethod, spec=SPECS["dp_frost"]):
             sample_rate=plan.sample_rate, steps=plan.steps, gamma=self.gamma, method=self.frost_magnitude,
             alpha=self.frost_alpha, clip_norm=dp.clip_norm, r_eps=self.r_eps, iterations=self.frost_iterations,
             q_ps=self.q_ps, nu=self.nu, accountant=plan.accountant, ledger=dp.ledger, seed=dp.seed,
-            noise_multiplier=selection.noise_multiplier,
+            noise_multiplier=selection.noise_multiplier, **user_level(dp, users),
         )
         if self.mask_dir is not None:
             masks.save_mask(self.mask_dir, list(self.selected), dp.model,

@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from sparta_tf import masks, ssgd
 from sparta_tf.method_spec import SPECS, Phase
-from sparta_tf.methods.base import PreparedMethod
+from sparta_tf.methods.base import PreparedMethod, user_level
 from sparta_tf.privacy.plan import Mechanism
 from sparta_tf.trainable import entries
 
@@ -59,7 +59,7 @@ class DpSsgd(PreparedMethod, spec=SPECS["dp_ssgd"]):
     def enter(self, phase: Phase, dp) -> None:
         """Nothing: the trainable set is the pre-pruned one, which prepare set."""
 
-    def prepare(self, dp, x, y, loss, plan, first_epoch: int = 0) -> dict:
+    def prepare(self, dp, x, y, loss, plan, first_epoch: int = 0, users=None) -> dict:
         self.check_ready(dp, before_prepare=True)  # pruning needs SSGDModel.set_keep_masks
         if self.prune == "none":
             self.mark_prepared(dp)
@@ -72,7 +72,7 @@ class DpSsgd(PreparedMethod, spec=SPECS["dp_ssgd"]):
                                for v in ssgd.prunable_variables(dp.model)])
             self.mark_prepared(dp)
             return {"prune": self.prune, "kept_fraction_of_pruned_kernels": "reloaded"}
-        keep = self._prune(dp, x, y, loss)
+        keep = self._prune(dp, x, y, loss, users)
         dp.set_keep_masks(keep)
         if self.mask_dir is not None:
             provenance = (masks.MaskProvenance.of_ledger(dp.ledger) if self.prune == "dp_snip"
@@ -83,10 +83,10 @@ class DpSsgd(PreparedMethod, spec=SPECS["dp_ssgd"]):
         self.mark_prepared(dp)
         return {"prune": self.prune, "kept_fraction_of_pruned_kernels": float(ssgd.keep_fraction(keep))}
 
-    def _prune(self, dp, x, y, loss) -> ssgd.KeepMasks:
+    def _prune(self, dp, x, y, loss, users=None) -> ssgd.KeepMasks:
         if self.prune == "random":
             return ssgd.prune_random(dp.model, self.prune_rate, seed=dp.seed)
         if self.prune == "synflow":
             return ssgd.prune_synflow(dp.model, self.prune_rate, iterations=self.synflow_iterations)
         return ssgd.prune_dp_snip(dp.model, x, y, loss, self.prune_rate, self.snip_noise_multiplier, dp.clip_norm,
-                                  1.0, dp.ledger, seed=dp.seed)
+                                  1.0, dp.ledger, seed=dp.seed, **user_level(dp, users))

@@ -21,7 +21,9 @@ So one user changes one unit of one step's sum, whose norm the DP step clips to 
 its noise and its ledger are DP-SGD's over ``U`` users at rate ``q``. Padding rows repeat example 0
 with weight 0, as :class:`~sparta_tf.privacy.sampling.PoissonSampler` pads.
 
-Both streams are secret (the run's seed): whoever knows it knows every step's users and examples.
+Both streams are secret (the run's seed): whoever knows it knows every step's users and examples. A mechanism
+other than the DP step that samples users (DP-FROST's rounds, DP-SNIP) names streams of its own (``stream``,
+``examples_stream``), so that its samples are independent of the steps'.
 """
 
 from __future__ import annotations
@@ -83,7 +85,11 @@ class UserPoissonSampler:
     """
 
     def __init__(self, users: Any, sample_rate: float, examples_per_user: int,
-                 units_per_batch: int | None = None, seed: int | None = None, extra: int = 0) -> None:
+                 units_per_batch: int | None = None, seed: int | None = None, extra: int = 0,
+                 stream: str = USER_STREAM, examples_stream: str = EXAMPLES_STREAM) -> None:
+        for name in (stream, examples_stream):
+            random_streams.stream(name)  # a registered stream (a mechanism's own), or a ValueError
+        self.stream, self.examples_stream = stream, examples_stream
         self._ids, self.users = dense_user_ids(users)
         self.extra: int = inputs.check_extra_participants(extra)
         self.n: int = len(self._ids)
@@ -116,7 +122,7 @@ class UserPoissonSampler:
     def participant_mask(self, step: int | tf.Tensor) -> tf.Tensor:
         """Bool ``[U + extra]``: the users and extra participants in the sample of global step ``step``."""
         u = tf.random.stateless_uniform([self.users + self.extra],
-                                        seed=random_streams.step_key(self.seed, USER_STREAM, step),
+                                        seed=random_streams.step_key(self.seed, self.stream, step),
                                         dtype=tf.float64, alg=random_streams.TF_ALGORITHM)
         return u < tf.constant(self.sample_rate, tf.float64)
 
@@ -133,7 +139,7 @@ class UserPoissonSampler:
     def example_ranks(self, step: int | tf.Tensor) -> tf.Tensor:
         """Int64 ``[n]``: each example's rank among its user's examples in step ``step``'s random order
         (the step takes ranks ``0..k-1``)."""
-        keys = tf.random.stateless_uniform([self.n], seed=random_streams.step_key(self.seed, EXAMPLES_STREAM, step),
+        keys = tf.random.stateless_uniform([self.n], seed=random_streams.step_key(self.seed, self.examples_stream, step),
                                            dtype=tf.float64, alg=random_streams.TF_ALGORITHM)
         order = tf.argsort(tf.cast(self._user_of, tf.float64) + keys, stable=True)  # by user, then by key
         first = tf.cumsum(self._counts, exclusive=True)  # each user's first position in that order

@@ -41,11 +41,13 @@ import tensorflow as tf
 from sparta_tf import method_spec, random_streams
 from sparta_tf import trainable as trainable_lib
 from sparta_tf.dp_step.noise import gaussian_noise
+from sparta_tf.dp_step.user_units import user_mean_gradients
 from sparta_tf.losses import per_example_loss_fn
 from sparta_tf.per_example import make_engine
 from sparta_tf.privacy import accounting
 from sparta_tf.privacy.plan import calibrate_split
 from sparta_tf.privacy.sampling import PoissonSampler
+from sparta_tf.privacy.user_sampling import UserPoissonSampler
 from sparta_tf.selection.frost_magnitudes import (
     DEFAULT_ALPHA,
     DEFAULT_METHOD,
@@ -61,6 +63,8 @@ SELECTION_PHASE = "frost_selection"
 SELECTION_KIND = "frost_selection"
 SAMPLING_STREAM = "frost_sampling"  # named random streams (sparta_tf.random_streams)
 NOISE_STREAM = "frost_noise"
+USER_SAMPLING_STREAM = "frost_users"
+USER_EXAMPLES_STREAM = "frost_user_examples"
 
 # Paper defaults (Section 5): MGNA, alpha = 1, r_eps = 0.9, T = 5, q_ps = 0.02, nu = 5, J = 1000; the method's
 # options are the dp_frost method's (sparta_tf.method_spec), J (PGM-EST's iterations) is not an option.
@@ -192,6 +196,33 @@ def _batches(x, y, index: np.ndarray, batch_size: int):
         yield tf.nest.map_structure(take, x), tf.nest.map_structure(take, y)
 
 
+def _round_units(n: int, q_ps: float, batch_size: int, seed: int, users, examples_per_user: int | None):
+    """``units(t, x, y)``: round ``t``'s Poisson sample as ``(x, y, row_weights)`` batches: examples at rate
+    ``q_ps`` (``row_weights`` None), or with ``users`` users at ``q_ps``, ``k = examples_per_user`` rows each
+    (:meth:`~sparta_tf.privacy.user_sampling.UserPoissonSampler.padded_rows`: weights ``1 / k_v``, 0 on
+    padding), whole users per batch."""
+    if users is None:
+        sampler = PoissonSampler(n, q_ps, batch_size, seed=seed, stream=SAMPLING_STREAM)
+
+        def examples(t: int, x, y):
+            index = np.nonzero(sampler.sample_mask(t).numpy())[0]
+            return ((xb, yb, None) for xb, yb in _batches(x, y, index, batch_size))
+
+        return examples
+    if examples_per_user is None:
+        raise ValueError("DP-FROST over users needs examples_per_user (the most examples of one user a round takes)")
+    sampler = UserPoissonSampler(users, q_ps, examples_per_user, units_per_batch=max(1, batch_size // examples_per_user),
+                                 seed=seed, stream=USER_SAMPLING_STREAM, examples_stream=USER_EXAMPLES_STREAM)
+    rows = sampler.examples_per_user * sampler.units_per_batch
+
+    def user_units(t: int, x, y):
+        indices, weights = (v.numpy() for v in sampler.padded_rows(t))
+        for (xb, yb), start in zip(_batches(x, y, indices, rows), range(0, len(indices), rows)):
+            yield xb, yb, tf.constant(weights[start:start + rows])
+
+    return user_units
+
+
 def frost_select(
     model: tf.keras.Model,
     x,
@@ -217,6 +248,8 @@ def frost_select(
     seed: int | None = None,
     engine: str = "auto",
     noise_multiplier: float | None = None,
+    users=None,
+    examples_per_user: int | None = None,
 ) -> tuple[trainable_lib.TrainableSet, dict]:
     """DP-FROST (Algorithm 1, lines 1-3): ComputeSigma, then PSEL on the model's partitions.
 
@@ -232,6 +265,12 @@ def frost_select(
     when the caller calibrated it already (a :class:`~sparta_tf.privacy.plan.PrivacyPlan`);
     then ``info["sigma_training"]`` is None. The ledger is charged all
     ``iterations`` rounds, also when PSEL stops early (all partitions chosen).
+
+    ``users`` (one id per example; user-level DP): each round Poisson-samples users at ``q_ps`` (the
+    secret ``"frost_users"`` stream), and a sampled user's unit is the mean gradient of at most
+    ``examples_per_user`` of its examples (``"frost_user_examples"``), clipped once as an example's is
+    (:func:`~sparta_tf.dp_step.user_units.user_mean_gradients`): one user moves each round's sums as one
+    example does, so the rounds' noise and accounting are unchanged, over users.
     """
     check_magnitude(method, alpha)
     parts = partitions(model)
@@ -249,17 +288,20 @@ def frost_select(
     loss_fn = per_example_loss_fn(loss)
     n = len(tf.nest.flatten(y)[0])
     seed = random_streams.resolve_seed(seed)
-    sampler = PoissonSampler(n, q_ps, physical_batch_size, seed=seed, stream=SAMPLING_STREAM)
+    units = _round_units(n, q_ps, physical_batch_size, seed, users, examples_per_user)
     owner = np.concatenate([[k] * len(p.variables) for k, p in enumerate(parts)]).astype(int)
 
     def observe(t: int, remaining: np.ndarray) -> tuple[np.ndarray, float]:
-        index = np.nonzero(sampler.sample_mask(t).numpy())[0]  # Poisson sample X_t
         rem_sizes = [sizes[i] for i in remaining]
         sums = [np.zeros(s) for s in rem_sizes]
-        for xb, yb in _batches(x, y, index, physical_batch_size):
+        for xb, yb, row_weights in units(t, x, y):  # the round's Poisson sample X_t, of examples or users
             b = len(tf.nest.flatten(yb)[0])
-            out = grad_engine(xb, yb, loss_fn, tf.ones([b], tf.bool))
-            flat = [tf.reshape(g, [b, -1]).numpy() for g in out.grads]
+            out = grad_engine(xb, yb, loss_fn, tf.ones([b], tf.bool) if row_weights is None else row_weights > 0)
+            flat = [tf.reshape(g, [b, -1]) for g in out.grads]
+            if row_weights is not None:  # each user's mean, a unit clipped once (padding units: zero)
+                flat, usable = user_mean_gradients(flat, row_weights, out.valid, examples_per_user)
+                flat = [tf.where(usable[:, None], f, tf.zeros_like(f)) for f in flat]
+            flat = [f.numpy() for f in flat]
             grads = [np.concatenate([f for f, o in zip(flat, owner) if o == i], axis=1) for i in remaining]
             for s, part_sum in zip(sums, clipped_partition_sums(grads, method, alpha, clip_norm)):
                 s += part_sum

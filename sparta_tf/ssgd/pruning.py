@@ -51,11 +51,15 @@ from sparta_tf.keras_layers import all_layers
 from sparta_tf.losses import per_example_loss_fn
 from sparta_tf import random_streams
 from sparta_tf.dp_step.noise import gaussian_noise
+from sparta_tf.dp_step.user_units import user_mean_gradients
 from sparta_tf.per_example import make_engine
 from sparta_tf.privacy.accounting import check_noise_multiplier, check_sample_rate
+from sparta_tf.privacy.user_sampling import UserPoissonSampler
 from sparta_tf.trainable import TrainableSet
 
 SNIP_NOISE_STREAM = "dp_snip_noise"
+SNIP_USER_STREAM = "dp_snip_users"
+SNIP_USER_EXAMPLES_STREAM = "dp_snip_user_examples"
 PRUNING_STREAM = "random_pruning"
 PRUNE_ROLES = ("kernel", "head")
 
@@ -222,48 +226,42 @@ def prune_dp_snip(
     model: tf.keras.Model, x, y, loss, rate: float, noise_multiplier: float, clip_norm: float,
     sample_rate: float, ledger, *, batch_size: int = 256, seed: int | None = None,
     roles: Sequence[str] = PRUNE_ROLES, engine: str = "auto", apply: bool = True,
+    users=None, examples_per_user: int | None = None,
 ) -> KeepMasks:
     """DP-SNIP pre-pruning (Algorithm 2, DP-SNIP), one Gaussian mechanism.
 
     ``x, y``: the private examples used (a Poisson sample of rate
     ``sample_rate`` of the dataset, or the whole dataset with ``sample_rate=1``).
-    Per example ``i`` the connection gradients ``g_{i,j} = (dL_i/dtheta_j)
+    Per unit ``i`` the connection gradients ``g_{i,j} = (dL_i/dtheta_j)
     theta_j`` over all prunable kernels are clipped jointly to L2 norm
-    ``clip_norm``; the sum gets ``N(0, noise_multiplier^2 clip_norm^2 I)``
-    and is divided by ``B``; ``s_j = |g~_j| / sum_k |g~_k|`` and the top
-    ``(1 - rate) m`` connections are kept. ``ledger.record(noise_multiplier,
-    sample_rate, 1, kind="dp_snip", phase="pre-pruning")`` charges the release
-    (a ``PrivacyLedger``, e.g. the training model's ``dp.ledger``, so that
-    ``epsilon = epsilon_pp + epsilon_gd`` composes). ``batch_size`` only
-    bounds memory (examples processed at once).
+    ``clip_norm`` (:func:`clipped_connection_sums`); the sum gets
+    ``N(0, noise_multiplier^2 clip_norm^2 I)`` and is divided by the number of
+    units; ``s_j = |g~_j| / sum_k |g~_k|`` and the top ``(1 - rate) m``
+    connections are kept. A unit is an example, or with ``users`` (one id per
+    example; user-level DP) a user: the mean of at most ``examples_per_user``
+    of its connection gradients, clipped once, so that one user, whatever its
+    number of examples, moves the sum by at most ``clip_norm``.
+    ``ledger.record(noise_multiplier, sample_rate, 1, kind="dp_snip",
+    phase="pre-pruning")`` charges the release (a ``PrivacyLedger``, e.g. the
+    training model's ``dp.ledger``, so that ``epsilon = epsilon_pp +
+    epsilon_gd`` composes). ``batch_size`` only bounds memory (examples, or
+    users, processed at once).
     """
     rate = check_rate("rate", rate)
     noise_multiplier = check_noise_multiplier(noise_multiplier)
     if noise_multiplier <= 0:
         raise ValueError("DP-SNIP needs noise_multiplier > 0")
     sample_rate = check_sample_rate(sample_rate)
-    if not clip_norm > 0:
-        raise ValueError(f"clip_norm={clip_norm!r} must be > 0")
     if ledger is None:
         raise ValueError("DP-SNIP releases a noisy statistic of the data: pass the PrivacyLedger to charge")
     prunable = prunable_variables(model, roles)
-    loss_fn = per_example_loss_fn(loss)
-    run = make_engine(model, [trainable_lib.dense(v) for v in prunable], engine, materialise=True)
-    n = len(tf.nest.flatten(x)[0])
-    if n == 0:
-        raise ValueError("DP-SNIP got no examples")
-    sums = [tf.zeros(v.shape, tf.float32) for v in prunable]
-    for start in range(0, n, batch_size):
-        xb, yb = tf.nest.map_structure(lambda t: t[start:start + batch_size], (x, y))
-        valid = tf.ones([len(tf.nest.flatten(xb)[0])], tf.bool)
-        result = run(xb, yb, loss_fn, valid)
-        connection_grads = [g * tf.convert_to_tensor(v)[None] for g, v in zip(result.grads, prunable)]
-        batch_sums, _ = clipped_sum(connection_grads, clip_norm, result.valid)
-        sums = [total + part for total, part in zip(sums, batch_sums)]
+    seed = random_streams.resolve_seed(seed)
+    sums, units = clipped_connection_sums(model, x, y, loss, prunable, clip_norm, batch_size=batch_size,
+                                          engine=engine, users=users, examples_per_user=examples_per_user,
+                                          seed=seed)
     noise = gaussian_noise([s.shape for s in sums], noise_multiplier * clip_norm,
-                           tf.constant(random_streams.resolve_seed(seed), tf.int64), tf.constant(0, tf.int64),
-                           stream=SNIP_NOISE_STREAM)
-    noisy = [((s + z) / n).numpy() for s, z in zip(sums, noise)]
+                           tf.constant(seed, tf.int64), tf.constant(0, tf.int64), stream=SNIP_NOISE_STREAM)
+    noisy = [((s + z) / units).numpy() for s, z in zip(sums, noise)]
     ledger.record(noise_multiplier, sample_rate, 1, kind="dp_snip", phase="pre-pruning")
     total = sum(float(np.abs(g).sum()) for g in noisy) or 1.0
     scores = [np.abs(g) / total for g in noisy]
@@ -272,6 +270,48 @@ def prune_dp_snip(
     if apply:
         apply_keep_masks(masks)
     return masks
+
+
+def clipped_connection_sums(model: tf.keras.Model, x, y, loss, prunable: Sequence[tf.Variable], clip_norm: float, *,
+                            batch_size: int = 256, engine: str = "auto", users=None,
+                            examples_per_user: int | None = None, seed: int = 0) -> tuple[list[tf.Tensor], int]:
+    """DP-SNIP's statistic before its noise: ``sum_i clip(g_i)`` over the units, with the number of units.
+
+    A unit is an example (``users`` None), or a user (``users``: one id per example): its connection
+    gradients averaged over at most ``examples_per_user`` of its examples (the ones with the smallest keys of
+    the secret ``"dp_snip_user_examples"`` stream, :class:`~sparta_tf.privacy.user_sampling.UserPoissonSampler`
+    at rate 1), then clipped once (:func:`~sparta_tf.dp_step.user_units.user_mean_gradients`)."""
+    if not clip_norm > 0:
+        raise ValueError(f"clip_norm={clip_norm!r} must be > 0")
+    loss_fn = per_example_loss_fn(loss)
+    run = make_engine(model, [trainable_lib.dense(v) for v in prunable], engine, materialise=True)
+    n = len(tf.nest.flatten(x)[0])
+    if n == 0:
+        raise ValueError("DP-SNIP got no examples")
+    values = [tf.convert_to_tensor(v)[None] for v in prunable]
+    sums = [tf.zeros(v.shape, tf.float32) for v in prunable]
+    if users is None:
+        for start in range(0, n, batch_size):
+            xb, yb = tf.nest.map_structure(lambda t: t[start:start + batch_size], (x, y))
+            result = run(xb, yb, loss_fn, tf.ones([len(tf.nest.flatten(xb)[0])], tf.bool))
+            batch_sums, _ = clipped_sum([g * v for g, v in zip(result.grads, values)], clip_norm, result.valid)
+            sums = [total + part for total, part in zip(sums, batch_sums)]
+        return sums, n
+    if examples_per_user is None:
+        raise ValueError("DP-SNIP over users needs examples_per_user (the most examples of one user it takes)")
+    sampler = UserPoissonSampler(users, 1.0, examples_per_user, units_per_batch=max(1, batch_size // examples_per_user),
+                                 seed=seed, stream=SNIP_USER_STREAM, examples_stream=SNIP_USER_EXAMPLES_STREAM)
+    indices, weights = (t.numpy() for t in sampler.padded_rows(0))
+    rows = sampler.examples_per_user * sampler.units_per_batch
+    for start in range(0, len(indices), rows):
+        chunk, chunk_weights = indices[start:start + rows], weights[start:start + rows]
+        xb, yb = tf.nest.map_structure(lambda t: tf.gather(t, chunk), (x, y))
+        result = run(xb, yb, loss_fn, tf.constant(chunk_weights > 0))
+        means, usable = user_mean_gradients([g * v for g, v in zip(result.grads, values)], chunk_weights,
+                                            result.valid, sampler.examples_per_user)
+        batch_sums, _ = clipped_sum(means, clip_norm, usable)
+        sums = [total + part for total, part in zip(sums, batch_sums)]
+    return sums, sampler.users
 
 
 def ssgd_trainable_set(model: tf.keras.Model, masks: KeepMasks) -> TrainableSet:
