@@ -46,7 +46,7 @@ import tensorflow as tf
 from sparta_tf import checkpointing, distribute, run_checks
 from sparta_tf.methods import Method, make_method
 from sparta_tf.privacy import charging
-from sparta_tf.privacy.ledger import PrivacyLedger
+from sparta_tf.privacy.ledger import PrivacyLedger, check_unit
 from sparta_tf.privacy.plan import PrivacyPlan, make_privacy_plan, sample_rate
 from sparta_tf.privacy.tuning import Repetition
 
@@ -73,10 +73,12 @@ def plan_method(
     ``target_epsilon`` is refused (:class:`~sparta_tf.privacy.plan.FixedNoiseOverBudgetError`, one line).
     ``tuning``: the plan of one candidate of a private tuning whose whole procedure meets the target
     (:func:`~sparta_tf.privacy.plan.make_privacy_plan`). ``unit="user"``: ``dataset_size`` and
-    ``batch_size`` count users, as do the method's mechanisms before training."""
+    ``batch_size`` count users, as do the method's mechanisms before training (a method whose mechanisms
+    before training do not count users is refused)."""
     n = int(dataset_size)
     if n < 1:
         raise ValueError(f"dataset_size={dataset_size!r}: need at least 1 private training example")
+    check_unit_of_method(method, unit, n, batch_size)
     return make_privacy_plan(
         n=n, expected_batch_size=batch_size, phases=method.phases(epochs), delta=delta,
         target_epsilon=target_epsilon, accountant=accountant, noise_multiplier=noise_multiplier,
@@ -184,6 +186,19 @@ def make_private(
                          use_ema_weights=use_ema_weights, examples_per_user=examples_per_user)
 
 
+def check_unit_of_method(method: Method, unit: str, dataset_size: int, batch_size: float) -> None:
+    """One line, before anything is charged, for ``unit="user"`` with a method whose mechanisms before
+    training run over examples (:attr:`~sparta_tf.methods.base.Method.users_before_training` False): their
+    analysis would be per example."""
+    if check_unit(unit) != "user" or method.users_before_training:
+        return
+    n = int(dataset_size)
+    if method.mechanisms_before_training(n, sample_rate(n, batch_size)):
+        raise ValueError(f"method {method.name!r} runs a mechanism over examples before training, which "
+                         "unit='user' does not cover; give the method users_before_training (its prepare counting "
+                         "users), use a method without one, or unit='example'")
+
+
 def private_model(model: tf.keras.Model, method: Method, plan: PrivacyPlan, *, run_dir: str | None = None,
                   seed: int | None = None, **dp_options: Any):
     """The DP model of ``method`` built with ``plan``'s ``sigma``, ``q``, ``n``, ``delta`` and budget (its
@@ -271,8 +286,9 @@ class PrivateRun:
             releases = self.plan.before_training_entries(releases_only=True)
             charging.charge_steps_before_first_checkpoint(dp, releases, self.run_dir)
             charging.journal_before_training(self.run_dir, dp.ledger, releases)
+        by_user = {} if users is None else {"users": users}  # a method of its own may not take users
         self.prepare_info = self.method.prepare(dp, x, y, tf.keras.losses.get(dp.loss), self.plan, first_epoch,
-                                                users)
+                                                **by_user)
 
 
 def restore_run(previous: tuple[str, dict], dp, method_callback, plan: PrivacyPlan, run_dir: str) -> None:

@@ -289,6 +289,16 @@ def test_a_method_with_a_mechanism_before_training_runs_it_over_users(method, op
     assert all(np.isfinite(v.numpy()).all() for v in dp.model.trainable_variables)
 
 
+def test_a_method_whose_mechanism_before_training_counts_examples_is_refused_at_user_level(monkeypatch):
+    from sparta_tf.methods.frost import DpFrost
+
+    monkeypatch.setattr(DpFrost, "users_before_training", False)  # as a method of one's own that does not count users
+    with pytest.raises(ValueError, match="unit='user' does not cover") as error:
+        sparta_tf.make_private(small_mlp(), method="dp_frost", target_epsilon=8.0, delta=1e-3, epochs=3,
+                               batch_size=USER_BATCH, dataset_size=N_USERS, seed=0, unit="user")
+    assert "\n" not in str(error.value)
+
+
 def test_sparta_train_runs_dp_ssgds_dp_snip_at_user_level(tmp_path):
     config = _user_config(tmp_path, examples_per_user=4)
     config["method"] = {"name": "dp_ssgd", "prune": "dp_snip"}

@@ -35,7 +35,7 @@ The hooks, all with defaults but :meth:`Method.enter`:
   ``DPModel.fit``::
 
     dp = method.make_dp_model(model, **dp_kwargs)              # DPModel, or DP-SSGD's SSGDModel
-    info = method.prepare(dp, x, y, loss, plan, first_epoch, users)  # before fit: choices made before training
+    info = method.prepare(dp, x, y, loss, plan, first_epoch)   # before fit (users=ids at user level)
     method.start(dp, epochs, first_epoch)                      # on_train_begin: masks, provenance
     method.enter(phase, dp)                                    # first epoch of each phase
     method.leave(phase, dp)                                    # after its last epoch
@@ -84,6 +84,10 @@ class Method(abc.ABC):
     """The method's own keyword options (``sparta-train``: keys of the ``method`` section): ``spec``'s."""
     private: ClassVar[bool]
     """False for a method whose choices look at private data without noise (``oracle``): ``spec``'s."""
+    users_before_training: ClassVar[bool] = False
+    """Whether the mechanisms the method runs before training count users at user level (its :meth:`prepare`
+    takes ``users``, as DP-FROST's and DP-SSGD's do); a method with such mechanisms that does not is refused
+    at user level, before anything is charged (their analysis would be per example)."""
 
     def __init_subclass__(cls, spec: MethodSpec | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -28,6 +28,7 @@ class DpFrost(PreparedMethod, SetMethod, spec=SPECS["dp_frost"]):
 
     selected: TrainableSet | None = None
     """The partitions PSEL selected (None before :meth:`prepare`)."""
+    users_before_training = True  # its rounds sample users at user level
 
     def mechanisms_before_training(self, n: int, sample_rate: float) -> list[Mechanism]:
         return [Mechanism(frost.SELECTION_PHASE, self.q_ps, self.frost_iterations, None, frost.SELECTION_KIND)]

@@ -29,6 +29,7 @@ class DpSsgd(PreparedMethod, spec=SPECS["dp_ssgd"]):
     """DP-SSGD (module doc); its options are attributes of the same names (``prune`` is ``"none"`` when
     ``prune_rate`` is 0)."""
 
+    users_before_training = True  # DP-SNIP counts users at user level
     dp_model_class = ssgd.SSGDModel  # gradient dropping happens in SSGDModel's train step
 
     def __init__(self, **options):
