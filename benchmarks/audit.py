@@ -130,7 +130,8 @@ def expected_bound(report: dict) -> str:
     if "steps" not in report["bounds"]:
         return "—"
     bound = simulated_bound(report["noise_multiplier"], report["sample_rate"], report["observed_steps"],
-                            report["canaries"], report["delta"], confidence=0.975)
+                            report["canaries"], report["delta"],
+                            confidence=report["bounds"]["steps"]["confidence"])  # as the measured bound's
     return f"{bound.mean:.2f} ({bound.low:.2f}-{bound.high:.2f})"
 
 

@@ -27,11 +27,12 @@ sys.path.insert(0, ROOT)
 
 from sparta_tf.atomic_files import write_atomic  # noqa: E402
 from sparta_tf.audit.power import simulated_bound  # noqa: E402
+from sparta_tf.audit.white_box import per_score_confidence  # noqa: E402
 
 REGIME = os.path.join(ROOT, "benchmarks", "results", "audit-digits-white-box.json")
 OUT = os.path.join(ROOT, "benchmarks", "results", "audit-power")
 CANARIES = (500, 1000, 2000, 5000, 10000, 20000, 50000)
-CONFIDENCE = 0.975  # each of the white-box audit's two scores (Bonferroni for 95% together)
+CONFIDENCE = per_score_confidence(0.95)  # each of the white-box audit's two scores at sparta-audit's 95%
 
 
 def mechanisms(regime_path: str) -> list[dict]:
