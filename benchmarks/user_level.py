@@ -93,11 +93,15 @@ def cell_config(base: dict, data: dict, cell: tuple[str, str, int], sizes: np.nd
 
 
 def run_cell(config: dict) -> dict:
+    from sparta_tf import checkpointing
     from trainers import run
     from trainers.config import validate
 
+    # a run killed after its first checkpoint resumes there (bit-identical to an uninterrupted run); its
+    # minutes then count only the resumed part
+    resume = bool(checkpointing.has_state(config["output_dir"]))
     start = time.perf_counter()
-    results = run.train(validate(config))
+    results = run.train(validate(config), resume=resume)
     return {"test_accuracy": results["test_accuracy"], "epsilon": results["epsilon"], "n": results["n"],
             "examples_per_user": results.get("examples_per_user"), "minutes": (time.perf_counter() - start) / 60}
 
