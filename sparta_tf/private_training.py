@@ -216,6 +216,7 @@ def private_model(model: tf.keras.Model, method: Method, plan: PrivacyPlan, *, r
     )
     for reason in plan.nonprivate_reasons:
         dp.ledger.record_nonprivate(reason)
+    dp.set_sampling_layout(plan.sampling_layout())  # anchored at the first step by fit (PrivateRun.before_fit)
     dp.attach_run(PrivateRun(plan, method, run_dir, previous))
     return dp
 
@@ -271,6 +272,10 @@ class PrivateRun:
         if previous is not None:
             restore_run(previous, dp, method_callback, self.plan, self.run_dir)
         distribute.check_same_step(dp.distribute_strategy, int(dp.dp_step.numpy()))
+        # the run's first step: dp_step less the finished epochs (a run restarted before its first checkpoint
+        # starts at the steps the killed one ran, for fresh keys)
+        first_step = int(dp.dp_step.numpy()) - first_epoch * self.plan.steps_per_epoch
+        dp.set_sampling_layout(self.plan.sampling_layout(first_step))
         self._fit_called = True  # a fit that raised is resumed through run_dir by a new process
         if self.run_dir is None:
             return self.plan.epochs, first_epoch, [method_callback] + list(callbacks)
@@ -303,7 +308,7 @@ def restore_run(previous: tuple[str, dict], dp, method_callback, plan: PrivacyPl
     method_callback.on_epoch_begin(min(epoch, plan.epochs - 1))
     checkpointing.restore(path, dp)
     lost = charging.charge_interrupted_steps(run_dir, int(dp.dp_step.numpy()), dp.ledger, dp.mechanism,
-                                             dp.distribute_strategy)
+                                             dp.distribute_strategy, dp.sampling_layout)
     charging.update_checkpoint_ledger(path, dp.ledger)  # a second kill cannot lose the charge
     print(f"== resuming after epoch {epoch} from {path}; {lost} step(s) of the interrupted epoch charged "
           f"to the ledger (epsilon so far {dp.ledger.epsilon():.4g})")

@@ -86,11 +86,14 @@ def test_the_tuning_seed_given_is_a_caveat_and_the_default_is_secret(digits):
 
 def test_a_tuning_with_bands_releases_the_reduction_of_its_candidates(digits):
     """BandMF in a tuning: each candidate runs cyclic Poisson groups and correlated noise; the released
-    ledger charges ``ceil(T_p / b)`` runs of ``M_{b q, sigma}`` per phase (what each candidate's plan charges)."""
+    ledger charges ``ceil(T_p / b)`` runs of ``M_{b q, sigma}`` per gradient phase and one run of
+    ``M_{q, sigma}`` per selection step (what each candidate's plan charges)."""
     result = tune(digits, "sparta", bands=2)
     plan = result.model.plan
     assert plan.bands == 2 and result.model.correlated_noise is not None
-    (training, score) = result.ledger.entries
-    assert training.sample_rate == pytest.approx(2 * plan.sample_rate) == pytest.approx(plan.group_sample_rate)
-    assert training.compositions == sum(entry.compositions for entry in plan.events()) < plan.steps
+    (cyclic, plain, score) = result.ledger.entries  # the selection epoch samples every example at q
+    assert cyclic.sample_rate == pytest.approx(2 * plan.sample_rate) == pytest.approx(plan.group_sample_rate)
+    assert cyclic.compositions == sum(entry.compositions for entry in plan.events() if entry.bands == 2)
+    assert cyclic.compositions < plan.update_steps
+    assert (plain.sample_rate, plain.compositions) == (plan.sample_rate, plan.steps - plan.update_steps)
     assert result.epsilon <= 8.0 * (1 + 1e-9)

@@ -183,8 +183,8 @@ def input_pipeline(dp, x, y, initial_step: int, users=None):
     replicas = dp.distribute_strategy.num_replicas_in_sync
     if dp.physical_batch_size is None:
         dp.physical_batch_size = default_physical_batch_size(n, dp.sample_rate, multiple_of=replicas)
-    sampler = PoissonSampler(n, dp.sample_rate, dp.physical_batch_size, seed=dp._seed, bands=dp.mechanism.bands,
-                             extra=extra)
+    sampler = PoissonSampler(n, dp.sample_rate, dp.physical_batch_size, seed=dp._seed, bands=dp.sampling_layout.bands,
+                             extra=extra, plain_steps=dp.sampling_layout.plain)
     if dp.canaries is not None:
         dp.canaries.bind_sampler(sampler)
     return sampler.dataset(x, y, start_step=initial_step), sampler.steps_per_epoch
@@ -215,18 +215,22 @@ def check_dataset_provenance(dp, dataset: tf.data.Dataset) -> None:
     if dp.ledger is None or not dp.ledger.covered_by_accountant:
         return  # no accounting, or the ledger already says its sampling is not Poisson
     made = poisson_provenance(dataset)
-    bands = dp.mechanism.bands
+    layout = dp.sampling_layout
+    bands = layout.bands
     expected = (dp.dataset_size, dp.sample_rate)
-    if made is not None and made[1:] == (dp.sample_rate, bands) and dp.dataset_size in (None, made[0]):
+    if made is not None and made[1:] == (dp.sample_rate, layout) and dp.dataset_size in (None, made[0]):
         return
     what = ("a tf.data.Dataset that PoissonSampler did not make (or one transformed after it)" if made is None
             else f"the dataset of PoissonSampler(n={made[0]}, sample_rate={made[1]:g}"
-                 + ("" if made[2] == 1 else f", bands={made[2]}") + ")")
+                 + ("" if made[2].bands == 1 else f", bands={made[2].bands}")
+                 + ("" if not made[2].plain else f", plain_steps={list(made[2].plain)}") + ")")
     cyclic = "" if bands == 1 else f" in {bands} cyclic groups"
+    plain = "" if not layout.plain else f", plain_steps={list(layout.plain)}"
     caveat = (f"fit got {what}, but the ledger charges Poisson sampling{cyclic} of "
               f"{'the' if expected[0] is None else f'n={expected[0]}'} examples at "
-              f"q={expected[1]:g}; the guarantee holds only if its batches are exactly that; feed arrays to fit, "
-              f"or PoissonSampler(n, q, ...{'' if bands == 1 else f', bands={bands}'}).dataset(x, y) unchanged")
+              f"q={expected[1]:g}{plain}; the guarantee holds only if its batches are exactly that; feed arrays to "
+              f"fit, or PoissonSampler(n, q, ...{'' if bands == 1 else f', bands={bands}'}{plain}).dataset(x, y) "
+              "unchanged")
     dp.ledger.record_caveat(caveat)
     warnings.warn(caveat, NotPoissonSampledWarning, stacklevel=4)
 

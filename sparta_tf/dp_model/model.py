@@ -59,6 +59,7 @@ from sparta_tf.per_example.memory_budget import step_budget
 from sparta_tf.precision import require_ieee_float32_matmuls
 from sparta_tf.privacy import charging
 from sparta_tf.privacy.callbacks import PrivacyCallback
+from sparta_tf.privacy.layout import PlainStepsGuard, SamplingLayout
 from sparta_tf.privacy.ledger import PrivacyLedger
 from sparta_tf.privacy.mechanism import DpSgdMechanism
 from sparta_tf.trainable import TrainableSet
@@ -181,6 +182,7 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
             raise ValueError(f"bands={bands} needs cyclic Poisson sampling, which sampling={sampling!r} is not: "
                              "use sampling='poisson' or bands=1")
         self.correlated_noise: CorrelatedNoise | None = None  # BandMF's noise state, built by compile
+        self._sampling_layout = SamplingLayout(self._mechanism.bands)  # every step cyclic (plain: make_private's)
         self.unit = check_user_level(unit, examples_per_user, sampling, self._mechanism.bands)
         self._users = (UserUnits(DEFAULT_EXAMPLES_PER_USER if examples_per_user is None else examples_per_user)
                        if self.unit == "user" else None)
@@ -238,6 +240,26 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
         """What every DP step of this model is (``sigma``, ``q``, ``C``, ``n``, ``delta``): the one object
         the step, the sampler, the selection scorer and the ledger's charge read."""
         return self._mechanism
+
+    @property
+    def sampling_layout(self) -> SamplingLayout:
+        """How each global DP step samples, read by the sampler and the ledger's charge
+        (:mod:`sparta_tf.privacy.layout`): with bands, every step cyclic unless a planned run
+        (:func:`sparta_tf.make_private`) names the steps of its phases that release no gradient."""
+        return self._sampling_layout
+
+    def set_sampling_layout(self, layout: SamplingLayout) -> None:
+        """Sets the layout of the following ``fit`` (its bands must be the mechanism's)."""
+        if layout.bands != self._mechanism.bands:
+            raise ValueError(f"a sampling layout with bands={layout.bands} for a mechanism with "
+                             f"bands={self._mechanism.bands}; build it from the run's plan")
+        self._sampling_layout = layout
+
+    @property
+    def releases_gradient(self) -> bool:
+        """Whether the following DP steps release the noisy gradient (DP-SGD's release, with the run's
+        correlated noise when it has bands) rather than another statistic (a selection epoch's scores)."""
+        return self._release is None or isinstance(self._release, GradientRelease)
 
     def bind_dataset_size(self, n: int) -> None:
         """Fixes ``n`` (from the arrays ``fit`` got) when it was not given; ValueError when it differs."""
@@ -508,6 +530,8 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
         self.privacy_callback = charging.model_callback(self, callbacks, steps_per_epoch, on_budget_exhausted)
         if self.weight_average is not None:
             callbacks.append(AveragedWeights(self.weight_average, self._use_ema_weights))
+        if self._sampling_layout.plain:
+            callbacks.append(PlainStepsGuard(self))
         callbacks = fit_inputs.fit_callbacks(self.privacy_callback, callbacks, verbose, self._non_finite)
         return super().fit(
             x, y, epochs=epochs, verbose=verbose, callbacks=callbacks,

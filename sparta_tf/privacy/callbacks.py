@@ -34,6 +34,7 @@ import tensorflow as tf
 
 from sparta_tf.privacy import accounting
 from sparta_tf.privacy.accounting import PrivacyBudgetExceededError
+from sparta_tf.privacy.layout import SamplingLayout
 from sparta_tf.privacy.ledger import DEFAULT_KIND, LedgerEntry, PrivacyLedger
 from sparta_tf.privacy.mechanism import DpSgdMechanism
 
@@ -101,6 +102,9 @@ class PrivacyCallback(tf.keras.callbacks.Callback):
         self.verbose = verbose
         self.budget_exhausted = False
         """True once training was stopped because the budget ran out."""
+        self.layout: SamplingLayout | None = None
+        """How each counted run sampled (:mod:`sparta_tf.privacy.layout`), read by global step (needs
+        ``step_counter``); None: every run is ``mechanism.entry``."""
         self._reset_progress()
 
     # ------------------------------------------------------------ mechanism values
@@ -185,14 +189,20 @@ class PrivacyCallback(tf.keras.callbacks.Callback):
             raise RuntimeError("step_counter decreased during training; it must only count up.")
         return pending
 
-    def charge(self, extra_steps: int = 0) -> LedgerEntry:
-        """The ledger entry of the pending runs plus ``extra_steps`` more, under the current mechanism."""
-        return self._mechanism.entry(self.pending_steps() + extra_steps, self._phase, self._kind)
+    def charges(self, extra_steps: int = 0) -> list[LedgerEntry]:
+        """The ledger entries of the pending runs plus ``extra_steps`` more, under the current mechanism
+        and, with a :attr:`layout`, as it samples each of them (by the step counter: the first pending run
+        is global step ``counter at the last flush``)."""
+        steps = self.pending_steps() + extra_steps
+        if self.layout is None:
+            return [self._mechanism.entry(steps, self._phase, self._kind)]
+        return self.layout.charges(self._mechanism, self._counter_mark, steps, self._phase, self._kind)
 
     def flush(self) -> int:
         """Records the pending runs under the current mechanism; returns how many."""
         pending = self.pending_steps()
-        self.ledger.charge(self._mechanism.entry(pending, self._phase, self._kind))
+        for entry in self.charges():
+            self.ledger.charge(entry)
         self._counter_mark += pending if self.step_counter is not None else 0
         self._batches = 0
         self._recorded += pending
@@ -215,7 +225,7 @@ class PrivacyCallback(tf.keras.callbacks.Callback):
 
     def _planned(self, extra_steps: int) -> list[LedgerEntry]:
         """Pending runs plus ``extra_steps`` future ones, all under the current mechanism."""
-        return [self.charge(extra_steps)]
+        return self.charges(extra_steps)
 
     def _fits(self, extra_steps: int) -> bool:
         return self.ledger.fits_budget(self._planned(extra_steps))

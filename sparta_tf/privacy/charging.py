@@ -34,6 +34,7 @@ from sparta_tf import checkpointing, distribute
 from sparta_tf.checkpointing import BEFORE_TRAINING, CHECKPOINTS, JOURNAL, LEDGER, CheckpointError
 from sparta_tf.masks import is_mask_charge
 from sparta_tf.privacy.callbacks import PrivacyCallback
+from sparta_tf.privacy.layout import SamplingLayout
 from sparta_tf.privacy.ledger import LedgerEntry, PrivacyLedger
 from sparta_tf.privacy.mechanism import DpSgdMechanism
 
@@ -72,6 +73,7 @@ def model_callback(dp, callbacks: list, steps_per_epoch: int, on_budget_exhauste
         own.steps_per_epoch = steps_per_epoch
         own.on_budget_exhausted = on_budget_exhausted
         own.budget_mode = budget_mode
+    own.layout = dp.sampling_layout if dp.sampling_layout.plain else None
     check_ledger_covers_dp_step(dp, own)
     return own
 
@@ -119,7 +121,8 @@ class StepJournal(tf.keras.callbacks.Callback):
         privacy = dp.privacy_callback
         if privacy is not None:  # first the ledger, then the journal: a kill in between over-counts only
             charged = PrivacyLedger.from_json(privacy.ledger.to_json())
-            charged.charge(privacy.charge(extra_steps=1))
+            for entry in privacy.charges(extra_steps=1):
+                charged.charge(entry)
             checkpointing.write_atomic(self.ledger_path, json.dumps(charged.to_json(), indent=1))
         checkpointing.write_atomic(self.path, json.dumps({"started_through": int(dp.dp_step.numpy()) + 1}))
 
@@ -139,9 +142,12 @@ def steps_started_after(output_dir: str, checkpoint_step: int) -> int:
 
 
 def charge_interrupted_steps(output_dir: str, checkpoint_step: int, ledger: PrivacyLedger,
-                             mechanism: DpSgdMechanism, strategy: tf.distribute.Strategy) -> int:
+                             mechanism: DpSgdMechanism, strategy: tf.distribute.Strategy,
+                             layout: SamplingLayout | None = None) -> int:
     """Charges ``mechanism.entry(lost, "interrupted")`` for the ``lost`` steps a killed run started
-    after the last checkpoint; returns ``lost``.
+    after the last checkpoint; returns ``lost``. With a ``layout`` that samples some steps plainly the
+    lost steps are charged both ways (:meth:`~sparta_tf.privacy.layout.SamplingLayout.charges` without a
+    first step): which kind each was is not recorded, and an over-count is safe.
 
     On several workers each keeps its own journal, and a kill leaves them a step or two apart;
     every worker charges the *largest* count (``max_w lost_w``), so the ledgers, and with them the
@@ -149,8 +155,9 @@ def charge_interrupted_steps(output_dir: str, checkpoint_step: int, ledger: Priv
     under-count the steps any worker started.
     """
     lost = distribute.largest_over_workers(strategy, steps_started_after(output_dir, checkpoint_step))
-    if lost:
-        ledger.charge(mechanism.entry(lost, phase="interrupted"))
+    layout = layout if layout is not None else SamplingLayout()
+    for entry in layout.charges(mechanism, None, lost, phase="interrupted") if lost else ():
+        ledger.charge(entry)
     return lost
 
 
@@ -218,7 +225,7 @@ def charge_steps_before_first_checkpoint(dp, before_training: Sequence[LedgerEnt
     runs = charge_interrupted_before_training(run_dir, dp.ledger, before_training, dp.distribute_strategy)
     if runs:
         print(f"== the mechanisms before training, run {runs} time(s) by the interrupted run(s), charged to the ledger")
-    lost = charge_interrupted_steps(run_dir, 0, dp.ledger, dp.mechanism, dp.distribute_strategy)
+    lost = charge_interrupted_steps(run_dir, 0, dp.ledger, dp.mechanism, dp.distribute_strategy, dp.sampling_layout)
     if lost:
         dp.dp_step.assign(lost)  # fresh noise and batch keys; the journal keeps counting every step run
         print(f"== {lost} step(s) of the interrupted run (before its first checkpoint) charged to the ledger")

@@ -12,7 +12,9 @@ reported at ``delta``. Its privacy cost depends on ``(sigma, q)`` only:
 With ``bands = b > 1`` (BandMF, :mod:`sparta_tf.privacy.banded`) the noise of the gradient steps is
 ``b``-banded correlated and the steps sample under cyclic Poisson sampling: step ``t`` samples the
 examples of group ``t mod b`` at ``q_b = b q`` (:attr:`DpSgdMechanism.step_sample_rate`), so the expected
-batch stays ``q n`` and ``T`` steps cost ``ceil(T / b)`` runs of ``M_{q_b, sigma}``.
+batch stays ``q n`` and ``T`` steps cost ``ceil(T / b)`` runs of ``M_{q_b, sigma}``; the steps that release
+no gradient (a selection epoch) sample every example at ``q`` and cost one run of ``M_{q, sigma}`` each
+(:meth:`DpSgdMechanism.plain_entry`; which steps are which: :mod:`sparta_tf.privacy.layout`).
 
 The values come from the run's :class:`~sparta_tf.privacy.plan.PrivacyPlan`
 (:meth:`DpSgdMechanism.of_plan`), or from a bare :class:`~sparta_tf.DPModel`'s arguments, once;
@@ -107,3 +109,9 @@ class DpSgdMechanism:
     def entry(self, steps: int, phase: str | None = None, kind: str = DEFAULT_KIND) -> LedgerEntry:
         """The ledger charge of ``steps`` consecutive runs (its ``as_dp_event()`` is :meth:`dp_event`)."""
         return LedgerEntry(self.noise_multiplier, self.step_sample_rate, steps, kind, phase, self.bands)
+
+    def plain_entry(self, steps: int, phase: str | None = None, kind: str = DEFAULT_KIND) -> LedgerEntry:
+        """The ledger charge of ``steps`` runs that sample every example at ``q`` with independent noise
+        (with bands, the steps a :class:`~sparta_tf.privacy.layout.SamplingLayout` samples plainly):
+        ``steps`` runs of ``M_{q, sigma}``; :meth:`entry` without bands."""
+        return LedgerEntry(self.noise_multiplier, self.sample_rate, steps, kind, phase)

@@ -35,7 +35,9 @@ from sparta_tf.method_spec import Phase
 from sparta_tf.privacy import accounting, banded, calibration
 from sparta_tf.privacy import tuning as tuning_privacy
 from sparta_tf.privacy.tuning import Repetition
+from sparta_tf.privacy.layout import SamplingLayout
 from sparta_tf.privacy.ledger import DEFAULT_KIND, LedgerEntry, PrivacyLedger
+from sparta_tf.privacy.mechanism import DpSgdMechanism
 from sparta_tf.privacy.rates import cyclic_sample_rate, sample_rate  # noqa: F401 -- the plan's rates
 from sparta_tf.privacy.sampling import steps_per_epoch
 
@@ -136,10 +138,14 @@ class PrivacyPlan:
         those that draw noise, i.e. release something new each time they run)."""
         return [m.entry() for m in self.before_training if m.count and (m.draws_noise or not releases_only)]
 
+    def sampling_layout(self, first_step: int = 0) -> SamplingLayout:
+        """How each step samples (:mod:`sparta_tf.privacy.layout`), the first training step being global
+        DP step ``first_step``."""
+        return SamplingLayout.of_phases(self.phases, self.steps_per_epoch, self.bands, first_step)
+
     def _entries(self) -> list[LedgerEntry]:
-        training = [LedgerEntry(self.noise_multiplier, self.group_sample_rate, p.steps, DEFAULT_KIND, p.name,
-                                self.bands) for p in self.phases if p.steps]
-        return self.before_training_entries() + training
+        mechanism = DpSgdMechanism(self.noise_multiplier, self.sample_rate, bands=self.bands)
+        return self.before_training_entries() + phase_charges(self.phases, self.sampling_layout(), mechanism)
 
     def to_json(self) -> dict:
         tuning = None if self.tuning is None else self.tuning.to_dict() | {"epsilon": self.tuned_epsilon}
@@ -164,6 +170,10 @@ class PrivacyPlan:
         if self.bands > 1:
             lines.append(f"correlated noise: {self.bands} bands (BandMF), cyclic Poisson sampling of 1 group of "
                          f"{self.bands} per step at rate {self.group_sample_rate:.6g}")
+            plain = [p.name for p in self.phases if not p.updates]
+            if plain:
+                lines.append(f"  {', '.join(plain)}: no gradient released, so independent noise and every example "
+                             f"sampled at q = {self.sample_rate:.6g}")
         for mechanism in self.before_training:
             lines.append(f"before training: {mechanism.phase}: {mechanism.count} x {mechanism.kind} "
                          f"(q = {mechanism.sample_rate:.4g}, sigma = {mechanism.noise_multiplier:.6g})")
@@ -182,6 +192,16 @@ def _trainable(phase: Phase, trainable, total) -> str:
     if count is None:
         return "selected privately" if trainable is not None else "-"
     return f"{count:,} ({count / total:.2%})" if total else f"{count:,}"
+
+
+def phase_charges(phases: Sequence[Phase], layout: SamplingLayout, mechanism: DpSgdMechanism) -> list[LedgerEntry]:
+    """The ledger entries of the planned ``phases`` (with ``steps``), in order, as ``layout`` charges them."""
+    entries, step = [], 0
+    for phase in phases:
+        if phase.steps:
+            entries += layout.charges(mechanism, step, phase.steps, phase.name)
+        step += phase.steps
+    return entries
 
 
 def banded_compositions(steps_per_phase: Sequence[int], bands: int) -> tuple[int, ...]:
@@ -214,9 +234,11 @@ def make_privacy_plan(
 ) -> PrivacyPlan:
     """Calibrates every noise multiplier of a run and the epsilon after each phase (module doc).
 
-    ``bands = b > 1``: every DP step samples one of ``b`` groups at ``q_b = b q`` (:func:`cyclic_sample_rate`)
-    and each phase of ``T_p`` steps is charged ``ceil(T_p / b)`` steps of ``M_{q_b, sigma}``
-    (:func:`banded_compositions`).
+    ``bands = b > 1``: every DP step that releases a gradient samples one of ``b`` groups at ``q_b = b q``
+    (:func:`cyclic_sample_rate`) and each phase of ``T_p`` such steps is charged ``ceil(T_p / b)`` steps of
+    ``M_{q_b, sigma}`` (:func:`banded_compositions`); a phase that releases no gradient (a selection epoch)
+    samples every example at ``q`` and is charged ``T_p`` steps of ``M_{q, sigma}``
+    (:mod:`sparta_tf.privacy.layout`).
 
     ``tuning``: the run is one candidate of a private tuning (:class:`~sparta_tf.privacy.tuning.Repetition`):
     every noise multiplier is calibrated so that the tuning around the run meets ``target_epsilon`` (RDP,
@@ -235,13 +257,18 @@ def make_privacy_plan(
     per_epoch = steps_per_epoch(q)
     epochs = sum(p.epochs for p in phases)
     step_rate = cyclic_sample_rate(q, bands)
-    compositions = banded_compositions([p.epochs * per_epoch for p in phases], bands)
-    training = tuple((step_rate, count) for count in compositions if count)
+    banded_compositions([p.epochs * per_epoch for p in phases], bands)  # refuses a phase shorter than b
+    phases = [p.planned(p.epochs * per_epoch, 0.0) for p in phases]
+    layout = SamplingLayout.of_phases(phases, per_epoch, bands)
+    charges = phase_charges(phases, layout, DpSgdMechanism(1.0, q, bands=bands))  # rates and counts; sigma below
+    training = tuple((entry.sample_rate, entry.compositions) for entry in charges)
     if tuning is not None:
         if noise_multiplier is not None or target_epsilon is None:
             raise ValueError("a tuning candidate's plan calibrates its noise from the tuning's target_epsilon: "
                              "give the target, not a noise multiplier")
-        accountant, training = tuning_privacy.ACCOUNTANT, ((step_rate, sum(compositions)),)
+        rates = sorted({rate for rate, _ in training})
+        accountant = tuning_privacy.ACCOUNTANT
+        training = tuple((rate, sum(count for r, count in training if r == rate)) for rate in rates)
     given = noise_multiplier is not None and target_epsilon is not None and not nonprivate_reasons
     if noise_multiplier is None:
         if target_epsilon is None:
@@ -264,11 +291,13 @@ def make_privacy_plan(
     for mechanism in before:
         ledger.record(mechanism.noise_multiplier, mechanism.sample_rate, mechanism.count, mechanism.kind,
                       mechanism.phase)
-    planned = []
+    planned, step = [], 0
+    mechanism = DpSgdMechanism(noise_multiplier, q, bands=bands)
     for phase in phases:
-        steps = phase.epochs * per_epoch
-        ledger.record(noise_multiplier, step_rate, steps, DEFAULT_KIND, phase.name, bands)
-        planned.append(phase.planned(steps, ledger.epsilon()))
+        for entry in layout.charges(mechanism, step, phase.steps, phase.name):
+            ledger.charge(entry)
+        step += phase.steps
+        planned.append(phase.planned(phase.steps, ledger.epsilon()))
     plan = PrivacyPlan(n, q, per_epoch, epochs, float(noise_multiplier), delta, target_epsilon, accountant,
                        before, tuple(planned), tuple(nonprivate_reasons), tuning, banded.check_bands(bands), unit)
     if given and plan.epsilon > target_epsilon * (1 + 1e-9):

@@ -62,7 +62,9 @@ group ``g_i``, uniform on ``0..b-1`` and independent of every other example's (o
 which the analysis needs), and step ``t``
 samples ``B_t = {i : g_i = t mod b, u_i < b q}``. Each example then takes part only in steps of its
 residue class, at least ``b`` steps apart, and per step still with probability ``q``; the rate of its
-group's steps, ``q_b = b q``, comes from :func:`sparta_tf.privacy.rates.cyclic_sample_rate`.
+group's steps, ``q_b = b q``, comes from :func:`sparta_tf.privacy.rates.cyclic_sample_rate`. The steps of a
+run that release no gradient (a selection epoch; ``plain_steps``, from the run's
+:class:`~sparta_tf.privacy.layout.SamplingLayout`) sample every example at ``q`` instead.
 
 Tensor placement: the data are converted once to tensors on the host CPU and
 captured by the ``tf.data`` map function (by reference, not as graph
@@ -74,7 +76,7 @@ from __future__ import annotations
 import math
 import numbers
 import weakref
-from typing import Any
+from typing import Any, Sequence
 
 import tensorflow as tf
 
@@ -88,7 +90,7 @@ from sparta_tf.privacy.array_inputs import (
     num_examples,
     to_host_tensors,
 )
-from sparta_tf.privacy.banded import check_bands
+from sparta_tf.privacy.layout import SamplingLayout
 from sparta_tf.privacy.rates import cyclic_sample_rate
 
 __all__ = [
@@ -107,13 +109,15 @@ POISSON_DOMAIN: int = random_streams.domain(POISSON_STREAM)
 #: ``dataset -> (n, q)`` for every dataset :meth:`PoissonSampler.dataset` returned (weak keys: it
 #: does not keep them alive). Any transformation (``map``, ``take``, ``batch``) makes a new
 #: dataset, which is not in here.
-_POISSON_DATASETS: "weakref.WeakKeyDictionary[tf.data.Dataset, tuple[int, float, int]]" = weakref.WeakKeyDictionary()
+_POISSON_DATASETS: "weakref.WeakKeyDictionary[tf.data.Dataset, tuple[int, float, SamplingLayout]]" = (
+    weakref.WeakKeyDictionary())
 
 
-def poisson_provenance(dataset: tf.data.Dataset) -> tuple[int, float, int] | None:
-    """``(n, q, bands)`` when ``dataset`` is exactly what ``PoissonSampler(n, q, ..., bands=bands).dataset``
-    returned, else ``None`` (a dataset made any other way, or transformed after the sampler made it): the
-    accountant's Poisson analysis holds only for the former, at that ``q`` and number of groups."""
+def poisson_provenance(dataset: tf.data.Dataset) -> tuple[int, float, SamplingLayout] | None:
+    """``(n, q, layout)`` when ``dataset`` is exactly what ``PoissonSampler(n, q, ...).dataset`` returned
+    (``layout``: its bands and plain steps, :mod:`sparta_tf.privacy.layout`), else ``None`` (a dataset
+    made any other way, or transformed after the sampler made it): the accountant's Poisson analysis
+    holds only for the former, at that ``q`` and layout."""
     return _POISSON_DATASETS.get(dataset)
 
 
@@ -208,6 +212,7 @@ class PoissonSampler:
         stream: str = POISSON_STREAM,
         bands: int = 1,
         extra: int = 0,
+        plain_steps: Sequence[tuple[int, int]] = (),
     ) -> None:
         self.n: int = check_positive_int(n, "n", "pass the number of training examples")
         self.extra: int = check_extra_participants(extra)
@@ -222,7 +227,8 @@ class PoissonSampler:
         self.seed: int = random_streams.resolve_seed(seed)
         random_streams.domain(stream)  # an unknown stream name fails here, not mid-training
         self.stream: str = stream
-        self.bands: int = check_bands(bands)
+        self.layout: SamplingLayout = SamplingLayout(bands, tuple(plain_steps))
+        self.bands: int = self.layout.bands
         self.step_sample_rate: float = cyclic_sample_rate(self.sample_rate, self.bands)
         with tf.device("/CPU:0"):  # drawn once, beside the data; every step's mask reads it
             self._groups = self._draw_groups()
@@ -240,6 +246,7 @@ class PoissonSampler:
             f"PoissonSampler(n={self.n}, sample_rate={self.sample_rate}, "
             f"physical_batch_size={self.physical_batch_size}, seed=<hidden>"
             + ("" if self.bands == 1 else f", bands={self.bands}")
+            + ("" if not self.layout.plain else f", plain_steps={list(self.layout.plain)}")
             + ("" if self.extra == 0 else f", extra={self.extra}") + ")"
         )
 
@@ -261,7 +268,8 @@ class PoissonSampler:
         return self.n + self.extra
 
     def participant_mask(self, step: int | tf.Tensor) -> tf.Tensor:
-        """Bool [n + extra]: who is in the sample of global step ``step`` (of its group, with bands)."""
+        """Bool [n + extra]: who is in the sample of global step ``step`` (of its group, with bands; every
+        participant at ``q`` in the layout's plain steps)."""
         u = tf.random.stateless_uniform(
             [self.participants],
             seed=random_streams.step_key(self.seed, self.stream, step),
@@ -271,7 +279,10 @@ class PoissonSampler:
         sampled = u < tf.constant(self.step_sample_rate, tf.float64)
         if self.bands == 1:
             return sampled
-        return sampled & tf.equal(self._groups, tf.math.floormod(tf.cast(step, tf.int64), self.bands))
+        cyclic = sampled & tf.equal(self._groups, tf.math.floormod(tf.cast(step, tf.int64), self.bands))
+        if not self.layout.plain:
+            return cyclic
+        return tf.where(self.layout.plain_mask(step), u < tf.constant(self.sample_rate, tf.float64), cyclic)
 
     def sample_mask(self, step: int | tf.Tensor) -> tf.Tensor:
         """Bool [n]: which examples are in the sample of global step ``step``."""
@@ -322,7 +333,7 @@ class PoissonSampler:
             return gather_rows(x_t, indices), gather_rows(y_t, indices), weights
 
         ds = tf.data.Dataset.counter(start_step, dtype=tf.int64).map(element).prefetch(tf.data.AUTOTUNE)
-        _POISSON_DATASETS[ds] = (self.n, self.sample_rate, self.bands)
+        _POISSON_DATASETS[ds] = (self.n, self.sample_rate, self.layout)
         return ds
 
 
