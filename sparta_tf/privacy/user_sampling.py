@@ -164,6 +164,13 @@ class UserPoissonSampler:
         weights = tf.scatter_nd(rows[:, None], share, [length])
         return indices, weights
 
+    def row_batches(self, step: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """:meth:`padded_rows` of step ``step`` as numpy ``(indices, row_weights)`` micro-batches of
+        ``units_per_batch`` whole users (``k P`` rows each): for a mechanism that runs outside ``fit``."""
+        indices, weights = (t.numpy() for t in self.padded_rows(step))
+        rows = self.examples_per_user * self.units_per_batch
+        return [(indices[start:start + rows], weights[start:start + rows]) for start in range(0, len(indices), rows)]
+
     def dataset(self, x: Any, y: Any, start_step: int = 0) -> tf.data.Dataset:
         """Infinite dataset of ``(x_rows, y_rows, row_weights)``, one element per global step from
         ``start_step`` (module doc); ``x`` and ``y`` hold the ``n`` examples the user ids describe."""

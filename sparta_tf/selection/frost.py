@@ -189,11 +189,14 @@ def record_selection(ledger, noise_multiplier: float, sample_rate: float, count:
 # --------------------------------------------------------------------------
 
 
+def _rows(x, y, index: np.ndarray):
+    take = lambda t: tf.gather(t, index) if isinstance(t, tf.Tensor) else np.asarray(t)[index]
+    return tf.nest.map_structure(take, x), tf.nest.map_structure(take, y)
+
+
 def _batches(x, y, index: np.ndarray, batch_size: int):
     for start in range(0, len(index), batch_size):
-        idx = index[start:start + batch_size]
-        take = lambda t: tf.gather(t, idx) if isinstance(t, tf.Tensor) else np.asarray(t)[idx]
-        yield tf.nest.map_structure(take, x), tf.nest.map_structure(take, y)
+        yield _rows(x, y, index[start:start + batch_size])
 
 
 def _round_units(n: int, q_ps: float, batch_size: int, seed: int, users, examples_per_user: int | None):
@@ -213,12 +216,10 @@ def _round_units(n: int, q_ps: float, batch_size: int, seed: int, users, example
         raise ValueError("DP-FROST over users needs examples_per_user (the most examples of one user a round takes)")
     sampler = UserPoissonSampler(users, q_ps, examples_per_user, units_per_batch=max(1, batch_size // examples_per_user),
                                  seed=seed, stream=USER_SAMPLING_STREAM, examples_stream=USER_EXAMPLES_STREAM)
-    rows = sampler.examples_per_user * sampler.units_per_batch
 
     def user_units(t: int, x, y):
-        indices, weights = (v.numpy() for v in sampler.padded_rows(t))
-        for (xb, yb), start in zip(_batches(x, y, indices, rows), range(0, len(indices), rows)):
-            yield xb, yb, tf.constant(weights[start:start + rows])
+        for indices, weights in sampler.row_batches(t):
+            yield *_rows(x, y, indices), tf.constant(weights)
 
     return user_units
 

@@ -301,10 +301,7 @@ def clipped_connection_sums(model: tf.keras.Model, x, y, loss, prunable: Sequenc
         raise ValueError("DP-SNIP over users needs examples_per_user (the most examples of one user it takes)")
     sampler = UserPoissonSampler(users, 1.0, examples_per_user, units_per_batch=max(1, batch_size // examples_per_user),
                                  seed=seed, stream=SNIP_USER_STREAM, examples_stream=SNIP_USER_EXAMPLES_STREAM)
-    indices, weights = (t.numpy() for t in sampler.padded_rows(0))
-    rows = sampler.examples_per_user * sampler.units_per_batch
-    for start in range(0, len(indices), rows):
-        chunk, chunk_weights = indices[start:start + rows], weights[start:start + rows]
+    for chunk, chunk_weights in sampler.row_batches(0):
         xb, yb = tf.nest.map_structure(lambda t: tf.gather(t, chunk), (x, y))
         result = run(xb, yb, loss_fn, tf.constant(chunk_weights > 0))
         means, usable = user_mean_gradients([g * v for g, v in zip(result.grads, values)], chunk_weights,
