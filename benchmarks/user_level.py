@@ -103,7 +103,8 @@ def run_cell(config: dict) -> dict:
     start = time.perf_counter()
     results = run.train(validate(config), resume=resume)
     return {"test_accuracy": results["test_accuracy"], "epsilon": results["epsilon"], "n": results["n"],
-            "examples_per_user": results.get("examples_per_user"), "minutes": (time.perf_counter() - start) / 60}
+            "examples_per_user": results.get("examples_per_user"), "minutes": (time.perf_counter() - start) / 60,
+            **({"resumed": True} if resume else {})}  # its interrupted steps charged again: it may stop early
 
 
 def report(results: dict, methods, seeds, sizes: np.ndarray) -> str:
