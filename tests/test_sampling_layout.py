@@ -7,8 +7,8 @@ reduction.
   its noise is lower than charging the selection epoch cyclically;
 * the sampler reads the layout: in its plain steps every example is eligible, at rate ``q``; elsewhere
   only the step's group;
-* the ledger's charge reads the same layout, step by step (a charge spanning both kinds splits), and a
-  killed run's lost steps are charged both ways;
+* the ledger's charge reads the same layout, step by step (a charge spanning both kinds splits), also
+  the crash-safe one written before each step, and a killed run's lost steps are charged both ways;
 * ``make_private`` anchors the layout at the run's first step, also for a run restarted before its
   first checkpoint (which starts at the steps the killed run ran);
 * a gradient step in a plain range is refused before it runs; a dataset sampled with another layout
@@ -201,3 +201,21 @@ def test_charging_a_killed_runs_steps_reads_the_models_layout(tmp_path):
                                              SamplingLayout(2, ((4, 8),)))
     assert lost == 5
     assert [(e.sample_rate, e.count, e.bands) for e in ledger.entries] == [(0.5, 5, 2), (0.25, 5, 1)]
+
+
+def test_the_journal_charges_a_selection_step_plainly_before_it_runs(tmp_path):
+    """The crash-safe charge (``ledger.json`` rewritten before each step) reads the same layout."""
+    dp = _sparta(run_dir=str(tmp_path))
+    dp.compile(tf.keras.optimizers.SGD(0.5), loss=LOSS)
+    written = {}
+
+    class ReadLedger(tf.keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            with open(tmp_path / "ledger.json") as f:
+                written[int(dp.dp_step.numpy()) - 1] = json.load(f)["entries"]
+
+    dp.fit(*small_data(N), verbose=0, callbacks=[ReadLedger()])
+    during_selection = [(e["phase"], e["sample_rate"], e["count"], e.get("bands", 1)) for e in written[5]]
+    assert during_selection == [("warmup", 0.5, 4, 2), ("selection", 0.25, 2, 1)]  # steps 4 and 5: plain
+    after = [(e["phase"], e["sample_rate"], e["count"], e.get("bands", 1)) for e in written[8]]
+    assert after[-1] == ("sparse", 0.5, 1, 2)
