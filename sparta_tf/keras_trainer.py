@@ -12,6 +12,8 @@ compiled metrics         ``model.compiled_metrics`` (a list in  ``model._compile
 build them eagerly       ``.build(y_pred, y_true)``             ``.build(y_true, y_pred)``
 compiled?                ``model._is_compiled``                 ``model.compiled``
 progress bar             ``ProgbarLogger(count_mode="steps")``  ``ProgbarLogger()`` (counts steps)
+steps a call runs        ``model._steps_per_execution`` (a      ``model.steps_per_execution`` (an int)
+                         variable; None before ``compile``)
 =======================  =====================================  ===========================================
 
 Keras 3's ``fit`` makes the train function once per call, so a step retraced
@@ -71,6 +73,13 @@ def retrace(model: tf.keras.Model) -> None:
     model.train_function = None
     if is_compiled(model):
         model.make_train_function(force=True)
+
+
+def steps_per_execution(model: tf.keras.Model) -> int:
+    """The training steps one call of ``model``'s train function runs (``compile(steps_per_execution=N)``;
+    1 when not compiled). Both lines call ``on_train_batch_begin`` once per call, before all ``N``."""
+    value = getattr(model, "steps_per_execution", None) if KERAS3 else getattr(model, "_steps_per_execution", None)
+    return 1 if value is None else max(int(tf.keras.backend.get_value(value)), 1)
 
 
 def step_progress_bar() -> tf.keras.callbacks.Callback:

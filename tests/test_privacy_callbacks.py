@@ -243,3 +243,17 @@ def test_a_delta_of_at_least_one_over_n_is_refused():
     dp.compile(tf.keras.optimizers.SGD(0.01), loss="mse")
     with pytest.raises(ValueError, match="must be < 1/n"):
         dp.fit(x, y, epochs=1, verbose=0)
+
+
+def test_a_call_of_several_steps_is_checked_whole_against_the_budget():
+    """With ``steps_per_execution=2`` a call runs two steps after one ``on_train_batch_begin`` (both Keras
+    lines): when only three of an epoch's four steps fit, the second call must not start."""
+    model = _model(steps_per_execution=2)
+    three_steps = accounting.compute_epsilon(SIGMA, Q, 3, DELTA)
+    ledger = PrivacyLedger(DELTA, target_epsilon=three_steps * (1 + 1e-6))
+    callback = PrivacyCallback(ledger, MECHANISM, step_counter=model.optimizer.iterations,
+                               budget_mode="until_exhausted", verbose=0)
+    with pytest.raises(PrivacyBudgetExceededError, match="2 more steps"):
+        _fit(model, [callback], epochs=1)
+    assert int(model.optimizer.iterations.numpy()) == 2
+    assert ledger.epsilon() <= ledger.target_epsilon

@@ -32,6 +32,7 @@ from typing import Callable
 
 import tensorflow as tf
 
+from sparta_tf import keras_trainer
 from sparta_tf.privacy import accounting
 from sparta_tf.privacy.accounting import PrivacyBudgetExceededError
 from sparta_tf.privacy.layout import SamplingLayout
@@ -210,8 +211,7 @@ class PrivacyCallback(tf.keras.callbacks.Callback):
 
     def _steps_per_call(self) -> int:
         """Updates one train-function call may run (Keras ``steps_per_execution``)."""
-        variable = getattr(self.model, "_steps_per_execution", None)
-        return 1 if variable is None else max(int(tf.keras.backend.get_value(variable)), 1)
+        return keras_trainer.steps_per_execution(self.model)
 
     def _progress(self) -> int:
         return self._recorded + self.pending_steps()

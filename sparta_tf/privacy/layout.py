@@ -34,6 +34,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
+from sparta_tf import keras_trainer
 from sparta_tf.privacy.banded import check_bands
 from sparta_tf.privacy.ledger import LedgerEntry
 
@@ -136,6 +137,5 @@ class PlainStepsGuard(tf.keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         if self.dp.releases_gradient:
-            steps = getattr(self.dp, "_steps_per_execution", None)
-            steps = 1 if steps is None else max(int(tf.keras.backend.get_value(steps)), 1)
-            self.dp.sampling_layout.check_gradient_steps(int(self.dp.dp_step.numpy()), steps)
+            self.dp.sampling_layout.check_gradient_steps(int(self.dp.dp_step.numpy()),
+                                                         keras_trainer.steps_per_execution(self.dp))
