@@ -149,3 +149,24 @@ def test_a_killed_fit_resumes_without_under_counting(tmp_path, kill_at):
     assert "resuming" in finished.stdout or kill_at < 4
     ledger = json.loads((run_dir / "ledger.json").read_text())
     assert sum(e["count"] for e in ledger["entries"]) == result["steps"]
+
+
+def test_the_journal_covers_every_step_of_a_call_of_several(tmp_path):
+    """``steps_per_execution=2``: Keras calls the step journal once before two steps, so it must journal
+    (and pre-charge in ``ledger.json``) both, or a kill inside the call would charge a step fewer than ran."""
+    dp = sparta_tf.make_private(small_mlp(), method="sparta", target_epsilon=8.0, delta=1e-5, epochs=EPOCHS,
+                                batch_size=BATCH, dataset_size=N, seed=0, run_dir=str(tmp_path), **OPTIONS["sparta"])
+    dp.compile(tf.keras.optimizers.SGD(0.5), loss=LOSS, steps_per_execution=2)
+    seen = []
+
+    class ReadJournal(tf.keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            with open(tmp_path / "checkpoints" / "journal.json") as f:
+                journaled = json.load(f)["started_through"]
+            with open(tmp_path / "ledger.json") as f:
+                charged = sum(e["count"] for e in json.load(f)["entries"])
+            seen.append((int(dp.dp_step.numpy()), journaled, charged))
+
+    dp.fit(*small_data(N), verbose=0, callbacks=[ReadJournal()])
+    assert seen and all(journaled >= ran and charged >= ran for ran, journaled, charged in seen)
+    assert seen[-1][0] == dp.plan.steps

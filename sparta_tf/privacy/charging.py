@@ -30,7 +30,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from sparta_tf import checkpointing, distribute
+from sparta_tf import checkpointing, distribute, keras_trainer
 from sparta_tf.checkpointing import BEFORE_TRAINING, CHECKPOINTS, JOURNAL, LEDGER, CheckpointError
 from sparta_tf.masks import is_mask_charge
 from sparta_tf.privacy.callbacks import PrivacyCallback
@@ -108,7 +108,9 @@ def check_ledger_covers_dp_step(dp, callback: PrivacyCallback) -> None:
 
 
 class StepJournal(tf.keras.callbacks.Callback):
-    """Before each training step: ``ledger.json`` charges it, then the journal says it started."""
+    """Before each training step: ``ledger.json`` charges it, then the journal says it started. With
+    ``steps_per_execution = N`` Keras calls it once before a call of ``N`` steps, so it charges and
+    journals all ``N`` (the last call of an epoch may run fewer: an over-count, which is safe)."""
 
     def __init__(self, output_dir: str):
         super().__init__()
@@ -119,12 +121,13 @@ class StepJournal(tf.keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         dp = self.model
         privacy = dp.privacy_callback
+        steps = keras_trainer.steps_per_execution(dp)
         if privacy is not None:  # first the ledger, then the journal: a kill in between over-counts only
             charged = PrivacyLedger.from_json(privacy.ledger.to_json())
-            for entry in privacy.charges(extra_steps=1):
+            for entry in privacy.charges(extra_steps=steps):
                 charged.charge(entry)
             checkpointing.write_atomic(self.ledger_path, json.dumps(charged.to_json(), indent=1))
-        checkpointing.write_atomic(self.path, json.dumps({"started_through": int(dp.dp_step.numpy()) + 1}))
+        checkpointing.write_atomic(self.path, json.dumps({"started_through": int(dp.dp_step.numpy()) + steps}))
 
 
 def steps_started_after(output_dir: str, checkpoint_step: int) -> int:
