@@ -200,3 +200,14 @@ def test_a_variable_no_step_trains_is_refused_in_one_line():
     with pytest.raises(ValueError, match="no gradient step trained a canary's coordinate") as error:
         audit_white_box(dp, x, y, canaries=100, variable=model.layers[-1].kernel, verbose=0)
     assert "\n" not in str(error.value)
+
+
+def test_a_model_running_several_steps_a_call_is_refused_before_its_first_step():
+    """Keras calls the recorder once per call of ``steps_per_execution`` steps: it would lose observations."""
+    x, y = small_data(N)
+    dp = sparta_tf.make_private(_model(), method="all", target_epsilon=2.0, delta=1e-5, epochs=1, batch_size=128,
+                                dataset_size=N, seed=1)
+    dp.compile(tf.keras.optimizers.SGD(0.1), loss=LOSS, steps_per_execution=2)
+    with pytest.raises(ValueError, match="steps_per_execution=1") as error:
+        audit_white_box(dp, x, y, canaries=100, verbose=0)
+    assert "\n" not in str(error.value) and int(dp.dp_step.numpy()) == 0 and dp.ledger.steps == 0

@@ -36,7 +36,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from sparta_tf import random_streams
+from sparta_tf import keras_trainer, random_streams
 from sparta_tf.backend import variable_key
 from sparta_tf.dp_step.clipping import clipped_sum
 
@@ -154,6 +154,12 @@ class CanaryObservations(tf.keras.callbacks.Callback):
         self.canaries = canaries
         self.rows: list[np.ndarray] = []
         self.steps: list[int] = []
+
+    def on_train_begin(self, logs=None):
+        steps = keras_trainer.steps_per_execution(self.model)
+        if steps > 1:  # Keras calls back once per call: the canaries of all but its last step would be lost
+            raise ValueError(f"the white-box audit reads the canaries after every step, but the model runs {steps} "
+                             "steps a call; compile it with steps_per_execution=1 (the default)")
 
     def on_train_batch_end(self, batch, logs=None):
         step = int(self.model.dp_step.numpy()) - 1
