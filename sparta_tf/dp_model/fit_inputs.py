@@ -221,15 +221,13 @@ def check_dataset_provenance(dp, dataset: tf.data.Dataset) -> None:
     if made is not None and made[1:] == (dp.sample_rate, layout) and dp.dataset_size in (None, made[0]):
         return
     what = ("a tf.data.Dataset that PoissonSampler did not make (or one transformed after it)" if made is None
-            else f"the dataset of PoissonSampler(n={made[0]}, sample_rate={made[1]:g}"
-                 + ("" if made[2].bands == 1 else f", bands={made[2].bands}")
-                 + ("" if not made[2].plain else f", plain_steps={list(made[2].plain)}") + ")")
+            else f"the dataset of PoissonSampler(n={made[0]}, sample_rate={made[1]:g}{made[2].sampler_arguments()})")
     cyclic = "" if bands == 1 else f" in {bands} cyclic groups"
     plain = "" if not layout.plain else f", plain_steps={list(layout.plain)}"
     caveat = (f"fit got {what}, but the ledger charges Poisson sampling{cyclic} of "
               f"{'the' if expected[0] is None else f'n={expected[0]}'} examples at "
               f"q={expected[1]:g}{plain}; the guarantee holds only if its batches are exactly that; feed arrays to "
-              f"fit, or PoissonSampler(n, q, ...{'' if bands == 1 else f', bands={bands}'}{plain}).dataset(x, y) "
+              f"fit, or PoissonSampler(n, q, ...{layout.sampler_arguments()}).dataset(x, y) "
               "unchanged")
     dp.ledger.record_caveat(caveat)
     warnings.warn(caveat, NotPoissonSampledWarning, stacklevel=4)

@@ -73,7 +73,7 @@ def model_callback(dp, callbacks: list, steps_per_epoch: int, on_budget_exhauste
         own.steps_per_epoch = steps_per_epoch
         own.on_budget_exhausted = on_budget_exhausted
         own.budget_mode = budget_mode
-    own.layout = dp.sampling_layout if dp.sampling_layout.plain else None
+    own.layout = dp.sampling_layout
     check_ledger_covers_dp_step(dp, own)
     return own
 

@@ -77,6 +77,12 @@ class SamplingLayout:
             start = stop
         return cls(bands, tuple(plain))
 
+    def sampler_arguments(self) -> str:
+        """The layout as :class:`~sparta_tf.privacy.sampling.PoissonSampler`'s arguments after its rate
+        (``", bands=b, plain_steps=[...]"``; empty with one band), for messages and ``repr``."""
+        return (("" if self.bands == 1 else f", bands={self.bands}")
+                + ("" if not self.plain else f", plain_steps={list(self.plain)}"))
+
     # ------------------------------------------------------------------ which steps
 
     def is_plain(self, step: int) -> bool:

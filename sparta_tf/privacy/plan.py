@@ -145,7 +145,8 @@ class PrivacyPlan:
 
     def _entries(self) -> list[LedgerEntry]:
         mechanism = DpSgdMechanism(self.noise_multiplier, self.sample_rate, bands=self.bands)
-        return self.before_training_entries() + phase_charges(self.phases, self.sampling_layout(), mechanism)
+        per_phase = phase_charges(self.phases, self.sampling_layout(), mechanism)
+        return self.before_training_entries() + [entry for entries in per_phase for entry in entries]
 
     def to_json(self) -> dict:
         tuning = None if self.tuning is None else self.tuning.to_dict() | {"epsilon": self.tuned_epsilon}
@@ -194,14 +195,15 @@ def _trainable(phase: Phase, trainable, total) -> str:
     return f"{count:,} ({count / total:.2%})" if total else f"{count:,}"
 
 
-def phase_charges(phases: Sequence[Phase], layout: SamplingLayout, mechanism: DpSgdMechanism) -> list[LedgerEntry]:
-    """The ledger entries of the planned ``phases`` (with ``steps``), in order, as ``layout`` charges them."""
-    entries, step = [], 0
+def phase_charges(phases: Sequence[Phase], layout: SamplingLayout,
+                  mechanism: DpSgdMechanism) -> list[list[LedgerEntry]]:
+    """The ledger entries of each planned phase (with ``steps``), in order, as ``layout`` charges them
+    (none for a phase without steps)."""
+    charges, step = [], 0
     for phase in phases:
-        if phase.steps:
-            entries += layout.charges(mechanism, step, phase.steps, phase.name)
+        charges.append(layout.charges(mechanism, step, phase.steps, phase.name) if phase.steps else [])
         step += phase.steps
-    return entries
+    return charges
 
 
 def banded_compositions(steps_per_phase: Sequence[int], bands: int) -> tuple[int, ...]:
@@ -261,7 +263,7 @@ def make_privacy_plan(
     phases = [p.planned(p.epochs * per_epoch, 0.0) for p in phases]
     layout = SamplingLayout.of_phases(phases, per_epoch, bands)
     charges = phase_charges(phases, layout, DpSgdMechanism(1.0, q, bands=bands))  # rates and counts; sigma below
-    training = tuple((entry.sample_rate, entry.compositions) for entry in charges)
+    training = tuple((entry.sample_rate, entry.compositions) for entries in charges for entry in entries)
     if tuning is not None:
         if noise_multiplier is not None or target_epsilon is None:
             raise ValueError("a tuning candidate's plan calibrates its noise from the tuning's target_epsilon: "
@@ -291,12 +293,10 @@ def make_privacy_plan(
     for mechanism in before:
         ledger.record(mechanism.noise_multiplier, mechanism.sample_rate, mechanism.count, mechanism.kind,
                       mechanism.phase)
-    planned, step = [], 0
-    mechanism = DpSgdMechanism(noise_multiplier, q, bands=bands)
-    for phase in phases:
-        for entry in layout.charges(mechanism, step, phase.steps, phase.name):
+    planned = []
+    for phase, entries in zip(phases, phase_charges(phases, layout, DpSgdMechanism(noise_multiplier, q, bands=bands))):
+        for entry in entries:
             ledger.charge(entry)
-        step += phase.steps
         planned.append(phase.planned(phase.steps, ledger.epsilon()))
     plan = PrivacyPlan(n, q, per_epoch, epochs, float(noise_multiplier), delta, target_epsilon, accountant,
                        before, tuple(planned), tuple(nonprivate_reasons), tuning, banded.check_bands(bands), unit)

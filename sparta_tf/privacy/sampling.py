@@ -245,8 +245,7 @@ class PoissonSampler:
         return (
             f"PoissonSampler(n={self.n}, sample_rate={self.sample_rate}, "
             f"physical_batch_size={self.physical_batch_size}, seed=<hidden>"
-            + ("" if self.bands == 1 else f", bands={self.bands}")
-            + ("" if not self.layout.plain else f", plain_steps={list(self.layout.plain)}")
+            + self.layout.sampler_arguments()
             + ("" if self.extra == 0 else f", extra={self.extra}") + ")"
         )
 
