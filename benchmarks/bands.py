@@ -21,7 +21,7 @@ Resumable across machines: every finished run is recorded in ``--out-dir``'s JSO
 again; the report is rewritten after each run, with what is missing. A run takes about 20 minutes on one
 core here; all of it about 24 runs, 8 CPU-hours.
 
-    python benchmarks/bands.py --data-dir ../shared/data
+    python benchmarks/bands.py --data-dir ../shared/data --jobs 2   # both methods side by side
     python benchmarks/bands.py --data-dir ../shared/data --bands-only   # step 1 alone: the bands, seconds
     python benchmarks/bands.py --smoke --data-dir ../shared/data --work-dir /tmp/b --out-dir /tmp/b   # CI
 """
@@ -33,6 +33,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -81,6 +82,31 @@ def run_record(base: dict, method: str, epsilon: float, seed: int, rate: float, 
             "bands": bands, "epsilon": results.get("epsilon"), "noise_multiplier": results.get("noise_multiplier"),
             "test_accuracy": results["test_accuracy"], "val_accuracy": utility._val_accuracy(results),
             "minutes": results["wall_s"] / 60}
+
+
+def side_by_side(methods, jobs: int, chain, prepare: tuple = ()) -> None:
+    """``chain(method, call)`` for every method: one after another in this process (``jobs`` 1), else up
+    to ``jobs`` chains at once, each ``call(function, *args)`` run in one of ``min(jobs, len(methods))``
+    spawned workers (TensorFlow imported once per worker), after ``prepare`` (``(function, *args)``, e.g.
+    pre-training the public model once, before workers would race to build its cache) ran in one."""
+    if jobs == 1:
+        for method in methods:
+            chain(method, lambda function, *args: function(*args))
+        return
+    import concurrent.futures
+    import multiprocessing
+
+    workers = min(jobs, len(methods))
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                                initializer=utility.exit_with_parent,
+                                                initargs=(os.getpid(),)) as pool:
+        if prepare:
+            pool.submit(*prepare).result()
+        with concurrent.futures.ThreadPoolExecutor(workers) as threads:
+            chains = [threads.submit(chain, method, lambda function, *args: pool.submit(function, *args).result())
+                      for method in methods]
+            for finished in concurrent.futures.as_completed(chains):
+                finished.result()  # a failed run stops the benchmark with its error
 
 
 def next_rate(tried: dict[float, float]) -> float | None:
@@ -141,9 +167,13 @@ def main(argv=None) -> int:
     parser.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "bands-bench"))
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
     parser.add_argument("--smoke", action="store_true", help="one tiny cell on the smoke profile (CI)")
+    parser.add_argument("--jobs", type=int, default=1, help="methods run side by side, each run in its own "
+                        "worker process (one core each); more than the number of methods gains nothing")
     parser.add_argument("--bands-only", action="store_true", help="choose and record the bands (step 1, seconds); "
                         "train nothing")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error("--jobs must be >= 1")
     profile = utility.PROFILES["smoke" if args.smoke else PROFILE]
     methods, epsilons, seeds = (SMOKE["methods"], SMOKE["epsilons"], SMOKE["seeds"]) if args.smoke else \
         (METHODS, EPSILONS, SEEDS)
@@ -156,16 +186,18 @@ def main(argv=None) -> int:
         write_atomic(stem + ".json", json.dumps(state, indent=1))
         write_atomic(stem + ".md", report(state, methods, epsilons, seeds, tune_epsilon))
 
-    def recorded(kind, method, epsilon, seed, rate=None):
-        return next((r for r in state["runs"] if (r["kind"], r["method"], r["target_epsilon"], r["seed"]) ==
-                     (kind, method, epsilon, seed) and rate in (None, r["learning_rate"])), None)
+    lock = threading.Lock()
 
-    def run(kind, method, epsilon, seed, rate):
-        bands = state["bands"][f"{method}-eps{epsilon:g}"]["bands"]
-        print(f"== {kind} {method} eps {epsilon:g} seed {seed} rate {rate:g} bands {bands}", flush=True)
-        state["runs"].append(run_record(base, method, epsilon, seed, rate, bands, args.work_dir, kind))
-        save()
-        return state["runs"][-1]
+    def recorded(kind, method, epsilon, seed, rate=None):
+        with lock:
+            return next((r for r in state["runs"] if (r["kind"], r["method"], r["target_epsilon"], r["seed"]) ==
+                         (kind, method, epsilon, seed) and rate in (None, r["learning_rate"])), None)
+
+    def record(entry: dict) -> dict:
+        with lock:
+            state["runs"].append(entry)
+            save()
+        return entry
 
     for method in methods:
         for epsilon in epsilons:
@@ -176,26 +208,34 @@ def main(argv=None) -> int:
     if args.bands_only:
         print(json.dumps(state["bands"], indent=1))
         return 0
-    rates = {}
-    for method in methods:
-        tried = {r["learning_rate"]: r["val_accuracy"] for r in state["runs"]
-                 if r["kind"] == "tune" and r["method"] == method}
+
+    def chain(method: str, call) -> None:
+        """One method's runs in order: its rate bracket at epsilon 2, seed 0, then its main cells, seed by
+        seed; ``call(run_record, ...)`` runs one training (here or in a worker)."""
+        def run(kind, epsilon, seed, rate):
+            bands = state["bands"][f"{method}-eps{epsilon:g}"]["bands"]
+            print(f"== {kind} {method} eps {epsilon:g} seed {seed} rate {rate:g} bands {bands}", flush=True)
+            return record(call(run_record, base, method, epsilon, seed, rate, bands, args.work_dir, kind))
+
+        with lock:
+            tried = {r["learning_rate"]: r["val_accuracy"] for r in state["runs"]
+                     if r["kind"] == "tune" and r["method"] == method}
         rate = TODAY[method] if not tried else None if args.smoke else next_rate(tried)
         while rate is not None:  # the smoke runs today's rate only
-            tried[rate] = run("tune", method, tune_epsilon, TUNE_SEED, rate)["val_accuracy"]
+            tried[rate] = run("tune", tune_epsilon, TUNE_SEED, rate)["val_accuracy"]
             rate = None if args.smoke else next_rate(tried)
-        rates[method] = max(tried, key=lambda r: (tried[r], -r))
-    for seed in seeds:
-        for epsilon in epsilons:
-            for method in methods:
+        chosen = max(tried, key=lambda r: (tried[r], -r))
+        for seed in seeds:
+            for epsilon in epsilons:
                 if recorded("main", method, epsilon, seed) is not None:
                     continue
-                tuned = recorded("tune", method, epsilon, seed, rates[method])
+                tuned = recorded("tune", method, epsilon, seed, chosen)
                 if tuned is not None:  # the bracket's run at the chosen rate is this cell
-                    state["runs"].append(dict(tuned, kind="main", reused=True))
-                    save()
+                    record(dict(tuned, kind="main", reused=True))
                     continue
-                run("main", method, epsilon, seed, rates[method])
+                run("main", epsilon, seed, chosen)
+
+    side_by_side(methods, args.jobs, chain, prepare=(utility.ensure_pretrained, base))
     save()
     print(report(state, methods, epsilons, seeds, tune_epsilon))
     return 0

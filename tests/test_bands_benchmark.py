@@ -33,3 +33,36 @@ def test_the_ladders_end_bounds_the_search_and_ties_go_to_the_smaller_rate():
     assert sorted(_search(0.3, lambda r: r)) == [0.1, 0.3, 1.0]
     tried = {0.03: 0.5, 0.1: 0.5, 0.01: 0.4, 0.3: 0.4}
     assert bands.next_rate(tried) is None and max(tried, key=lambda r: (tried[r], -r)) == 0.03
+
+
+def _pids(jobs):
+    done = {}
+
+    def chain(method, call):
+        done[method] = [call(os.getpid) for _ in range(2)]
+
+    bands.side_by_side(("sparta", "all"), jobs, chain, prepare=(os.getpid,))
+    return done
+
+
+def test_one_job_runs_every_method_in_this_process():
+    assert _pids(1) == {"sparta": [os.getpid()] * 2, "all": [os.getpid()] * 2}
+
+
+def test_two_jobs_run_each_run_in_a_worker_process():
+    done = _pids(2)
+    assert set(done) == {"sparta", "all"}
+    workers = {pid for pids in done.values() for pid in pids}
+    assert os.getpid() not in workers and 1 <= len(workers) <= 2
+
+
+def test_a_failed_run_stops_the_benchmark_with_its_error():
+    def chain(method, call):
+        call(abs, -1) if method == "all" else call(int, "not a number")
+
+    try:
+        bands.side_by_side(("sparta", "all"), 2, chain)
+    except ValueError as error:
+        assert "not a number" in str(error)
+    else:
+        raise AssertionError("the failed run's error was swallowed")
