@@ -55,10 +55,11 @@ CLIP = 0.05  # small enough that every unit is clipped
 
 def _batch(examples_of_unit: list[list[int]], k: int = K_CAP):
     """``(indices, weights)`` of a batch laid out as UserPoissonSampler lays it out: ``k`` rows per unit,
-    the unit's chosen examples with weight ``1 / k_v``, then padding rows (example 0, weight 0)."""
+    the unit's chosen examples with weight ``1 / k_v``, then padding rows (its first example, weight 0;
+    example 0 in a padding unit)."""
     indices, weights = [], []
     for chosen in examples_of_unit:
-        indices += list(chosen) + [0] * (k - len(chosen))
+        indices += list(chosen) + [chosen[0] if chosen else 0] * (k - len(chosen))
         weights += [1.0 / len(chosen)] * len(chosen) + [0.0] * (k - len(chosen)) if chosen else [0.0] * k
     return np.array(indices), np.array(weights, np.float32)
 
@@ -171,6 +172,43 @@ def test_a_user_with_a_non_finite_example_is_dropped_whole_and_the_others_are_un
     for a, b, c in zip(ours, expected, clean):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
         assert np.all(np.isfinite(a)) and not np.allclose(a, c)
+
+
+def _zero_input_model():
+    """Two classes whose probabilities at a zero input are ``[1, 0]``: class 1's log-likelihood is
+    ``-inf`` there, as a loss without probability clipping makes it."""
+    inputs = tf.keras.Input((2,))
+    hidden = tf.keras.layers.Dense(2, activation="relu", kernel_initializer=tf.constant_initializer(0.5),
+                                   bias_initializer=tf.constant_initializer([1.0, 0.0]))(inputs)
+    probabilities = tf.keras.layers.Lambda(lambda h: h / tf.reduce_sum(h, axis=-1, keepdims=True))(hidden)
+    return tf.keras.Model(inputs, probabilities)
+
+
+def _unclipped_log_loss(y, p):
+    return -tf.math.log(tf.gather(p, tf.cast(tf.reshape(y, [-1]), tf.int32), batch_dims=1))
+
+
+@pytest.mark.parametrize("engine", ["vectorized", "bookkeeping"])
+def test_whether_a_user_counts_depends_on_its_own_examples_only(engine):
+    """Padding rows (zeroed inputs) keep a label: another user's label, infinite loss at a zero input, used
+    to drop every user with padding. Here user 0 (examples 0-1) is dropped by its own NaN input whatever
+    example 0's label; users 1 and 2 have fewer than k examples, and their step must not depend on it."""
+    def weights_after_one_step(label_of_example_0):
+        tf.keras.utils.set_random_seed(0)
+        model = _zero_input_model()
+        dp = sparta_tf.DPModel(model, noise_multiplier=0.0, sample_rate=1.0, clip_norm=1.0, unit="user",
+                               examples_per_user=4, physical_batch_size=3, seed=1, engine=engine)
+        dp.compile(tf.keras.optimizers.SGD(1.0), loss=_unclipped_log_loss)
+        x = np.ones((6, 2), np.float32)
+        x[1] = np.nan
+        y = np.array([label_of_example_0, 0, 0, 0, 0, 0])
+        dp.fit(x, y, users=np.array([0, 0, 1, 1, 1, 2]), epochs=1, steps_per_epoch=1, verbose=0)
+        return [w.numpy() for w in model.weights]
+
+    first, second = weights_after_one_step(0), weights_after_one_step(1)
+    assert not np.allclose(first[1], [1.0, 0.0])  # users 1 and 2 trained
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)
 
 
 N_USERS, USER_BATCH, EPOCHS = 16, 4, 2

@@ -24,8 +24,12 @@ def _units(sampler, step):
     indices, weights = (t.numpy() for t in rows(tf.constant(step, tf.int64)))
     k = sampler.examples_per_user
     assert len(indices) == len(weights) and len(indices) % (k * sampler.units_per_batch) == 0
-    assert np.all(indices[weights == 0] == 0)  # padding repeats example 0 with weight 0
     dense, _ = dense_user_ids(USERS)
+    for unit in range(len(indices) // k):  # padding: the unit's first chosen example, example 0 in a padding unit
+        unit_indices, unit_weights = indices[unit * k:(unit + 1) * k], weights[unit * k:(unit + 1) * k]
+        expected_padding = unit_indices[0] if unit_weights[0] > 0 else 0
+        assert np.all(unit_indices[unit_weights == 0] == expected_padding)
+        assert np.all((unit_weights > 0)[:1] | (unit_weights == 0))  # a unit's chosen examples come first
     units = {}
     for unit in range(len(indices) // k):
         rows = slice(unit * k, (unit + 1) * k)

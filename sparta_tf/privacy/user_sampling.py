@@ -18,8 +18,11 @@ user ids, ``U`` distinct users. At global step ``t``:
   sampled users and ``P`` units per physical batch).
 
 So one user changes one unit of one step's sum, whose norm the DP step clips to ``C``: the mechanism,
-its noise and its ledger are DP-SGD's over ``U`` users at rate ``q``. Padding rows repeat example 0
-with weight 0, as :class:`~sparta_tf.privacy.sampling.PoissonSampler` pads.
+its noise and its ledger are DP-SGD's over ``U`` users at rate ``q``. Padding rows have weight 0; a
+sampled user's padding rows repeat its own first chosen example, never another user's (a padding row's
+input is zeroed but its label is kept, and a label whose loss is not finite at that input would drop
+the user's whole unit: that must depend on the user's own data only); whole padding units repeat
+example 0, as :class:`~sparta_tf.privacy.sampling.PoissonSampler` pads.
 
 Both streams are secret (the run's seed): whoever knows it knows every step's users and examples. A mechanism
 other than the DP step that samples users (DP-FROST's rounds, DP-SNIP) names streams of its own (``stream``,
@@ -159,7 +162,13 @@ class UserPoissonSampler:
         user = tf.gather(self._user_of, examples)
         rows = tf.gather(slot_of_user, user) * k + tf.gather(ranks, examples)
         length = units * k
-        indices = tf.scatter_nd(rows[:, None], examples, [length])  # padding: example 0
+        # padding rows: their user's first chosen example (the label of another user's example could make
+        # this user's loss non-finite at a zeroed input, and so decide whether this user counts); example 0
+        # in whole padding units, which no user owns
+        first = tf.boolean_mask(examples, tf.equal(tf.gather(ranks, examples), 0))
+        first_of_slot = tf.scatter_nd(tf.gather(slot_of_user, tf.gather(self._user_of, first))[:, None], first,
+                                      [units])
+        indices = tf.tensor_scatter_nd_update(tf.repeat(first_of_slot, k), rows[:, None], examples)
         share = 1.0 / tf.cast(tf.minimum(tf.gather(self._counts, user), k), tf.float32)
         weights = tf.scatter_nd(rows[:, None], share, [length])
         return indices, weights
