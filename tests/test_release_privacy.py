@@ -90,6 +90,7 @@ def test_sparta_tune_releases_the_same_bytes_whatever_number_of_candidates_ran_a
     assert_identical(three / "release", one / "release")
     released = json.loads((three / "release" / "results.json").read_text())
     assert set(released) <= set(RELEASED_KEYS) and released["hyperparameters"] == {"training.learning_rate": 0.1}
+    assert released["unit"] == "example"  # what the ledger protects
     for hidden in ("candidates", "winner", "score_noise", "validation_size", "test_accuracy", "release_dir"):
         assert hidden not in released
     assert (three / "release" / "export" / "1" / "saved_model.pb").exists()

@@ -521,6 +521,11 @@ def test_tune_privately_at_user_level_samples_users_and_scores_users():
         examples_per_user=4, users=users, validation_users=validation_users)
     plan = result.model.plan
     assert plan.unit == "user" and plan.n == N_USERS and result.model.users.examples_per_user == 4
+    assert result.ledger.unit == "user" and result.model.ledger is result.ledger  # the release protects users
+    assert result.ledger.to_json()["unit"] == "user"
+    tally = procedure.Tally([], "example")
+    with pytest.raises(ValueError, match="protects one user but the tuning's plan one example"):
+        tally.add(0.5, result.ledger)
     planned = [e for e in result.ledger.entries if e.kind != "tuning_score"]
     score_noise = procedure.default_score_noise(10)  # sqrt(validation users) / 2
     assert result.epsilon == pytest.approx(tuning_epsilon(per_run_event(planned, score_noise), result.ledger.tuning,

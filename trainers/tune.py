@@ -232,7 +232,7 @@ def _run(config: dict, state: dict) -> dict:
     draws = procedure.Draws.from_json(state["draws"])
     total = len(draws.candidates)
     print(f"== tuning: {total} candidate run(s) (secret: keep this log and {output_dir} private)")
-    tally = procedure.Tally([LedgerEntry.from_dict(e) for e in state["planned_entries"]])
+    tally = procedure.Tally([LedgerEntry.from_dict(e) for e in state["planned_entries"]], config["privacy"]["unit"])
     for index, candidate in enumerate(draws.candidates):
         candidate_dir = os.path.join(output_dir, CANDIDATES, f"{index:03d}")
         print(f"== candidate {index + 1} of {total}: {candidate.values}")
@@ -277,6 +277,7 @@ def _release(config: dict, state: dict, draws, tally: procedure.Tally) -> dict:
                                    sampling=privacy["sampling"])
     best = tally.best
     results = {"released": best is not None, "method": config["method"]["name"], "private": ledger.is_private,
+               "unit": ledger.unit,
                "epsilon": ledger.epsilon() if ledger.is_private else None, "target_epsilon": privacy["target_epsilon"],
                "delta": privacy["delta"], "accountant": ledger.accountant, "tuning": draws.count.to_dict(),
                "per_run_epsilon": state["per_run_epsilon"], "privacy_caveats": ledger.caveats()}

@@ -193,7 +193,7 @@ def tune_privately(
     procedure.check_one_mechanism(plan, plan_of, corners(space), "space")
     draws = procedure.Draws.draw(repetition.count, space, tuning_seed)
     procedure.check_one_mechanism(plan, plan_of, [candidate.values for candidate in draws.candidates], "space")
-    tally, best = procedure.Tally(procedure.planned_entries(plan)), None
+    tally, best = procedure.Tally(procedure.planned_entries(plan), plan.unit), None
     built = _IndependentModels(build_model, backend.name_state())
     for index, candidate in enumerate(draws.candidates):
         optimizer_values, _, dp_options = split(candidate.values)

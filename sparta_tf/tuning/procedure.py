@@ -29,9 +29,11 @@ SEED_CAVEAT = ("the tuning's seed was given (tuning.seed / tuning_seed): the num
 class Tally:
     """What the release needs from the candidates, in their order: each one's noisy score (None: diverged)
     and ledger entries (the plan's first: the floor when none finished), caveats and reasons it is not
-    private."""
+    private; ``unit``: what the plan's neighbouring datasets differ by, which every candidate's ledger
+    must share."""
 
-    def __init__(self, planned: Sequence[LedgerEntry]):
+    def __init__(self, planned: Sequence[LedgerEntry], unit: str = "example"):
+        self.unit = unit
         self.scores: list[float | None] = []
         self.entries: list[list[LedgerEntry]] = [list(planned)]
         self.caveats: list[str] = []
@@ -40,6 +42,9 @@ class Tally:
     def add(self, score: float | None, ledger: PrivacyLedger | None = None) -> None:
         self.scores.append(score)
         if ledger is not None:
+            if ledger.unit != self.unit:
+                raise ValueError(f"a candidate's ledger protects one {ledger.unit} but the tuning's plan one "
+                                 f"{self.unit}; every candidate must train at the plan's unit")
             self.entries.append(list(ledger.entries))
             self.caveats += [c for c in ledger.caveats() if c not in self.caveats]
             self.nonprivate += [r for r in ledger.nonprivate_reasons if r not in self.nonprivate]
@@ -54,7 +59,7 @@ class Tally:
         """:func:`released_ledger` of the candidates so far (with :data:`SEED_CAVEAT` for a given seed)."""
         caveats = self.caveats + ([SEED_CAVEAT] if draws.seed_given else [])
         return released_ledger(self.entries, count=draws.count, delta=delta, target_epsilon=target_epsilon,
-                               sampling=sampling, caveats=caveats, nonprivate=self.nonprivate)
+                               sampling=sampling, caveats=caveats, nonprivate=self.nonprivate, unit=self.unit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,12 +214,13 @@ def dominating_entries(ledgers: Sequence[Sequence[LedgerEntry]]) -> list[LedgerE
 
 def released_ledger(candidate_entries: Sequence[Sequence[LedgerEntry]], *, count: CandidateCount, delta: float,
                     target_epsilon: float, sampling: str = "poisson", caveats: Sequence[str] = (),
-                    nonprivate: Sequence[str] = ()) -> PrivacyLedger:
+                    nonprivate: Sequence[str] = (), unit: str = "example") -> PrivacyLedger:
     """The ledger of the released model: ``RepeatAndSelectDpEvent`` of the entries that dominate every
     candidate's (:func:`dominating_entries`; pass the planned per-run entries
-    among them, so that a tuning with no finished candidate is still charged its plan)."""
+    among them, so that a tuning with no finished candidate is still charged its plan), protecting one
+    ``unit`` (the candidates')."""
     ledger = PrivacyLedger(delta, accountant=tuning_privacy.ACCOUNTANT, target_epsilon=target_epsilon,
-                           sampling=sampling)
+                           sampling=sampling, unit=unit)
     for entry in dominating_entries(candidate_entries):
         ledger.charge(entry)
     for reason in nonprivate:

@@ -39,8 +39,8 @@ RELEASE_DIR = "release"
 RELEASE_TIME = 315532800  # 1980-01-01 00:00:00 UTC, the earliest time a zip entry can hold
 ZIP_TIME = time.gmtime(RELEASE_TIME)[:6]
 FIXED_DATE_SAVED = time.strftime("%Y-%m-%d@%H:%M:%S", time.gmtime(RELEASE_TIME))  # Keras's date_saved format
-RELEASED_KEYS = ("released", "method", "private", "epsilon", "target_epsilon", "delta", "accountant", "tuning",
-                 "per_run_epsilon", "privacy_caveats", "reason", "hyperparameters", "validation_score",
+RELEASED_KEYS = ("released", "method", "private", "unit", "epsilon", "target_epsilon", "delta", "accountant",
+                 "tuning", "per_run_epsilon", "privacy_caveats", "reason", "hyperparameters", "validation_score",
                  "noise_multiplier")
 """What ``results.json`` of a release holds (each when known). Not released: the number of candidates, the
 winner's index, any noiseless accuracy (the test split may be carved from the private data), the
