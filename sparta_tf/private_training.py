@@ -300,6 +300,7 @@ def restore_run(previous: tuple[str, dict], dp, method_callback, plan: PrivacyPl
     """Restores the last checkpoint into ``dp`` and charges the steps the killed run started after it
     (as ``dp.mechanism``, what they ran)."""
     path, state = previous
+    check_same_noise_draws(path, state, dp)
     epoch = state["epoch"]
     dp.ledger = PrivacyLedger.from_json(state["ledger"])
     dp.ledger.target_epsilon = plan.run_budget if dp.ledger.is_private else None
@@ -312,6 +313,20 @@ def restore_run(previous: tuple[str, dict], dp, method_callback, plan: PrivacyPl
     charging.update_checkpoint_ledger(path, dp.ledger)  # a second kill cannot lose the charge
     print(f"== resuming after epoch {epoch} from {path}; {lost} step(s) of the interrupted epoch charged "
           f"to the ledger (epsilon so far {dp.ledger.epsilon():.4g})")
+
+
+def check_same_noise_draws(path: str, state: dict, dp) -> None:
+    """CheckpointError unless ``dp`` draws its noise as the run that wrote checkpoint ``path`` did (XLA or
+    TensorFlow's kernels: other Gaussians for the same key). The steps a killed run started after its
+    checkpoint are charged as more participations of the same mechanism; re-run with other noise on the
+    same batches, the two releases of a step together would be one Gaussian of a smaller noise multiplier.
+    A checkpoint that does not record it (written before it was recorded) is not checked."""
+    written = state.get("noise_drawn_by_xla")
+    if written is not None and bool(written) != dp.noise_drawn_by_xla:
+        raise checkpointing.CheckpointError(
+            f"checkpoint {path} was written by a run whose DP step was compiled {'with' if written else 'without'} "
+            f"XLA, which draws other noise than this run would; resume with jit_compile={bool(written)} on the "
+            "same kind of device (jit_compile 'auto' is XLA on GPU/TPU only), or start a new output_dir")
 
 
 class EpochCheckpoint(tf.keras.callbacks.Callback):
@@ -332,5 +347,6 @@ class EpochCheckpoint(tf.keras.callbacks.Callback):
         self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + time.perf_counter() - self._start
         if privacy is not None:
             privacy.flush()
-        checkpointing.save(self.run_dir, epoch + 1, self.dp, {"seed": self.dp.seed, "ledger": self.dp.ledger.to_json()})
+        checkpointing.save(self.run_dir, epoch + 1, self.dp, {"seed": self.dp.seed, "ledger": self.dp.ledger.to_json(),
+                                                               "noise_drawn_by_xla": self.dp.noise_drawn_by_xla})
         self.dp.ledger.save(os.path.join(self.run_dir, checkpointing.LEDGER))

@@ -92,6 +92,23 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path, caps
         run.train(config, resume=True)
 
 
+def test_a_resume_that_would_draw_other_noise_than_the_killed_run_is_refused_before_a_step(tmp_path):
+    out, config = _finished_two_checkpoints(tmp_path)
+    newest = checkpointing.candidates(str(out))[0]
+    state = json.loads((tmp_path / "run" / "checkpoints" / os.path.basename(newest) / "state.json").read_text())
+    assert state["noise_drawn_by_xla"] is False  # jit_compile 'auto' on CPU
+    for path in checkpointing.candidates(str(out)):  # as if the killed run had compiled its step with XLA
+        state_path = os.path.join(path, "state.json")
+        with open(state_path) as f:
+            written = json.load(f)
+        with open(state_path, "w") as f:
+            json.dump(dict(written, noise_drawn_by_xla=True), f)
+    ledger_before = (out / "ledger.json").read_text()
+    with pytest.raises(checkpointing.CheckpointError, match="compiled with XLA.*resume with jit_compile=True"):
+        run.train(config, resume=True)
+    assert (out / "ledger.json").read_text() == ledger_before and not (out / "results.json").exists()
+
+
 def test_a_checkpoint_of_another_model_and_a_damaged_journal_are_clear_errors(tmp_path, capsys, write_config):
     out, config = _finished_two_checkpoints(tmp_path)
     other = dict(config, model={"name": "cifar_resnet_gn", "depth": 14, "width": 4})

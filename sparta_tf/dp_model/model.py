@@ -370,6 +370,12 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
         logs = {k: v for k, v in self.get_metrics_result().items() if k != NON_FINITE}  # DP steps' only
         return distribute.reducible_logs(logs, self.distribute_strategy)
 
+    @property
+    def noise_drawn_by_xla(self) -> bool:
+        """Whether the DP step (and so its noise draw) is compiled with XLA: XLA draws other Gaussians
+        than TensorFlow's kernels for the same key, so a resumed run must draw as the killed one did."""
+        return resolve_jit_compile(self._jit_compile_setting)
+
     # ---------------------------------------------------------------- compile
 
     def compile(self, optimizer="sgd", loss=None, metrics=None, jit_compile=None, **kwargs):
