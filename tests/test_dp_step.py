@@ -243,6 +243,28 @@ def test_fit_on_a_dataset_the_sampler_did_not_make_for_this_rate_is_a_ledger_cav
         assert dp.ledger.report().count(caveats[0]) == 1
 
 
+def test_a_sampler_dataset_of_other_steps_than_the_models_next_is_refused_before_a_step():
+    """Each iteration of a dataset starts at its first element: given to a second fit, the sampler's
+    dataset would sample the first fit's steps again (the same batches, so not independent draws)."""
+    from sparta_tf.privacy.sampling import PoissonSampler
+
+    x, y = data(16)
+    dp = DPModel(conv_gn_model(), noise_multiplier=1.0, sample_rate=0.25, dataset_size=16, physical_batch_size=8,
+                 delta=1e-3, seed=3)
+    dp.compile(tf.keras.optimizers.SGD(0.1), loss=LOSS)
+    sampler = PoissonSampler(16, 0.25, 8, seed=3)
+    first = sampler.dataset(x, y)
+    dp.fit(first, epochs=1, steps_per_epoch=2, verbose=0)
+    charged = [e.count for e in dp.ledger.entries]
+    weights = [w.numpy() for w in dp.model.weights]
+    with pytest.raises(ValueError, match="first element is step 0, but this model's next DP step is 2.*start_step="):
+        dp.fit(first, epochs=1, steps_per_epoch=2, verbose=0)
+    assert [e.count for e in dp.ledger.entries] == charged and int(dp.dp_step.numpy()) == 2
+    assert all(np.array_equal(a, b.numpy()) for a, b in zip(weights, dp.model.weights))
+    dp.fit(sampler.dataset(x, y, start_step=int(dp.dp_step.numpy())), epochs=1, steps_per_epoch=2, verbose=0)
+    assert int(dp.dp_step.numpy()) == 4 and not [c for c in dp.ledger.caveats() if c.startswith("fit got")]
+
+
 def test_mirrored_strategy_matches_single_device():
     two_replicas = two_cpu_replicas()
     x, y = data(16)

@@ -211,17 +211,27 @@ def user_pipeline(dp, x, y, users, initial_step: int):
 def check_dataset_provenance(dp, dataset: tf.data.Dataset) -> None:
     """Records a ledger caveat unless ``dataset`` is, unchanged, what ``PoissonSampler(n, q)
     .dataset`` made for this model's ``n`` and ``q``: the ledger charges Poisson sampling at
-    ``q``, which a hand-made or transformed dataset (fixed batches, another rate) need not be."""
+    ``q``, which a hand-made or transformed dataset (fixed batches, another rate) need not be.
+    A ValueError, before a step, for the sampler's dataset of other steps than the model's next
+    (one given to a second ``fit``: it would sample the first one's steps again)."""
     if dp.ledger is None or not dp.ledger.covered_by_accountant:
         return  # no accounting, or the ledger already says its sampling is not Poisson
     made = poisson_provenance(dataset)
     layout = dp.sampling_layout
     bands = layout.bands
     expected = (dp.dataset_size, dp.sample_rate)
-    if made is not None and made[1:] == (dp.sample_rate, layout) and dp.dataset_size in (None, made[0]):
+    next_step = int(dp.dp_step.numpy())
+    if made is not None and made.start_step != next_step:
+        raise ValueError(f"fit got PoissonSampler's dataset whose first element is step {made.start_step}, but this "
+                         f"model's next DP step is {next_step}: its batches would repeat steps already sampled (or "
+                         "leave cyclic groups out of step), which the ledger's Poisson analysis does not cover; make a "
+                         "new dataset for every fit, sampler.dataset(x, y, start_step=int(dp.dp_step.numpy()))")
+    if made is not None and (made.sample_rate, made.layout) == (dp.sample_rate, layout) \
+            and dp.dataset_size in (None, made.n):
         return
     what = ("a tf.data.Dataset that PoissonSampler did not make (or one transformed after it)" if made is None
-            else f"the dataset of PoissonSampler(n={made[0]}, sample_rate={made[1]:g}{made[2].sampler_arguments()})")
+            else f"the dataset of PoissonSampler(n={made.n}, sample_rate={made.sample_rate:g}"
+                 f"{made.layout.sampler_arguments()})")
     cyclic = "" if bands == 1 else f" in {bands} cyclic groups"
     plain = "" if not layout.plain else f", plain_steps={list(layout.plain)}"
     caveat = (f"fit got {what}, but the ledger charges Poisson sampling{cyclic} of "

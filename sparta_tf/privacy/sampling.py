@@ -76,7 +76,7 @@ from __future__ import annotations
 import math
 import numbers
 import weakref
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import tensorflow as tf
 
@@ -99,6 +99,7 @@ __all__ = [
     "default_physical_batch_size",
     "poisson_dataset",
     "poisson_provenance",
+    "Provenance",
     "steps_per_epoch",
 ]
 
@@ -106,18 +107,28 @@ POISSON_STREAM = "poisson_sampling"
 #: Domain constant of the Poisson sampling stream (see :mod:`sparta_tf.random_streams`).
 POISSON_DOMAIN: int = random_streams.domain(POISSON_STREAM)
 
-#: ``dataset -> (n, q)`` for every dataset :meth:`PoissonSampler.dataset` returned (weak keys: it
+class Provenance(NamedTuple):
+    """What :meth:`PoissonSampler.dataset` made a dataset of: ``n`` examples at rate ``sample_rate``, in
+    ``layout`` (bands and plain steps, :mod:`sparta_tf.privacy.layout`), its first element global step
+    ``start_step`` (every iteration of the dataset, e.g. each ``fit`` it is given to, starts there)."""
+
+    n: int
+    sample_rate: float
+    layout: SamplingLayout
+    start_step: int
+
+
+#: ``dataset -> Provenance`` for every dataset :meth:`PoissonSampler.dataset` returned (weak keys: it
 #: does not keep them alive). Any transformation (``map``, ``take``, ``batch``) makes a new
 #: dataset, which is not in here.
-_POISSON_DATASETS: "weakref.WeakKeyDictionary[tf.data.Dataset, tuple[int, float, SamplingLayout]]" = (
-    weakref.WeakKeyDictionary())
+_POISSON_DATASETS: "weakref.WeakKeyDictionary[tf.data.Dataset, Provenance]" = weakref.WeakKeyDictionary()
 
 
-def poisson_provenance(dataset: tf.data.Dataset) -> tuple[int, float, SamplingLayout] | None:
-    """``(n, q, layout)`` when ``dataset`` is exactly what ``PoissonSampler(n, q, ...).dataset`` returned
-    (``layout``: its bands and plain steps, :mod:`sparta_tf.privacy.layout`), else ``None`` (a dataset
-    made any other way, or transformed after the sampler made it): the accountant's Poisson analysis
-    holds only for the former, at that ``q`` and layout."""
+def poisson_provenance(dataset: tf.data.Dataset) -> Provenance | None:
+    """:class:`Provenance` when ``dataset`` is exactly what ``PoissonSampler(n, q, ...).dataset`` returned,
+    else ``None`` (a dataset made any other way, or transformed after the sampler made it): the accountant's
+    Poisson analysis holds only for the former, at that ``q`` and layout, its elements being the steps the
+    model runs (``start_step`` its next DP step)."""
     return _POISSON_DATASETS.get(dataset)
 
 
@@ -199,8 +210,8 @@ class PoissonSampler:
     Example::
 
         sampler = PoissonSampler(len(x), 500 / len(x), seed=None)
-        ds = sampler.dataset(x, y, start_step=int(model.optimizer.iterations))
-        model.fit(ds, epochs=T, steps_per_epoch=sampler.steps_per_epoch)
+        ds = sampler.dataset(x, y, start_step=int(dp.dp_step.numpy()))  # a new one for every fit
+        dp.fit(ds, epochs=T, steps_per_epoch=sampler.steps_per_epoch)
     """
 
     def __init__(
@@ -332,7 +343,7 @@ class PoissonSampler:
             return gather_rows(x_t, indices), gather_rows(y_t, indices), weights
 
         ds = tf.data.Dataset.counter(start_step, dtype=tf.int64).map(element).prefetch(tf.data.AUTOTUNE)
-        _POISSON_DATASETS[ds] = (self.n, self.sample_rate, self.layout)
+        _POISSON_DATASETS[ds] = Provenance(self.n, self.sample_rate, self.layout, start_step)
         return ds
 
 
