@@ -46,7 +46,7 @@ from sparta_tf import trainable
 from sparta_tf.backend import variable_key
 from sparta_tf.atomic_files import replace_atomically, write_atomic
 from sparta_tf.groups import parameter_table, row_groups
-from sparta_tf.privacy.ledger import LedgerEntry
+from sparta_tf.privacy.ledger import LedgerEntry, check_unit
 from sparta_tf.trainable import VariableSelection
 
 MASK_FILE = "mask.npz"
@@ -72,6 +72,8 @@ class MaskProvenance:
     entries: tuple[LedgerEntry, ...] = ()
     reasons: tuple[str, ...] = ()
     caveats: tuple[str, ...] = ()
+    unit: str = "example"
+    """What the entries' neighbouring datasets differ by (the choosing run's ledger's unit)."""
 
     @classmethod
     def public(cls) -> "MaskProvenance":
@@ -82,11 +84,11 @@ class MaskProvenance:
     def of_ledger(cls, ledger) -> "MaskProvenance":
         """The provenance of a mask chosen now, by a run whose ledger is ``ledger``."""
         return cls(private=ledger.is_private, entries=tuple(ledger.entries), reasons=ledger.nonprivate_reasons,
-                   caveats=tuple(ledger.caveats()))
+                   caveats=tuple(ledger.caveats()), unit=ledger.unit)
 
     def to_json(self) -> dict[str, Any]:
         return {"private": self.private, "entries": [e.to_dict() for e in self.entries],
-                "nonprivate_reasons": list(self.reasons), "caveats": list(self.caveats)}
+                "nonprivate_reasons": list(self.reasons), "caveats": list(self.caveats), "unit": self.unit}
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any], path: str) -> "MaskProvenance":
@@ -99,11 +101,12 @@ class MaskProvenance:
             entries = tuple(LedgerEntry.from_dict(e) for e in privacy.get("entries", []))
             reasons = tuple(str(r) for r in privacy.get("nonprivate_reasons", []))
             caveats = tuple(str(c) for c in privacy.get("caveats", []))
+            unit = check_unit(privacy.get("unit", "example"))  # masks saved before units were recorded: examples
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise ValueError(f"mask {path} has a damaged privacy record ({error}); re-create the mask") from None
         if not privacy["private"] and not reasons:
             reasons = (f"mask {path} was chosen without differential privacy (method {meta.get('method')})",)
-        return cls(bool(privacy["private"]) and not reasons, entries, reasons, caveats)
+        return cls(bool(privacy["private"]) and not reasons, entries, reasons, caveats, unit)
 
     def charged_entries(self) -> list[LedgerEntry]:
         """What choosing the mask spent, as a run that loads it records it: phase ``mask:<its phase>``."""
@@ -112,6 +115,9 @@ class MaskProvenance:
     def charge(self, ledger, source: str) -> None:
         """Records :meth:`charged_entries` in ``ledger``; marks it non-private if the mask is not, and
         carries over its caveats (e.g. shuffled batches, which the accountant does not cover)."""
+        if self.entries and self.unit != ledger.unit:  # check_unit_of_method refused it before the run
+            raise ValueError(f"the mask loaded from {source} was chosen at unit {self.unit!r}, this run's ledger "
+                             f"protects one {ledger.unit}; choose the mask again at this run's unit")
         for entry in self.charged_entries():
             ledger.record(entry.noise_multiplier, entry.sample_rate, entry.count, entry.kind, entry.phase)
         for reason in self.reasons:

@@ -189,8 +189,14 @@ def make_private(
 def check_unit_of_method(method: Method, unit: str, dataset_size: int, batch_size: float) -> None:
     """One line, before anything is charged, for ``unit="user"`` with a method whose mechanisms before
     training run over examples (:attr:`~sparta_tf.methods.base.Method.users_before_training` False): their
-    analysis would be per example."""
-    if check_unit(unit) != "user" or method.users_before_training:
+    analysis would be per example; and for mechanisms another run ran at another unit (a loaded mask's,
+    :meth:`~sparta_tf.methods.base.Method.unit_of_recorded_mechanisms`)."""
+    recorded = method.unit_of_recorded_mechanisms()
+    if recorded is not None and recorded != check_unit(unit):
+        raise ValueError(f"method {method.name!r} loads a mask chosen by a run that protected one {recorded}, but "
+                         f"this run protects one {unit}; its charge holds only at the unit it was made for: choose "
+                         f"the mask again with unit={unit!r}, or train with unit={recorded!r}")
+    if check_unit(unit) != "user" or method.users_before_training or recorded == "user":
         return
     n = int(dataset_size)
     if method.mechanisms_before_training(n, sample_rate(n, batch_size)):
@@ -301,6 +307,7 @@ def restore_run(previous: tuple[str, dict], dp, method_callback, plan: PrivacyPl
     (as ``dp.mechanism``, what they ran)."""
     path, state = previous
     check_same_noise_draws(path, state, dp)
+    dp.cyclic_examples = state.get("cyclic_examples")  # the resumed fit must sample the same examples' groups
     epoch = state["epoch"]
     dp.ledger = PrivacyLedger.from_json(state["ledger"])
     dp.ledger.target_epsilon = plan.run_budget if dp.ledger.is_private else None
@@ -347,6 +354,8 @@ class EpochCheckpoint(tf.keras.callbacks.Callback):
         self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + time.perf_counter() - self._start
         if privacy is not None:
             privacy.flush()
-        checkpointing.save(self.run_dir, epoch + 1, self.dp, {"seed": self.dp.seed, "ledger": self.dp.ledger.to_json(),
-                                                               "noise_drawn_by_xla": self.dp.noise_drawn_by_xla})
+        state = {"seed": self.dp.seed, "ledger": self.dp.ledger.to_json(), "noise_drawn_by_xla": self.dp.noise_drawn_by_xla}
+        if self.dp.cyclic_examples is not None:
+            state["cyclic_examples"] = self.dp.cyclic_examples
+        checkpointing.save(self.run_dir, epoch + 1, self.dp, state)
         self.dp.ledger.save(os.path.join(self.run_dir, checkpointing.LEDGER))

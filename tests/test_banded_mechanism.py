@@ -33,6 +33,7 @@ from sparta_tf.dp_step.correlated_noise import CorrelatedNoise, noise_buffer_byt
 from sparta_tf.dp_step.noise import gaussian_noise
 from sparta_tf.method_spec import Phase
 from sparta_tf.privacy.banded import BandedFactorization
+from sparta_tf.privacy.array_inputs import examples_fingerprint
 from sparta_tf.privacy.banded_error import compare_bands, describe_comparison
 from sparta_tf.privacy.ledger import LedgerEntry
 from sparta_tf.privacy.mechanism import DpSgdMechanism
@@ -185,6 +186,23 @@ def test_a_banded_fit_trains_only_trainable_coordinates_and_charges_the_reductio
     assert (entry.count, entry.bands, entry.compositions) == (16, 3, 6)
     assert entry.sample_rate == pytest.approx(0.375)
     assert dp.correlated_noise.memory_bytes == 2 * (5 * 2 + 2) * 4
+
+
+def test_a_fit_on_other_examples_or_another_order_is_refused_before_a_step_and_the_same_trains_on():
+    """The cyclic groups are drawn by position: reordered arrays would move examples to other groups
+    than the earlier steps (and the noise they buffered) assumed."""
+    x, y = _data()
+    dp = _banded_model()
+    dp.fit(x, y, epochs=1, verbose=0)
+    charged, weights = list(dp.ledger.entries), [w.numpy() for w in dp.model.weights]
+    order = np.random.RandomState(1).permutation(len(x))
+    for other_x, other_y in ((x[order], y[order]), (x + 1.0, y)):
+        with pytest.raises(ValueError, match="other examples .*or the same in another order.* bands=3"):
+            dp.fit(other_x, other_y, epochs=1, verbose=0)
+    assert list(dp.ledger.entries) == charged
+    assert all(np.array_equal(a, b.numpy()) for a, b in zip(weights, dp.model.weights))
+    dp.fit(x.copy(), y.copy(), epochs=1, verbose=0)  # the same examples, in the same order
+    assert int(dp.dp_step.numpy()) == 16
 
 
 # The same banded run by every way a step can be computed: the engines, micro-batches, K identical views
@@ -389,3 +407,6 @@ def test_a_run_stopped_mid_phase_and_resumed_adds_the_noise_of_an_uninterrupted_
         _sparta_with_bands(tmp_path / "stopped", stop_at)
     resumed = _sparta_with_bands(tmp_path / "stopped")
     assert all(np.array_equal(a, b) for a, b in zip(straight, resumed))
+    checkpoints = tmp_path / "stopped" / "checkpoints"
+    state = json.loads((checkpoints / (checkpoints / "latest").read_text().strip() / "state.json").read_text())
+    assert state["cyclic_examples"] == examples_fingerprint(*small_data(N))  # a resume checks its examples

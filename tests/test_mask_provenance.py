@@ -131,3 +131,30 @@ def test_a_mask_of_another_model_is_refused_even_when_layer_names_match(tmp_path
     wider = _model(width=4)  # same layer names, other kernel shapes
     with pytest.raises(ValueError, match="was selected for another model"):
         load_mask(str(tmp_path), wider)
+
+
+def test_a_mask_is_charged_only_at_the_unit_it_was_chosen_for(tmp_path):
+    """A user-level mask's entries say nothing about one example's add/remove (removing an example changes a
+    user), nor an example-level mask's about a person: a run at the other unit is refused before a step."""
+    x, y = gaussian_data(48, (6, 6, 1), 3)
+    users = np.repeat(np.arange(16), 3)
+    first = st.DPModel(_model(), noise_multiplier=1.0, sample_rate=0.25, delta=1e-5, seed=0, unit="user",
+                       examples_per_user=2)
+    first.compile(tf.keras.optimizers.SGD(0.05), loss=XENT)
+    first.fit(x, y, users=users, epochs=3, verbose=0,
+              callbacks=[st.callbacks.SpartaCallback(warmup_epochs=1, mask_dir=str(tmp_path), verbose=0)])
+    provenance = read_provenance(str(tmp_path))
+    assert provenance.unit == "user" and provenance.entries
+    assert MaskProvenance.from_meta({"privacy": {"private": True}}, "old").unit == "example"  # saved before units
+
+    example_ledger = st.PrivacyLedger(1e-5)
+    with pytest.raises(ValueError, match="chosen at unit 'user', this run's ledger protects one example"):
+        provenance.charge(example_ledger, "m")
+    assert not example_ledger.entries
+    options = dict(method="sparta", target_epsilon=8.0, delta=1e-5, epochs=3, batch_size=12, dataset_size=48,
+                   warmup_epochs=1, mask=str(tmp_path))
+    with pytest.raises(ValueError, match="mask chosen by a run that protected one user, but this run protects one "
+                                         "example"):
+        st.make_private(_model(), **options)
+    at_user_level = st.make_private(_model(), unit="user", **dict(options, dataset_size=16, batch_size=4))
+    assert [e.phase for e in at_user_level.plan.events()][:2] == ["mask:warmup", "mask:selection"]

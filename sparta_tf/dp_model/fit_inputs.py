@@ -28,6 +28,7 @@ from sparta_tf.dp_step.usable_examples import EpochWithoutUsableExamples
 from sparta_tf.model_checks import PROBE_EXAMPLES, probe_batch_mixing
 from sparta_tf.per_example import make_engine
 from sparta_tf.per_example.coverage import check_coverage
+from sparta_tf.privacy.array_inputs import examples_fingerprint
 from sparta_tf.privacy.sampling import (
     PoissonSampler,
     default_physical_batch_size,
@@ -180,6 +181,8 @@ def input_pipeline(dp, x, y, initial_step: int, users=None):
         batch = max(1, round(dp.sample_rate * n))
         dataset = shuffled_dataset(x, y, batch, seed=dp._seed, start_step=initial_step)
         return dataset, shuffled_steps_per_epoch(n, batch)
+    if dp.sampling_layout.bands > 1:
+        check_same_cyclic_examples(dp, x, y)
     replicas = dp.distribute_strategy.num_replicas_in_sync
     if dp.physical_batch_size is None:
         dp.physical_batch_size = default_physical_batch_size(n, dp.sample_rate, multiple_of=replicas)
@@ -188,6 +191,22 @@ def input_pipeline(dp, x, y, initial_step: int, users=None):
     if dp.canaries is not None:
         dp.canaries.bind_sampler(sampler)
     return sampler.dataset(x, y, start_step=initial_step), sampler.steps_per_epoch
+
+def check_same_cyclic_examples(dp, x, y) -> None:
+    """Cyclic Poisson sampling (``bands > 1``) draws each example's group once per run, by position, and
+    the banded noise of the next steps continues across fits and resumes: arrays of other examples, or of
+    the same in another order, would move examples to other groups than the earlier steps assumed, so one
+    could be sampled twice within ``b`` steps. A ValueError, before a step, unless ``x, y`` are the examples
+    of this model's first fit (:attr:`DPModel.cyclic_examples`, restored with a checkpoint) in its order."""
+    fingerprint = examples_fingerprint(x, y)
+    if dp.cyclic_examples is None:
+        dp.cyclic_examples = fingerprint
+    elif dp.cyclic_examples != fingerprint:
+        raise ValueError(f"fit got other examples (or the same in another order) than this model trained on with "
+                         f"bands={dp.sampling_layout.bands}: cyclic Poisson sampling drew each example's group by "
+                         "position, and its correlated noise continues across fits; pass the same x and y in the "
+                         "same order, or train on new data with a new model")
+
 
 def user_pipeline(dp, x, y, users, initial_step: int):
     """(dataset, steps_per_epoch) of user-level DP (:class:`~sparta_tf.privacy.user_sampling.UserPoissonSampler`):

@@ -198,6 +198,8 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
         )
         self._noise_seed = tf.Variable(seed, dtype=tf.int64, trainable=False, name="noise_seed")
+        # the examples (a digest, in order) cyclic sampling drew its groups for: fit_inputs.check_same_cyclic_examples
+        self.cyclic_examples: str | None = None
         check_multiplicity(augmult)
         self._views = (AugmentationMultiplicity(augmult, augmentation, self._noise_seed)
                        if augmult > 1 or augmentation is not None else None)

@@ -123,6 +123,13 @@ class Method(abc.ABC):
         """Mechanisms charged before the first training step (noise multiplier None: calibrated)."""
         return []
 
+    def unit_of_recorded_mechanisms(self) -> str | None:
+        """The privacy unit of mechanisms before training that another run ran and this one only charges
+        (a loaded mask's choice: ``"example"`` or ``"user"``), None when there are none. A run at another
+        unit is refused: one example removed changes a user's unit, which a user-level analysis does not
+        bound as one add or remove, and an example-level one says nothing about a person."""
+        return None
+
     @property
     def training_share(self) -> float:
         """Fraction of the target epsilon the training steps are calibrated for on their own (DP-FROST's

@@ -75,6 +75,9 @@ class SelectionEpochMethod(MaskedMethod):
         return [Mechanism(e.phase, e.sample_rate, e.count, e.noise_multiplier, e.kind, draws_noise=False)
                 for e in self._provenance.charged_entries()]
 
+    def unit_of_recorded_mechanisms(self) -> str | None:
+        return None if self._provenance is None or not self._provenance.entries else self._provenance.unit
+
     def nonprivate_reasons(self) -> list[str]:
         reasons = [] if self.private else [f"{self.name}: mask chosen from non-private gradients"]
         if self._provenance is not None:
