@@ -23,6 +23,7 @@ Checked against independent references:
 """
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -189,7 +190,7 @@ def _unclipped_log_loss(y, p):
 
 
 @pytest.mark.parametrize("engine", ["vectorized", "bookkeeping"])
-def test_whether_a_user_counts_depends_on_its_own_examples_only(engine):
+def test_whether_a_user_counts_depends_on_its_own_examples_only(engine, caplog):
     """Padding rows (zeroed inputs) keep a label: another user's label, infinite loss at a zero input, used
     to drop every user with padding. Here user 0 (examples 0-1) is dropped by its own NaN input whatever
     example 0's label; users 1 and 2 have fewer than k examples, and their step must not depend on it."""
@@ -205,7 +206,9 @@ def test_whether_a_user_counts_depends_on_its_own_examples_only(engine):
         dp.fit(x, y, users=np.array([0, 0, 1, 1, 1, 2]), epochs=1, steps_per_epoch=1, verbose=0)
         return [w.numpy() for w in model.weights]
 
-    first, second = weights_after_one_step(0), weights_after_one_step(1)
+    with caplog.at_level(logging.WARNING):
+        first, second = weights_after_one_step(0), weights_after_one_step(1)
+    assert "1 of 3 sampled users were dropped as non-finite" in caplog.text  # user 0, both times
     assert not np.allclose(first[1], [1.0, 0.0])  # users 1 and 2 trained
     for a, b in zip(first, second):
         np.testing.assert_array_equal(a, b)

@@ -326,12 +326,13 @@ def checked_padding_mask(*element):
     return x, y, weights
 
 
-def fit_callbacks(privacy, callbacks: list, verbose, non_finite) -> list:
+def fit_callbacks(privacy, callbacks: list, verbose, non_finite, units: str = "examples") -> list:
     """``fit``'s callbacks: the model's privacy callback first (None: no ledger), the check that an epoch
     used some of its examples (``non_finite``: the model's :class:`~sparta_tf.dp_step.usable_examples.
     NonFiniteExamples`), and a per-step progress bar last (after the privacy callback, so that it shows
-    epsilon) unless one is given."""
-    callbacks = [*([privacy] if privacy is not None else []), *callbacks, EpochWithoutUsableExamples(non_finite)]
+    epsilon) unless one is given; ``units``: what the DP step's units are ("examples" or "users")."""
+    callbacks = [*([privacy] if privacy is not None else []), *callbacks,
+                 EpochWithoutUsableExamples(non_finite, units)]
     if verbose != 0 and not any(isinstance(c, tf.keras.callbacks.ProgbarLogger) for c in callbacks):
         callbacks.append(keras_trainer.step_progress_bar())
     return callbacks

@@ -540,7 +540,8 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
             callbacks.append(AveragedWeights(self.weight_average, self._use_ema_weights))
         if self._sampling_layout.plain:
             callbacks.append(PlainStepsGuard(self))
-        callbacks = fit_inputs.fit_callbacks(self.privacy_callback, callbacks, verbose, self._non_finite)
+        callbacks = fit_inputs.fit_callbacks(self.privacy_callback, callbacks, verbose, self._non_finite,
+                                             "users" if self.unit == "user" else "examples")
         return super().fit(
             x, y, epochs=epochs, verbose=verbose, callbacks=callbacks,
             steps_per_epoch=steps_per_epoch, initial_epoch=initial_epoch, **kwargs,

@@ -68,9 +68,10 @@ class EpochWithoutUsableExamples(tf.keras.callbacks.Callback):
     The counts are read after every step: validation at the end of an epoch resets the model's
     metrics before ``on_epoch_end`` runs."""
 
-    def __init__(self, metric: NonFiniteExamples):
+    def __init__(self, metric: NonFiniteExamples, units: str = "examples"):
         super().__init__()
         self.metric = metric
+        self.units = units  # what a unit of the DP step is, in the messages: "examples" or "users"
         self._counts = (0, 0)
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -83,9 +84,10 @@ class EpochWithoutUsableExamples(tf.keras.callbacks.Callback):
         dropped, sampled = self._counts
         if sampled and dropped == sampled:
             raise NonFiniteTrainingError(
-                f"epoch {epoch + 1}: all {sampled} sampled examples were dropped as non-finite (a NaN or infinite "
+                f"epoch {epoch + 1}: all {sampled} sampled {self.units} were dropped as non-finite (a NaN or infinite "
                 "input, augmented view or gradient), so the epoch spent its privacy budget and learnt nothing; "
                 "check the data (np.isfinite) and the augmentation, or lower the learning rate if the loss diverged")
         if dropped:
-            logger.warning("epoch %d: %d of %d sampled examples were dropped as non-finite (a NaN or infinite input, "
-                           "augmented view or gradient) and contributed nothing", epoch + 1, dropped, sampled)
+            logger.warning("epoch %d: %d of %d sampled %s were dropped as non-finite (a NaN or infinite input, "
+                           "augmented view or gradient) and contributed nothing", epoch + 1, dropped, sampled,
+                           self.units)
