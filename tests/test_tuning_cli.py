@@ -170,3 +170,39 @@ def test_a_tuning_with_correlated_noise_releases_its_banded_charges(tmp_path):
     assert [e.sample_rate for e in released] == [ran[0].sample_rate]  # b q, the group's rate
     assert sum(e.compositions for e in released) == sum(e.compositions for e in ran) < sum(e.count for e in ran)
     assert results["epsilon"] <= 8.0 * (1 + 1e-9)
+
+
+def test_the_score_noise_and_denominator_come_from_public_sizes_not_the_validation_splits(tmp_path, monkeypatch):
+    """The validation split's size follows from which examples the split held out; the released ledger's score
+    entry (its noise) and the released score must not reveal it: both use E[n_val] from n_train and
+    val_fraction. One example more in validation (n_val + 1, n_train - 1... here: n_val alone changed) leaves
+    the noise as it was."""
+    config = validate(tuning_config(tmp_path / "t", "bitfit", epochs=2))
+    setup = tune.Setup(config)
+    n_train, fraction = len(setup.dataset.y_train), config["data"]["val_fraction"]
+    public = procedure.expected_validation_units(n_train, fraction)
+    assert setup.public_validation_size == public == round(n_train * fraction / (1 - fraction))
+    assert setup.repetition.score_noise == pytest.approx(math.sqrt(public) / 2)
+    from trainers import run
+    loaded = run.load_private_data
+
+    def one_more_in_validation(*args, **kwargs):
+        dataset = loaded(*args, **kwargs)
+        dataset.x_val, dataset.y_val = dataset.x_val[:-1], dataset.y_val[:-1]  # n_val moves, n_train does not
+        return dataset
+
+    monkeypatch.setattr(run, "load_private_data", one_more_in_validation)
+    other = tune.Setup(config)
+    assert other.validation_size == setup.validation_size - 1
+    assert other.repetition.score_noise == setup.repetition.score_noise
+    assert other.plan.noise_multiplier == setup.plan.noise_multiplier
+    draws = procedure.Draws.draw(CandidateCount(1.5, "geometric"), {"x": [1]}, 0)
+
+    class Model:
+        def __init__(self, model):
+            self.model, self.ledger = model, PrivacyLedger(1e-5)
+
+    score = procedure.score_candidate(Model(setup.model), setup.dataset.x_val, setup.dataset.y_val, draws, 0, 1.0,
+                                      denominator=public)
+    correct = procedure.count_correct(setup.model, setup.dataset.x_val, setup.dataset.y_val)
+    assert score == pytest.approx((correct + draws.score_noise(0, 1.0)) / public)

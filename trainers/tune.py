@@ -59,7 +59,8 @@ def count_of(config: dict) -> CandidateCount:
 
 
 def repetition_of(config: dict, validation_size: int) -> Repetition:
-    """The tuning around each candidate: the number of candidates' distribution and the score's noise."""
+    """The tuning around each candidate: the number of candidates' distribution and the score's noise (the
+    default from ``validation_size``: the public expected one, which the released ledger's score entry shows)."""
     noise = config["tuning"]["score_noise"] or procedure.default_score_noise(validation_size)
     return Repetition(count_of(config), float(noise))
 
@@ -87,15 +88,18 @@ class Setup:
         self.config = config
         self.dataset = run.load_private_data(config, data_split_key)
         users = None if config["privacy"]["unit"] == "example" else self.dataset.users_val
-        self.validation_size = procedure.validation_units(self.dataset.y_val, users)  # the score's n_val
+        self.validation_size = procedure.validation_units(self.dataset.y_val, users)  # the score's n_val (private)
         try:
             procedure.check_validation_size(self.validation_size)
         except ValueError as error:
             raise ConfigError(f"data.val_fraction: {error}") from None
+        training_users = None if users is None else self.dataset.users_train
+        self.public_validation_size = procedure.expected_validation_units(  # what the release may depend on
+            procedure.validation_units(self.dataset.y_train, training_users), config["data"]["val_fraction"])
         check_pretraining(config, self.dataset, config["output_dir"])
         self.model = run.build_private_model(config, self.dataset, None)
         self.method = run.build_method(config, None, self.model)
-        self.repetition = repetition_of(config, self.validation_size)
+        self.repetition = repetition_of(config, self.public_validation_size)
         try:
             self.plan = self.plan_of({})
             self.signal = procedure.check_signal(self.plan)
@@ -144,8 +148,9 @@ class CandidateHooks:
     run_seed_is_public = False
 
     def __init__(self, index: int, draws: procedure.Draws, tuning: Repetition, output_dir: str,
-                 noise_multiplier: float | None, data_split_key: int | None):
+                 noise_multiplier: float | None, data_split_key: int | None, score_denominator: float | None = None):
         self.index, self.draws, self.tuning, self.output_dir = index, draws, tuning, output_dir
+        self.score_denominator = score_denominator  # None: n_val (a tuning started before it was public)
         self.run_seed = draws.candidates[index].run_seed
         self.noise_multiplier = noise_multiplier
         self.split_key = data_split_key  # the tuning's: every candidate trains and scores on the same splits
@@ -168,7 +173,7 @@ class CandidateHooks:
     def after_fit(self, dp, dataset) -> dict:
         users = None if dp.unit == "example" else dataset.users_val
         score = procedure.score_candidate(dp, dataset.x_val, dataset.y_val, self.draws, self.index,
-                                          self.tuning.score_noise, users)
+                                          self.tuning.score_noise, users, self.score_denominator)
         replace_atomically(os.path.join(self.output_dir, MODEL), dp.model.save, suffix=".keras")
         preprocessing = run.serving_preprocessing(dataset)  # JSON-ready: results.json holds it
         if preprocessing is not None:
@@ -204,7 +209,8 @@ def _set_up(config: dict, state_path: str) -> dict:
              "per_run_epsilon": setup.plan.epsilon, "score_noise": setup.repetition.score_noise,
              "noise_multiplier": setup.plan.noise_multiplier,
              "planned_entries": [e.to_dict() for e in procedure.planned_entries(setup.plan)],
-             "validation_size": setup.validation_size, "split_key": data_split_key}
+             "validation_size": setup.validation_size, "score_denominator": setup.public_validation_size,
+             "split_key": data_split_key}
     write_atomic(state_path, json.dumps(state, indent=1))  # before the first candidate starts
     return state
 
@@ -257,7 +263,8 @@ def _candidate(config: dict, state: dict, draws, index: int, candidate_dir: str)
         candidate_config_ = per_run_config(config, draws.candidates[index].values, candidate_dir,
                                            os.path.join(config["output_dir"], PRETRAINED))
         hooks = CandidateHooks(index, draws, Repetition(draws.count, state["score_noise"]), candidate_dir,
-                               state.get("noise_multiplier"), state.get("split_key"))
+                               state.get("noise_multiplier"), state.get("split_key"),
+                               state.get("score_denominator", state["validation_size"]))  # a tuning's every candidate
         try:
             run.train(candidate_config_, resume=os.path.isdir(candidate_dir), hooks=hooks)
         except NonFiniteTrainingError as error:

@@ -141,7 +141,9 @@ def tune_privately(
       optimizer: builds a candidate's optimizer from its drawn optimizer arguments.
       loss: for ``compile`` (default: sparse categorical cross-entropy on logits).
       metrics: for ``compile``.
-      score_noise: std (examples) of the noisy validation count; None: ``sqrt(n_val) / 2``.
+      score_noise: std (examples) of the noisy validation count; None: ``sqrt(n_val) / 2``, which the released
+        ledger's score entry shows (so it releases ``n_val``, the size of ``validation_data``; pass a value
+        fixed in advance to keep it out).
       tuning_seed: the secret seed of the draws (None: a fresh one from the OS; a given one becomes a
         caveat in the ledger).
       verbose: ``fit``'s verbosity.

@@ -116,6 +116,17 @@ def default_score_noise(validation_size: int) -> float:
     return math.sqrt(validation_size) / 2.0
 
 
+def expected_validation_units(training_units: int, val_fraction: float) -> int:
+    """``E[n_val] = round(n_train f / (1 - f))``: the validation split's expected size when it holds out
+    ``f = val_fraction`` of the training data, from the training split's size ``n_train`` (examples, or users
+    at user level; public, as the ledger's ``q`` releases it). The actual ``n_val`` follows from which
+    examples the split held out; the default score noise and the score's denominator use this instead,
+    so that a release does not reveal it."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction={val_fraction!r} must be in (0, 1) for a validation split")
+    return max(1, round(training_units * val_fraction / (1.0 - val_fraction)))
+
+
 def check_validation_size(validation_size: int) -> None:
     if validation_size < 1:
         raise ValueError("the tuning scores candidates on a validation split and there is none: give validation "
@@ -140,20 +151,24 @@ def validation_units(y_val, users=None) -> int:
     return len(y_val) if users is None else len(np.unique(np.asarray(users)))
 
 
-def noisy_score(correct: int, noise: float, validation_size: int) -> float:
-    """The released score: ``(correct + noise) / n_val``, a noisy validation accuracy."""
-    return (correct + noise) / validation_size
+def noisy_score(correct: int, noise: float, denominator: float) -> float:
+    """The released score: ``(correct + noise) / denominator``, a noisy validation accuracy (``denominator``:
+    ``n_val``, or a public stand-in for it, :func:`expected_validation_units`)."""
+    return (correct + noise) / denominator
 
 
-def score_candidate(dp, x_val, y_val, draws: Draws, index: int, score_noise: float, users=None) -> float:
+def score_candidate(dp, x_val, y_val, draws: Draws, index: int, score_noise: float, users=None,
+                    denominator: float | None = None) -> float:
     """Candidate ``index``'s noisy validation accuracy (:func:`count_correct`, the noise of
     :meth:`Draws.score_noise`), charged to its ledger as :func:`score_entry`. The candidate's own budget
     covered its training; the tuning's ledger covers the score, so the candidate's budget is dropped.
-    ``users``: the validation examples' user ids at user level (the accuracy is then the users' mean)."""
+    ``users``: the validation examples' user ids at user level (the accuracy is then the users' mean).
+    ``denominator``: what the count is divided by, the same for every candidate (None: ``n_val``)."""
     correct = count_correct(dp.model, x_val, y_val, users=users)
     dp.ledger.target_epsilon = None
     dp.ledger.charge(score_entry(score_noise))
-    return noisy_score(correct, draws.score_noise(index, score_noise), validation_units(y_val, users))
+    return noisy_score(correct, draws.score_noise(index, score_noise),
+                       validation_units(y_val, users) if denominator is None else denominator)
 
 
 def best_index(scores: Sequence[float | None]) -> int | None:
