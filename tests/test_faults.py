@@ -1,6 +1,7 @@
 """Every fault survivable: kill -9 in every phase and in the last epoch, damaged checkpoints, a diverging
 run, a full disk, stale temporaries. Epsilon is never under-counted, whatever happens."""
 
+import dataclasses
 import errno
 import json
 import os
@@ -9,8 +10,12 @@ import time
 from unittest import mock
 
 import pytest
+import tensorflow as tf
 
 from sparta_tf import checkpointing
+from sparta_tf.privacy import charging
+from sparta_tf.privacy.ledger import LedgerEntry, PrivacyLedger
+from sparta_tf.privacy.mechanism import DpSgdMechanism
 from small_runs import sparta_train, start_sparta_train
 from trainers import cli, run
 from trainers.config import validate
@@ -107,6 +112,37 @@ def test_a_resume_that_would_draw_other_noise_than_the_killed_run_is_refused_bef
     with pytest.raises(checkpointing.CheckpointError, match="compiled with XLA.*resume with jit_compile=True"):
         run.train(config, resume=True)
     assert (out / "ledger.json").read_text() == ledger_before and not (out / "results.json").exists()
+
+
+def test_lost_steps_and_mechanisms_before_training_are_charged_as_the_killed_run_ran_them(tmp_path):
+    """A resume with another plan (from Python, make_private with another budget) would charge the killed run's
+    lost steps at its own noise: the journal records the steps' mechanism, and another is refused; the
+    mechanisms before training are charged as the killed runs recorded them."""
+    out = tmp_path / "run"
+    config = validate(tiny(out, "bitfit", epochs=2))
+    results = run.train(config)
+    journal = json.loads((out / "checkpoints" / "journal.json").read_text())
+    assert journal["mechanism"] == {"noise_multiplier": results["noise_multiplier"],
+                                    "sample_rate": journal["mechanism"]["sample_rate"], "bands": 1}
+    ran = DpSgdMechanism(journal["mechanism"]["noise_multiplier"], journal["mechanism"]["sample_rate"])
+    step = journal["started_through"]
+    (out / "checkpoints" / "journal.json").write_text(json.dumps(dict(journal, started_through=step + 3)))
+    strategy = tf.distribute.get_strategy()
+    ledger = PrivacyLedger(1e-5)
+    with pytest.raises(checkpointing.CheckpointError, match="ran its steps with noise multiplier .*resume with the "
+                                                            "privacy settings it was started with"):
+        charging.charge_interrupted_steps(str(out), step, ledger, dataclasses.replace(ran, noise_multiplier=9.0),
+                                          strategy)
+    assert not ledger.entries
+    assert charging.charge_interrupted_steps(str(out), step, ledger, ran, strategy) == 3
+    assert [(e.noise_multiplier, e.count) for e in ledger.entries] == [(ran.noise_multiplier, 3)]
+
+    before = LedgerEntry(1.5, 0.5, 2, phase="selection")
+    charging.journal_before_training(str(out), PrivacyLedger(1e-5), [before])
+    other_plan = [dataclasses.replace(before, noise_multiplier=4.0)]
+    ledger = PrivacyLedger(1e-5)
+    assert charging.charge_interrupted_before_training(str(out), ledger, other_plan, strategy) == 1
+    assert [(e.noise_multiplier, e.count, e.phase) for e in ledger.entries] == [(1.5, 2, "interrupted")]
 
 
 def test_a_checkpoint_of_another_model_and_a_damaged_journal_are_clear_errors(tmp_path, capsys, write_config):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Sequence
 
@@ -127,7 +128,35 @@ class StepJournal(tf.keras.callbacks.Callback):
             for entry in privacy.charges(extra_steps=steps):
                 charged.charge(entry)
             checkpointing.write_atomic(self.ledger_path, json.dumps(charged.to_json(), indent=1))
-        checkpointing.write_atomic(self.path, json.dumps({"started_through": int(dp.dp_step.numpy()) + steps}))
+        checkpointing.write_atomic(self.path, json.dumps({"started_through": int(dp.dp_step.numpy()) + steps,
+                                                          "mechanism": mechanism_record(dp.mechanism)}))
+
+
+def mechanism_record(mechanism: DpSgdMechanism) -> dict:
+    """What the journal keeps of the steps' mechanism: ``sigma``, ``q`` and the bands."""
+    return {"noise_multiplier": mechanism.noise_multiplier, "sample_rate": mechanism.sample_rate,
+            "bands": mechanism.bands}
+
+
+def check_journalled_mechanism(output_dir: str, mechanism: DpSgdMechanism) -> None:
+    """CheckpointError unless the steps the journal counts ran ``mechanism`` (a journal written before it
+    recorded one is not checked): lost steps are charged as the resuming run's mechanism, which must be
+    theirs (a resume with another budget would charge them at another noise, an under-count)."""
+    path = os.path.join(output_dir, CHECKPOINTS, JOURNAL)
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        recorded = json.load(f).get("mechanism")
+    mine = mechanism_record(mechanism)
+    if recorded is not None and (recorded.get("bands") != mine["bands"] or any(
+            not math.isclose(float(recorded[key]), mine[key], rel_tol=1e-9) for key in ("noise_multiplier",
+                                                                                        "sample_rate"))):
+        raise CheckpointError(
+            f"the interrupted run in {output_dir} ran its steps with noise multiplier "
+            f"{float(recorded['noise_multiplier']):.6g} at sample rate {float(recorded['sample_rate']):.6g} "
+            f"(bands {recorded.get('bands')}), this run's plan with {mine['noise_multiplier']:.6g} at "
+            f"{mine['sample_rate']:.6g} (bands {mine['bands']}): resume with the privacy settings it was started "
+            "with (target epsilon, delta, batch size, epochs), or start a new output_dir")
 
 
 def steps_started_after(output_dir: str, checkpoint_step: int) -> int:
@@ -158,6 +187,8 @@ def charge_interrupted_steps(output_dir: str, checkpoint_step: int, ledger: Priv
     under-count the steps any worker started.
     """
     lost = distribute.largest_over_workers(strategy, steps_started_after(output_dir, checkpoint_step))
+    if lost:
+        check_journalled_mechanism(output_dir, mechanism)
     layout = layout if layout is not None else SamplingLayout()
     for entry in layout.charges(mechanism, None, lost, phase="interrupted") if lost else ():
         ledger.charge(entry)
@@ -205,6 +236,17 @@ def _runs_started_before_training(output_dir: str) -> int:
                               "counted, so it cannot be resumed safely; start a new output_dir") from None
 
 
+def _entries_started_before_training(output_dir: str) -> list[LedgerEntry]:
+    """The entries the killed runs' mechanisms before training charged (one run's), as they recorded them."""
+    path = os.path.join(output_dir, CHECKPOINTS, BEFORE_TRAINING)
+    try:
+        with open(path) as f:
+            return [LedgerEntry.from_dict(e) for e in json.load(f).get("entries", [])]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"{path} is damaged ({error}): the mechanisms the killed runs started cannot be "
+                              "charged, so it cannot be resumed safely; start a new output_dir") from None
+
+
 def charge_interrupted_before_training(output_dir: str, ledger: PrivacyLedger, planned: Sequence[LedgerEntry],
                                        strategy: tf.distribute.Strategy) -> int:
     """In a run resumed before its first checkpoint: records ``planned`` (one run of the mechanisms
@@ -216,8 +258,9 @@ def charge_interrupted_before_training(output_dir: str, ledger: PrivacyLedger, p
     if not planned:
         return 0
     started = distribute.largest_over_workers(strategy, _runs_started_before_training(output_dir))
+    ran = _entries_started_before_training(output_dir) if started else []
     for _ in range(started):
-        for entry in planned:
+        for entry in ran or planned:  # what the killed runs ran (recorded), not this run's plan
             ledger.charge(dataclasses.replace(entry, phase="interrupted"))
     return started
 
