@@ -133,23 +133,30 @@ class SpartaCallback(MethodCallback):
 
 
 class NonFiniteGuard(tf.keras.callbacks.Callback):
-    """Stops ``fit`` with :class:`NonFiniteTrainingError` once the loss or any weight is NaN or infinite.
+    """Stops ``fit`` with :class:`NonFiniteTrainingError` once any weight is NaN or infinite.
 
     Keras' ``TerminateOnNaN`` only stops training, so a diverged model would
-    still be evaluated, saved and exported; this raises instead. The loss is
-    checked after every batch, the weights after every epoch.
+    still be evaluated, saved and exported; this raises instead. The weights are
+    checked after every epoch, and after a batch whose logged loss is not finite.
+    The decision reads the weights only: they are what the DP steps release. The
+    logged loss is a noiseless mean over the batch's examples, those the step
+    dropped as non-finite included, so stopping on it would let one example decide
+    whether the run releases anything.
     """
 
     def on_train_batch_end(self, batch, logs=None):
         loss = (logs or {}).get("loss")
-        if loss is not None and not np.isfinite(loss):
+        if loss is not None and not np.isfinite(loss) and self._non_finite_weights():
             raise NonFiniteTrainingError(
-                f"the training loss became {loss} at batch {batch + 1}: training diverged; lower the learning "
-                "rate (training.learning_rate / head_learning_rate) or check the data")
+                f"the weights {self._non_finite_weights()[:3]} became non-finite at batch {batch + 1}: training "
+                "diverged; lower the learning rate (training.learning_rate / head_learning_rate) or check the data")
+
+    def _non_finite_weights(self) -> list[str]:
+        model = getattr(self.model, "model", self.model)
+        return [v.name for v in model.weights if not np.all(np.isfinite(v.numpy()))]
 
     def on_epoch_end(self, epoch, logs=None):
-        model = getattr(self.model, "model", self.model)
-        bad = [v.name for v in model.weights if not np.all(np.isfinite(v.numpy()))]
+        bad = self._non_finite_weights()
         if bad:
             raise NonFiniteTrainingError(
                 f"after epoch {epoch + 1} the weights {bad[:3]} are not finite: training diverged; lower the "

@@ -159,6 +159,23 @@ def test_early_stopping_restore_with_averaged_weights_is_refused():
     _assert_nothing_charged(dp)
 
 
+@pytest.mark.parametrize("callback", [tf.keras.callbacks.EarlyStopping(monitor="loss"),
+                                      tf.keras.callbacks.ReduceLROnPlateau(monitor="accuracy")])
+def test_a_callback_acting_on_a_training_metric_marks_the_run_not_private(callback, tmp_path):
+    """A training metric is a noiseless mean over the sampled examples: stopping or changing the rate on it is a
+    release the ledger cannot cover. A validation metric (Keras' default) is not flagged."""
+    x, y = _data()
+    dp = _private()
+    with pytest.warns(UserWarning, match=f"{type(callback).__name__}.*acts on a training metric"):
+        dp.fit(x, y, callbacks=[callback], verbose=0)
+    assert not dp.ledger.is_private and "noiseless statistic" in dp.ledger.nonprivate_reasons[0]
+    watched = _private()
+    watched.fit(x, y, validation_data=(x, y), verbose=0, callbacks=[
+        tf.keras.callbacks.EarlyStopping(), tf.keras.callbacks.ModelCheckpoint(str(tmp_path / "m.weights.h5"),
+                                                                               save_weights_only=True)])
+    assert watched.ledger.is_private
+
+
 class ListModel(tf.keras.Model):
     """A subclassed model whose ``__init__`` takes layers: Keras has no config for it."""
 

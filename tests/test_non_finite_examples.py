@@ -108,3 +108,20 @@ def test_two_replicas_count_the_examples_of_both():
         history = dp.fit(x, y, epochs=1, verbose=0)
         counts.append((history.history["non_finite"][0], dp.metrics[-1].counts()))
     assert counts[0] == counts[1] and counts[0][0] > 0
+
+
+def test_the_divergence_guard_reads_the_weights_not_a_loss_one_dropped_example_made_non_finite():
+    """An example whose finite input overflows the activations is dropped by the step (it contributes nothing),
+    but its loss makes the logged batch loss NaN: stopping on that would let one example decide whether the run
+    releases anything. The guard stops on non-finite weights only."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(200, 8)).astype("float32"), rng.integers(0, 3, 200)
+    x[7] = 3e38
+    tf.keras.utils.set_random_seed(1)
+    inputs = tf.keras.Input((8,))
+    model = tf.keras.Model(inputs, tf.keras.layers.Dense(3)(tf.keras.layers.Dense(6, activation="relu")(inputs)))
+    dp = sparta_tf.DPModel(model, noise_multiplier=1.0, sample_rate=0.1, delta=1e-3, seed=5, engine="vectorized")
+    dp.compile(tf.keras.optimizers.SGD(0.1), loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = dp.fit(x, y, epochs=1, verbose=0, callbacks=[sparta_tf.NonFiniteGuard()])
+    assert not all(np.isfinite(history.history["loss"]))  # the example's loss reached the log
+    assert int(dp.dp_step.numpy()) == 10 and all(np.isfinite(w).all() for w in model.get_weights())

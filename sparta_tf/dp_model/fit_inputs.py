@@ -114,7 +114,15 @@ def check_keras_callbacks(dp, callbacks: list) -> None:
       training both would set the weights;
     * a whole-model ``ModelCheckpoint`` of a model Keras cannot serialize (a subclassed model without
       ``get_config``, which Keras 3 refuses to save): it would fail at the end of the first epoch,
-      after that epoch's epsilon was spent."""
+      after that epoch's epsilon was spent.
+
+    A callback that acts on a training metric (``EarlyStopping``, ``ReduceLROnPlateau`` or a best-only
+    ``ModelCheckpoint`` monitoring ``loss`` or another metric without ``val_``) feeds a noiseless statistic of the
+    private batches into the released weights: the run is marked not private (:func:`training_metric_monitors`)."""
+    for reason in training_metric_monitors(callbacks):
+        if dp.ledger is not None and reason not in dp.ledger.nonprivate_reasons:
+            dp.ledger.record_nonprivate(reason)
+            warnings.warn(reason, stacklevel=4)
     for callback in callbacks:
         if isinstance(callback, tf.keras.callbacks.ModelCheckpoint) and not callback.save_weights_only:
             check_serializable(dp.model, f"ModelCheckpoint({str(callback.filepath)!r})")
@@ -129,6 +137,25 @@ def check_keras_callbacks(dp, callbacks: list) -> None:
             raise ValueError("EarlyStopping(restore_best_weights=True) and ema with use_ema_weights=True would both "
                              "set the weights after training; pass use_ema_weights=False or "
                              "restore_best_weights=False")
+
+
+MONITORING = (tf.keras.callbacks.EarlyStopping, tf.keras.callbacks.ReduceLROnPlateau, tf.keras.callbacks.ModelCheckpoint)
+
+
+def training_metric_monitors(callbacks: list) -> list[str]:
+    """One reason per callback whose decisions read a training metric: a mean over the sampled examples
+    without noise (those the DP step dropped included), so what it does to the weights (stop, lower the rate,
+    keep another epoch's) is outside the guarantee."""
+    reasons = []
+    for callback in callbacks:
+        monitor = getattr(callback, "monitor", None)
+        acts = not isinstance(callback, tf.keras.callbacks.ModelCheckpoint) or getattr(callback, "save_best_only",
+                                                                                       False)
+        if isinstance(callback, MONITORING) and acts and isinstance(monitor, str) and not monitor.startswith("val_"):
+            reasons.append(f"{type(callback).__name__}(monitor={monitor!r}) acts on a training metric, a noiseless "
+                           "statistic of the private batches; monitor a validation metric of data outside the "
+                           "private training set, or leave it out")
+    return reasons
 
 
 def check_serializable(model: tf.keras.Model, saver: str) -> None:
