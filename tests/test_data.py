@@ -74,10 +74,13 @@ def write_image(path: Path, image: np.ndarray) -> None:
 
 
 def write_folder(root: Path, classes=("cat", "dog", "ant"), per_class=6, size=(5, 5), suffix=".png"):
-    """``root/<class>/i.png``; all pixels are SHADES[class] (ant 0, cat 40, dog 80)."""
+    """``root/<class>/i.png``; all pixels are SHADES[class] (ant 0, cat 40, dog 80) but pixel [0, 0], which is
+    ``SHADES[class] + i`` (no two images alike: identical files share a split)."""
     for name in classes:
         for i in range(per_class):
-            write_image(root / name / f"{i}{suffix}", np.full((*size, 3), SHADES.get(name, 0), np.uint8))
+            image = np.full((*size, 3), SHADES.get(name, 0), np.uint8)
+            image[0, 0] += i
+            write_image(root / name / f"{i}{suffix}", image)
     return root
 
 
@@ -181,7 +184,7 @@ def test_folder_flat_layout_sorted_names(tmp_path):
                          "split": "positions"})
     assert data.class_names == ["ant", "cat", "dog"] and data.name == "pets"
     assert data.x_train.shape == (9, 5, 5, 3) and data.x_test.shape == (9, 5, 5, 3)
-    assert np.allclose(data.x_train[:, 0, 0, 0] * 255, 40 * data.y_train)
+    assert np.allclose(data.x_train[:, -1, -1, 0] * 255, 40 * data.y_train)
     assert np.bincount(data.y_test).tolist() == [3, 3, 3]  # stratified carve
 
 

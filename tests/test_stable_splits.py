@@ -64,6 +64,35 @@ def test_adding_removing_or_reordering_examples_changes_no_other_examples_split(
     assert reordered == base
 
 
+def test_an_image_in_a_new_class_folder_or_a_grayscale_first_image_moves_no_other_image(tmp_path):
+    """An image tree's label numbers are folder ranks and its decoding follows the first file's channels: the
+    split hashes each file's class name and bytes instead, so neither a new class folder sorting first nor a
+    grayscale file sorting first moves the others."""
+    ids = np.arange(60)
+    common = {"val_fraction": 0.2, "test_fraction": 0.2, "classes": ["c0", "c1", "c2"]}
+    base_dir = tmp_path / "base"
+    base = memberships({**write_source(base_dir, "folder", ids), **common}, split_key=1234)
+    new_class = tmp_path / "new_class"
+    spec = write_source(new_class, "folder", ids)
+    write_image(new_class / "folder" / "a_new" / "00000.png", np.zeros((4, 4, 3), np.uint8))  # sorts first
+    assert moved(base, memberships({**spec, **common}, split_key=1234)) == 0
+    gray = tmp_path / "gray"
+    spec = write_source(gray, "folder", ids)
+    first = gray / "folder" / "c0" / "00000.png"
+    write_image(first.with_name("0.png"), coded_images(np.array([9999]), np.array([0]))[0][..., None])
+    after = memberships({**spec, **common, "channels": 3}, split_key=1234)
+    assert moved(base, after) == 0 and 9999 in after
+
+
+def test_an_image_trees_class_set_channels_and_class_numbers_are_caveats_unless_given(tmp_path):
+    spec = {**write_source(tmp_path, "folder", np.arange(30)), "val_fraction": 0.2, "test_fraction": 0.2}
+    caveats = " ".join(load_dataset(spec, split_key=1).privacy_caveats())
+    assert "number of classes (3) was read off" in caveats and "channel count" in caveats
+    assert "data.classes names classes by number" in " ".join(
+        load_dataset({**spec, "classes": [0, 1, 2]}, split_key=1).privacy_caveats())
+    assert load_dataset({**spec, "classes": ["c0", "c1", "c2"], "channels": 3}, split_key=1).privacy_caveats() == []
+
+
 def test_the_positions_split_is_what_moved_hundreds_and_stays_available_for_pinned_results(tmp_path):
     """The finding (issue 60): one example added to 5,000 moved hundreds of validation examples."""
     ids = np.arange(2000)

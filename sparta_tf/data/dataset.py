@@ -46,6 +46,10 @@ class Dataset:
     or ``data.class_names``, none stored): one example of the top class can change it, and with
     it the model's head, unless the label set is public knowledge (a caveat, not a refusal)."""
 
+    channels_from_private_data: bool = False
+    """True when the images' channel count (the model's input shape) was read off one private image (an image
+    tree's first file) and ``data.channels`` did not fix it."""
+
     split_caveats: tuple[str, ...] = ()
     """What the held-out splits assume (:func:`sparta_tf.data.load_dataset`): splits by position, a known
     split key, a limit that can displace an example."""
@@ -57,6 +61,10 @@ class Dataset:
             caveats.append(f"the number of classes ({self.num_classes}) was read off the private labels, so one "
                            "example of the top class can change the model's head; the guarantee assumes the label set "
                            "is public: give data.classes or data.class_names")
+        if self.channels_from_private_data:
+            caveats.append("the images' channel count (the model's input shape) was read off the first private "
+                           "image, so one image can change it; the guarantee assumes it is public: give "
+                           "data.channels")
         return caveats
 
     def nonprivate_reasons(self) -> list[str]:

@@ -161,9 +161,16 @@ def build_dataset(raw: RawData, spec: DataSpec, seed: int, split_key: Optional[i
         std=std,
         statistics_from_private_data=spec.normalize == "standard" and spec.mean is None,
         class_count_from_private_labels=raw.class_names_from_labels and spec.classes is None,
-        split_caveats=tuple(caveats + ([LIMIT_CAVEAT.format(limit=spec.limit_train)] if limited else [])),
+        channels_from_private_data=raw.channels_from_data and spec.channels is None,
+        split_caveats=tuple(caveats + ([LIMIT_CAVEAT.format(limit=spec.limit_train)] if limited else [])
+                            + ([CLASS_RANKS_CAVEAT] if raw.class_ids_are_folder_ranks and spec.classes is not None
+                               and any(isinstance(c, int) for c in spec.classes) else [])),
     )
 
+
+CLASS_RANKS_CAVEAT = ("data.classes names classes by number, which for image folders is a folder's rank among the "
+                      "private class folders, so one image in a new folder can change which classes are used; name "
+                      "the classes instead (their folder names)")
 
 POSITIONS_CAVEAT = ("data.split: positions holds out a seeded permutation of positions, so one example more or "
                     "less moves others between the training and validation splits: the guarantee covers the "

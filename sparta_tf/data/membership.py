@@ -20,6 +20,12 @@ Limits (``data.limit_train`` / ``limit_test``: at most ``m`` examples) keep the 
 smallest ``u_p`` (:func:`smallest`): one added example either stays out or displaces exactly one
 other, a replace-one neighbour (the caveat the data set records, :mod:`sparta_tf.data.dataset`).
 
+Image files (the folder and tar sources) hash what the files are, not what decoding makes of them nor
+where their class falls among the folders: ``digest(x) = BLAKE2b-128("file|" || class name || bytes(file))``
+(:meth:`~sparta_tf.data.sources.folder.FileSplit.content_keys`). A label's number is its folder's rank
+among the class folders, and the decoded pixels follow the channel count read off the first image, so
+either would let one added image (a new class folder, a grayscale first file) move other images.
+
 With user ids (``data.user_key``) the digest is the user's, ``digest(v) = BLAKE2b-128("user|" || id(v))``
 (:func:`user_digests`): a user's examples are held out together, never split across training,
 validation and test, and adding or removing a user changes the membership of that user's examples only.
@@ -45,6 +51,9 @@ CHUNK = 1024
 
 def content_digests(split: Split, index: np.ndarray) -> list[bytes]:
     """``digest(x)`` (module doc) of the examples at ``index`` of ``split``: their labels and image bytes."""
+    content_keys = getattr(split, "content_keys", None)
+    if content_keys is not None:
+        return [hashlib.blake2b(key, digest_size=16).digest() for key in content_keys(index)]
     digests: list[bytes] = []
     for start in range(0, len(index), CHUNK):
         positions = index[start:start + CHUNK]

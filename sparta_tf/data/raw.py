@@ -48,9 +48,13 @@ class ArraySplit(Split):
 class RawData:
     """A source's splits (``test`` is ``None`` when it has none) and class names.
 
-    ``class_names_from_labels``: the names are ``"0" .. "K-1"`` with ``K`` one
-    more than the largest label in the data (nothing gave the names or ``K``),
-    so ``K`` depends on the data's examples.
+    ``class_names_from_labels``: the class set was read off the data (names
+    ``"0" .. "K-1"`` with ``K`` one more than the largest label, or the class
+    folders of an image tree): nothing public gave it, so it depends on the
+    data's examples. ``channels_from_data``: the images' channel count was read
+    off one of them (an image tree's first file). ``class_ids_are_folder_ranks``:
+    class number ``k`` is the ``k``-th class folder in sorted order, which other
+    folders (the private data's) can shift.
     """
 
     train: Split
@@ -58,6 +62,8 @@ class RawData:
     class_names: list[str]
     name: str
     class_names_from_labels: bool = False
+    channels_from_data: bool = False
+    class_ids_are_folder_ranks: bool = False
 
 
 def images_with_channel_axis(x: np.ndarray, what: str) -> np.ndarray:

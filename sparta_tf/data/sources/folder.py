@@ -45,9 +45,19 @@ class FileSplit(Split):
     channels: int
     image_size: Optional[tuple[int, int]]
     users: Optional[np.ndarray] = None
+    class_names: tuple[str, ...] = ()
 
     def images(self, indices: np.ndarray) -> np.ndarray:
         return decode_files(self.paths[indices].tolist(), self.channels, self.image_size)
+
+    def content_keys(self, indices: np.ndarray) -> list[bytes]:
+        """What a stable split hashes of each example at ``indices`` (:mod:`sparta_tf.data.membership`): its
+        class folder's name and its file's bytes, neither of which another file can change."""
+        keys = []
+        for label, path in zip(np.asarray(self.labels)[indices], self.paths[indices]):
+            with open(path, "rb") as f:
+                keys.append(b"file|" + self.class_names[label].encode() + b"|" + f.read())
+        return keys
 
 
 def load_folder(spec: DataSpec, seed: int) -> RawData:
@@ -79,7 +89,9 @@ def load_image_tree(root: Path, spec: DataSpec, name: str) -> RawData:
     channels = file_channels(Path(first))  # data.channels converts later, like other sources
     train = _file_split(train_files, names, channels, spec.image_size, by_user)
     test = None if test_files is None else _file_split(test_files, names, channels, spec.image_size, by_user)
-    return RawData(train, test, names, name)
+    # the class folders and the first image are the private data's: caveats unless data.classes / channels
+    return RawData(train, test, names, name, class_names_from_labels=True, channels_from_data=True,
+                   class_ids_are_folder_ranks=True)
 
 
 def _unwrap(root: Path) -> Path:
@@ -119,7 +131,7 @@ def _file_split(files: dict[str, list[tuple[str, Optional[str]]]], names: list[s
     paths = np.array([path for _, path, _ in listed], dtype=object)
     labels = np.array([label for label, _, _ in listed], dtype=np.int64)
     users = np.array([user for _, _, user in listed], dtype=str) if by_user else None
-    return FileSplit(paths, labels, channels, image_size, users)
+    return FileSplit(paths, labels, channels, image_size, users, tuple(names))
 
 
 def _visible(directory: Path) -> list[Path]:
