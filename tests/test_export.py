@@ -135,3 +135,21 @@ def test_versions_preprocessing_and_atomic_layout(trained, images, tmp_path):
     assert set(out) == {"probabilities"}
     expected = tf.nn.softmax(model((images - np.array(mean, np.float32)) / std)).numpy()
     np.testing.assert_allclose(out["probabilities"].numpy(), expected, atol=1e-5)
+
+
+def test_an_export_in_a_fresh_process_counts_nothing_this_process_traced(trained, images, tmp_path):
+    """sparta-train exports by a fresh process: a SavedModel names its functions from a process-wide counter,
+    which here would count the traces the training ran (data-dependent batch shapes, evaluations)."""
+    _, model = trained
+    first = export_module.export_in_fresh_process(model, str(tmp_path / "a"), version=1)
+    for size in (3, 5, 7):  # more traces in this process
+        tf.function(lambda x: model(x, training=False)).get_concrete_function(
+            tf.TensorSpec([size, *images.shape[1:]], tf.float32))
+    second = export_module.export_in_fresh_process(model, str(tmp_path / "b"), version=1)
+    assert pathlib.Path(first, "saved_model.pb").read_bytes() == pathlib.Path(second, "saved_model.pb").read_bytes()
+    assert os.path.basename(first) == "1" and not [p for p in os.listdir(tmp_path / "a") if p.startswith(".")]
+    out = tf.saved_model.load(first).signatures["serving_default"](images=tf.constant(images))
+    np.testing.assert_allclose(out["probabilities"].numpy(), tf.nn.softmax(model(images, training=False)).numpy(),
+                               atol=1e-5)
+    with pytest.raises(FileExistsError, match="already exists"):
+        export_module.export_in_fresh_process(model, str(tmp_path / "a"), version=1)
