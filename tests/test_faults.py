@@ -164,7 +164,9 @@ def test_a_diverging_run_stops_with_an_error_and_exports_nothing(tmp_path, capsy
     config = tiny(out, "all", epochs=2, learning_rate=1e30)
     status = cli.main(["--config", write_config(config)])
     err = capsys.readouterr().err
-    assert status == 1 and "training diverged" in err, err
+    # huge but finite weights: every example's gradient is then non-finite and dropped (the guard reads the
+    # weights, not the logged loss), so the epoch that learnt nothing stops the run
+    assert status == 1 and ("training diverged" in err or "lower the learning rate if the loss diverged" in err), err
     assert not (out / "results.json").exists() and not (out / "export").exists()
 
 
