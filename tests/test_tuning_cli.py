@@ -50,6 +50,8 @@ def test_every_kind_of_method_tunes_through_the_cli(method, tmp_path):
     ledger = PrivacyLedger.load(out / "release" / "ledger.json")
     assert ledger.tuning == CandidateCount(1.5, "geometric")
     assert (out / "release" / "model.keras").exists() and (out / "release" / "export").is_dir() == (method == "sparta")
+    if method == "sparta":  # a fixed version, not the winner's own export number
+        assert os.listdir(out / "release" / "export") == ["1"]
     released = json.loads((out / "release" / "results.json").read_text())
     assert "candidates" not in released and tune.CANDIDATES + os.sep not in json.dumps(released)  # not K, no index
     assert json.loads((out / "results.json").read_text())["not_released"]["candidates"] == 1  # the private side

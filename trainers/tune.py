@@ -302,7 +302,9 @@ def _release(config: dict, state: dict, draws, tally: procedure.Tally) -> dict:
         private |= {k: v for k, v in chosen.items() if k.startswith("test_accuracy") or k == "test_weights"}
         model_path = os.path.join(best_dir, MODEL)
         if chosen.get("export_dir"):
-            export_version = int(os.path.basename(chosen["export_dir"].rstrip("/")))
+            # the configured version, else 1: not the candidate's own number, which a candidate killed after
+            # its export and resumed would have raised (telling which candidate won, and that it was resumed)
+            export_version = config["export"]["version"] if config["export"]["version"] is not None else 1
             preprocessing = chosen.get("serving_preprocessing")
     release_dir = write_release(os.path.join(output_dir, RELEASE_DIR), results, ledger.to_json(), model_path,
                                 export_version, preprocessing)
