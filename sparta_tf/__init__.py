@@ -29,7 +29,8 @@ if TYPE_CHECKING:  # for type checkers and the API reference (static); at run ti
     from sparta_tf.callbacks import NonFiniteGuard
     from sparta_tf.data.augmentation_check import check_augmentation
     from sparta_tf.dp_model import DPModel
-    from sparta_tf.export import export_for_serving, export_in_fresh_process
+    from sparta_tf.export import export_for_serving
+    from sparta_tf.tuning.release import export_in_fresh_process
     from sparta_tf.methods import METHODS, Method
     from sparta_tf.model_checks import NotPerExampleSafeError
     from sparta_tf.optim import cosine_with_warmup
@@ -56,7 +57,7 @@ _PUBLIC: dict[str, str] = {
     "compute_epsilon": "sparta_tf.privacy",
     "cosine_with_warmup": "sparta_tf.optim",
     "export_for_serving": "sparta_tf.export",
-    "export_in_fresh_process": "sparta_tf.export",
+    "export_in_fresh_process": "sparta_tf.tuning.release",
     "register_layer_rule": "sparta_tf.per_example",
 }
 """Each top-level name -> the module defining it (imported on first access)."""

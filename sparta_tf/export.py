@@ -190,37 +190,6 @@ class _ServingModule(tf.Module):
         self.serve = serve
 
 
-def export_in_fresh_process(model: tf.keras.Model, export_dir: str, version: int | None = None,
-                            preprocessing: dict | None = None) -> str:
-    """:func:`export_for_serving` done by a fresh process, from ``model`` saved as ``.keras``; returns the new
-    version directory (``version`` None: the next free number, as there).
-
-    A SavedModel names its functions from a TensorFlow counter shared by the whole process, so an export
-    made where the model trained counts the functions that process traced: how many batch shapes its
-    padded Poisson batches took, how many evaluations ran. Those depend on the data, and no ledger covers
-    them; a fresh process starts the counter at zero (the writer of a private tuning's release,
-    :func:`sparta_tf.tuning.release.write_release`, which also clears ``fingerprint.pb``'s random uuid)."""
-    from sparta_tf.tuning.release import write_release
-
-    if version is not None and (not isinstance(version, (int, np.integer)) or version < 0):
-        raise ValueError(f"version must be a non-negative integer, got {version!r}")
-    export_dir = os.fspath(export_dir)
-    os.makedirs(export_dir, exist_ok=True)
-    number = next_version(export_dir) if version is None else int(version)
-    target = os.path.join(export_dir, str(number))
-    if os.path.exists(target):
-        raise FileExistsError(f"export version {target!r} already exists; pick another version")
-    work = tempfile.mkdtemp(prefix=".tmp-export-", dir=export_dir)
-    try:
-        saved = os.path.join(work, "model.keras")
-        _unwrap(model).save(saved)
-        release = write_release(os.path.join(work, "release"), {}, {}, saved, number, preprocessing)
-        os.rename(os.path.join(release, "export", str(number)), target)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return target
-
-
 def export_for_serving(
     model: tf.keras.Model,
     export_dir: str,

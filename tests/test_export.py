@@ -15,6 +15,7 @@ from tensorflow.core.protobuf import saved_model_pb2
 import sparta_tf.export as export_module
 from sparta_tf import DPModel
 from sparta_tf.export import export_for_serving
+from sparta_tf.tuning.release import export_in_fresh_process
 from sparta_tf.models import cifar_resnet_gn
 from sparta_tf.per_example.recording import _HOOK_ATTRIBUTE, recording
 
@@ -141,15 +142,15 @@ def test_an_export_in_a_fresh_process_counts_nothing_this_process_traced(trained
     """sparta-train exports by a fresh process: a SavedModel names its functions from a process-wide counter,
     which here would count the traces the training ran (data-dependent batch shapes, evaluations)."""
     _, model = trained
-    first = export_module.export_in_fresh_process(model, str(tmp_path / "a"), version=1)
+    first = export_in_fresh_process(model, str(tmp_path / "a"), version=1)
     for size in (3, 5, 7):  # more traces in this process
         tf.function(lambda x: model(x, training=False)).get_concrete_function(
             tf.TensorSpec([size, *images.shape[1:]], tf.float32))
-    second = export_module.export_in_fresh_process(model, str(tmp_path / "b"), version=1)
+    second = export_in_fresh_process(model, str(tmp_path / "b"), version=1)
     assert pathlib.Path(first, "saved_model.pb").read_bytes() == pathlib.Path(second, "saved_model.pb").read_bytes()
     assert os.path.basename(first) == "1" and not [p for p in os.listdir(tmp_path / "a") if p.startswith(".")]
     out = tf.saved_model.load(first).signatures["serving_default"](images=tf.constant(images))
     np.testing.assert_allclose(out["probabilities"].numpy(), tf.nn.softmax(model(images, training=False)).numpy(),
                                atol=1e-5)
     with pytest.raises(FileExistsError, match="already exists"):
-        export_module.export_in_fresh_process(model, str(tmp_path / "a"), version=1)
+        export_in_fresh_process(model, str(tmp_path / "a"), version=1)

@@ -445,7 +445,7 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
     results = run_results(config, dp, plan, dataset, run.checkpoint.phase_seconds, timings, history) | run.prepare_info
     results |= extra
     if config["export"]["enabled"]:  # by a fresh process: its function names count nothing this one traced
-        from sparta_tf.export import export_in_fresh_process
+        from sparta_tf.tuning.release import export_in_fresh_process
 
         results["export_dir"] = export_in_fresh_process(
             dp.model, os.path.join(output_dir, "export"), version=config["export"]["version"],
