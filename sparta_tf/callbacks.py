@@ -146,9 +146,10 @@ class NonFiniteGuard(tf.keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         loss = (logs or {}).get("loss")
-        if loss is not None and not np.isfinite(loss) and self._non_finite_weights():
+        bad = self._non_finite_weights() if loss is not None and not np.isfinite(loss) else []
+        if bad:
             raise NonFiniteTrainingError(
-                f"the weights {self._non_finite_weights()[:3]} became non-finite at batch {batch + 1}: training "
+                f"the weights {bad[:3]} became non-finite at batch {batch + 1}: training "
                 "diverged; lower the learning rate (training.learning_rate / head_learning_rate) or check the data")
 
     def _non_finite_weights(self) -> list[str]:

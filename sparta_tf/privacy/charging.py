@@ -225,26 +225,28 @@ def journal_before_training(output_dir: str, ledger: PrivacyLedger, entries: Seq
 
 
 def _runs_started_before_training(output_dir: str) -> int:
-    path = os.path.join(output_dir, CHECKPOINTS, BEFORE_TRAINING)
-    if not os.path.exists(path):
-        return 0
-    try:
-        with open(path) as f:
-            return int(json.load(f)["runs_started"])
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise CheckpointError(f"{path} is damaged ({error}): the mechanisms the killed runs started cannot be "
-                              "counted, so it cannot be resumed safely; start a new output_dir") from None
+    return int(_before_training_record(output_dir).get("runs_started", 0))
 
 
 def _entries_started_before_training(output_dir: str) -> list[LedgerEntry]:
     """The entries the killed runs' mechanisms before training charged (one run's), as they recorded them."""
+    return [LedgerEntry.from_dict(e) for e in _before_training_record(output_dir).get("entries", [])]
+
+
+def _before_training_record(output_dir: str) -> dict:
+    """``before_training.json`` (``{}`` when there is none); CheckpointError when it is damaged."""
     path = os.path.join(output_dir, CHECKPOINTS, BEFORE_TRAINING)
+    if not os.path.exists(path):
+        return {}
     try:
         with open(path) as f:
-            return [LedgerEntry.from_dict(e) for e in json.load(f).get("entries", [])]
+            record = json.load(f)
+        int(record["runs_started"])
+        [LedgerEntry.from_dict(e) for e in record.get("entries", [])]
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise CheckpointError(f"{path} is damaged ({error}): the mechanisms the killed runs started cannot be "
-                              "charged, so it cannot be resumed safely; start a new output_dir") from None
+                              "counted, so it cannot be resumed safely; start a new output_dir") from None
+    return record
 
 
 def charge_interrupted_before_training(output_dir: str, ledger: PrivacyLedger, planned: Sequence[LedgerEntry],
