@@ -161,12 +161,12 @@ def test_a_checkpoint_of_another_model_and_a_damaged_journal_are_clear_errors(tm
 
 def test_a_diverging_run_stops_with_an_error_and_exports_nothing(tmp_path, capsys, write_config):
     out = tmp_path / "run"
-    config = tiny(out, "all", epochs=2, learning_rate=1e30)
+    config = tiny(out, "all", epochs=2, learning_rate=3e38)
     status = cli.main(["--config", write_config(config)])
     err = capsys.readouterr().err
-    # huge but finite weights: every example's gradient is then non-finite and dropped (the guard reads the
-    # weights, not the logged loss), so the epoch that learnt nothing stops the run
-    assert status == 1 and ("training diverged" in err or "lower the learning rate if the loss diverged" in err), err
+    # a rate near float32's largest overflows the weights at the first noisy step; the guard reads the weights
+    # (what the DP steps release), never the count of dropped examples, which is a statistic of the data
+    assert status == 1 and "training diverged" in err, err
     assert not (out / "results.json").exists() and not (out / "export").exists()
 
 

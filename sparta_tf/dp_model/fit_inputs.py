@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from sparta_tf import distribute, keras_trainer
-from sparta_tf.dp_step.usable_examples import EpochWithoutUsableExamples
+from sparta_tf.dp_step.usable_examples import DroppedExamplesReport
 from sparta_tf.model_checks import PROBE_EXAMPLES, probe_batch_mixing
 from sparta_tf.per_example import make_engine
 from sparta_tf.per_example.coverage import check_coverage
@@ -354,12 +354,12 @@ def checked_padding_mask(*element):
 
 
 def fit_callbacks(privacy, callbacks: list, verbose, non_finite, units: str = "examples") -> list:
-    """``fit``'s callbacks: the model's privacy callback first (None: no ledger), the check that an epoch
-    used some of its examples (``non_finite``: the model's :class:`~sparta_tf.dp_step.usable_examples.
+    """``fit``'s callbacks: the model's privacy callback first (None: no ledger), the report of the
+    examples each epoch dropped (``non_finite``: the model's :class:`~sparta_tf.dp_step.usable_examples.
     NonFiniteExamples`), and a per-step progress bar last (after the privacy callback, so that it shows
     epsilon) unless one is given; ``units``: what the DP step's units are ("examples" or "users")."""
     callbacks = [*([privacy] if privacy is not None else []), *callbacks,
-                 EpochWithoutUsableExamples(non_finite, units)]
+                 DroppedExamplesReport(non_finite, units)]
     if verbose != 0 and not any(isinstance(c, tf.keras.callbacks.ProgbarLogger) for c in callbacks):
         callbacks.append(keras_trainer.step_progress_bar())
     return callbacks

@@ -1,4 +1,4 @@
-"""Examples a DP step samples but cannot use: counted per epoch, and an epoch that used none refused.
+"""Examples a DP step samples but cannot use: counted per epoch, and reported in the logs.
 
 A sampled example contributes exactly zero to the clipped sum when it cannot be clipped: its
 input (or, with augmentation multiplicity, one of its views' inputs) is NaN or infinite
@@ -11,11 +11,15 @@ epoch::
     dropped = #{i in B_t : w_i = 1, c_i g_i not used}
 
 ``dropped`` is the ``non_finite`` metric (the progress line, ``History`` and the CLI's
-``results.json``); an epoch with ``sampled > 0`` and ``dropped = sampled`` stops ``fit`` with
-:class:`~sparta_tf.training_errors.NonFiniteTrainingError`.
+``results.json``); an epoch with ``dropped > 0`` logs a warning, and one with ``sampled > 0`` and
+``dropped = sampled`` logs an error-level message that says the epoch learnt nothing.
 
 Both counts are statistics of the private data, like the training loss: they are in the logs, not
-in anything the privacy guarantee covers (the model is).
+in anything the privacy guarantee covers (the model is). So they never stop ``fit``: whether a
+model comes out must not depend on them. With one finite example added to a data set whose
+examples are all non-finite, an epoch samples it with probability ``1 - (1 - q)^T``, so a stop on
+``dropped = sampled`` would release far more than (ε, δ) allows about that example. A run stops
+only on what the DP steps release, its weights (:class:`~sparta_tf.callbacks.NonFiniteGuard`).
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ import logging
 import tensorflow as tf
 
 from sparta_tf.backend import KERAS3
-from sparta_tf.training_errors import NonFiniteTrainingError
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +64,9 @@ class NonFiniteExamples(tf.keras.metrics.Metric):
         return int(round(float(self.dropped.numpy()))), int(round(float(self.sampled.numpy())))
 
 
-class EpochWithoutUsableExamples(tf.keras.callbacks.Callback):
-    """Stops ``fit`` after an epoch whose sampled examples were all dropped (see the module doc); logs
-    a warning after an epoch that dropped some.
+class DroppedExamplesReport(tf.keras.callbacks.Callback):
+    """Logs, after each epoch, how many of its sampled examples were dropped (see the module doc): an
+    error-level message when all were, a warning when some were. It never stops ``fit``.
 
     The counts are read after every step: validation at the end of an epoch resets the model's
     metrics before ``on_epoch_end`` runs."""
@@ -83,11 +86,12 @@ class EpochWithoutUsableExamples(tf.keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         dropped, sampled = self._counts
         if sampled and dropped == sampled:
-            raise NonFiniteTrainingError(
-                f"epoch {epoch + 1}: all {sampled} sampled {self.units} were dropped as non-finite (a NaN or infinite "
-                "input, augmented view or gradient), so the epoch spent its privacy budget and learnt nothing; "
-                "check the data (np.isfinite) and the augmentation, or lower the learning rate if the loss diverged")
-        if dropped:
+            logger.error("epoch %d: all %d sampled %s were dropped as non-finite (a NaN or infinite input, augmented "
+                         "view or gradient), so the epoch spent its privacy budget and learnt nothing; training goes "
+                         "on (stopping on this count of the private data would reveal it): check the data "
+                         "(np.isfinite) and the augmentation, or lower the learning rate if the loss diverged",
+                         epoch + 1, sampled, self.units)
+        elif dropped:
             logger.warning("epoch %d: %d of %d sampled %s were dropped as non-finite (a NaN or infinite input, "
                            "augmented view or gradient) and contributed nothing", epoch + 1, dropped, sampled,
                            self.units)
