@@ -18,7 +18,7 @@ import pytest
 import tensorflow as tf
 
 import sparta_tf
-from sparta_tf.data.view_augmentation import FlipAndCrop
+from sparta_tf.data.view_augmentation import FlipAndCrop, view_augmentation
 from sparta_tf.dp_step.views import AugmentationMultiplicity
 from small_configs import ONE_METHOD_OF_EACH_KIND, tiny_config
 from small_models import LOSS, conv_gn_model, gaussian_data, small_data, small_mlp
@@ -143,6 +143,41 @@ def test_a_keras_preprocessing_layer_draws_the_views():
     dp = _private("all", conv_gn_model(), 2, augmentation=layer)
     x, y = gaussian_data(N, (6, 6, 2), 3)
     assert np.isfinite(dp.fit(x, y, verbose=0).history["loss"]).all()
+
+
+class _BatchStandardising(tf.keras.layers.Layer):
+    """Mixes the rows of a batch: each row minus the batch's mean."""
+
+    def call(self, x, training=None):
+        return x - tf.reduce_mean(x, axis=0, keepdims=True) + 1.0
+
+
+def test_a_keras_layer_augmentation_sees_one_example_at_a_time():
+    """A layer that standardises by the batch would let example 0 move every other example's views."""
+    views = view_augmentation(_BatchStandardising())
+    x = np.random.default_rng(5).normal(size=(4, 3)).astype(np.float32)
+    other = x.copy()
+    other[0] += 100.0
+    np.testing.assert_array_equal(views(x, None).numpy()[1:], views(other, None).numpy()[1:])
+    assert np.all(views(x, None).numpy() == 1.0)  # each row is its own batch
+
+
+class _RunningMean(tf.keras.layers.Layer):
+    def build(self, input_shape):
+        self.mean = self.add_weight(name="running_mean", shape=input_shape[1:], initializer="zeros",
+                                    trainable=False)
+
+    def call(self, x, training=None):
+        self.mean.assign(0.9 * self.mean + 0.1 * tf.reduce_mean(x, axis=0))
+        return x - self.mean
+
+
+def test_a_keras_layer_augmentation_that_writes_a_statistic_is_refused_before_the_first_step():
+    dp = _private("all", small_mlp(), 2, augmentation=_RunningMean())
+    x, y = small_data(N)
+    with pytest.raises(ValueError, match=r"writes the variables .*running_mean[^\n]*$"):
+        dp.fit(x, y, verbose=0)
+    assert dp.ledger.steps == 0
 
 
 def test_the_dry_run_says_what_a_micro_batch_runs(tmp_path, write_config, capsys):

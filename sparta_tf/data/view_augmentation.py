@@ -15,18 +15,24 @@ Three kinds are accepted (:func:`view_augmentation`):
   TensorFlow's ``tf.random.stateless_*`` / ``tf.image.stateless_random_*`` ops), vectorised over
   the rows (:class:`ExampleFunction`);
 * a Keras layer, e.g. a ``Sequential`` of preprocessing layers (``RandomFlip``,
-  ``RandomTranslation``, ...), called on the rows with ``training=True``
+  ``RandomTranslation``, ...), called with ``training=True`` on one row at a time
   (:class:`KerasLayerViews`). Its randomness is the layer's own generator, not the run's stream:
   seed the layers yourself for reproducible views.
 
 No augmentation may mix rows (each view must depend on its own example only): the privacy
-analysis needs every view of example ``i`` to be a function of ``x_i`` alone.
+analysis needs every view of example ``i`` to be a function of ``x_i`` alone. The first two kinds
+see one example by construction (the default computes each row from that row; a function gets one
+example). A Keras layer could see the whole batch (a layer that standardises by the batch's
+statistics would let one example move every other example's views, so every clipped term), so it
+gets a batch of one row, row after row; and a layer that writes a floating-point variable in a
+call (a moving statistic of the data) is refused before the first step.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Protocol
 
+import numpy as np
 import tensorflow as tf
 
 DEFAULT_PAD = 4
@@ -111,8 +117,9 @@ class ExampleFunction:
 
 
 class KerasLayerViews:
-    """A Keras layer (e.g. preprocessing layers) applied to the rows with ``training=True``; the
-    key is unused: the layer draws from its own generator."""
+    """A Keras layer (e.g. preprocessing layers) applied with ``training=True`` to a batch of one row,
+    for every row in turn (``tf.map_fn``), so that no view can depend on another example (module doc);
+    the key is unused: the layer draws from its own generator."""
 
     def __init__(self, layer):
         self.layer = layer
@@ -121,10 +128,32 @@ class KerasLayerViews:
         return f"KerasLayerViews({self.layer.name!r})"
 
     def check(self, rows) -> None:
-        """Nothing to check before the first call (the call itself is checked for shapes)."""
+        """A ValueError (one line) when a call writes a floating-point variable of the layer (a statistic
+        of the rows it saw, carried to later rows and steps outside the clipped update); the random
+        generators' integer states may change. A first call builds the layer; the second is compared,
+        and every variable is then restored to what the first left."""
+        rows = tf.nest.map_structure(tf.convert_to_tensor, rows)
+        self(rows, None)
+        snapshot = [(v, v.numpy()) for v in self.layer.variables]
+        try:
+            self(rows, None)
+            written = [v.name for v, before in snapshot
+                       if tf.as_dtype(v.dtype).is_floating and not np.array_equal(v.numpy(), before)]
+        finally:
+            for variable, value in snapshot:
+                variable.assign(value)
+        if written:
+            raise ValueError(f"augmentation {self!r} writes the variables {written[:3]} when it draws views: it "
+                             "carries statistics of the private examples to other examples and steps; use "
+                             "preprocessing layers without state (or a function fn(x, seed) of one example)")
 
     def __call__(self, rows, key):
-        return self.layer(rows, training=True)
+        def one_row(row):
+            return tf.nest.map_structure(lambda t: t[0], self.layer(
+                tf.nest.map_structure(lambda t: t[None], row), training=True))
+
+        signature = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), rows)
+        return tf.map_fn(one_row, rows, fn_output_signature=signature)
 
 
 def view_augmentation(augmentation) -> ViewAugmentation:
