@@ -97,3 +97,18 @@ def test_a_tuning_with_bands_releases_the_reduction_of_its_candidates(digits):
     assert cyclic.compositions < plan.update_steps
     assert (plain.sample_rate, plain.compositions) == (plan.sample_rate, plan.steps - plan.update_steps)
     assert result.epsilon <= 8.0 * (1 + 1e-9)
+
+
+def test_a_public_validation_size_keeps_the_splits_size_out_of_the_release(digits):
+    """One validation example fewer: with ``public_validation_size`` the ledgers are identical and the scores
+    differ by at most that example's count over m; without it the release carries a caveat."""
+    x_val, y_val = digits.x_val, digits.y_val
+    m = len(y_val)
+    full = tune(digits, mean=1.2, public_validation_size=m)
+    fewer = tune(digits, mean=1.2, public_validation_size=m, validation_data=(x_val[1:], y_val[1:]))
+    assert [e.to_dict() for e in full.ledger.entries] == [e.to_dict() for e in fewer.ledger.entries]
+    assert round((full.score - fewer.score) * m, 6) in (0.0, 1.0)  # the same noise, one count at most
+    assert procedure.VALIDATION_SIZE_CAVEAT not in full.ledger.caveats()
+    assert procedure.VALIDATION_SIZE_CAVEAT in tune(digits, mean=1.2).ledger.caveats()
+    with pytest.raises(ValueError, match="public_validation_size=0 must be an integer >= 1"):
+        tune(digits, public_validation_size=0)

@@ -175,6 +175,28 @@ def test_the_released_ledger_dominates_every_candidate_including_one_that_ran_mo
     assert ledger.epsilon() > tuning_epsilon(per_run_event(planned[:-1], 12.0), count, 1e-5)
 
 
+def test_the_released_labels_are_the_plans_whatever_the_other_candidates_ran():
+    """A space over phase lengths (warm-up 0 or 5 epochs at one sigma and q) and a candidate killed and
+    resumed (an ``interrupted`` charge) must not show in the release's labels: they would tell that
+    candidates other than the winner ran."""
+    score = procedure.score_entry(12.0)
+    planned = [LedgerEntry(1.2, 0.05, 20, "sparta_selection", "selection"),
+               LedgerEntry(1.2, 0.05, 380, "dp_sgd_step", "sparse"), score]
+    longer_warmup = [LedgerEntry(1.2, 0.05, 100, "dp_sgd_step", "warmup"),
+                     LedgerEntry(1.2, 0.05, 20, "sparta_selection", "selection"),
+                     LedgerEntry(1.2, 0.05, 280, "dp_sgd_step", "sparse"), score]
+    interrupted = planned + [LedgerEntry(1.2, 0.05, 3, "dp_sgd_step", "interrupted")]
+    count = CandidateCount(3.0, 1.0)
+
+    def labels(*candidates):
+        ledger = procedure.released_ledger([planned, *candidates], count=count, delta=1e-5, target_epsilon=8.0)
+        return [(e.kind, e.phase) for e in ledger.entries]
+
+    alone = labels(planned)
+    assert alone == [("sparta_selection", "selection+sparse"), (score.kind, "tuning")]
+    assert labels(planned, longer_warmup) == labels(planned, interrupted) == alone
+
+
 def test_the_best_is_the_highest_noisy_score_first_among_equals():
     assert procedure.best_index([0.5, 0.7, 0.7, None]) == 1
     assert procedure.best_index([None, float("nan")]) is None

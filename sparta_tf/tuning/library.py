@@ -114,6 +114,7 @@ def tune_privately(
     loss: Any = None,
     metrics: list | None = None,
     score_noise: float | None = None,
+    public_validation_size: int | None = None,
     tuning_seed: int | None = None,
     verbose: int = 0,
     users: Any = None,
@@ -141,9 +142,12 @@ def tune_privately(
       optimizer: builds a candidate's optimizer from its drawn optimizer arguments.
       loss: for ``compile`` (default: sparse categorical cross-entropy on logits).
       metrics: for ``compile``.
-      score_noise: std (examples) of the noisy validation count; None: ``sqrt(n_val) / 2``, which the released
-        ledger's score entry shows (so it releases ``n_val``, the size of ``validation_data``; pass a value
-        fixed in advance to keep it out).
+      score_noise: std (examples) of the noisy validation count; None: ``sqrt(m) / 2`` with ``m`` the
+        public validation size (below), which the released ledger's score entry shows.
+      public_validation_size: ``m``, a size fixed without reading the private data (e.g. the expected size of
+        your validation split) that the noisy count is divided by and the default noise follows from.
+        None: ``n_val``, the size of ``validation_data``, which the released score and ledger then reveal
+        (the release records a caveat saying so).
       tuning_seed: the secret seed of the draws (None: a fresh one from the OS; a given one becomes a
         caveat in the ledger).
       verbose: ``fit``'s verbosity.
@@ -164,6 +168,7 @@ def tune_privately(
     check_users_given(unit, users, validation_users)
     validation_size = procedure.validation_units(y_val, validation_users)
     procedure.check_validation_size(validation_size)
+    denominator = procedure.public_denominator(public_validation_size, validation_size)
     space = check_space(space, "space")
     optimizer_names = set(inspect.signature(optimizer).parameters)
     for name in names(space):
@@ -171,7 +176,7 @@ def tune_privately(
             raise ValueError(f"space.{name} would change the privacy mechanism every candidate repeats: set it as an "
                              "argument of tune_privately instead")
     repetition = Repetition(CandidateCount(mean, shape),
-                            float(score_noise or procedure.default_score_noise(validation_size)))
+                            float(score_noise or procedure.default_score_noise(denominator)))
     loss = loss or tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     n = len(y) if users is None else dense_user_ids(users)[1]
 
@@ -196,6 +201,8 @@ def tune_privately(
     draws = procedure.Draws.draw(repetition.count, space, tuning_seed)
     procedure.check_one_mechanism(plan, plan_of, [candidate.values for candidate in draws.candidates], "space")
     tally, best = procedure.Tally(procedure.planned_entries(plan), plan.unit), None
+    if public_validation_size is None:
+        tally.caveats.append(procedure.VALIDATION_SIZE_CAVEAT)
     built = _IndependentModels(build_model, backend.name_state())
     for index, candidate in enumerate(draws.candidates):
         optimizer_values, _, dp_options = split(candidate.values)
@@ -205,8 +212,8 @@ def tune_privately(
         dp = private_model(model, chosen, candidate_plan, seed=candidate.run_seed, **dp_options)
         dp.compile(optimizer(**optimizer_values), loss=loss, metrics=metrics)
         dp.fit(x, y, verbose=verbose, users=users)
-        tally.add(procedure.score_candidate(dp, x_val, y_val, draws, index, repetition.score_noise, validation_users),
-                  dp.ledger)
+        tally.add(procedure.score_candidate(dp, x_val, y_val, draws, index, repetition.score_noise, validation_users,
+                                            denominator), dp.ledger)
         if tally.best == index:
             best = dp
     built.finish()

@@ -25,6 +25,9 @@ SEED_CAVEAT = ("the tuning's seed was given (tuning.seed / tuning_seed): the num
                "their noise and their scores' noise follow from it, so the guarantee holds only while that "
                "seed stays as secret as the data; leave it unset (the default) for a secret seed")
 
+UNPLANNED = "unplanned"
+"""A released entry's kind and phase for a mechanism the plan does not run."""
+
 
 class Tally:
     """What the release needs from the candidates, in their order: each one's noisy score (None: diverged)
@@ -127,6 +130,23 @@ def expected_validation_units(training_units: int, val_fraction: float) -> int:
     return max(1, round(training_units * val_fraction / (1.0 - val_fraction)))
 
 
+VALIDATION_SIZE_CAVEAT = ("the noisy validation score is divided by the validation split's size, and the default score "
+                          "noise follows from it, so the release reveals that size; pass public_validation_size, a "
+                          "size fixed without reading the private data")
+
+
+def public_denominator(public_validation_size: int | None, validation_size: int) -> int:
+    """What the noisy count is divided by: ``public_validation_size`` (checked: an int >= 1), else the split's
+    own size ``n_val`` (:data:`VALIDATION_SIZE_CAVEAT`)."""
+    if public_validation_size is None:
+        return validation_size
+    if isinstance(public_validation_size, bool) or not isinstance(public_validation_size, int) \
+            or public_validation_size < 1:
+        raise ValueError(f"public_validation_size={public_validation_size!r} must be an integer >= 1 (a validation "
+                         "size fixed without reading the private data, e.g. your split's expected size)")
+    return public_validation_size
+
+
 def check_validation_size(validation_size: int) -> None:
     if validation_size < 1:
         raise ValueError("the tuning scores candidates on a validation split and there is none: give validation "
@@ -211,20 +231,31 @@ def dominating_entries(ledgers: Sequence[Sequence[LedgerEntry]]) -> list[LedgerE
     """Entries whose composition dominates every candidate's (for ``RepeatAndSelectDpEvent``'s one
     repeated event): per distinct mechanism ``(sigma, q)`` the largest count any candidate ran. RDP adds
     over a composition and every term is >= 0, so more runs of a mechanism never cost less; a candidate
-    killed and resumed, which repeats steps (all charged), is covered this way."""
+    killed and resumed, which repeats steps (all charged), is covered this way.
+
+    The labels (kind, phase) come from the first ledger, the plan's, only: a candidate's own labels
+    (its phases' names where the space changes their lengths, an ``interrupted`` charge) would tell
+    which candidates ran besides the winner, which the analysis does not cover."""
     counts: dict[tuple, int] = {}
-    kinds: dict[tuple, str] = {}
-    phases: dict[tuple, list] = {}
     for entries in ledgers:
         for key, count in plan_signature(entries).items():
             counts[key] = max(counts.get(key, 0), count)
-        for entry in entries:
-            key = (entry.noise_multiplier, entry.sample_rate)
-            kinds.setdefault(key, entry.kind)
-            if entry.phase not in phases.setdefault(key, []):
-                phases[key].append(entry.phase)
-    return [LedgerEntry(sigma, q, count, kinds[(sigma, q)], "+".join(p or "-" for p in phases[(sigma, q)]))
+    labels: dict[tuple, tuple[str, list]] = {}
+    for entry in ledgers[0] if ledgers else ():
+        _, phases = labels.setdefault((entry.noise_multiplier, entry.sample_rate), (entry.kind, []))
+        if entry.phase not in phases:
+            phases.append(entry.phase)
+    return [LedgerEntry(sigma, q, count, *_released_labels(labels.get((sigma, q))))
             for (sigma, q), count in counts.items()]
+
+
+def _released_labels(planned: tuple[str, list] | None) -> tuple[str, str]:
+    """``(kind, phase)`` of a released entry from the plan's labels of its mechanism (None: the plan has
+    none, which :func:`check_one_mechanism` rules out for a candidate's training)."""
+    if planned is None:
+        return UNPLANNED, UNPLANNED
+    kind, phases = planned
+    return kind, "+".join(p or "-" for p in phases)
 
 
 def released_ledger(candidate_entries: Sequence[Sequence[LedgerEntry]], *, count: CandidateCount, delta: float,
