@@ -123,6 +123,14 @@ def test_the_number_of_candidates_follows_its_distribution(shape):
         assert (draws >= 1).all()
 
 
+def test_a_geometric_count_of_mean_one_is_one_run():
+    """gamma = 1: numpy's negative binomial then always draws 0, which the rejection loop used to retry forever."""
+    count = CandidateCount(1.0, "geometric")
+    rng = np.random.default_rng(0)
+    assert {count.sample(rng) for _ in range(20)} == {1}
+    assert count.pmf(np.array([1]))[0] == pytest.approx(1.0)
+
+
 def test_candidate_count_refuses_bad_parameters_in_one_line():
     for mean, shape in [(0.5, 1.0), (float("nan"), 1.0), (3.0, -1.0), (3.0, "binomial")]:
         with pytest.raises(ValueError) as error:

@@ -100,6 +100,8 @@ class CandidateCount:
         gamma = self.gamma
         if self.shape == 0.0:
             return np.where(k >= 1, stats.logser.pmf(np.maximum(k, 1), 1.0 - gamma), 0.0)
+        if gamma >= 1.0:  # mean 1: one run (see :meth:`sample`)
+            return np.where(k == 1, 1.0, 0.0)
         at_least_one = -math.expm1(self.shape * math.log(gamma))  # 1 - gamma^shape = P[NB >= 1]
         return np.where(k >= 1, stats.nbinom.pmf(k, self.shape, gamma) / at_least_one, 0.0)
 
@@ -110,6 +112,8 @@ class CandidateCount:
         gamma = self.gamma
         if self.shape == 0.0:
             return int(rng.logseries(1.0 - gamma))
+        if gamma >= 1.0:  # mean 1 (geometric only): one run, the limit of NB conditioned on >= 1 as gamma -> 1
+            return 1
         while True:  # NB(shape, gamma) conditioned on >= 1 (rejection: accepts with probability 1 - gamma^shape)
             k = int(rng.negative_binomial(self.shape, gamma))
             if k >= 1:
