@@ -34,6 +34,7 @@ shapes.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import zipfile
@@ -193,6 +194,23 @@ def save_mask(directory: str, selections: Sequence[VariableSelection], model: tf
     write_atomic(os.path.join(directory, SUMMARY_FILE), json.dumps({"meta": meta, "layers": summary}, indent=2) + "\n")
     write_atomic(os.path.join(directory, TABLE_FILE), _markdown(summary, meta))
     return npz_path
+
+
+def selections_digest(selections: Sequence[VariableSelection] | None) -> str | None:
+    """A digest of the coordinates ``selections`` keep (each variable's key, kind and indices, in order);
+    None for no mask. A checkpoint records the mask its run trained with, so that a resumed run
+    cannot train another one (loaded from another file, or a file replaced since) that its ledger never
+    charged."""
+    if selections is None:
+        return None
+    digest = hashlib.sha256()
+    for selection in sorted(selections, key=lambda s: (variable_key(s.variable), s.kind)):
+        indices = selection.rows if selection.kind == "rows" else selection.entries
+        digest.update(f"{variable_key(selection.variable)}::{selection.kind}:".encode())
+        if indices is not None:
+            digest.update(np.asarray(indices, np.int64).tobytes())
+        digest.update(b";")
+    return digest.hexdigest()
 
 
 def has_mask(directory: str | None) -> bool:

@@ -43,7 +43,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from sparta_tf import checkpointing, distribute, run_checks
+from sparta_tf import checkpointing, distribute, masks, run_checks
 from sparta_tf.methods import Method, make_method
 from sparta_tf.privacy import charging
 from sparta_tf.privacy.ledger import PrivacyLedger, check_unit
@@ -286,7 +286,7 @@ class PrivateRun:
         if self.run_dir is None:
             return self.plan.epochs, first_epoch, [method_callback] + list(callbacks)
         # The checkpoint last: a callback that stops the epoch (a non-finite guard) runs before it is saved.
-        self.checkpoint = EpochCheckpoint(self.run_dir, dp)
+        self.checkpoint = EpochCheckpoint(self.run_dir, dp, lambda: trained_mask(self.method))
         journal = charging.StepJournal(self.run_dir)
         return self.plan.epochs, first_epoch, [method_callback, journal] + list(callbacks) + [self.checkpoint]
 
@@ -307,6 +307,7 @@ def restore_run(previous: tuple[str, dict], dp, method_callback, plan: PrivacyPl
     (as ``dp.mechanism``, what they ran)."""
     path, state = previous
     check_same_noise_draws(path, state, dp)
+    check_same_mask(path, state, trained_mask(method_callback.method))
     dp.cyclic_examples = state.get("cyclic_examples")  # the resumed fit must sample the same examples' groups
     epoch = state["epoch"]
     dp.ledger = PrivacyLedger.from_json(state["ledger"])
@@ -336,12 +337,30 @@ def check_same_noise_draws(path: str, state: dict, dp) -> None:
             "same kind of device (jit_compile 'auto' is XLA on GPU/TPU only), or start a new output_dir")
 
 
-class EpochCheckpoint(tf.keras.callbacks.Callback):
-    """After every epoch: a resumable checkpoint and ``ledger.json`` in ``run_dir``; times the phases."""
+def trained_mask(method) -> str | None:
+    """:func:`~sparta_tf.masks.selections_digest` of the mask ``method`` trains with now (None: none yet)."""
+    return masks.selections_digest(getattr(method, "mask_selections", None))
 
-    def __init__(self, run_dir: str, dp):
+
+def check_same_mask(path: str, state: dict, mask: str | None) -> None:
+    """CheckpointError unless the resumed run trains with the mask (digest ``mask``) that the run which wrote
+    checkpoint ``path`` had at that point: a mask loaded from another file, or a file replaced since, would
+    train coordinates chosen by a mechanism its ledger (restored from the checkpoint) never charged. A
+    checkpoint that does not record it (written before it was recorded) is not checked."""
+    if "mask" in state and state["mask"] != mask:
+        raise checkpointing.CheckpointError(
+            f"checkpoint {path} was written by a run that trained with {'no mask' if state['mask'] is None else 'another mask'} "
+            f"at that point than this run {'loads' if mask is not None else 'has'}; resume with the mask the run "
+            "started with (method.mask / mask=, and its mask_dir unchanged), or start a new output_dir")
+
+
+class EpochCheckpoint(tf.keras.callbacks.Callback):
+    """After every epoch: a resumable checkpoint and ``ledger.json`` in ``run_dir``; times the phases.
+    ``mask``: the digest of the mask trained with now (:func:`trained_mask`), kept in the checkpoint."""
+
+    def __init__(self, run_dir: str, dp, mask=lambda: None):
         super().__init__()
-        self.run_dir, self.dp = run_dir, dp
+        self.run_dir, self.dp, self.mask = run_dir, dp, mask
         self.phase_seconds: dict[str, float] = {}
         self._start = 0.0
 
@@ -354,7 +373,8 @@ class EpochCheckpoint(tf.keras.callbacks.Callback):
         self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + time.perf_counter() - self._start
         if privacy is not None:
             privacy.flush()
-        state = {"seed": self.dp.seed, "ledger": self.dp.ledger.to_json(), "noise_drawn_by_xla": self.dp.noise_drawn_by_xla}
+        state = {"seed": self.dp.seed, "ledger": self.dp.ledger.to_json(), "noise_drawn_by_xla": self.dp.noise_drawn_by_xla,
+                 "mask": self.mask()}
         if self.dp.cyclic_examples is not None:
             state["cyclic_examples"] = self.dp.cyclic_examples
         checkpointing.save(self.run_dir, epoch + 1, self.dp, state)

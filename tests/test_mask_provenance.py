@@ -158,3 +158,35 @@ def test_a_mask_is_charged_only_at_the_unit_it_was_chosen_for(tmp_path):
         st.make_private(_model(), **options)
     at_user_level = st.make_private(_model(), unit="user", **dict(options, dataset_size=16, batch_size=4))
     assert [e.phase for e in at_user_level.plan.events()][:2] == ["mask:warmup", "mask:selection"]
+
+
+def test_a_resumed_run_must_train_with_the_mask_its_checkpoint_recorded(tmp_path):
+    """A run killed after a checkpoint and resumed with another mask (another file, or the file replaced) would
+    train coordinates that its restored ledger never charged: refused before a step; the same mask resumes."""
+    from sparta_tf.checkpointing import CheckpointError
+
+    x, y = gaussian_data(48, (6, 6, 1), 3)
+    for name, row in (("a", 0), ("b", 1)):
+        model = _model()
+        save_mask(str(tmp_path / name), [st.trainable.rows(g, [row]) for g in row_groups(model)], model,
+                  provenance=MaskProvenance.public(), method="hand-made")
+
+    class KillAtSecondEpoch(tf.keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                raise KeyboardInterrupt
+
+    def run(mask, callbacks=()):
+        dp = st.make_private(_model(), method="sparta", target_epsilon=8.0, delta=1e-5, epochs=3, batch_size=12,
+                             dataset_size=48, seed=0, warmup_epochs=1, mask=str(tmp_path / mask),
+                             run_dir=str(tmp_path / "run"))
+        dp.compile(tf.keras.optimizers.SGD(0.05), loss=XENT)
+        dp.fit(x, y, verbose=0, callbacks=list(callbacks))
+        return dp
+
+    with pytest.raises(KeyboardInterrupt):
+        run("a", [KillAtSecondEpoch()])
+    with pytest.raises(CheckpointError, match=r"trained with another mask[^\n]*; resume with the mask the run"):
+        run("b")
+    resumed = run("a")
+    assert int(resumed.dp_step.numpy()) == resumed.plan.steps
