@@ -218,6 +218,35 @@ def test_one_example_stays_within_the_clip_bound_in_low_precision(dtype):
             assert 0 < norm <= clip_norm, (i, clip_norm, norm)
 
 
+class _MatMul(tf.keras.layers.Layer):
+    """A layer of no known rule (the generic per-example VJP) whose kernel gradient is larger than its
+    output gradient, so that a one-pass step would keep ``delta`` and re-run the VJP for the sums."""
+
+    def build(self, shape):
+        self.kernel = self.add_weight(name="kernel", shape=(shape[-1], 8), initializer="glorot_uniform")
+
+    def call(self, x):
+        return tf.matmul(x, self.kernel)
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_a_generic_rule_layer_in_low_precision_stays_within_the_clip_bound(policy):
+    """Its sum re-run on ``c * delta`` rounded to bfloat16 reached 1.0014 C: the step sums the per-example
+    gradients whose norm was clipped instead."""
+    tf.keras.utils.set_random_seed(3)
+    model = tf.keras.Sequential([tf.keras.Input((16,)), _MatMul(dtype=policy), L.Dense(3, dtype="float32")])
+    engine = make_engine(model, model.trainable_variables, "auto")
+    step = tf.function(lambda x, y, valid, c: clipped_batch(engine, x, y, loss_fn, valid, c).sums)
+    rs = np.random.RandomState(0)
+    clip_norm = np.float32(1e-3)
+    for _ in range(3):
+        x, y = rs.randn(16, 16).astype(np.float32), rs.randint(0, 3, 16)
+        for i in range(16):
+            sums = step(x, y, np.arange(16) == i, clip_norm)
+            norm = np.sqrt(sum(float(np.sum(np.square(np.asarray(s, np.float64)))) for s in sums))
+            assert 0 < norm <= clip_norm, (i, norm / clip_norm)
+
+
 def test_float16_squares_do_not_overflow_and_drop_examples():
     """A float16 squared norm above 65504 would be inf and drop the example; in float32 it is clipped."""
     tf.keras.utils.set_random_seed(4)
