@@ -84,6 +84,26 @@ def test_an_image_in_a_new_class_folder_or_a_grayscale_first_image_moves_no_othe
     assert moved(base, after) == 0 and 9999 in after
 
 
+def test_with_data_channels_a_grayscale_first_image_changes_no_other_images_pixels(tmp_path):
+    """Every file used to be decoded at the first file's channel count, data.channels converting afterwards:
+    one grayscale image sorting first turned every colour image grey."""
+    rng = np.random.default_rng(0)
+    colours = {i: rng.integers(0, 256, (4, 4, 3), dtype=np.uint8) for i in range(12)}
+
+    def train_images(with_gray: bool):
+        root = tmp_path / ("gray" if with_gray else "base")
+        for i, image in colours.items():
+            write_image(root / f"c{i % 2}" / f"{i + 1:03d}.png", image)
+        if with_gray:
+            write_image(root / "c0" / "000.png", np.full((4, 4, 1), 77, np.uint8))
+        data = load_dataset({"source": "folder", "path": str(root), "classes": ["c0", "c1"], "channels": 3,
+                             "val_fraction": 0.2, "test_fraction": 0.2}, split_key=1)
+        return {image.tobytes() for image in data.x_train}
+
+    base, with_gray = train_images(False), train_images(True)
+    assert len(base) >= 6 and base <= with_gray  # every colour image the same, the gray one added or held out
+
+
 def test_an_image_trees_class_set_channels_and_class_numbers_are_caveats_unless_given(tmp_path):
     spec = {**write_source(tmp_path, "folder", np.arange(30)), "val_fraction": 0.2, "test_fraction": 0.2}
     caveats = " ".join(load_dataset(spec, split_key=1).privacy_caveats())
@@ -132,6 +152,9 @@ def test_a_limit_keeps_the_smallest_hashes_so_one_example_more_displaces_at_most
     assert len(kept_before - kept_after) <= 1 and kept_after - kept_before <= {31337}
     caveats = load_dataset({**write_source(tmp_path / "a", "npz", ids), **limit}, split_key=9).privacy_caveats()
     assert any("data.limit_train=200" in c and "replace-one" in c for c in caveats)
+    exactly = {"limit_train": N, "val_fraction": 0.0}  # nothing cut, but one example more would displace one
+    caveats = load_dataset({**write_source(tmp_path / "a", "npz", ids), **exactly}, split_key=9).privacy_caveats()
+    assert any(f"data.limit_train={N}" in c for c in caveats)
 
 
 @pytest.mark.parametrize("spec, message", [

@@ -14,7 +14,7 @@ import numpy as np
 
 from sparta_tf.data.errors import DataError
 
-__all__ = ["collect_images", "decode_files", "file_channels"]
+__all__ = ["as_channels", "collect_images", "decode_files", "file_channels"]
 
 BATCH = 256
 """Images decoded per ``tf.data`` batch."""
@@ -39,8 +39,8 @@ def decode_files(
     import tensorflow as tf
 
     def load(path: tf.Tensor) -> tf.Tensor:
-        image = tf.io.decode_image(tf.io.read_file(path), channels=channels, expand_animations=False)
-        image = tf.image.convert_image_dtype(image, tf.float32)
+        image = tf.io.decode_image(tf.io.read_file(path), expand_animations=False)  # its own channels
+        image = as_channels(tf.image.convert_image_dtype(image, tf.float32), channels)
         if image_size is not None:
             image = tf.image.resize(image, image_size, method="bilinear")
         return image
@@ -55,6 +55,24 @@ def decode_files(
     if not batches:
         return np.zeros((0, *(image_size or (1, 1)), channels), np.float32)
     return np.concatenate(batches)
+
+
+def as_channels(image, channels: int):
+    """One decoded image ``[H, W, c]`` (float, any ``c``: gray, gray + alpha, RGB, RGBA) as ``channels`` (1 or
+    3), converted on its own as :func:`~sparta_tf.data.images.convert_channels` converts arrays: gray
+    replicated to RGB, RGB to gray by :data:`~sparta_tf.data.images.GRAY_WEIGHTS`, alpha dropped. Every file
+    is converted from its own channels, so no other file's channels change its pixels."""
+    import tensorflow as tf
+
+    from sparta_tf.data.images import GRAY_WEIGHTS
+
+    colour = tf.shape(image)[-1] >= 3
+    if channels == 1:
+        luma = lambda: tf.tensordot(image[..., :3], tf.constant(GRAY_WEIGHTS), axes=1)[..., None]
+        out = tf.cond(colour, luma, lambda: image[..., :1])
+    else:
+        out = tf.cond(colour, lambda: image[..., :3], lambda: tf.tile(image[..., :1], [1, 1, 3]))
+    return tf.ensure_shape(out, [None, None, channels])
 
 
 def collect_images(images, names: Sequence[str], channels: int) -> np.ndarray:

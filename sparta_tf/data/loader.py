@@ -133,9 +133,9 @@ def build_dataset(raw: RawData, spec: DataSpec, seed: int, split_key: Optional[i
                         "check data.classes and the data files")
     _check_class_counts(train.y, kept, raw.class_names)
     train, test = _test_split(raw, train, kept, spec, splitter)
-    before_limit = len(train.y)
     train = splitter.limit(train, spec.limit_train, "limit_train")
-    limited = splitter.key is not None and len(train.y) < before_limit
+    # a caveat whenever a limit is set: at exactly the limit nothing is cut, yet one example more displaces one
+    limited = splitter.key is not None and spec.limit_train is not None
     test = splitter.limit(test, spec.limit_test, "limit_test")
     val, train = splitter.carve(train, spec.val_fraction, "val_split")
     if len(train.y) == 0:

@@ -86,11 +86,14 @@ def load_image_tree(root: Path, spec: DataSpec, name: str) -> RawData:
     first = next((files[0][0] for files in train_files.values() if files), None)
     if first is None:
         raise key_error("path", f"no .jpg/.jpeg/.png images under {root}", "check data.path")
-    channels = file_channels(Path(first))  # data.channels converts later, like other sources
+    # every file is decoded at data.channels when it is given (each image converted on its own); else at the
+    # first file's count, read off the private data (a caveat): one grayscale file sorting first would
+    # otherwise turn every colour image grey, data.channels or not
+    channels = spec.channels if spec.channels is not None else file_channels(Path(first))
     train = _file_split(train_files, names, channels, spec.image_size, by_user)
     test = None if test_files is None else _file_split(test_files, names, channels, spec.image_size, by_user)
-    # the class folders and the first image are the private data's: caveats unless data.classes / channels
-    return RawData(train, test, names, name, class_names_from_labels=True, channels_from_data=True,
+    # the class folders are the private data's: caveats unless data.classes (and data.channels) are given
+    return RawData(train, test, names, name, class_names_from_labels=True, channels_from_data=spec.channels is None,
                    class_ids_are_folder_ranks=True)
 
 
