@@ -176,6 +176,15 @@ def test_a_callback_acting_on_a_training_metric_marks_the_run_not_private(callba
     assert watched.ledger.is_private
 
 
+def test_terminate_on_nan_marks_the_run_not_private():
+    """It stops on the logged loss, which one example the DP step dropped can make NaN."""
+    x, y = _data()
+    dp = _private()
+    with pytest.warns(UserWarning, match="TerminateOnNaN stops on the training loss"):
+        dp.fit(x, y, callbacks=[tf.keras.callbacks.TerminateOnNaN()], verbose=0)
+    assert not dp.ledger.is_private and "NonFiniteGuard" in dp.ledger.nonprivate_reasons[0]
+
+
 class ListModel(tf.keras.Model):
     """A subclassed model whose ``__init__`` takes layers: Keras has no config for it."""
 

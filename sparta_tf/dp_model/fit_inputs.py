@@ -145,7 +145,7 @@ MONITORING = (tf.keras.callbacks.EarlyStopping, tf.keras.callbacks.ReduceLROnPla
 def training_metric_monitors(callbacks: list) -> list[str]:
     """One reason per callback whose decisions read a training metric: a mean over the sampled examples
     without noise (those the DP step dropped included), so what it does to the weights (stop, lower the rate,
-    keep another epoch's) is outside the guarantee."""
+    keep another epoch's) is outside the guarantee. ``TerminateOnNaN`` reads the loss of every batch."""
     reasons = []
     for callback in callbacks:
         monitor = getattr(callback, "monitor", None)
@@ -155,6 +155,10 @@ def training_metric_monitors(callbacks: list) -> list[str]:
             reasons.append(f"{type(callback).__name__}(monitor={monitor!r}) acts on a training metric, a noiseless "
                            "statistic of the private batches; monitor a validation metric of data outside the "
                            "private training set, or leave it out")
+        if isinstance(callback, tf.keras.callbacks.TerminateOnNaN):
+            reasons.append("TerminateOnNaN stops on the training loss, a noiseless mean over the sampled examples "
+                           "(one the DP step dropped as non-finite included), so one example can decide when the run "
+                           "stops; use sparta_tf.NonFiniteGuard, which stops on the weights")
     return reasons
 
 
