@@ -170,3 +170,30 @@ def probe_batch_mixing(model: tf.keras.Model, x) -> bool:
         for variable, value in snapshot:
             variable.assign(value)
         tf.random.set_seed(global_seed)
+
+
+def probe_loss_mixing(loss_fn, model: tf.keras.Model, x, y) -> None:
+    """Checks on real examples ``x, y`` (>= 2) that the per-example loss ``loss_fn(y, predictions) -> [B]`` keeps
+    examples apart: one value per example, and the others' unchanged when example 0's prediction and label
+    change. A loss of batch statistics (a contrastive or InfoNCE loss, predictions centred on the batch mean)
+    lets one example move every other example's gradient, so its clipped term: the sensitivity is then up to
+    ``2 C B``, not ``C``. Raises :class:`NotPerExampleSafeError`."""
+    x = tf.nest.map_structure(lambda t: tf.convert_to_tensor(t[:PROBE_EXAMPLES]), x)
+    y = tf.nest.map_structure(lambda t: tf.convert_to_tensor(t[:PROBE_EXAMPLES]), y)
+    predictions = model(x, training=False)
+    batch = int(tf.shape(tf.nest.flatten(predictions)[0])[0])
+    losses = loss_fn(y, predictions)
+    if losses.shape.rank != 1 or int(losses.shape[0]) != batch:
+        raise NotPerExampleSafeError(
+            f"the loss returned shape {losses.shape.as_list()} for {batch} examples; DP-SGD clips each example's "
+            "gradient, so the loss must give one value per example (y_true, y_pred) -> [batch]: pass a Keras loss "
+            "or a function without reduction over the batch")
+    if batch < 2:
+        return
+    moved = loss_fn(_replaced_first(y, 1), _replaced_first(predictions, 1))
+    if _differs([np.asarray(losses)], [np.asarray(moved)], slice(1, None)):
+        raise NotPerExampleSafeError(
+            "the loss of one example changes when another example's prediction or label changes: it mixes the "
+            "examples of a batch (batch statistics, a contrastive loss), which breaks per-example clipping and the "
+            "DP guarantee; use a loss of each example's own prediction and label")
+

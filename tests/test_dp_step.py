@@ -178,6 +178,27 @@ def test_batchnorm_in_training_mode_is_rejected_and_frozen_is_allowed():
     DPModel(model, noise_multiplier=1.0, sample_rate=0.1)
 
 
+def _centred_loss(y, predictions):
+    """Mixes the batch: each prediction centred on the batch's mean."""
+    centred = predictions - tf.reduce_mean(predictions, axis=0, keepdims=True)
+    return tf.reduce_sum(tf.square(centred - tf.one_hot(tf.cast(y, tf.int32), 2)), axis=-1)
+
+
+@pytest.mark.parametrize("loss, message", [(_centred_loss, "mixes the examples of a batch"),
+                                           (lambda y, p: tf.reduce_mean(tf.square(p)), "one value per example")])
+def test_a_loss_that_mixes_examples_or_reduces_the_batch_is_refused_before_a_step(loss, message):
+    """Such a loss lets one example move every other example's clipped term (the coverage check cannot see
+    it: the per-example gradients still sum to the batch gradient)."""
+    inputs = L.Input((4,))
+    model = tf.keras.Model(inputs, L.Dense(2)(inputs))
+    dp = DPModel(model, noise_multiplier=1.0, sample_rate=0.5, dataset_size=8, seed=0)
+    dp.compile(tf.keras.optimizers.SGD(0.1), loss=loss)
+    x, y = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32), np.arange(8) % 2
+    with pytest.raises(NotPerExampleSafeError, match=message):
+        dp.fit(x, y, verbose=0)
+    assert int(dp.dp_step.numpy()) == 0
+
+
 def test_regularization_losses_are_refused():
     inputs = L.Input((4,))
     model = tf.keras.Model(inputs, L.Dense(2, kernel_regularizer="l2")(inputs))

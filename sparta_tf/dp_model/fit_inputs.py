@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from sparta_tf import distribute, keras_trainer
 from sparta_tf.dp_step.usable_examples import DroppedExamplesReport
-from sparta_tf.model_checks import PROBE_EXAMPLES, probe_batch_mixing
+from sparta_tf.model_checks import PROBE_EXAMPLES, probe_batch_mixing, probe_loss_mixing
 from sparta_tf.per_example import make_engine
 from sparta_tf.per_example.coverage import check_coverage
 from sparta_tf.privacy.array_inputs import examples_fingerprint
@@ -313,7 +313,8 @@ def build_compiled_metrics(dp, x, y) -> None:
 
 def probe_model(dp, x, y) -> None:
     """Before the first DP step, on a few real examples ``x, y`` (no padding), once per model:
-    :func:`probe_batch_mixing` (training mode keeps examples apart) and
+    :func:`probe_batch_mixing` (training mode keeps examples apart), :func:`probe_loss_mixing` (so does
+    the loss) and
     :func:`~sparta_tf.per_example.coverage.check_coverage` (every trainable variable is seen,
     exactly, by the engine's per-example rules), and that the augmentation of augmentation
     multiplicity takes the inputs. They refuse the model with one line."""
@@ -325,6 +326,7 @@ def probe_model(dp, x, y) -> None:
     if dp.views is not None:
         dp.views.check(x)
     if dp._per_example_loss is not None:
+        probe_loss_mixing(dp._per_example_loss, dp.model, x, y)
         check_coverage(engine, x, y, dp._per_example_loss, dp.distribute_strategy)
     dp._model_probed = True
 
