@@ -185,6 +185,16 @@ def test_terminate_on_nan_marks_the_run_not_private():
     assert not dp.ledger.is_private and "NonFiniteGuard" in dp.ledger.nonprivate_reasons[0]
 
 
+def test_train_on_batch_marks_the_run_not_private():
+    """A batch the user picks is no Poisson sample and its step is outside fit's ledger: it used to leave
+    epsilon at 0 with no reason recorded."""
+    x, y = _data()
+    dp = _private()
+    with pytest.warns(UserWarning, match="train_on_batch ran a DP step on a batch chosen outside fit"):
+        dp.train_on_batch(x[:8], y[:8])
+    assert not dp.ledger.is_private and dp.ledger.epsilon() == float("inf")
+
+
 class ListModel(tf.keras.Model):
     """A subclassed model whose ``__init__`` takes layers: Keras has no config for it."""
 

@@ -139,6 +139,17 @@ def check_keras_callbacks(dp, callbacks: list) -> None:
                              "restore_best_weights=False")
 
 
+BATCH_OUTSIDE_FIT = ("train_on_batch ran a DP step on a batch chosen outside fit's Poisson sampling, which the ledger "
+                     "cannot charge (no sampling to amplify it, no pre-step checks); train with fit")
+
+
+def mark_batch_outside_fit(dp) -> None:
+    """``train_on_batch``: the run is marked not private (:data:`BATCH_OUTSIDE_FIT`), with a warning once."""
+    if dp.ledger is not None and BATCH_OUTSIDE_FIT not in dp.ledger.nonprivate_reasons:
+        dp.ledger.record_nonprivate(BATCH_OUTSIDE_FIT)
+        warnings.warn(BATCH_OUTSIDE_FIT, stacklevel=3)
+
+
 MONITORING = (tf.keras.callbacks.EarlyStopping, tf.keras.callbacks.ReduceLROnPlateau, tf.keras.callbacks.ModelCheckpoint)
 
 

@@ -496,6 +496,13 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
 
     # -------------------------------------------------------------------- fit
 
+    def train_on_batch(self, *args, **kwargs):
+        """Keras' ``train_on_batch``: one DP step on the batch given. The batch is not a Poisson sample and
+        the step is outside ``fit``'s ledger and checks, so the run is marked not private (with a warning);
+        use it to test a model, train with ``fit``."""
+        fit_inputs.mark_batch_outside_fit(self)
+        return super().train_on_batch(*args, **kwargs)
+
     def fit(
         self,
         x=None,
