@@ -223,6 +223,19 @@ def test_tar_extracts_once_and_reuses_cache(tmp_path, monkeypatch):
     assert np.array_equal(first.x_train, second.x_train) and np.array_equal(first.y_test, second.y_test)
 
 
+def test_tar_extraction_is_private_and_another_users_is_not_read(tmp_path, monkeypatch):
+    """The extracted images are the private data: 0700; an extraction of the same name owned by someone else
+    (its name follows from the archive's path, size and time) is refused."""
+    tar_path = write_tar(write_folder(tmp_path / "src" / "shapes"), tmp_path / "shapes.tar.gz")
+    spec = {"source": "tar", "path": str(tar_path), "cache_dir": str(tmp_path / "cache")}
+    load_dataset(spec)
+    (extracted,) = (tmp_path / "cache").iterdir()
+    assert extracted.stat().st_mode & 0o077 == 0
+    monkeypatch.setattr(archive.os, "getuid", lambda: extracted.stat().st_uid + 1)
+    with pytest.raises(DataError, match=r"data\.cache_dir: the extracted archive .* belongs to another user"):
+        load_dataset(spec)
+
+
 def test_tar_corrupt_archive_leaves_no_cache(tmp_path):
     source = write_folder(tmp_path / "src" / "s", per_class=30, size=(16, 16))
     good = write_tar(source, tmp_path / "good.tgz")
@@ -490,7 +503,7 @@ def test_debian_fashion_mnist_idx():
 
 @pytest.mark.skipif(not CIFAR_TAR.is_file(), reason=f"{CIFAR_TAR} not present")
 def test_shared_cifar10_tar():
-    # The default cache (<tmp>/sparta_tf_data) is reused across runs: only the first run extracts
+    # The default cache (<tmp>/sparta_tf_data-<uid>) is reused across runs: only the first run extracts
     # the 60k JPEGs (about 10-20 s); later runs take about a second.
     spec = {
         "source": "tar",

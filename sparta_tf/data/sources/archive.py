@@ -2,7 +2,11 @@
 
 The archive is extracted to ``<cache_dir>/<stem>-<key>/`` where ``key`` hashes
 the archive's absolute path, size and modification time (a changed archive
-gets a fresh cache). ``cache_dir`` defaults to ``<tmp>/sparta_tf_data``.
+gets a fresh cache). ``cache_dir`` defaults to ``<tmp>/sparta_tf_data-<uid>``.
+
+The extracted images are the private data: the cache folder and every extraction are private to the
+user (``0700``), and an extraction owned by another user is never read (it could be planted: its
+name follows from the archive's path, size and time).
 
 Extraction is atomic: files go to a hidden ``.<stem>-<key>.partial-<pid>-*``
 folder that is renamed to its final name only once complete, so an
@@ -31,7 +35,8 @@ from sparta_tf.data.spec import DataSpec
 
 __all__ = ["DEFAULT_CACHE_DIR", "archive_stem", "extract_cached", "load_tar"]
 
-DEFAULT_CACHE_DIR = Path(tempfile.gettempdir()) / "sparta_tf_data"
+DEFAULT_CACHE_DIR = Path(tempfile.gettempdir()) / (
+    f"sparta_tf_data-{os.getuid()}" if hasattr(os, "getuid") else "sparta_tf_data")
 """Where archives are extracted when ``data.cache_dir`` is not set."""
 
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")
@@ -67,9 +72,9 @@ def extract_cached(archive: Path, cache_dir: Path) -> Path:
     key = cache_key(archive)
     final = cache_dir / key
     if final.is_dir():
-        return final
+        return _owned(final)
     try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
+        cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as error:
         raise key_error("cache_dir", f"cannot create {str(cache_dir)!r} ({error.strerror})",
                         "set data.cache_dir to a writable folder") from None
@@ -81,15 +86,23 @@ def extract_cached(archive: Path, cache_dir: Path) -> Path:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     try:
-        os.chmod(partial, 0o755)  # mkdtemp makes it private; the cache is shared read-only
-        os.rename(partial, final)
+        os.rename(partial, final)  # private, as mkdtemp made it: the images are the private data
     except OSError as error:
         shutil.rmtree(partial, ignore_errors=True)
         if final.is_dir():  # another process finished the same extraction first
-            return final
+            return _owned(final)
         raise key_error("cache_dir", f"cannot rename the extracted archive into {str(final)!r} "
                         f"({error.strerror})", "set data.cache_dir to a writable folder") from None
     return final
+
+
+def _owned(extracted: Path) -> Path:
+    """``extracted`` when this user owns it, else a one-line error: another user's folder of that name could
+    hold other images (planted) and be read by others."""
+    if hasattr(os, "getuid") and extracted.stat().st_uid != os.getuid():
+        raise key_error("cache_dir", f"the extracted archive {str(extracted)!r} belongs to another user",
+                        "set data.cache_dir to a folder of your own")
+    return extracted
 
 
 def _relative_members_only(member: tarfile.TarInfo, path: str) -> tarfile.TarInfo:
