@@ -27,7 +27,12 @@ were in which batch. Keep the seed with the private training checkpoints,
 never in exported models, logs or reports. The data-independent streams
 (random masks, random pre-pruning, gradient dropping, data splits,
 augmentation, canaries) need no secrecy but are derived the same way so
-that one seed reproduces a run.
+that one seed reproduces a run. Their outputs can be public (a random mask
+can be read off the released model: its frozen rows equal the pre-trained
+ones), which makes them a test of a guessed seed: the security margin
+against someone who tries every seed is the seed's 63 bits, not the 128 of
+the streams' keys. Give the ``random`` method a ``seed`` of its own to take
+its mask off the run seed.
 
 When no seed is given, a fresh one comes from the OS's cryptographic
 source (:func:`new_seed`). ``sparta-train`` then uses seed 0 for the data
