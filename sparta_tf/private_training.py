@@ -310,7 +310,12 @@ def restore_run(previous: tuple[str, dict], dp, method_callback, plan: PrivacyPl
     check_same_mask(path, state, trained_mask(method_callback.method))
     dp.cyclic_examples = state.get("cyclic_examples")  # the resumed fit must sample the same examples' groups
     epoch = state["epoch"]
-    dp.ledger = PrivacyLedger.from_json(state["ledger"])
+    restored = PrivacyLedger.from_json(state["ledger"])
+    if restored.unit != plan.unit:
+        raise checkpointing.CheckpointError(
+            f"checkpoint {path} was written by a run that protected one {restored.unit}, but this run protects one "
+            f"{plan.unit}; resume with unit={restored.unit!r}, or start a new output_dir")
+    dp.ledger = restored
     dp.ledger.target_epsilon = plan.run_budget if dp.ledger.is_private else None
     # Recreates the trainable set (and optimizer slots) of that epoch's phase; a run killed after its last
     # epoch restores into the last phase and trains no more.

@@ -205,6 +205,23 @@ def test_a_fit_on_other_examples_or_another_order_is_refused_before_a_step_and_t
     assert int(dp.dp_step.numpy()) == 16
 
 
+def test_a_banded_fit_on_a_sampler_of_another_seed_or_other_examples_is_refused_before_a_step():
+    """A PoissonSampler's dataset draws its own groups (from its seed, by position): after an array fit, or
+    another sampler's, they would not be the groups the model's buffered noise assumed."""
+    x, y = _data()
+    dp = _banded_model()
+    dp.fit(x, y, epochs=1, verbose=0)
+    charged, step = list(dp.ledger.entries), int(dp.dp_step.numpy())
+    sampler = lambda seed: PoissonSampler(len(x), 0.125, seed=seed, bands=3)  # noqa: E731
+    with pytest.raises(ValueError, match=r"drawn with another seed than this model's.* seed=dp\.seed"):
+        dp.fit(sampler(None).dataset(x, y, start_step=step), epochs=1, steps_per_epoch=8, verbose=0)
+    with pytest.raises(ValueError, match="other examples .*or the same in another order"):
+        dp.fit(sampler(dp.seed).dataset(x[::-1], y[::-1], start_step=step), epochs=1, steps_per_epoch=8, verbose=0)
+    assert list(dp.ledger.entries) == charged and int(dp.dp_step.numpy()) == step
+    dp.fit(sampler(dp.seed).dataset(x, y, start_step=step), epochs=1, steps_per_epoch=8, verbose=0)
+    assert int(dp.dp_step.numpy()) == 2 * step
+
+
 # The same banded run by every way a step can be computed: the engines, micro-batches, K identical views
 # (their mean is the example's gradient), two replicas (every replica adds the same noise once). Under XLA
 # the stream's draws are other numbers: a jit-compiled step's noise is checked against XLA's own draws
@@ -264,9 +281,14 @@ def test_a_model_restored_from_a_mid_run_checkpoint_continues_bit_identically(tm
     first = _banded_model()
     first.fit(x, y, epochs=1, verbose=0)
     tf.train.Checkpoint(**first.checkpoint_state()).write(str(tmp_path / "ckpt"))
-    resumed = _banded_model()
+    resumed = _banded_model(seed=None)  # the checkpoint's seed samples, and keeps the groups, not a fresh one
     tf.train.Checkpoint(**resumed.checkpoint_state()).read(str(tmp_path / "ckpt")).assert_consumed()
     resumed.ledger = first.ledger
+    assert resumed.seed == first.seed
+    with pytest.raises(ValueError, match=r"does not know which examples its cyclic groups were drawn for"):
+        resumed.fit(x, y, epochs=1, verbose=0)
+    assert int(resumed.dp_step.numpy()) == int(first.dp_step.numpy())
+    resumed.cyclic_examples = first.cyclic_examples
     resumed.fit(x, y, epochs=1, verbose=0)
     for a, b in zip(straight.model.weights, resumed.model.weights):
         assert np.array_equal(a.numpy(), b.numpy())
@@ -274,6 +296,7 @@ def test_a_model_restored_from_a_mid_run_checkpoint_continues_bit_identically(tm
     state = {k: v for k, v in lost.checkpoint_state().items() if k != "correlated_noise"}
     tf.train.Checkpoint(**state).read(str(tmp_path / "ckpt")).expect_partial()
     lost.ledger = first.ledger
+    lost.cyclic_examples = first.cyclic_examples
     lost.fit(x, y, epochs=1, verbose=0)
     assert not all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(straight.model.weights, lost.model.weights))
 

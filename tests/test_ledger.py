@@ -78,6 +78,19 @@ def test_consecutive_identical_records_are_merged():
     assert ledger.steps == 55
 
 
+def test_banded_charges_of_interrupted_steps_are_never_merged():
+    """Two kills before one checkpoint replay the same steps: 3 + 3 interrupted steps at b = 8 are two runs
+    of the mechanism, not ceil(6 / 8) = 1."""
+    ledger = PrivacyLedger(1e-5)
+    for _ in range(2):
+        ledger.charge(LedgerEntry(2.0, 0.4, 3, "dp_sgd_step", "interrupted", bands=8))
+    assert [e.compositions for e in ledger.entries] == [1, 1]
+    plain = PrivacyLedger(1e-5)
+    for _ in range(2):
+        plain.charge(LedgerEntry(2.0, 0.05, 3, "dp_sgd_step", "interrupted"))
+    assert [e.count for e in plain.entries] == [6]  # independent noise: the count is what matters
+
+
 def test_as_dp_event_composes_one_self_composed_event_per_entry():
     ledger = _two_phase_ledger("rdp")
     assert ledger.as_dp_event() == dp_accounting.ComposedDpEvent(

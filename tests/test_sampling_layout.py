@@ -142,7 +142,8 @@ def test_make_private_samples_its_selection_epoch_plainly_and_its_ledger_is_its_
     dp.fit(x, y, verbose=0, callbacks=[Record()])
     assert dp.sampling_layout == SamplingLayout(2, ((4, 8),)) == dp.plan.sampling_layout()
     batches, _ = fit_inputs.input_pipeline(dp, x, y, 0)  # what fit fed: the sampler of the same layout
-    assert poisson_provenance(batches) == (N, BATCH / N, dp.sampling_layout, 0)
+    assert poisson_provenance(batches)[:4] == (N, BATCH / N, dp.sampling_layout, 0)
+    assert poisson_provenance(batches).seed == dp.seed and poisson_provenance(batches).examples == dp.cyclic_examples
     assert [step for step, gradient in seen if not gradient] == [4, 5, 6, 7]  # the selection epoch, exactly
     assert list(dp.ledger.entries) == dp.plan.events()
 

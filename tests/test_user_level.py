@@ -637,3 +637,17 @@ def test_the_white_box_audit_of_a_user_level_run_draws_canary_users_and_stays_be
     report = audit_white_box(dp, x, y, users=users, canaries=40, verbose=0)
     assert report.observed_steps == dp.ledger.steps and report.mismatches == [] and not report.contradicts_claim
     assert report.checks["sample_rate"].claimed == pytest.approx(USER_BATCH / N_USERS)  # users at the user rate
+
+
+def test_a_ledger_of_the_other_unit_is_refused_before_a_step():
+    """A ledger restored from a run at the other unit would claim its epsilon for one user while the steps
+    sample examples (or the reverse): refused in one line, nothing charged."""
+    x, y = small_data(32)
+    users = np.arange(32) // 2
+    dp = sparta_tf.DPModel(small_mlp(), noise_multiplier=1.0, sample_rate=0.25, delta=1e-3, seed=0, unit="user",
+                           examples_per_user=2)
+    dp.compile(tf.keras.optimizers.SGD(0.1), loss=LOSS)
+    dp.ledger = sparta_tf.PrivacyLedger(1e-3)  # example level
+    with pytest.raises(ValueError, match=r"^the ledger protects one example but this model's DP steps protect one user"):
+        dp.fit(x, y, users=users, verbose=0)
+    assert int(dp.dp_step.numpy()) == 0 and dp.ledger.steps == 0

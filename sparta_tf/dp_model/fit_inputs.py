@@ -73,7 +73,18 @@ def check_fit_call(dp, first, fit_kwargs: dict, callbacks: list, users=None) -> 
     if first is not None:
         check_first_padding_mask(first)
     check_users_argument(dp, first is not None, users)
+    check_ledger_unit(dp)
     check_keras_callbacks(dp, callbacks)
+
+
+def check_ledger_unit(dp) -> None:
+    """One line when the model's ledger protects another unit than its steps (a ledger restored from a run at
+    the other unit): its epsilon would be claimed for one user while the steps sample examples, or the
+    reverse."""
+    if dp.ledger is not None and dp.ledger.unit != dp.unit:
+        raise ValueError(f"the ledger protects one {dp.ledger.unit} but this model's DP steps protect one {dp.unit}; "
+                         f"restore a ledger of a run at unit={dp.unit!r}, or make the model with "
+                         f"unit={dp.ledger.unit!r}")
 
 
 def check_users_argument(dp, dataset: bool, users) -> None:
@@ -221,18 +232,30 @@ def input_pipeline(dp, x, y, initial_step: int, users=None):
     extra = 0 if dp.canaries is None else dp.canaries.participants  # a white-box audit's included canaries
     if dp.sampling == "shuffle":
         batch = max(1, round(dp.sample_rate * n))
-        dataset = shuffled_dataset(x, y, batch, seed=dp._seed, start_step=initial_step)
+        dataset = shuffled_dataset(x, y, batch, seed=dp.seed, start_step=initial_step)
         return dataset, shuffled_steps_per_epoch(n, batch)
     if dp.sampling_layout.bands > 1:
         check_same_cyclic_examples(dp, x, y)
     replicas = dp.distribute_strategy.num_replicas_in_sync
     if dp.physical_batch_size is None:
         dp.physical_batch_size = default_physical_batch_size(n, dp.sample_rate, multiple_of=replicas)
-    sampler = PoissonSampler(n, dp.sample_rate, dp.physical_batch_size, seed=dp._seed, bands=dp.sampling_layout.bands,
+    sampler = PoissonSampler(n, dp.sample_rate, dp.physical_batch_size, seed=dp.seed, bands=dp.sampling_layout.bands,
                              extra=extra, plain_steps=dp.sampling_layout.plain)
     if dp.canaries is not None:
         dp.canaries.bind_sampler(sampler)
     return sampler.dataset(x, y, start_step=initial_step), sampler.steps_per_epoch
+
+def check_same_groups(dp, made) -> None:
+    """A banded model's dataset from :class:`PoissonSampler` must draw the groups the model's steps assumed: the
+    sampler's seed must be the model's (a sampler of another seed, e.g. the default fresh one, draws other
+    groups), and its examples those of the model's first fit in its order (:func:`check_same_cyclic_examples`).
+    A ValueError, before a step."""
+    if made.seed != dp.seed:
+        raise ValueError(f"fit got PoissonSampler's dataset drawn with another seed than this model's: its cyclic groups "
+                         f"(bands={dp.sampling_layout.bands}) are not the ones the model's correlated noise continues "
+                         "with; build the sampler with seed=dp.seed, or feed arrays to fit")
+    check_same_cyclic_fingerprint(dp, made.examples)
+
 
 def check_same_cyclic_examples(dp, x, y) -> None:
     """Cyclic Poisson sampling (``bands > 1``) draws each example's group once per run, by position, and
@@ -240,7 +263,16 @@ def check_same_cyclic_examples(dp, x, y) -> None:
     the same in another order, would move examples to other groups than the earlier steps assumed, so one
     could be sampled twice within ``b`` steps. A ValueError, before a step, unless ``x, y`` are the examples
     of this model's first fit (:attr:`DPModel.cyclic_examples`, restored with a checkpoint) in its order."""
-    fingerprint = examples_fingerprint(x, y)
+    check_same_cyclic_fingerprint(dp, examples_fingerprint(x, y))
+
+
+def check_same_cyclic_fingerprint(dp, fingerprint: str) -> None:
+    """:func:`check_same_cyclic_examples` for the examples' ``fingerprint``."""
+    if dp.cyclic_examples is None and int(dp.dp_step.numpy()) > 0 and dp.private_run is None:  # make_private keeps it
+        raise ValueError(f"this model has run {int(dp.dp_step.numpy())} DP steps with bands={dp.sampling_layout.bands} "
+                         "but does not know which examples its cyclic groups were drawn for (a model restored from "
+                         "checkpoint_state): set dp.cyclic_examples to the value the first run had (save it beside "
+                         "the ledger), or resume through make_private(run_dir=...), which keeps it")
     if dp.cyclic_examples is None:
         dp.cyclic_examples = fingerprint
     elif dp.cyclic_examples != fingerprint:
@@ -263,7 +295,7 @@ def user_pipeline(dp, x, y, users, initial_step: int):
         dp.physical_batch_size = default_physical_batch_size(user_count, dp.sample_rate, multiple_of=replicas)
     extra = 0 if dp.canaries is None else dp.canaries.participants  # a white-box audit's included canary users
     sampler = UserPoissonSampler(ids, dp.sample_rate, dp.users.examples_per_user,
-                                 units_per_batch=dp.physical_batch_size, seed=dp._seed, extra=extra)
+                                 units_per_batch=dp.physical_batch_size, seed=dp.seed, extra=extra)
     if dp.canaries is not None:
         dp.canaries.bind_sampler(sampler)
     return sampler.dataset(x, y, start_step=initial_step), sampler.steps_per_epoch
@@ -287,6 +319,8 @@ def check_dataset_provenance(dp, dataset: tf.data.Dataset) -> None:
                          f"model's next DP step is {next_step}: its batches would repeat steps already sampled (or "
                          "leave cyclic groups out of step), which the ledger's Poisson analysis does not cover; make a "
                          "new dataset for every fit, sampler.dataset(x, y, start_step=int(dp.dp_step.numpy()))")
+    if made is not None and bands > 1 and (made.sample_rate, made.layout) == (dp.sample_rate, layout):
+        check_same_groups(dp, made)
     if made is not None and (made.sample_rate, made.layout) == (dp.sample_rate, layout) \
             and dp.dataset_size in (None, made.n):
         return

@@ -192,7 +192,6 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
         self.max_memory = memory_bytes(max_memory)
         self._jit_compile_setting = jit_compile
         seed = distribute.agree_on_seed(tf.distribute.get_strategy(), seed)
-        self._seed = seed
         self.dp_step = tf.Variable(
             0, dtype=tf.int64, trainable=False, name="dp_step",
             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
@@ -304,8 +303,10 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
     @property
     def seed(self) -> int:
         """The run seed of every random stream (:mod:`sparta_tf.random_streams`). Secret: whoever
-        knows it can recompute the noise and the batches; store it only with private checkpoints."""
-        return self._seed
+        knows it can recompute the noise and the batches; store it only with private checkpoints. It is
+        a variable of :meth:`checkpoint_state`, so a restored model samples (and, with ``bands > 1``,
+        keeps each example's cyclic group) as the run it continues, not only draws its noise."""
+        return int(self._noise_seed.numpy())
 
     @property
     def trainable_set(self) -> TrainableSet:

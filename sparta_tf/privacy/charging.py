@@ -36,7 +36,7 @@ from sparta_tf.checkpointing import BEFORE_TRAINING, CHECKPOINTS, JOURNAL, LEDGE
 from sparta_tf.masks import is_mask_charge
 from sparta_tf.privacy.callbacks import PrivacyCallback
 from sparta_tf.privacy.layout import SamplingLayout
-from sparta_tf.privacy.ledger import LedgerEntry, PrivacyLedger
+from sparta_tf.privacy.ledger import INTERRUPTED, LedgerEntry, PrivacyLedger
 from sparta_tf.privacy.mechanism import DpSgdMechanism
 
 # ------------------------------------------------------------------ fit
@@ -190,7 +190,7 @@ def charge_interrupted_steps(output_dir: str, checkpoint_step: int, ledger: Priv
     if lost:
         check_journalled_mechanism(output_dir, mechanism)
     layout = layout if layout is not None else SamplingLayout()
-    for entry in layout.charges(mechanism, None, lost, phase="interrupted") if lost else ():
+    for entry in layout.charges(mechanism, None, lost, phase=INTERRUPTED) if lost else ():
         ledger.charge(entry)
     return lost
 
@@ -263,7 +263,7 @@ def charge_interrupted_before_training(output_dir: str, ledger: PrivacyLedger, p
     ran = _entries_started_before_training(output_dir) if started else []
     for _ in range(started):
         for entry in ran or planned:  # what the killed runs ran (recorded), not this run's plan
-            ledger.charge(dataclasses.replace(entry, phase="interrupted"))
+            ledger.charge(dataclasses.replace(entry, phase=INTERRUPTED))
     return started
 
 

@@ -122,11 +122,18 @@ def _as_entry(planned: PlannedRun) -> LedgerEntry:
     return LedgerEntry(*planned)
 
 
+INTERRUPTED = "interrupted"
+"""The phase of the charges for steps a killed run started and its resume runs again."""
+
+
 def _appended(entries: tuple[LedgerEntry, ...], new: LedgerEntry) -> tuple[LedgerEntry, ...]:
-    """``entries + (new,)``, merged into the last entry when the keys match."""
+    """``entries + (new,)``, merged into the last entry when the keys match, except banded charges of
+    interrupted steps: two kills before one checkpoint replay the same steps, not consecutive ones, so
+    ``ceil((l1 + l2) / b)`` would under-count ``ceil(l1 / b) + ceil(l2 / b)``."""
     if new.count == 0:
         return entries
-    if entries and entries[-1].key == new.key:
+    replayed = new.phase == INTERRUPTED and new.bands > 1
+    if entries and entries[-1].key == new.key and not replayed:
         merged = dataclasses.replace(entries[-1], count=entries[-1].count + new.count)
         return entries[:-1] + (merged,)
     return entries + (new,)

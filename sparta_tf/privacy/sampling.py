@@ -86,6 +86,7 @@ from sparta_tf.privacy.array_inputs import (
     check_positive_int,
     check_sample_rate,
     check_start_step,
+    examples_fingerprint,
     gather_rows,
     num_examples,
     to_host_tensors,
@@ -110,12 +111,16 @@ POISSON_DOMAIN: int = random_streams.domain(POISSON_STREAM)
 class Provenance(NamedTuple):
     """What :meth:`PoissonSampler.dataset` made a dataset of: ``n`` examples at rate ``sample_rate``, in
     ``layout`` (bands and plain steps, :mod:`sparta_tf.privacy.layout`), its first element global step
-    ``start_step`` (every iteration of the dataset, e.g. each ``fit`` it is given to, starts there)."""
+    ``start_step`` (every iteration of the dataset, e.g. each ``fit`` it is given to, starts there). With
+    ``bands > 1`` also what decides each example's cyclic group: the sampler's ``seed`` and ``examples``
+    (:func:`~sparta_tf.privacy.array_inputs.examples_fingerprint` of ``x, y``); else None for both."""
 
     n: int
     sample_rate: float
     layout: SamplingLayout
     start_step: int
+    seed: int | None = None
+    examples: str | None = None
 
 
 #: ``dataset -> Provenance`` for every dataset :meth:`PoissonSampler.dataset` returned (weak keys: it
@@ -343,7 +348,8 @@ class PoissonSampler:
             return gather_rows(x_t, indices), gather_rows(y_t, indices), weights
 
         ds = tf.data.Dataset.counter(start_step, dtype=tf.int64).map(element).prefetch(tf.data.AUTOTUNE)
-        _POISSON_DATASETS[ds] = Provenance(self.n, self.sample_rate, self.layout, start_step)
+        groups = (self.seed, examples_fingerprint(x, y)) if self.layout.bands > 1 else (None, None)
+        _POISSON_DATASETS[ds] = Provenance(self.n, self.sample_rate, self.layout, start_step, *groups)
         return ds
 
 
