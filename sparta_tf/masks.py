@@ -120,7 +120,7 @@ class MaskProvenance:
             raise ValueError(f"the mask loaded from {source} was chosen at unit {self.unit!r}, this run's ledger "
                              f"protects one {ledger.unit}; choose the mask again at this run's unit")
         for entry in self.charged_entries():
-            ledger.record(entry.noise_multiplier, entry.sample_rate, entry.count, entry.kind, entry.phase)
+            ledger.charge(entry)  # bands kept: a mask chosen under BandMF costs its reduction
         for reason in self.reasons:
             ledger.record_nonprivate(f"{reason} (loaded from {source})")
         for caveat in self.caveats:

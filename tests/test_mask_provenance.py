@@ -190,3 +190,21 @@ def test_a_resumed_run_must_train_with_the_mask_its_checkpoint_recorded(tmp_path
         run("b")
     resumed = run("a")
     assert int(resumed.dp_step.numpy()) == resumed.plan.steps
+
+
+def test_a_mask_chosen_under_bands_is_charged_its_reduction():
+    """Its entries keep their bands: 40 steps at b = 4 are ceil(40 / 4) = 10 runs of the mechanism, as the run
+    that chose it charged them (they used to be charged as 40, about b times the cost)."""
+    chooser = st.PrivacyLedger(1e-5)
+    chooser.charge(st.privacy.ledger.LedgerEntry(1.0, 0.2, 40, "dp_sgd_step", "warmup", bands=4))
+    model = _model()
+    import tempfile
+    with tempfile.TemporaryDirectory() as directory:
+        save_mask(directory, [st.trainable.rows(g, [0]) for g in row_groups(model)], model,
+                  provenance=MaskProvenance.of_ledger(chooser), method="sparta")
+        loader = st.PrivacyLedger(1e-5)
+        read_provenance(directory).charge(loader, directory)
+        loaded = methods.make_method("sparta", mask=directory).mechanisms_before_training(48, 0.25)
+    assert [(e.count, e.bands, e.compositions) for e in loader.entries] == [(40, 4, 10)]
+    assert loader.epsilon() == pytest.approx(chooser.epsilon(), rel=1e-9)
+    assert [(m.count, m.bands, m.compositions) for m in loaded] == [(40, 4, 10)]

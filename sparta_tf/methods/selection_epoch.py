@@ -72,7 +72,7 @@ class SelectionEpochMethod(MaskedMethod):
     def mechanisms_before_training(self, n: int, sample_rate: float) -> list[Mechanism]:
         if self._provenance is None:
             return []
-        return [Mechanism(e.phase, e.sample_rate, e.count, e.noise_multiplier, e.kind, draws_noise=False)
+        return [Mechanism(e.phase, e.sample_rate, e.count, e.noise_multiplier, e.kind, draws_noise=False, bands=e.bands)
                 for e in self._provenance.charged_entries()]
 
     def unit_of_recorded_mechanisms(self) -> str | None:

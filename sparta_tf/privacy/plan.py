@@ -46,7 +46,8 @@ from sparta_tf.privacy.sampling import steps_per_epoch
 class Mechanism:
     """``count`` runs of ``M_{q, sigma}`` labelled ``phase`` / ``kind``; ``sigma=None``: to be calibrated.
     ``draws_noise=False``: a recorded cost, not a new release (a loaded mask's provenance, charged
-    again by every run that loads the mask)."""
+    again by every run that loads the mask). ``bands``: ``count`` steps of a banded mechanism (a mask
+    chosen under BandMF), charged as :attr:`compositions` runs."""
 
     phase: str
     sample_rate: float
@@ -54,11 +55,17 @@ class Mechanism:
     noise_multiplier: float | None = None
     kind: str = DEFAULT_KIND
     draws_noise: bool = True
+    bands: int = 1
+
+    @property
+    def compositions(self) -> int:
+        """``ceil(count / bands)`` (:attr:`~sparta_tf.privacy.ledger.LedgerEntry.compositions`)."""
+        return banded.reduced_steps(self.count, self.bands)
 
     def entry(self) -> LedgerEntry:
         if self.noise_multiplier is None:
             raise ValueError(f"mechanism {self.phase!r} has no noise multiplier yet")
-        return LedgerEntry(self.noise_multiplier, self.sample_rate, self.count, self.kind, self.phase)
+        return LedgerEntry(self.noise_multiplier, self.sample_rate, self.count, self.kind, self.phase, self.bands)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,8 +298,7 @@ def make_privacy_plan(
     for reason in nonprivate_reasons:
         ledger.record_nonprivate(reason)
     for mechanism in before:
-        ledger.record(mechanism.noise_multiplier, mechanism.sample_rate, mechanism.count, mechanism.kind,
-                      mechanism.phase)
+        ledger.charge(mechanism.entry())
     planned = []
     for phase, entries in zip(phases, phase_charges(phases, layout, DpSgdMechanism(noise_multiplier, q, bands=bands))):
         for entry in entries:
@@ -331,14 +337,14 @@ def calibrate_split(target_epsilon: float, delta: float, share: float, *, sample
 
 
 def _known(mechanisms: Sequence[Mechanism]) -> tuple:
-    return tuple((m.noise_multiplier, m.sample_rate, m.count) for m in mechanisms
+    return tuple((m.noise_multiplier, m.sample_rate, m.compositions) for m in mechanisms
                  if m.noise_multiplier is not None and m.count)
 
 
 def _calibrated_before(before: Sequence[Mechanism], sigma: float, training: tuple, target: float | None,
                        delta: float, accountant: str, tuning: Repetition | None = None):
     """``before`` with every missing noise multiplier calibrated to fill the budget."""
-    unknown = tuple((m.sample_rate, m.count) for m in before if m.noise_multiplier is None)
+    unknown = tuple((m.sample_rate, m.compositions) for m in before if m.noise_multiplier is None)
     if not unknown:
         return list(before)
     if target is None:
