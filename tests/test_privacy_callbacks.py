@@ -257,3 +257,19 @@ def test_a_call_of_several_steps_is_checked_whole_against_the_budget():
         _fit(model, [callback], epochs=1)
     assert int(model.optimizer.iterations.numpy()) == 2
     assert ledger.epsilon() <= ledger.target_epsilon
+
+
+def test_a_shuffled_run_runs_the_steps_its_plan_calibrated_for():
+    """n = 330, batch 64: the plan counts round(1/q) = 5 steps an epoch; shuffled batches used to run
+    ceil(330 / 64) = 6, so a run at its target was refused ("needs epsilon=2.18 > 2")."""
+    import sparta_tf
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(330, 8)).astype(np.float32), rng.integers(0, 3, 330)
+    model = tf.keras.Sequential([tf.keras.Input((8,)), tf.keras.layers.Dense(3)])
+    dp = sparta_tf.make_private(model, method="all", target_epsilon=2.0, delta=1e-3, epochs=3, batch_size=64,
+                                dataset_size=330, seed=0, sampling="shuffle", accountant="rdp")
+    dp.compile(tf.keras.optimizers.SGD(0.1),
+               loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    dp.fit(x, y, verbose=0)
+    assert int(dp.dp_step.numpy()) == dp.plan.steps == 15 and dp.ledger.steps == 15

@@ -34,11 +34,12 @@ from sparta_tf.privacy.sampling import (
     default_physical_batch_size,
     poisson_provenance,
 )
+from sparta_tf.privacy.sampling import steps_per_epoch as planned_steps_per_epoch
 from sparta_tf.privacy.user_sampling import (
     UserPoissonSampler,
     dense_user_ids,
 )
-from sparta_tf.privacy.shuffling import shuffled_dataset, shuffled_steps_per_epoch
+from sparta_tf.privacy.shuffling import shuffled_dataset
 from sparta_tf.trainable import TrainableSet
 
 
@@ -233,7 +234,9 @@ def input_pipeline(dp, x, y, initial_step: int, users=None):
     if dp.sampling == "shuffle":
         batch = max(1, round(dp.sample_rate * n))
         dataset = shuffled_dataset(x, y, batch, seed=dp.seed, start_step=initial_step)
-        return dataset, shuffled_steps_per_epoch(n, batch)
+        # round(1/q) steps a (Keras) epoch, as the plan and Poisson sampling count them; the permutations run
+        # on across epochs (ceil(n / B) batches each), so a planned run is never refused a step it planned
+        return dataset, planned_steps_per_epoch(dp.sample_rate)
     if dp.sampling_layout.bands > 1:
         check_same_cyclic_examples(dp, x, y)
     replicas = dp.distribute_strategy.num_replicas_in_sync
