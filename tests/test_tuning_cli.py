@@ -208,3 +208,20 @@ def test_the_score_noise_and_denominator_come_from_public_sizes_not_the_validati
                                       denominator=public)
     correct = procedure.count_correct(setup.model, setup.dataset.x_val, setup.dataset.y_val)
     assert score == pytest.approx((correct + draws.score_noise(0, 1.0)) / public)
+
+
+def test_the_release_states_a_split_key_that_training_seed_decides_and_an_old_tunings_validation_size(tmp_path):
+    """The candidates' run seeds are secret, so no run's seed caveat says that ``training.seed`` decides which
+    examples were held out; and a tuning started before the denominator was public released ``n_val``."""
+    from sparta_tf.data.loader import KNOWN_KEY_CAVEAT
+
+    known = KNOWN_KEY_CAVEAT.format(where="derived from training.seed")
+    config = tuning_config(tmp_path / "t")
+    set_key(config, "training.seed", 3)
+    seeded = validate(config)
+    set_key(config, "training.seed", None)
+    secret = validate(config)
+    public_denominator = {"score_denominator": 90}
+    assert tune.release_caveats(seeded, public_denominator) == [known]
+    assert tune.release_caveats(secret, public_denominator) == []
+    assert tune.release_caveats(secret, {"validation_size": 88}) == [procedure.VALIDATION_SIZE_CAVEAT]

@@ -32,6 +32,7 @@ import tensorflow as tf
 
 from sparta_tf import checkpointing
 from sparta_tf.atomic_files import replace_atomically, write_atomic
+from sparta_tf.data.loader import KNOWN_KEY_CAVEAT
 from sparta_tf.privacy.ledger import PrivacyLedger
 from sparta_tf.privacy.tuning import CandidateCount, Repetition, TuningBudgetError
 from sparta_tf.tuning import procedure
@@ -275,11 +276,26 @@ def _candidate(config: dict, state: dict, draws, index: int, candidate_dir: str)
         return json.load(f)
 
 
+def release_caveats(config: dict, state: dict) -> list[str]:
+    """What the tuning's own set-up leaves uncovered, beyond its candidates' caveats: a split key that
+    ``training.seed`` decides (the candidates' run seeds are secret, so no run states it), and a tuning
+    started before the score's denominator was public (its noise and score reveal ``n_val``)."""
+    caveats = []
+    if split_key.seed_key(config) is not None:
+        caveats.append(KNOWN_KEY_CAVEAT.format(where="derived from training.seed"))
+    if "score_denominator" not in state:
+        caveats.append(procedure.VALIDATION_SIZE_CAVEAT)
+    return caveats
+
+
 def _release(config: dict, state: dict, draws, tally: procedure.Tally) -> dict:
     """Writes ``release/`` (:func:`~sparta_tf.tuning.release.write_release`) and the private ``results.json``
     (the released results plus what the release leaves out); returns the latter."""
     output_dir = config["output_dir"]
     privacy = config["privacy"]
+    for caveat in release_caveats(config, state):
+        if caveat not in tally.caveats:
+            tally.caveats.append(caveat)
     ledger = tally.released_ledger(draws, delta=privacy["delta"], target_epsilon=privacy["target_epsilon"],
                                    sampling=privacy["sampling"])
     best = tally.best

@@ -131,8 +131,9 @@ def expected_validation_units(training_units: int, val_fraction: float) -> int:
 
 
 VALIDATION_SIZE_CAVEAT = ("the noisy validation score is divided by the validation split's size, and the default score "
-                          "noise follows from it, so the release reveals that size; pass public_validation_size, a "
-                          "size fixed without reading the private data")
+                          "noise follows from it, so the release reveals that size; pass public_validation_size to "
+                          "tune_privately (a size fixed without reading the private data), or start a sparta-tune "
+                          "tuning again (one started by an older sparta-tf)")
 
 
 def public_denominator(public_validation_size: int | None, validation_size: int) -> int:
