@@ -235,3 +235,21 @@ def test_a_run_killed_twice_after_its_pre_pruning_charges_every_pruning_on_resum
     snip = [(e["phase"], e["count"]) for e in ledger["entries"] if e["kind"] == "dp_snip"]
     assert snip == [("interrupted", 2), ("pre-pruning", 1)]
     assert results["epsilon"] <= 8.0 + 1e-6
+
+
+def test_a_run_killed_between_its_export_and_its_results_resumes_with_a_fixed_export_version(tmp_path, capsys,
+                                                                                          write_config):
+    """The export is renamed into place whole, then results.json is written: a kill in between left a run whose
+    --resume refused the existing export version forever. It keeps the export (the same final weights)."""
+    out = tmp_path / "run"
+    config = dict(tiny(out, "bitfit", epochs=2), export={"enabled": True, "version": 7})
+    path = write_config(config)
+    assert cli.main(["--config", path]) == 0
+    exported = sorted(p.name for p in (out / "export" / "7").rglob("*"))
+    (out / "results.json").unlink()  # as a kill after the export's rename leaves it
+    capsys.readouterr()
+    assert cli.main(["--config", path, "--resume"]) == 0, capsys.readouterr().err
+    assert "of this run exists already; kept" in capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    assert results["export_dir"].endswith(os.path.join("export", "7"))
+    assert sorted(p.name for p in (out / "export" / "7").rglob("*")) == exported

@@ -447,10 +447,18 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
     if config["export"]["enabled"]:  # by a fresh process: its function names count nothing this one traced
         from sparta_tf.tuning.release import export_in_fresh_process
 
-        results["export_dir"] = export_in_fresh_process(
-            dp.model, os.path.join(output_dir, "export"), version=config["export"]["version"],
-            preprocessing=serving_preprocessing(dataset),
-        )
+        version = config["export"]["version"]
+        done = None if version is None else os.path.join(output_dir, "export", str(version))
+        if done is not None and dp.private_run.previous is not None and os.path.isdir(done):
+            # a run killed after its export's rename (atomic: the export is whole) and before results.json:
+            # the same final weights, exported in a fresh process, give the same files
+            print(f"== the export {done} of this run exists already; kept")
+            results["export_dir"] = done
+        else:
+            results["export_dir"] = export_in_fresh_process(
+                dp.model, os.path.join(output_dir, "export"), version=version,
+                preprocessing=serving_preprocessing(dataset),
+            )
     checkpointing.write_atomic(os.path.join(output_dir, RESULTS), json.dumps(results, indent=1))
     print(dp.ledger.report())
     spent = f"epsilon {results['epsilon']:.4g}" if results["private"] else "NO privacy guarantee"

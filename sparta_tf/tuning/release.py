@@ -120,10 +120,14 @@ def write_release(target: str, results: dict, ledger_json: dict, model_path: str
             last = (process.stderr.strip().splitlines() or ["no output"])[-1]
             raise RuntimeError(f"writing the release in a fresh process failed: {last}")
         _fix_times(staging)
-        if os.path.isdir(target):
-            shutil.rmtree(target)
+        old = None
+        if os.path.isdir(target):  # moved aside whole, so that a kill leaves the old release or the new one
+            old = tempfile.mkdtemp(prefix=".release-old-", dir=parent)
+            os.replace(target, os.path.join(old, "release"))
         os.replace(staging, target)
         os.utime(target, (RELEASE_TIME, RELEASE_TIME))
+        if old is not None:
+            shutil.rmtree(old)
     finally:
         if os.path.isdir(staging):
             shutil.rmtree(staging)
