@@ -99,6 +99,11 @@ def reject_batch_mixing_layers(model: tf.keras.Model) -> None:
 reject_batchnorm_in_training_mode = reject_batch_mixing_layers
 
 
+def first_examples(t, count: int = PROBE_EXAMPLES):
+    """The first ``count`` examples of arrays or tensors (any structure), as tensors: what a probe runs on."""
+    return tf.nest.map_structure(lambda a: tf.convert_to_tensor(a[:count]), t)
+
+
 def _replaced_first(x, donor_index: int):
     """``x`` with example 0 replaced by a far-away version of example ``donor_index``."""
     def replace(t):
@@ -140,7 +145,7 @@ def probe_batch_mixing(model: tf.keras.Model, x) -> bool:
     returns False when the probe could not decide (the model's randomness
     cannot be replayed), True when it passed. Every variable is restored.
     """
-    x = tf.nest.map_structure(lambda t: tf.convert_to_tensor(t[:PROBE_EXAMPLES]), x)
+    x = first_examples(x)
     batch = int(tf.shape(tf.nest.flatten(x)[0])[0])
     if batch < 2:
         return False
@@ -178,8 +183,7 @@ def probe_loss_mixing(loss_fn, model: tf.keras.Model, x, y) -> None:
     change. A loss of batch statistics (a contrastive or InfoNCE loss, predictions centred on the batch mean)
     lets one example move every other example's gradient, so its clipped term: the sensitivity is then up to
     ``2 C B``, not ``C``. Raises :class:`NotPerExampleSafeError`."""
-    x = tf.nest.map_structure(lambda t: tf.convert_to_tensor(t[:PROBE_EXAMPLES]), x)
-    y = tf.nest.map_structure(lambda t: tf.convert_to_tensor(t[:PROBE_EXAMPLES]), y)
+    x, y = first_examples(x), first_examples(y)
     predictions = model(x, training=False)
     batch = int(tf.shape(tf.nest.flatten(predictions)[0])[0])
     losses = loss_fn(y, predictions)

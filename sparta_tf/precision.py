@@ -57,6 +57,12 @@ def accumulation_dtype(dtype: tf.DType) -> tf.DType:
     return tf.float64 if dtype == tf.float64 else tf.float32
 
 
+def is_low_precision(tensors) -> bool:
+    """Whether any tensor of ``tensors`` (any structure) is of a floating dtype narrower than float32
+    (bfloat16, float16): what a layer computes in under a mixed-precision policy."""
+    return any(t.dtype not in (tf.float32, tf.float64) for t in tf.nest.flatten(tensors))
+
+
 def to_accumulation(t: tf.Tensor) -> tf.Tensor:
     """``t`` cast to :func:`accumulation_dtype` (floating tensors only; others unchanged)."""
     if not t.dtype.is_floating:

@@ -294,8 +294,7 @@ def _release(config: dict, state: dict, draws, tally: procedure.Tally) -> dict:
     output_dir = config["output_dir"]
     privacy = config["privacy"]
     for caveat in release_caveats(config, state):
-        if caveat not in tally.caveats:
-            tally.caveats.append(caveat)
+        tally.record_caveat(caveat)
     ledger = tally.released_ledger(draws, delta=privacy["delta"], target_epsilon=privacy["target_epsilon"],
                                    sampling=privacy["sampling"])
     best = tally.best

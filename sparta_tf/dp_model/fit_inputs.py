@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from sparta_tf import distribute, keras_trainer
 from sparta_tf.dp_step.usable_examples import DroppedExamplesReport
-from sparta_tf.model_checks import PROBE_EXAMPLES, probe_batch_mixing, probe_loss_mixing
+from sparta_tf.model_checks import first_examples, probe_batch_mixing, probe_loss_mixing
 from sparta_tf.per_example import make_engine
 from sparta_tf.per_example.coverage import check_coverage
 from sparta_tf.privacy.array_inputs import examples_fingerprint
@@ -208,7 +208,7 @@ def prepare(dp, x, y, steps_per_epoch: int | None, first=None, users=None):
     if x is not None and not isinstance(x, tf.data.Dataset):
         if y is None:
             raise ValueError("fit(x, y): labels y are required with array inputs")
-        first = first_rows(x), first_rows(y)
+        first = first_examples(x), first_examples(y)
         x, steps_per_epoch = input_pipeline(dp, x, y, int(dp.dp_step.numpy()), users)
         y = None
     elif isinstance(x, tf.data.Dataset):
@@ -248,6 +248,7 @@ def input_pipeline(dp, x, y, initial_step: int, users=None):
         dp.canaries.bind_sampler(sampler)
     return sampler.dataset(x, y, start_step=initial_step), sampler.steps_per_epoch
 
+
 def check_same_groups(dp, made) -> None:
     """A banded model's dataset from :class:`PoissonSampler` must draw the groups the model's steps assumed: the
     sampler's seed must be the model's (a sampler of another seed, e.g. the default fresh one, draws other
@@ -271,8 +272,9 @@ def check_same_cyclic_examples(dp, x, y) -> None:
 
 def check_same_cyclic_fingerprint(dp, fingerprint: str) -> None:
     """:func:`check_same_cyclic_examples` for the examples' ``fingerprint``."""
-    if dp.cyclic_examples is None and int(dp.dp_step.numpy()) > 0 and dp.private_run is None:  # make_private keeps it
-        raise ValueError(f"this model has run {int(dp.dp_step.numpy())} DP steps with bands={dp.sampling_layout.bands} "
+    steps = int(dp.dp_step.numpy())
+    if dp.cyclic_examples is None and steps > 0 and dp.private_run is None:  # make_private keeps it
+        raise ValueError(f"this model has run {steps} DP steps with bands={dp.sampling_layout.bands} "
                          "but does not know which examples its cyclic groups were drawn for (a model restored from "
                          "checkpoint_state): set dp.cyclic_examples to the value the first run had (save it beside "
                          "the ledger), or resume through make_private(run_dir=...), which keeps it")
@@ -322,10 +324,10 @@ def check_dataset_provenance(dp, dataset: tf.data.Dataset) -> None:
                          f"model's next DP step is {next_step}: its batches would repeat steps already sampled (or "
                          "leave cyclic groups out of step), which the ledger's Poisson analysis does not cover; make a "
                          "new dataset for every fit, sampler.dataset(x, y, start_step=int(dp.dp_step.numpy()))")
-    if made is not None and bands > 1 and (made.sample_rate, made.layout) == (dp.sample_rate, layout):
+    sampled_as_planned = made is not None and (made.sample_rate, made.layout) == (dp.sample_rate, layout)
+    if sampled_as_planned and bands > 1:
         check_same_groups(dp, made)
-    if made is not None and (made.sample_rate, made.layout) == (dp.sample_rate, layout) \
-            and dp.dataset_size in (None, made.n):
+    if sampled_as_planned and dp.dataset_size in (None, made.n):
         return
     what = ("a tf.data.Dataset that PoissonSampler did not make (or one transformed after it)" if made is None
             else f"the dataset of PoissonSampler(n={made.n}, sample_rate={made.sample_rate:g}"
@@ -386,11 +388,6 @@ def real_examples(element):
     rows = tf.where(tf.reshape(weights, [-1]) > 0)[:, 0]
     pick = lambda t: tf.gather(t, rows)  # noqa: E731
     return tf.nest.map_structure(pick, x), (None if y is None else tf.nest.map_structure(pick, y))
-
-
-def first_rows(t, rows: int = PROBE_EXAMPLES):
-    """The first ``rows`` examples of arrays or tensors (any structure)."""
-    return tf.nest.map_structure(lambda a: tf.convert_to_tensor(a[:rows]), t)
 
 
 def checked_padding_mask(*element):

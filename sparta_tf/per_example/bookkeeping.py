@@ -66,7 +66,7 @@ from sparta_tf.per_example.registry import ghost_rule_for
 from sparta_tf.per_example.rules.recurrent import is_recurrent
 from sparta_tf.per_example.rules.base import NormMethod, keep_examples, squared_sum
 from sparta_tf.per_example.units import view_units
-from sparta_tf.precision import accumulation_dtype, to_accumulation
+from sparta_tf.precision import accumulation_dtype, is_low_precision, to_accumulation
 from sparta_tf.trainable import VariableSelection
 
 logger = logging.getLogger(__name__)
@@ -219,8 +219,7 @@ class BookkeepingEngine(HookedEngine):
         streamed = [call for call in calls if call.tap is not None and counts[id(call.layer)] == 1
                     and not self._time_distributed(call.layer)]
         if not one_pass:
-            low_precision = any(probe.dtype not in (tf.float32, tf.float64)
-                                for call in calls for probe in tf.nest.flatten(call.probe))
+            low_precision = any(is_low_precision(call.probe) for call in calls)
             one_pass_bytes = one_pass_bound(kept_bytes(calls))
             too_big = self.max_memory == 0 or (one_pass_bytes is not None and one_pass_bytes > self.max_memory)
             one_pass = not too_big or not streamed or low_precision

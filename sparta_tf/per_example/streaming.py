@@ -45,7 +45,7 @@ from sparta_tf.per_example.engines import check_rows
 from sparta_tf.per_example.memory_budget import GRADIENTS_OVER_DELTA
 from sparta_tf.per_example.rules.base import GhostRule
 from sparta_tf.per_example.units import ONE_ROW, Units
-from sparta_tf.precision import accumulation_dtype, to_accumulation
+from sparta_tf.precision import accumulation_dtype, is_low_precision, to_accumulation
 
 NORMS, SUMS = "norms", "sums"
 
@@ -149,8 +149,8 @@ class Streaming:
             self.materialised[id(call)] = set(materialised)
             kept = "streamed"
             if self.keep_for_sums:
-                low_precision = any(p.dtype not in (tf.float32, tf.float64) for p in tf.nest.flatten(dz))
-                self.kept_for_sums[id(call)] = smaller_to_keep(delta, materialised, len(selections), low_precision)
+                self.kept_for_sums[id(call)] = smaller_to_keep(delta, materialised, len(selections),
+                                                               is_low_precision(dz))
                 kept = "kept" if self.kept_for_sums[id(call)].grads is None else "per_example"
             if self.batch_rows is not None:
                 check_rows(call.layer, norms, self.batch_rows)

@@ -225,28 +225,23 @@ def journal_before_training(output_dir: str, ledger: PrivacyLedger, entries: Seq
 
 
 def _runs_started_before_training(output_dir: str) -> int:
-    return int(_before_training_record(output_dir).get("runs_started", 0))
+    return _before_training_record(output_dir)[0]
 
 
-def _entries_started_before_training(output_dir: str) -> list[LedgerEntry]:
-    """The entries the killed runs' mechanisms before training charged (one run's), as they recorded them."""
-    return [LedgerEntry.from_dict(e) for e in _before_training_record(output_dir).get("entries", [])]
-
-
-def _before_training_record(output_dir: str) -> dict:
-    """``before_training.json`` (``{}`` when there is none); CheckpointError when it is damaged."""
+def _before_training_record(output_dir: str) -> tuple[int, list[LedgerEntry]]:
+    """``before_training.json`` read: the runs that started the mechanisms before training, and the entries
+    they charged (one run's, as they recorded them); ``(0, [])`` when there is none; CheckpointError when it
+    is damaged."""
     path = os.path.join(output_dir, CHECKPOINTS, BEFORE_TRAINING)
     if not os.path.exists(path):
-        return {}
+        return 0, []
     try:
         with open(path) as f:
             record = json.load(f)
-        int(record["runs_started"])
-        [LedgerEntry.from_dict(e) for e in record.get("entries", [])]
+        return int(record["runs_started"]), [LedgerEntry.from_dict(e) for e in record.get("entries", [])]
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise CheckpointError(f"{path} is damaged ({error}): the mechanisms the killed runs started cannot be "
                               "counted, so it cannot be resumed safely; start a new output_dir") from None
-    return record
 
 
 def charge_interrupted_before_training(output_dir: str, ledger: PrivacyLedger, planned: Sequence[LedgerEntry],
@@ -259,8 +254,8 @@ def charge_interrupted_before_training(output_dir: str, ledger: PrivacyLedger, p
     charged twice, an over-count)."""
     if not planned:
         return 0
-    started = distribute.largest_over_workers(strategy, _runs_started_before_training(output_dir))
-    ran = _entries_started_before_training(output_dir) if started else []
+    runs_here, ran = _before_training_record(output_dir)
+    started = distribute.largest_over_workers(strategy, runs_here)
     for _ in range(started):
         for entry in ran or planned:  # what the killed runs ran (recorded), not this run's plan
             ledger.charge(dataclasses.replace(entry, phase=INTERRUPTED))

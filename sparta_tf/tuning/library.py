@@ -202,7 +202,7 @@ def tune_privately(
     procedure.check_one_mechanism(plan, plan_of, [candidate.values for candidate in draws.candidates], "space")
     tally, best = procedure.Tally(procedure.planned_entries(plan), plan.unit), None
     if public_validation_size is None:
-        tally.caveats.append(procedure.VALIDATION_SIZE_CAVEAT)
+        tally.record_caveat(procedure.VALIDATION_SIZE_CAVEAT)
     built = _IndependentModels(build_model, backend.name_state())
     for index, candidate in enumerate(draws.candidates):
         optimizer_values, _, dp_options = split(candidate.values)

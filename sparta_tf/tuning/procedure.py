@@ -49,8 +49,14 @@ class Tally:
                 raise ValueError(f"a candidate's ledger protects one {ledger.unit} but the tuning's plan one "
                                  f"{self.unit}; every candidate must train at the plan's unit")
             self.entries.append(list(ledger.entries))
-            self.caveats += [c for c in ledger.caveats() if c not in self.caveats]
+            for caveat in ledger.caveats():
+                self.record_caveat(caveat)
             self.nonprivate += [r for r in ledger.nonprivate_reasons if r not in self.nonprivate]
+
+    def record_caveat(self, caveat: str) -> None:
+        """A caveat of the release (once)."""
+        if caveat not in self.caveats:
+            self.caveats.append(caveat)
 
     @property
     def best(self) -> int | None:
