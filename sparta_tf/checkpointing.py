@@ -129,6 +129,12 @@ def latest(output_dir: str) -> tuple[str, dict] | None:
     return None
 
 
+OPTIONAL_STATE = ("public_seed",)
+"""Checkpoint entries a checkpoint may lack: one written before the DP model had them keeps the value it
+was built with (``private_model`` passes the run state's ``public_seed``, or the run seed, which such a
+run used for its public streams)."""
+
+
 def restore(path: str, dp_model) -> None:
     """Restores a checkpoint into a DPModel set up for the phase of the next epoch.
 
@@ -140,9 +146,10 @@ def restore(path: str, dp_model) -> None:
     prefix = os.path.join(path, "ckpt")
     required = dict(dp_model.checkpoint_state())
     per_selection = {name: required.pop(name) for name in ("masked_optimizer", "correlated_noise") if name in required}
+    optional = {name: required.pop(name) for name in OPTIONAL_STATE if name in required}
     try:
         tf.train.Checkpoint(**required).read(prefix).expect_partial().assert_existing_objects_matched()
-        tf.train.Checkpoint(**per_selection).read(prefix).expect_partial()
+        tf.train.Checkpoint(**per_selection, **optional).read(prefix).expect_partial()
     except (AssertionError, ValueError, IndexError, KeyError, OSError, tf.errors.OpError) as error:
         first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         raise CheckpointError(f"checkpoint {path} cannot be restored ({first}): it is damaged or belongs to "

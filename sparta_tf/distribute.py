@@ -198,7 +198,7 @@ def per_worker_dataset_fn(global_dataset_fn):
     return dataset_fn
 
 
-def agree_on_seed(strategy: tf.distribute.Strategy, seed: int | None) -> int:
+def agree_on_seed(strategy: tf.distribute.Strategy, seed: int | None, name: str = "seed") -> int:
     """The run seed every worker uses: the chief's (a fresh secret one when ``seed`` is None).
 
     A seed given explicitly must be the same on every worker; different seeds
@@ -212,7 +212,7 @@ def agree_on_seed(strategy: tf.distribute.Strategy, seed: int | None) -> int:
         return resolved
     chief = shared_seed(strategy, resolved)
     if seed is not None and chief != resolved:
-        raise ValueError("DPModel(seed=...) differs between workers; pass the same seed to every worker "
+        raise ValueError(f"DPModel({name}=...) differs between workers; pass the same {name} to every worker "
                          "(or None: the chief's secret seed is then shared)")
     return chief
 

@@ -342,8 +342,8 @@ SPECS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                  _mask_options(_granularity("entry"))),
     _static_mask("random", "the DP-BitFit set + uniformly random rows per layer (free: data-independent)",
                  _mask_options(_granularity("row")) + (Option(
-                     "seed", None, (int, _NONE), "explicit seed of the random mask, overriding the run seed "
-                     "(null, the default: the run seed's \"random_mask\" stream)", Interval(0, 2**63, False, True)),)),
+                     "seed", None, (int, _NONE), "explicit seed of the random mask, overriding the run's "
+                     "public seed (null, the default: the public seed's \"random_mask\" stream)", Interval(0, 2**63, False, True)),)),
     MethodSpec("dpsgd_grad", "as sparta, entries of largest averaged noisy DP-SGD gradient (paper Alg. 2)",
                _selection_options("dpsgd_grad", _granularity("entry", ("entry",))), _selection_phases("entries")),
     MethodSpec("oracle", "as sparta, entries of largest exact |g| (paper Alg. 3): NOT private",

@@ -104,6 +104,7 @@ def make_private(
     physical_batch_size: int | None = None,
     sampling: str = "poisson",
     seed: int | None = None,
+    public_seed: int | None = None,
     engine: str = "auto",
     max_memory: int | str | None = None,
     jit_compile: Any = "auto",
@@ -133,7 +134,9 @@ def make_private(
       accountant: ``"pld"`` or ``"rdp"`` (dp-accounting).
       physical_batch_size: examples per micro-batch, as for :class:`~sparta_tf.DPModel`.
       sampling: ``"poisson"`` (what the accountant assumes) or ``"shuffle"``.
-      seed: the run seed every random stream derives from (None: a secret one from the OS).
+      seed: the run seed every secret random stream derives from (None: a secret one from the OS).
+      public_seed: the seed of the public streams, whose draws a release may show (a random mask):
+        None is ``seed`` when given, else one drawn independently of the secret seed.
       engine: the per-example engine (``"auto"``: book-keeping where it applies).
       max_memory: the bytes of layer output gradients a book-keeping step may keep (an int or
         ``"2GiB"``); above it the step runs in two backward passes and keeps none. None: a quarter of
@@ -181,7 +184,8 @@ def make_private(
                        target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, accountant=accountant,
                        bands=bands, unit=unit)
     return private_model(model, method, plan, run_dir=run_dir, clip_norm=clip_norm,
-                         physical_batch_size=physical_batch_size, sampling=sampling, seed=seed, engine=engine,
+                         physical_batch_size=physical_batch_size, sampling=sampling, seed=seed, public_seed=public_seed,
+                         engine=engine,
                          max_memory=max_memory, jit_compile=jit_compile, augmult=augmult, augmentation=augmentation, ema=ema,
                          use_ema_weights=use_ema_weights, examples_per_user=examples_per_user)
 
@@ -215,6 +219,7 @@ def private_model(model: tf.keras.Model, method: Method, plan: PrivacyPlan, *, r
     previous = checkpointing.latest(run_dir) if run_dir is not None else None
     if previous is not None:
         seed = previous[1]["seed"]
+        dp_options["public_seed"] = previous[1].get("public_seed", seed)
     dp = method.make_dp_model(
         model, noise_multiplier=plan.noise_multiplier, sample_rate=plan.sample_rate, dataset_size=plan.n,
         delta=plan.delta, target_epsilon=plan.run_budget, accountant=plan.accountant, seed=seed, bands=plan.bands,
@@ -378,7 +383,7 @@ class EpochCheckpoint(tf.keras.callbacks.Callback):
         self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + time.perf_counter() - self._start
         if privacy is not None:
             privacy.flush()
-        state = {"seed": self.dp.seed, "ledger": self.dp.ledger.to_json(), "noise_drawn_by_xla": self.dp.noise_drawn_by_xla,
+        state = {"seed": self.dp.seed, "public_seed": self.dp.public_seed, "ledger": self.dp.ledger.to_json(), "noise_drawn_by_xla": self.dp.noise_drawn_by_xla,
                  "mask": self.mask()}
         if self.dp.cyclic_examples is not None:
             state["cyclic_examples"] = self.dp.cyclic_examples

@@ -1,6 +1,7 @@
-"""Named random streams: every random choice of a run, derived from one seed in one place.
+"""Named random streams: every random choice of a run, derived from its seeds in one place.
 
-A run has one 63-bit seed ``s`` (secret: see below). Each mechanism or
+A run has a 63-bit seed ``s`` (secret; its public streams use a seed ``p``
+of their own: see below). Each mechanism or
 random choice draws from its own *stream*, registered in :data:`STREAMS`
 with a domain constant ``d`` that separates it from every other stream::
 
@@ -26,21 +27,26 @@ knows ``s`` can recompute (and so remove) the noise or learn which examples
 were in which batch. Keep the seed with the private training checkpoints,
 never in exported models, logs or reports. The data-independent streams
 (random masks, random pre-pruning, gradient dropping, data splits,
-augmentation, canaries) need no secrecy but are derived the same way so
-that one seed reproduces a run. Their outputs can be public (a random mask
-can be read off the released model: its frozen rows equal the pre-trained
-ones), which makes them a test of a guessed seed: the security margin
-against someone who tries every seed is the seed's 63 bits, not the 128 of
-the streams' keys. Give the ``random`` method a ``seed`` of its own to take
-its mask off the run seed.
+augmentation, canaries) need no secrecy, and their outputs can be public: a
+random mask can be read off the released model (its frozen rows equal the
+pre-trained ones). Such an output is a test of a guessed seed, so a run
+keeps two seeds (:func:`public_seed_of`):
 
-When no seed is given, a fresh one comes from the OS's cryptographic
+* the *secret* seed ``s`` of the secret streams, and
+* the *public* seed ``p`` of the public streams (:attr:`Stream.secret` False).
+
+A run given a seed uses it for both (one number reproduces the run; such a
+seed is only as secret as the config that holds it). A run without one
+draws ``s`` and ``p`` independently from the OS's cryptographic source, so
+that nothing readable off a release is a function of ``s``: trying every
+``p`` that reproduces a random mask tells nothing about the noise.
+
+When no seed is given, fresh ones come from the OS's cryptographic
 source (:func:`new_seed`). ``sparta-train`` then uses seed 0 for the data
 streams (splits, synthetic data, augmentation), so that runs of one config
-see one data set, and the fresh secret seed for everything else. Two
-options override the run seed for one public choice each, explicitly:
-the ``random`` method's ``seed`` (its mask) and ``sparta-audit
---canary-seed`` (which examples become canaries).
+see one data set. Two options override the public seed for one public
+choice each, explicitly: the ``random`` method's ``seed`` (its mask) and
+``sparta-audit --canary-seed`` (which examples become canaries).
 """
 
 from __future__ import annotations
@@ -113,6 +119,15 @@ MAX_SEED = 2**63  # seeds live in [0, 2**63) so that they fit an int64
 def new_seed() -> int:
     """A fresh secret 63-bit seed from the OS's cryptographic source."""
     return secrets.randbits(63)
+
+
+def public_seed_of(public_seed: Any, seed: Any) -> int | None:
+    """The public seed ``p`` of a run whose seed argument is ``seed``: ``public_seed`` when given, else
+    ``seed`` (a run given one seed reproduces from it), else None: the caller draws a fresh ``p``
+    independently of the secret seed (:func:`new_seed`, or the chief's under multi-worker training)."""
+    if public_seed is not None:
+        return check_seed(public_seed)
+    return None if seed is None else check_seed(seed)
 
 
 def check_seed(seed: Any) -> int:

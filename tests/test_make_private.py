@@ -170,3 +170,18 @@ def test_the_journal_covers_every_step_of_a_call_of_several(tmp_path):
     dp.fit(*small_data(N), verbose=0, callbacks=[ReadJournal()])
     assert seen and all(journaled >= ran and charged >= ran for ran, journaled, charged in seen)
     assert seen[-1][0] == dp.plan.steps
+
+
+def test_a_resumed_run_keeps_both_seeds_of_the_run_it_continues(tmp_path):
+    """Without a given seed the run's public seed (its random mask's) is drawn apart from the secret one, and a
+    run built again on the run directory continues both: the same mask, the same noise and batches."""
+    def build():
+        return sparta_tf.make_private(small_mlp(), method="random", target_epsilon=8.0, delta=1e-5, epochs=EPOCHS,
+                                      batch_size=BATCH, dataset_size=N, run_dir=str(tmp_path))
+
+    dp = build()
+    dp.compile(tf.keras.optimizers.SGD(0.5), loss=LOSS)
+    dp.fit(*small_data(N), verbose=0)
+    assert dp.public_seed != dp.seed
+    resumed = build()
+    assert (resumed.seed, resumed.public_seed) == (dp.seed, dp.public_seed)

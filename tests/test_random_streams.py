@@ -152,19 +152,67 @@ def test_the_selection_scores_noise_has_its_own_stream():
     assert abs(np.corrcoef(released, training)[0, 1]) < 4 / np.sqrt(released.size)
 
 
-def test_the_random_methods_mask_follows_the_run_seed_unless_overridden():
-    """``random`` draws its mask from the run seed's ``random_mask`` stream: reproducible for one seed, another
-    mask for another seed; ``seed`` (an explicit override) fixes it across run seeds."""
+def _mask_rows(secret_seed, public_seed, **options):
     from sparta_tf.methods import make_method
 
-    def rows(run_seed, **options):
-        method = make_method("random", density=0.5, verbose=0, **options)
-        method.start(SimpleNamespace(model=_wide_model(), seed=run_seed), epochs=1)
-        return [s.rows.tolist() for s in method.mask_selections]
+    method = make_method("random", density=0.5, verbose=0, **options)
+    method.start(SimpleNamespace(model=_wide_model(), seed=secret_seed, public_seed=public_seed), epochs=1)
+    return [s.rows.tolist() for s in method.mask_selections]
 
-    assert rows(1) == rows(1)
-    assert rows(1) != rows(2)
-    assert rows(1, seed=5) == rows(2, seed=5) != rows(1)
+
+def test_the_random_methods_mask_follows_the_public_seed_unless_overridden():
+    """``random`` draws its mask from the public seed's ``random_mask`` stream: reproducible for one seed,
+    another mask for another seed, the same whatever the secret seed; ``seed`` (an explicit override) fixes
+    it across runs."""
+    assert _mask_rows(1, 7) == _mask_rows(2, 7)
+    assert _mask_rows(1, 7) != _mask_rows(1, 8)
+    assert _mask_rows(1, 7, seed=5) == _mask_rows(1, 8, seed=5) != _mask_rows(1, 7)
+
+
+def test_a_run_without_a_seed_draws_its_public_seed_apart_from_the_secret_one():
+    """A random mask or pruning can be read off the release, so it tests a guessed seed. Without a given seed
+    the public streams' seed is a second draw from the OS, never the secret run seed; a given seed is both
+    (one number reproduces the run), and ``public_seed`` overrides it."""
+    with mock.patch.object(random_streams.secrets, "randbits", side_effect=[111, 222]) as draw:
+        dp = DPModel(_model(), noise_multiplier=1.0, sample_rate=0.25)
+    assert draw.call_count == 2 and {dp.public_seed, dp.seed} == {111, 222}
+    seeded = DPModel(_model(), noise_multiplier=1.0, sample_rate=0.25, seed=SEED)
+    assert seeded.public_seed == seeded.seed == SEED
+    chosen = DPModel(_model(), noise_multiplier=1.0, sample_rate=0.25, seed=SEED, public_seed=9)
+    assert (chosen.seed, chosen.public_seed) == (SEED, 9)
+    with pytest.raises(ValueError, match=r"seed must be in \[0, 2\*\*63\)"):
+        DPModel(_model(), noise_multiplier=1.0, sample_rate=0.25, public_seed=-1)
+
+
+def test_dp_ssgds_pruning_and_dropping_follow_the_public_seed():
+    from sparta_tf.methods import make_method
+    from sparta_tf.ssgd import SSGDModel
+
+    def pruned(secret_seed, public_seed):
+        method = make_method("dp_ssgd", prune="random", prune_rate=0.5, verbose=0)
+        model = _wide_model()
+        keep = method._prune(SimpleNamespace(model=model, seed=secret_seed, public_seed=public_seed), None, None,
+                             None)
+        return [mask.tolist() for _, mask in keep]
+
+    assert pruned(1, 7) == pruned(2, 7) != pruned(1, 8)
+    dp = SSGDModel(_model(), noise_multiplier=1.0, sample_rate=0.25, seed=SEED, public_seed=9, drop_rate=0.5)
+    assert dp.dropping.seed == 9
+
+
+def test_a_checkpoint_restores_the_public_seed_and_an_older_one_without_it_still_restores(tmp_path):
+    from sparta_tf import checkpointing
+
+    first = DPModel(_model(), noise_multiplier=1.0, sample_rate=0.25)
+    tf.train.Checkpoint(**first.checkpoint_state()).write(str(tmp_path / "new" / "ckpt"))
+    restored = DPModel(_model(), noise_multiplier=1.0, sample_rate=0.25)
+    checkpointing.restore(str(tmp_path / "new"), restored)
+    assert (restored.seed, restored.public_seed) == (first.seed, first.public_seed)
+    older = {k: v for k, v in first.checkpoint_state().items() if k != "public_seed"}
+    tf.train.Checkpoint(**older).write(str(tmp_path / "old" / "ckpt"))
+    built = DPModel(_model(), noise_multiplier=1.0, sample_rate=0.25, public_seed=first.seed)
+    checkpointing.restore(str(tmp_path / "old"), built)  # what private_model builds for a run state without it
+    assert built.seed == built.public_seed == first.seed
 
 
 SOURCES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sparta_tf")

@@ -225,3 +225,13 @@ def test_the_release_states_a_split_key_that_training_seed_decides_and_an_old_tu
     assert tune.release_caveats(seeded, public_denominator) == [known]
     assert tune.release_caveats(secret, public_denominator) == []
     assert tune.release_caveats(secret, {"validation_size": 88}) == [procedure.VALIDATION_SIZE_CAVEAT]
+
+
+def test_a_secret_tunings_candidate_runs_its_public_streams_apart_from_its_secret_seed(tmp_path):
+    """``sparta-train`` gets each candidate's public seed from the hooks: with a secret tuning seed one of its
+    own (a random mask of the released winner tells nothing of the run seed), with a given one the run seed."""
+    space = {"learning_rate": [0.1, 0.5]}
+    for given, same in ((None, False), (5, True)):
+        draws = procedure.Draws.draw(CandidateCount(2.0, 1.0), space, given)
+        hooks = tune.CandidateHooks(0, draws, None, str(tmp_path), None, None)
+        assert (hooks.public_seed == hooks.run_seed) is same

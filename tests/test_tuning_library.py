@@ -79,8 +79,14 @@ def test_space_names_that_change_the_mechanism_are_refused(digits):
 
 
 def test_the_tuning_seed_given_is_a_caveat_and_the_default_is_secret(digits):
-    assert procedure.SEED_CAVEAT in tune(digits, mean=1.2).ledger.caveats()
-    assert procedure.SEED_CAVEAT not in tune(digits, mean=1.2, tuning_seed=None).ledger.caveats()
+    seeded, secret = tune(digits, mean=1.2), tune(digits, mean=1.2, tuning_seed=None)
+    assert procedure.SEED_CAVEAT in seeded.ledger.caveats()
+    assert procedure.SEED_CAVEAT not in secret.ledger.caveats()
+    # the released winner's public streams (a random mask) are never drawn from its secret run seed
+    assert seeded.model.public_seed == seeded.model.seed and secret.model.public_seed != secret.model.seed
+    for name in ("seed", "public_seed"):
+        with pytest.raises(ValueError, match=f"^{name} would give every candidate one seed"):
+            tune(digits, mean=1.2, **{name: 3})
     assert library.default_optimizer().learning_rate.numpy() == pytest.approx(0.1)
 
 

@@ -151,6 +151,26 @@ def test_the_draws_come_from_the_tunings_own_streams_and_never_change_for_one_se
         assert random_streams.stream(stream).secret
     noises = [first.score_noise(i, 10.0) for i in range(len(first.candidates))]
     assert noises == [first.score_noise(i, 10.0) for i in range(len(first.candidates))]  # scoring again: same
+    # a candidate's public streams (its random mask, readable off the released winner) never use its secret
+    # run seed: a secret tuning draws them a seed of their own; a given tuning seed reproduces them
+    public = [secret.public_seed(i) for i in range(len(secret.candidates))]
+    assert not set(public) & {c.run_seed for c in secret.candidates} and len(set(public)) == len(public)
+    assert [first.public_seed(i) for i in range(len(first.candidates))] == [c.run_seed for c in first.candidates]
+
+
+def test_a_secret_tunings_released_values_are_no_test_of_its_seed():
+    """The winner's values are released; with a secret tuning seed they are drawn from a second seed, so
+    they are not the tuning seed's ``tuning_candidates`` draws (which would let anyone test guesses of the
+    seed behind K, the run seeds and the score noise). A given seed still reproduces them."""
+    space = check_space({"learning_rate": {"log_uniform": [0.01, 1.0]}})
+    count = CandidateCount(3.0, 1.0)
+    secret = procedure.Draws.draw(count, space)
+    rng = random_streams.numpy_rng(secret.seed, "tuning_candidates")
+    from_seed = [draw(space, rng) for _ in secret.candidates]
+    assert all(c.values != v for c, v in zip(secret.candidates, from_seed))
+    seeded = procedure.Draws.draw(count, space, 7)
+    rng = random_streams.numpy_rng(7, "tuning_candidates")
+    assert [c.values for c in seeded.candidates] == [draw(space, rng) for _ in seeded.candidates]
 
 
 def test_the_space_draws_each_value_with_its_law_and_refuses_bad_entries():

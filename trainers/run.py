@@ -374,8 +374,9 @@ def train(config: dict, resume: bool = False, hooks=None) -> dict:
     ``hooks`` is the seam for ``sparta-audit`` (:mod:`trainers.audit`) and ``sparta-tune``
     (:mod:`trainers.tune`): when given, it has ``private_data(dataset) -> dataset`` (applied to the loaded
     private data before the plan and the sample rate are made) and ``callbacks() -> list`` (extra Keras
-    callbacks for the DP ``fit``); optionally ``run_seed`` and ``run_seed_is_public`` (the DP run's seed
-    instead of ``training.seed``, which then seeds the data streams only), ``tuning`` (the plan is a tuning
+    callbacks for the DP ``fit``); optionally ``run_seed``, ``run_seed_is_public`` and ``public_seed`` (the DP
+    run's seed instead of ``training.seed``, which then seeds the data streams only; the seed of its public
+    streams, None for one independent of the run seed), ``tuning`` (the plan is a tuning
     candidate's), ``check_plan(plan)`` (may refuse the plan before anything runs) and
     ``after_fit(dp, dataset) -> dict`` (called once training ended, before the ledger is saved; its dict joins
     ``results.json``).
@@ -413,7 +414,8 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
 
     privacy, training = config["privacy"], config["training"]
     seed = getattr(hooks, "run_seed", training["seed"])
-    dp = private_model(model, method, plan, run_dir=output_dir, seed=seed, clip_norm=privacy["clip_norm"],
+    dp = private_model(model, method, plan, run_dir=output_dir, seed=seed, public_seed=getattr(hooks, "public_seed", seed),
+                       clip_norm=privacy["clip_norm"],
                        physical_batch_size=training["physical_batch_size"], sampling=privacy["sampling"],
                        engine=training["engine"], max_memory=training["max_memory"],
                        jit_compile=training["jit_compile"],

@@ -153,6 +153,7 @@ class CandidateHooks:
         self.index, self.draws, self.tuning, self.output_dir = index, draws, tuning, output_dir
         self.score_denominator = score_denominator  # None: n_val (a tuning started before it was public)
         self.run_seed = draws.candidates[index].run_seed
+        self.public_seed = draws.public_seed(index)
         self.noise_multiplier = noise_multiplier
         self.split_key = data_split_key  # the tuning's: every candidate trains and scores on the same splits
 

@@ -40,7 +40,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from sparta_tf import distribute, keras_trainer
+from sparta_tf import distribute, keras_trainer, random_streams
 from sparta_tf.choices import ENGINES, SAMPLING_MODES, memory_bytes, one_of_problem
 from sparta_tf.dp_model import fit_inputs
 from sparta_tf.dp_model.wrapped_saving import WrappedModelSaving
@@ -97,6 +97,9 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
       seed: the run seed from which the sampling and noise streams are derived
         (:mod:`sparta_tf.random_streams`; tests, reproducibility, resume).
         ``None``: a secret seed from the OS.
+      public_seed: the seed of the public streams (random masks and pre-pruning, gradient
+        dropping, augmentation), whose draws may be read off a release. ``None``: ``seed``
+        when given, else a second seed from the OS, independent of the secret one.
       engine: how the clipped sum is computed: ``"auto"`` (book-keeping where every trainable
         variable has a leaf layer, :mod:`sparta_tf.per_example.bookkeeping`), ``"bookkeeping"``,
         or the materialising ``"layerwise"`` / ``"vectorized"`` (always in selection epochs).
@@ -151,6 +154,7 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
         target_epsilon: float | None = None,
         accountant: str = "pld",
         seed: int | None = None,
+        public_seed: int | None = None,
         engine: str = "auto",
         max_memory: int | str | None = None,
         jit_compile: JitCompile = "auto",
@@ -191,16 +195,19 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
         self.engine_name = engine
         self.max_memory = memory_bytes(max_memory)
         self._jit_compile_setting = jit_compile
+        public_seed = distribute.agree_on_seed(tf.distribute.get_strategy(),
+                                               random_streams.public_seed_of(public_seed, seed), "public_seed")
         seed = distribute.agree_on_seed(tf.distribute.get_strategy(), seed)
         self.dp_step = tf.Variable(
             0, dtype=tf.int64, trainable=False, name="dp_step",
             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
         )
         self._noise_seed = tf.Variable(seed, dtype=tf.int64, trainable=False, name="noise_seed")
+        self._public_seed = tf.Variable(public_seed, dtype=tf.int64, trainable=False, name="public_seed")
         # the examples (a digest, in order) cyclic sampling drew its groups for: fit_inputs.check_same_cyclic_examples
         self.cyclic_examples: str | None = None
         check_multiplicity(augmult)
-        self._views = (AugmentationMultiplicity(augmult, augmentation, self._noise_seed)
+        self._views = (AugmentationMultiplicity(augmult, augmentation, self._public_seed)
                        if augmult > 1 or augmentation is not None else None)
         self.ledger = (
             PrivacyLedger(self._mechanism.delta, accountant=accountant, target_epsilon=target_epsilon,
@@ -302,11 +309,19 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
 
     @property
     def seed(self) -> int:
-        """The run seed of every random stream (:mod:`sparta_tf.random_streams`). Secret: whoever
+        """The run seed of every secret random stream (:mod:`sparta_tf.random_streams`). Secret: whoever
         knows it can recompute the noise and the batches; store it only with private checkpoints. It is
         a variable of :meth:`checkpoint_state`, so a restored model samples (and, with ``bands > 1``,
         keeps each example's cyclic group) as the run it continues, not only draws its noise."""
         return int(self._noise_seed.numpy())
+
+    @property
+    def public_seed(self) -> int:
+        """The seed of the public streams (:mod:`sparta_tf.random_streams`: random masks and pre-pruning,
+        gradient dropping, augmentation), whose draws a release may show. The run seed when one was
+        given; otherwise drawn independently of it, so a release tells nothing about :attr:`seed`. A
+        variable of :meth:`checkpoint_state`."""
+        return int(self._public_seed.numpy())
 
     @property
     def trainable_set(self) -> TrainableSet:

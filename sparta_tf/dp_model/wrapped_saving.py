@@ -38,14 +38,15 @@ class WrappedModelSaving:
     def checkpoint_state(self) -> dict[str, tf.Module]:
         """What a resumable checkpoint must hold: weights, optimizer state, step counters, seed.
 
-        ``{"model", "dp_step", "noise_seed", "iterations", "masked_optimizer", "weight_average",
+        ``{"model", "dp_step", "noise_seed", "public_seed", "iterations", "masked_optimizer", "weight_average",
         "correlated_noise"}`` (``masked_optimizer`` only after ``compile``, ``weight_average`` with ``ema``,
         ``correlated_noise`` with ``bands > 1``: BandMF's buffered noise), for
         ``tf.train.Checkpoint``. The privacy ledger is not a ``tf.Module``: save ``ledger.to_json()``
         beside the checkpoint and restore it (``PrivacyLedger.from_json``) with it; ``fit`` refuses a
         ``dp_step`` its ledger does not cover.
         """
-        state = {"model": self.model, "dp_step": self.dp_step, "noise_seed": self._noise_seed}
+        state = {"model": self.model, "dp_step": self.dp_step, "noise_seed": self._noise_seed,
+                 "public_seed": self._public_seed}
         if self._masked_optimizer is not None:
             state["iterations"] = self.optimizer.iterations
             state["masked_optimizer"] = self._masked_optimizer

@@ -45,7 +45,7 @@ def check_multiplicity(augmult) -> int:
 
 class AugmentationMultiplicity:
     """``K`` views per example from ``augmentation`` (see :mod:`sparta_tf.data.view_augmentation`),
-    keyed by the run seed ``seed`` (a tf.Variable or int)."""
+    keyed by ``seed`` (a tf.Variable or int: the run's public seed, :attr:`~sparta_tf.DPModel.public_seed`)."""
 
     def __init__(self, views: int, augmentation, seed):
         self.views = check_multiplicity(views)

@@ -86,7 +86,7 @@ class DpSsgd(PreparedMethod, spec=SPECS["dp_ssgd"]):
 
     def _prune(self, dp, x, y, loss, users=None) -> ssgd.KeepMasks:
         if self.prune == "random":
-            return ssgd.prune_random(dp.model, self.prune_rate, seed=dp.seed)
+            return ssgd.prune_random(dp.model, self.prune_rate, seed=dp.public_seed)
         if self.prune == "synflow":
             return ssgd.prune_synflow(dp.model, self.prune_rate, iterations=self.synflow_iterations)
         return ssgd.prune_dp_snip(dp.model, x, y, loss, self.prune_rate, self.snip_noise_multiplier, dp.clip_norm,

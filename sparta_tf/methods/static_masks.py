@@ -4,8 +4,9 @@
   entries (default) or rows of largest ``|W_pretrained|``. The pre-trained
   weights are public, so the mask costs nothing.
 * ``random``: per layer uniformly random rows (default) or entries, from
-  the ``"random_mask"`` stream of the run seed (the DP model's
-  :attr:`~sparta_tf.DPModel.seed`), or of ``seed`` when given: an explicit
+  the ``"random_mask"`` stream of the run's public seed (the DP model's
+  :attr:`~sparta_tf.DPModel.public_seed`, independent of the secret run
+  seed unless one seed was given), or of ``seed`` when given: an explicit
   override, e.g. to keep one mask across runs of different seeds (the
   paper's "Random-Groups").
 
@@ -30,8 +31,9 @@ from sparta_tf.trainable import TrainableSet
 class StaticMaskMethod(MaskedMethod):
     """The DP-BitFit set plus a mask chosen at the start of the fit from the weights then (one phase)."""
 
-    def choose_mask(self, model: tf.keras.Model, run_seed: int) -> list:
-        """The mask for ``model``; ``run_seed``: the DP model's seed, for masks drawn at random."""
+    def choose_mask(self, model: tf.keras.Model, public_seed: int) -> list:
+        """The mask for ``model``; ``public_seed``: the DP model's :attr:`~sparta_tf.DPModel.public_seed`, for
+        masks drawn at random (a random mask can be read off the release, so never the secret run seed)."""
         raise NotImplementedError
 
     def trainable_set(self, phase: Phase, model: tf.keras.Model) -> TrainableSet | None:
@@ -45,23 +47,23 @@ class StaticMaskMethod(MaskedMethod):
     def start(self, dp, epochs: int, first_epoch: int = 0) -> None:
         if first_epoch and self.reload_own_mask(dp.model):
             return
-        self.mask_selections = self.choose_mask(dp.model, dp.seed)
+        self.mask_selections = self.choose_mask(dp.model, dp.public_seed)
         self.save_mask(dp.model, masks.MaskProvenance.public())
 
 
 class MagnitudePruning(StaticMaskMethod, spec=SPECS["mp"]):
     """Per layer the entries (or rows) of largest pre-trained ``|W|`` (paper Alg. 4)."""
 
-    def choose_mask(self, model: tf.keras.Model, run_seed: int) -> list:
+    def choose_mask(self, model: tf.keras.Model, public_seed: int) -> list:
         groups = row_groups(model, self.head)
         return magnitude_selections(groups, self.density, self.granularity, self.density_overrides)
 
 
 class RandomMask(StaticMaskMethod, spec=SPECS["random"]):
-    """Per layer uniformly random rows (or entries): the ``"random_mask"`` stream of the run seed, or of
-    the ``seed`` option when given (an explicit override)."""
+    """Per layer uniformly random rows (or entries): the ``"random_mask"`` stream of the run's public seed,
+    or of the ``seed`` option when given (an explicit override)."""
 
-    def choose_mask(self, model: tf.keras.Model, run_seed: int) -> list:
-        seed = run_seed if self.seed is None else self.seed
+    def choose_mask(self, model: tf.keras.Model, public_seed: int) -> list:
+        seed = public_seed if self.seed is None else self.seed
         groups = row_groups(model, self.head)
         return random_selections(groups, self.density, self.granularity, seed, self.density_overrides)

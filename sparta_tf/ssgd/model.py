@@ -42,8 +42,8 @@ class SSGDModel(DPModel):
         coordinates, ``floor(pi_gd |I|)`` are dropped each step (at least one is kept). ``0`` is
         plain DP-SGD.
       drop_mode: ``"random"`` or ``"magnitude"`` (drop the smallest ``|theta|``).
-      drop_seed: seed of the ``"gradient_dropping"`` stream; default: the run seed
-        (:attr:`DPModel.seed`).
+      drop_seed: seed of the ``"gradient_dropping"`` stream; default: the run's public seed
+        (:attr:`DPModel.public_seed`).
       drop_filter: optional predicate on a :class:`~sparta_tf.trainable.VariableSelection`;
         tensors for which it is False are never dropped from.
     """
@@ -54,7 +54,7 @@ class SSGDModel(DPModel):
         drop_filter: Callable[[VariableSelection], bool] | None = None, **kwargs,
     ):
         super().__init__(model, **kwargs)
-        self.dropping = GradientDropping(drop_rate, drop_mode, self.seed if drop_seed is None else drop_seed,
+        self.dropping = GradientDropping(drop_rate, drop_mode, self.public_seed if drop_seed is None else drop_seed,
                                          applies_to=drop_filter)
         self.set_gradient_filter(self.dropping)
         self.keep_masks_pp = None

@@ -126,7 +126,8 @@ def prune_random(
 ) -> KeepMasks:
     """Random pre-pruning: in each prunable kernel, ``floor(rate n)`` of its ``n``
     weights, uniformly at random, are pruned. Data-free (no privacy cost);
-    drawn from the ``"random_pruning"`` stream of the run ``seed``.
+    drawn from the ``"random_pruning"`` stream of ``seed`` (the DP model's public seed: the pruned
+    weights can be read off a release; None: a fresh one).
 
     Returns ``[(kernel, keep_mask)]``; with ``apply`` the pruned weights are zeroed.
     """

@@ -44,7 +44,7 @@ from sparta_tf.tuning import procedure
 from sparta_tf.tuning.space import check_space, corners, names
 
 FIXED = ("epochs", "batch_size", "target_epsilon", "delta", "noise_multiplier", "accountant", "method", "sampling",
-         "seed", "dataset_size", "run_dir", "bands", "unit")
+         "seed", "public_seed", "dataset_size", "run_dir", "bands", "unit")
 """``make_private`` arguments a candidate may not change: they set the mechanism every candidate repeats."""
 
 
@@ -163,6 +163,10 @@ def tune_privately(
     if "run_dir" in make_private_options:
         raise ValueError("run_dir would make every candidate resume the first one's run: tune_privately keeps its "
                          "candidates in memory; for a resumable tuning use sparta-tune")
+    for name in ("seed", "public_seed"):
+        if name in make_private_options:
+            raise ValueError(f"{name} would give every candidate one seed: each candidate's seeds come from the "
+                             "tuning's; pass tuning_seed to reproduce a tuning")
     x_val, y_val = validation_data
     unit = make_private_options.get("unit", "example")
     check_users_given(unit, users, validation_users)
@@ -209,7 +213,8 @@ def tune_privately(
         chosen, candidate_plan = method_and_plan(candidate.values)
         model = built.next()
         chosen.check(model)
-        dp = private_model(model, chosen, candidate_plan, seed=candidate.run_seed, **dp_options)
+        dp = private_model(model, chosen, candidate_plan, seed=candidate.run_seed,
+                           public_seed=draws.public_seed(index), **dp_options)
         dp.compile(optimizer(**optimizer_values), loss=loss, metrics=metrics)
         dp.fit(x, y, verbose=verbose, users=users)
         tally.add(procedure.score_candidate(dp, x_val, y_val, draws, index, repetition.score_noise, validation_users,

@@ -84,7 +84,9 @@ class Draws:
     """Everything random about a tuning that does not touch the data, drawn once before the first
     candidate runs and kept (a resumed tuning never draws again): ``K ~ count`` from the
     ``tuning_count`` stream, each candidate's values from ``tuning_candidates``, its run seed from
-    ``tuning_runs``; all from the tuning's own seed, never from a run seed in a config."""
+    ``tuning_runs``; all from the tuning's own seed, never from a run seed in a config. The winner's values
+    are released, so with a secret tuning seed they come from a second seed drawn apart from it (and not
+    kept: the values are), or they would let anyone test guesses of the seed behind every run seed."""
 
     seed: int
     seed_given: bool
@@ -96,10 +98,17 @@ class Draws:
         given = seed is not None
         seed = random_streams.resolve_seed(seed)
         k = count.sample(random_streams.numpy_rng(seed, "tuning_count"))
-        values_rng = random_streams.numpy_rng(seed, "tuning_candidates")
+        values_rng = random_streams.numpy_rng(seed if given else random_streams.new_seed(), "tuning_candidates")
         run_seeds = random_streams.numpy_rng(seed, "tuning_runs").integers(0, random_streams.MAX_SEED, size=k)
         candidates = tuple(Candidate(search_space.draw(space, values_rng), int(run_seed)) for run_seed in run_seeds)
         return cls(seed, given, count, candidates)
+
+    def public_seed(self, index: int) -> int:
+        """Candidate ``index``'s public seed (its random mask's; :mod:`sparta_tf.random_streams`): its run
+        seed when the tuning's seed was given (one seed reproduces the tuning), else a fresh seed drawn
+        apart from every secret one, which the released winner's mask then tells nothing of (a resumed
+        candidate keeps its checkpoint's)."""
+        return self.candidates[index].run_seed if self.seed_given else random_streams.new_seed()
 
     def score_noise(self, index: int, score_noise: float) -> float:
         """The Gaussian noise (std ``score_noise`` examples) of candidate ``index``'s score: the
