@@ -17,6 +17,24 @@ class WrappedModelSaving:
         ``make_private(run_dir=...)``'s checkpoints (:mod:`sparta_tf.checkpointing`)."""
         return self.model.save(filepath, *args, **kwargs)
 
+    def export(self, filepath, *args, **kwargs):
+        """Exports the wrapped Keras model (``self.model.export``), its random layers' draw counters at zero
+        (:func:`sparta_tf.export.data_independent_random_state`); the DP state is not in it. For TF
+        Serving with preprocessing baked in: :func:`sparta_tf.export_for_serving`."""
+        from sparta_tf.export import data_independent_random_state
+
+        with data_independent_random_state(self.model):
+            return self.model.export(filepath, *args, **kwargs)
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        """As Keras's, but a SavedModel of the DP model itself is refused: it would hold the DP state (the
+        secret noise seed, the step counter, the loss trackers' example counts)."""
+        if str(getattr(save_type, "value", save_type)) == "savedmodel":
+            raise ValueError(f"a SavedModel of {type(self).__name__} would hold the run's secret noise seed and "
+                             "counts of private examples; save or export the model you built (dp.model, dp.save, "
+                             "dp.export) or use sparta_tf.export_for_serving")
+        return super()._trackable_children(save_type, **kwargs)
+
     def save_weights(self, filepath, *args, **kwargs):
         """The wrapped model's weights (``self.model.save_weights``), loadable by its ``load_weights``
         (so ``ModelCheckpoint(save_weights_only=True)`` writes a file the model you built can read)."""
