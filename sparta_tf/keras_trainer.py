@@ -14,6 +14,7 @@ compiled?                ``model._is_compiled``                 ``model.compiled
 progress bar             ``ProgbarLogger(count_mode="steps")``  ``ProgbarLogger()`` (counts steps)
 steps a call runs        ``model._steps_per_execution`` (a      ``model.steps_per_execution`` (an int)
                          variable; None before ``compile``)
+an epoch of ``S`` steps  ``S`` (the last call runs fewer)       ``ceil(S / N) N``: every call runs all ``N``
 =======================  =====================================  ===========================================
 
 Keras 3's ``fit`` makes the train function once per call, so a step retraced
@@ -80,6 +81,17 @@ def steps_per_execution(model: tf.keras.Model) -> int:
     1 when not compiled). Both lines call ``on_train_batch_begin`` once per call, before all ``N``."""
     value = getattr(model, "steps_per_execution", None) if KERAS3 else getattr(model, "_steps_per_execution", None)
     return 1 if value is None else max(int(tf.keras.backend.get_value(value)), 1)
+
+
+def check_whole_calls(model: tf.keras.Model, steps_per_epoch: int) -> None:
+    """One line, before anything is charged, when ``N = steps_per_execution`` does not divide an epoch's
+    ``steps_per_epoch`` on Keras 3: every call runs all ``N`` steps there, so each epoch would run
+    ``ceil(S / N) N`` steps and the phases the privacy plan counts in epochs would drift off it."""
+    n = steps_per_execution(model)
+    if KERAS3 and n > 1 and steps_per_epoch % n:
+        raise ValueError(f"steps_per_execution={n} does not divide an epoch's {steps_per_epoch} DP steps: Keras 3 "
+                         f"would run {-(-steps_per_epoch // n) * n} steps an epoch, off the privacy plan; compile with "
+                         f"a steps_per_execution that divides {steps_per_epoch} (e.g. 1)")
 
 
 def step_progress_bar() -> tf.keras.callbacks.Callback:

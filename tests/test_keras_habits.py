@@ -318,3 +318,39 @@ def test_make_private_refuses_what_the_config_refuses_with_the_same_reason(libra
 def test_a_fractional_dataset_size_is_refused():
     with pytest.raises(ValueError, match=r"dataset_size=100.5 must be a whole number >= 1"):
         _private(compile=False, dataset_size=100.5)
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, RuntimeError])
+def test_a_fit_stopped_by_an_exception_charges_every_step_it_ran(stop):
+    """Ctrl-C in a notebook, or a callback that raises: Keras skips ``on_train_end``, so the steps of the
+    interrupted epoch must be charged on the way out, or the ledger would release a trained model at
+    epsilon 0."""
+    dp = sparta_tf.DPModel(_model(), noise_multiplier=1.0, sample_rate=BATCH / N, delta=1e-5, seed=0)
+    dp.compile(tf.keras.optimizers.SGD(0.1), loss=LOSS)
+
+    class Stop(tf.keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2:
+                raise stop("stopped")
+
+    with pytest.raises(stop):
+        dp.fit(*_data(), epochs=2, verbose=0, callbacks=[Stop()])
+    assert int(dp.dp_step.numpy()) == 3 and dp.ledger.steps == 3 and dp.ledger.epsilon() > 0
+    dp.fit(*_data(), epochs=1, verbose=0)  # a later fit charges its own steps, none twice
+    assert dp.ledger.steps == int(dp.dp_step.numpy())
+
+
+def test_a_steps_per_execution_that_does_not_divide_the_epoch_runs_the_plan_or_is_refused():
+    """Keras 3 runs every call of N steps whole, so with N not dividing the epoch's 4 steps an epoch would run 6
+    and the phases drift off the plan: refused before a step. Keras 2 shortens the last call: the plan runs."""
+    from sparta_tf.backend import KERAS3
+
+    dp = _private(compile=False)
+    dp.compile(tf.keras.optimizers.SGD(0.1), loss=LOSS, steps_per_execution=3)
+    if KERAS3:
+        with pytest.raises(ValueError, match=r"^steps_per_execution=3 does not divide an epoch's 4 DP steps"):
+            dp.fit(*_data(), verbose=0)
+        _assert_nothing_charged(dp)
+    else:
+        dp.fit(*_data(), verbose=0)
+        assert int(dp.dp_step.numpy()) == dp.ledger.steps == dp.plan.steps

@@ -199,14 +199,15 @@ def _dp_model():
     return dp
 
 
-def test_steps_of_a_dp_fit_that_raised_are_charged_by_the_next_fit():
+def test_steps_of_a_dp_fit_that_raised_are_charged_on_its_way_out_and_never_twice():
     """Regression: every DPModel.fit made a new callback counting dp_step from its current value,
-    so the steps of a fit that ended in an exception (no epoch end, no train end) were never charged."""
+    so the steps of a fit that ended in an exception (no epoch end, no train end) were never charged;
+    then they waited for the next fit. They are charged as the fit raises, and the next fit adds its own."""
     x, y = _data()
     dp = _dp_model()
     with pytest.raises(RuntimeError, match="interrupted"):
         dp.fit(x, y, epochs=2, verbose=0, callbacks=[_RaiseAfterTwoSteps()])
-    assert int(dp.dp_step.numpy()) == 2 and dp.ledger.steps == 0
+    assert int(dp.dp_step.numpy()) == 2 and dp.ledger.steps == 2
     dp.fit(x, y, epochs=1, verbose=0)
     assert dp.ledger.steps == int(dp.dp_step.numpy()) == 2 + STEPS_PER_EPOCH
     assert dp.ledger.epsilon() == pytest.approx(_epsilon(2 + STEPS_PER_EPOCH), rel=1e-6)

@@ -54,12 +54,14 @@ def first_element(x):
     return next(iter(x.take(1))) if isinstance(x, tf.data.Dataset) else None
 
 
-def check_fit_call(dp, first, fit_kwargs: dict, callbacks: list, users=None) -> None:
+def check_fit_call(dp, first, fit_kwargs: dict, callbacks: list, users=None,
+                   steps_per_epoch: int | None = None) -> None:
     """Refuses, with one line and before anything is charged, what ``DPModel.fit`` cannot honour: a model
     not compiled, ``sample_weight`` / ``class_weight`` (:data:`PADDING_MASK_ONLY`), a ``batch_size``
     (the batches are Poisson samples of ``q n``), a dataset whose ``first`` element (:func:`first_element`)
-    has weights other than 0 and 1, and the Keras callbacks that would break the run
-    (:func:`check_keras_callbacks`)."""
+    has weights other than 0 and 1, the Keras callbacks that would break the run
+    (:func:`check_keras_callbacks`), and on Keras 3 a ``steps_per_execution`` that does not divide the
+    epoch (``steps_per_epoch``, default ``round(1/q)``; :func:`~sparta_tf.keras_trainer.check_whole_calls`)."""
     if dp._per_example_loss is None:
         what = "the model returned by make_private" if dp.private_run is not None else "the DPModel"
         raise ValueError(f"compile {what} (optimizer and loss) before fit")
@@ -76,6 +78,7 @@ def check_fit_call(dp, first, fit_kwargs: dict, callbacks: list, users=None) -> 
     check_users_argument(dp, first is not None, users)
     check_ledger_unit(dp)
     check_keras_callbacks(dp, callbacks)
+    keras_trainer.check_whole_calls(dp, steps_per_epoch or planned_steps_per_epoch(dp.sample_rate))
 
 
 def check_ledger_unit(dp) -> None:

@@ -549,7 +549,7 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
         """
         callbacks = list(callbacks or [])
         first = fit_inputs.first_element(x)
-        fit_inputs.check_fit_call(self, first, kwargs, callbacks, users)  # before anything is charged
+        fit_inputs.check_fit_call(self, first, kwargs, callbacks, users, steps_per_epoch)  # before any charge
         if self.private_run is not None:
             epochs, initial_epoch, callbacks = self.private_run.before_fit(
                 self, x, y, epochs, initial_epoch, callbacks, users)
@@ -565,7 +565,11 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
             callbacks.append(PlainStepsGuard(self))
         callbacks = fit_inputs.fit_callbacks(self.privacy_callback, callbacks, verbose, self._non_finite,
                                              "users" if self.unit == "user" else "examples")
-        return super().fit(
-            x, y, epochs=epochs, verbose=verbose, callbacks=callbacks,
-            steps_per_epoch=steps_per_epoch, initial_epoch=initial_epoch, **kwargs,
-        )
+        try:
+            return super().fit(
+                x, y, epochs=epochs, verbose=verbose, callbacks=callbacks,
+                steps_per_epoch=steps_per_epoch, initial_epoch=initial_epoch, **kwargs,
+            )
+        finally:  # a fit stopped by an exception (Ctrl-C, a callback) skips on_train_end: charge what ran
+            if self.privacy_callback is not None:
+                self.privacy_callback.flush()
