@@ -320,6 +320,7 @@ def restore_run(previous: tuple[str, dict], dp, method_callback, plan: PrivacyPl
         raise checkpointing.CheckpointError(
             f"checkpoint {path} was written by a run that protected one {restored.unit}, but this run protects one "
             f"{plan.unit}; resume with unit={restored.unit!r}, or start a new output_dir")
+    restored.absorb(dp.ledger)  # what this process charged or marked already (a fit's non-private callback)
     dp.ledger = restored
     dp.ledger.target_epsilon = plan.run_budget if dp.ledger.is_private else None
     # Recreates the trainable set (and optimizer slots) of that epoch's phase; a run killed after its last

@@ -12,6 +12,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -185,3 +186,45 @@ def test_a_resumed_run_keeps_both_seeds_of_the_run_it_continues(tmp_path):
     assert dp.public_seed != dp.seed
     resumed = build()
     assert (resumed.seed, resumed.public_seed) == (dp.seed, dp.public_seed)
+
+
+class _StopAfterFirstEpoch(tf.keras.callbacks.Callback):
+    """Raises at the start of the second epoch, after the first epoch's checkpoint: a killed run."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 1:
+            raise RuntimeError("killed")
+
+
+def _stopped_run(run_dir, method, **options):
+    dp = sparta_tf.make_private(small_mlp(), method=method, target_epsilon=8.0, delta=1e-5, epochs=EPOCHS,
+                                batch_size=BATCH, dataset_size=N, run_dir=str(run_dir), **options)
+    dp.compile(tf.keras.optimizers.SGD(0.5), loss=LOSS)
+    with pytest.raises(RuntimeError, match="killed"):
+        dp.fit(*small_data(N), verbose=0, callbacks=[_StopAfterFirstEpoch()])
+    return lambda: sparta_tf.make_private(small_mlp(), method=method, target_epsilon=8.0, delta=1e-5, epochs=EPOCHS,
+                                          batch_size=BATCH, dataset_size=N, run_dir=str(run_dir), **options)
+
+
+def test_a_resumed_run_keeps_what_its_fit_marked_before_the_checkpoints_ledger_was_restored(tmp_path):
+    """A callback acting on the noiseless training loss marks the run not private when fit is called; on a
+    resumed run the checkpoint's ledger is restored after that mark, and must keep it."""
+    resume = _stopped_run(tmp_path, "all")
+    dp = resume()
+    dp.compile(tf.keras.optimizers.SGD(0.5), loss=LOSS)
+    with pytest.warns(UserWarning):
+        dp.fit(*small_data(N), verbose=0, callbacks=[tf.keras.callbacks.ReduceLROnPlateau(monitor="loss")])
+    assert dp.private_run.previous is not None and dp.ledger.steps >= dp.plan.steps
+    assert not dp.ledger.is_private and any("loss" in reason for reason in dp.ledger.nonprivate_reasons)
+
+
+@pytest.mark.parametrize("method, options", [("dp_frost", {}), ("dp_ssgd", {"prune": "dp_snip"})])
+def test_a_run_resumed_after_a_private_choice_it_did_not_save_is_refused(tmp_path, method, options):
+    """DP-FROST's selection and DP-SNIP's pruning are released once; a resumed run without the saved choice
+    would draw it again with the same noise (two releases whose difference has none): refused."""
+    resume = _stopped_run(tmp_path, method, **options)
+    shutil.rmtree(tmp_path / "mask")
+    dp = resume()
+    dp.compile(tf.keras.optimizers.SGD(0.5), loss=LOSS)
+    with pytest.raises(ValueError, match=r"is not saved|are not saved"):
+        dp.fit(*small_data(N), verbose=0)

@@ -46,7 +46,11 @@ class DpFrost(PreparedMethod, SetMethod, spec=SPECS["dp_frost"]):
 
     def prepare(self, dp, x, y, loss, plan, first_epoch: int = 0, users=None) -> dict:
         self.need_arrays(x, y)
-        if first_epoch and masks.has_mask(self.mask_dir):  # resumed: the selection was made (and charged) already
+        if first_epoch:  # resumed: the selection was made (and charged) already
+            if not masks.has_mask(self.mask_dir):
+                raise ValueError(f"this fit resumes after {self.name}'s selection, but the selection is not saved "
+                                 f"(mask_dir={self.mask_dir!r}); choosing again would release a second selection "
+                                 "with the first one's noise: start a new run_dir")
             selections, _ = masks.load_mask(self.mask_dir, dp.model)
             self.selected = TrainableSet(selections)
             self.mark_prepared(dp)

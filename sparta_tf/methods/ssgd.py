@@ -66,6 +66,10 @@ class DpSsgd(PreparedMethod, spec=SPECS["dp_ssgd"]):
             self.mark_prepared(dp)
             return {"prune": "none"}
         self.need_arrays(x, y)
+        if first_epoch and self.prune == "dp_snip" and not masks.has_mask(self.mask_dir):
+            raise ValueError(f"this fit resumes after DP-SNIP's pre-pruning, but its keep masks are not saved "
+                             f"(mask_dir={self.mask_dir!r}); pruning again would release a second DP-SNIP "
+                             "statistic with the first one's noise: start a new run_dir")
         if first_epoch and masks.has_mask(self.mask_dir):  # resumed: pruned (and charged) already
             selections, _ = masks.load_mask(self.mask_dir, dp.model)
             kept = {id(s.variable): s.dense_mask() for s in selections}

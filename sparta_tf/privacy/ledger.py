@@ -236,6 +236,16 @@ class PrivacyLedger:
             self._nonprivate.append(reason)
         self._target_epsilon = None
 
+    def absorb(self, other: PrivacyLedger) -> None:
+        """Adds ``other``'s charges, non-private reasons and caveats to this ledger: a run resumed from a
+        checkpoint keeps what its process recorded before the checkpoint's ledger replaced its own."""
+        for entry in other.entries:
+            self.charge(entry)
+        for reason in other.nonprivate_reasons:
+            self.record_nonprivate(reason)
+        for caveat in other._caveats:
+            self.record_caveat(caveat)
+
     def record_tuning(self, count: CandidateCount) -> None:
         """Marks the recorded entries as *one candidate* of a private tuning that ran a random number of
         candidates drawn from ``count`` and released the best (:mod:`sparta_tf.privacy.tuning`): epsilon
