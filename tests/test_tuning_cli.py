@@ -235,3 +235,29 @@ def test_a_secret_tunings_candidate_runs_its_public_streams_apart_from_its_secre
         draws = procedure.Draws.draw(CandidateCount(2.0, 1.0), space, given)
         hooks = tune.CandidateHooks(0, draws, None, str(tmp_path), None, None)
         assert (hooks.public_seed == hooks.run_seed) is same
+
+
+def test_a_diverged_candidates_charges_count_in_the_release(tmp_path, monkeypatch):
+    """A candidate that diverged ranks last, but what it ran (its ledger.json, which the step journal charged:
+    e.g. steps a kill made it repeat) still bounds the released ledger."""
+    import dataclasses
+
+    from sparta_tf import checkpointing
+    from sparta_tf.privacy.ledger import LedgerEntry
+
+    def diverged(config, state, draws, index, candidate_dir):
+        ledger = PrivacyLedger(config["privacy"]["delta"])
+        for entry in state["planned_entries"]:
+            planned = LedgerEntry.from_dict(entry)
+            ledger.charge(dataclasses.replace(planned, count=2 * planned.count))
+        os.makedirs(candidate_dir, exist_ok=True)
+        ledger.save(os.path.join(candidate_dir, checkpointing.LEDGER))
+        return None
+
+    monkeypatch.setattr(tune, "_candidate", diverged)
+    config = tuning_config(tmp_path / "t")
+    config["export"] = {"enabled": False}
+    results = tune.tune(validate(config))
+    planned = sum(e["count"] for e in json.loads((tmp_path / "t" / "tuning.json").read_text())["planned_entries"])
+    released = PrivacyLedger.load(tmp_path / "t" / "release" / "ledger.json")
+    assert not results["released"] and released.steps == 2 * planned

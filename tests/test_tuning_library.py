@@ -78,8 +78,9 @@ def test_space_names_that_change_the_mechanism_are_refused(digits):
         tune(digits, validation_data=(digits.x_val[:0], digits.y_val[:0]))
 
 
-def test_the_tuning_seed_given_is_a_caveat_and_the_default_is_secret(digits):
+def test_the_tuning_seed_given_is_a_caveat_and_the_default_is_secret(digits, capsys, tmp_path):
     seeded, secret = tune(digits, mean=1.2), tune(digits, mean=1.2, tuning_seed=None)
+    assert "phase" not in capsys.readouterr().out  # one set of phase lines per candidate would count them
     assert procedure.SEED_CAVEAT in seeded.ledger.caveats()
     assert procedure.SEED_CAVEAT not in secret.ledger.caveats()
     # the released winner's public streams (a random mask) are never drawn from its secret run seed
@@ -87,6 +88,8 @@ def test_the_tuning_seed_given_is_a_caveat_and_the_default_is_secret(digits):
     for name in ("seed", "public_seed"):
         with pytest.raises(ValueError, match=f"^{name} would give every candidate one seed"):
             tune(digits, mean=1.2, **{name: 3})
+    with pytest.raises(ValueError, match="^mask_dir would keep one candidate's mask on disk"):
+        tune(digits, mean=1.2, mask_dir=str(tmp_path))  # the last candidate's: it would tell their count
     assert library.default_optimizer().learning_rate.numpy() == pytest.approx(0.1)
 
 

@@ -163,6 +163,9 @@ def tune_privately(
     if "run_dir" in make_private_options:
         raise ValueError("run_dir would make every candidate resume the first one's run: tune_privately keeps its "
                          "candidates in memory; for a resumable tuning use sparta-tune")
+    if make_private_options.get("mask_dir") is not None:
+        raise ValueError("mask_dir would keep one candidate's mask on disk (the last one's, so its count): "
+                         "tune_privately keeps its candidates in memory; save the released model's mask instead")
     for name in ("seed", "public_seed"):
         if name in make_private_options:
             raise ValueError(f"{name} would give every candidate one seed: each candidate's seeds come from the "
@@ -186,7 +189,9 @@ def tune_privately(
 
     def split(values: dict) -> tuple[dict, dict, dict]:
         """``values`` and the common options as (optimizer arguments, method options, DP model options)."""
-        options = {**make_private_options, **{k: v for k, v in values.items() if k not in optimizer_names}}
+        # quiet phases (verbose=0): one set of phase lines per candidate would count them
+        options = {"verbose": 0, **make_private_options,
+                   **{k: v for k, v in values.items() if k not in optimizer_names}}
         return ({k: v for k, v in values.items() if k in optimizer_names},
                 {k: v for k, v in options.items() if not _dp_model_option(k) and k not in PLAN_OPTIONS},
                 {k: v for k, v in options.items() if _dp_model_option(k)})
