@@ -8,9 +8,11 @@ cached with its key. Nothing here touches the private data but its channel count
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
+import numpy as np
 import tensorflow as tf
 
 from sparta_tf.atomic_files import replace_atomically, write_atomic
@@ -79,7 +81,24 @@ def _public_data(config: dict, private):
         raise error.under("pretrain.data") from None
     _check_channels(public.input_shape[-1], private, "pretrain.data",
                     "set pretrain.data.channels (or data.channels) so that they agree")
+    _check_disjoint(public, private)
     return public
+
+
+def _image_digests(images) -> set[bytes]:
+    return {hashlib.blake2b(np.ascontiguousarray(image).tobytes(), digest_size=16).digest() for image in images}
+
+
+def _check_disjoint(public, private) -> None:
+    """ConfigError when the public training images include a private training or validation image (compared
+    by their bytes as loaded): the non-private pre-training would train on it. The configs' check
+    (``may_share_examples``, before anything loads) compares what the sections say; this one, what they load
+    (another spelling of the classes, another path to the same files)."""
+    shared = len(_image_digests(public.x_train) & (_image_digests(private.x_train) | _image_digests(private.x_val)))
+    if shared:
+        raise ConfigError(f"pretrain.data shares {shared} image(s) with the private training or validation data, "
+                          "and pre-training is not private; pre-train on data disjoint from data (other classes "
+                          "or another source), or set pretrain.enabled: false")
 
 
 def check_pretraining(config: dict, private, output_dir: str) -> None:
