@@ -34,7 +34,7 @@ Random layers' generator states (Keras 3's ``seed_generator_state``, a
 ``tf.random.Generator``'s ``StateVar``) count the forward passes that training
 ran: one per micro-batch, a function of the Poisson batch sizes that no ledger
 charges. An exported instance carries them at zero
-(:func:`data_independent_random_state`); serving never draws from them.
+(:func:`~sparta_tf.random_layer_state.data_independent_random_state`); serving never draws from them.
 
 Writes are atomic: the SavedModel is written to a hidden temporary directory
 inside ``export_dir`` and renamed to the version directory, so a server
@@ -43,7 +43,6 @@ polling ``export_dir`` never sees a half-written version.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
@@ -55,6 +54,7 @@ import numpy as np
 import tensorflow as tf
 
 from sparta_tf.backend import tf_variable
+from sparta_tf.random_layer_state import RANDOM_STATE_NAMES, data_independent_random_state
 
 __all__ = ["export_for_serving", "next_version", "data_independent_random_state", "SERVING_INPUT", "SERVING_OUTPUT"]
 
@@ -64,28 +64,6 @@ SERVING_INPUT = "images"
 SERVING_OUTPUT = "probabilities"
 SERVING_CLASSES = "classes"
 _PREPROCESSING_KEYS = ("mean", "std")
-
-
-RANDOM_STATE_NAMES = ("seed_generator_state", "StateVar")
-"""Names of the variables in which random layers count their draws (Keras 3's ``SeedGenerator``,
-``tf.random.Generator``)."""
-
-
-@contextlib.contextmanager
-def data_independent_random_state(model: tf.keras.Model):
-    """Within the block, every random generator state of ``model`` reads zero; the values are put back
-    after. A state counts its draws (e.g. one per micro-batch of every DP step, so about ``sum_t |B_t| /
-    P``): a count of private data that an export of the trained instance would otherwise write."""
-    states = [v for v in model.variables
-              if v.name.split("/")[-1].split(":")[0] in RANDOM_STATE_NAMES and not tf.as_dtype(v.dtype).is_floating]
-    values = [v.numpy() for v in states]
-    try:
-        for variable, value in zip(states, values):
-            variable.assign(np.zeros_like(value))
-        yield
-    finally:
-        for variable, value in zip(states, values):
-            variable.assign(value)
 
 
 def _unwrap(model) -> tf.keras.Model:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from sparta_tf.random_layer_state import data_independent_random_state
+
 
 class WrappedModelSaving:
     """Saving, weights and checkpoint state of a DP model (a mixin of :class:`~sparta_tf.DPModel`, which holds
@@ -19,10 +21,8 @@ class WrappedModelSaving:
 
     def export(self, filepath, *args, **kwargs):
         """Exports the wrapped Keras model (``self.model.export``), its random layers' draw counters at zero
-        (:func:`sparta_tf.export.data_independent_random_state`); the DP state is not in it. For TF
-        Serving with preprocessing baked in: :func:`sparta_tf.export_for_serving`."""
-        from sparta_tf.export import data_independent_random_state
-
+        (:func:`sparta_tf.random_layer_state.data_independent_random_state`); the DP state is not in it. For
+        TF Serving with preprocessing baked in: :func:`sparta_tf.export_for_serving`."""
         with data_independent_random_state(self.model):
             return self.model.export(filepath, *args, **kwargs)
 
