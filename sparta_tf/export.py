@@ -54,9 +54,9 @@ import numpy as np
 import tensorflow as tf
 
 from sparta_tf.backend import tf_variable
-from sparta_tf.random_layer_state import RANDOM_STATE_NAMES, data_independent_random_state
+from sparta_tf.random_layer_state import data_independent_random_state
 
-__all__ = ["export_for_serving", "next_version", "data_independent_random_state", "SERVING_INPUT", "SERVING_OUTPUT"]
+__all__ = ["export_for_serving", "next_version", "SERVING_INPUT", "SERVING_OUTPUT"]
 
 logger = logging.getLogger(__name__)
 

@@ -184,10 +184,10 @@ def make_private(
                        target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, accountant=accountant,
                        bands=bands, unit=unit)
     return private_model(model, method, plan, run_dir=run_dir, clip_norm=clip_norm,
-                         physical_batch_size=physical_batch_size, sampling=sampling, seed=seed, public_seed=public_seed,
-                         engine=engine,
-                         max_memory=max_memory, jit_compile=jit_compile, augmult=augmult, augmentation=augmentation, ema=ema,
-                         use_ema_weights=use_ema_weights, examples_per_user=examples_per_user)
+                         physical_batch_size=physical_batch_size, sampling=sampling, seed=seed,
+                         public_seed=public_seed, engine=engine, max_memory=max_memory, jit_compile=jit_compile,
+                         augmult=augmult, augmentation=augmentation, ema=ema, use_ema_weights=use_ema_weights,
+                         examples_per_user=examples_per_user)
 
 
 def check_unit_of_method(method: Method, unit: str, dataset_size: int, batch_size: float) -> None:
@@ -384,8 +384,8 @@ class EpochCheckpoint(tf.keras.callbacks.Callback):
         self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + time.perf_counter() - self._start
         if privacy is not None:
             privacy.flush()
-        state = {"seed": self.dp.seed, "public_seed": self.dp.public_seed, "ledger": self.dp.ledger.to_json(), "noise_drawn_by_xla": self.dp.noise_drawn_by_xla,
-                 "mask": self.mask()}
+        state = {"seed": self.dp.seed, "public_seed": self.dp.public_seed, "ledger": self.dp.ledger.to_json(),
+                 "noise_drawn_by_xla": self.dp.noise_drawn_by_xla, "mask": self.mask()}
         if self.dp.cyclic_examples is not None:
             state["cyclic_examples"] = self.dp.cyclic_examples
         checkpointing.save(self.run_dir, epoch + 1, self.dp, state)

@@ -13,7 +13,7 @@ import tensorflow as tf
 from tensorflow.core.protobuf import saved_model_pb2
 
 import sparta_tf.export as export_module
-from sparta_tf import DPModel
+from sparta_tf import DPModel, random_layer_state
 from sparta_tf.export import export_for_serving
 from sparta_tf.tuning.release import export_in_fresh_process
 from sparta_tf.models import cifar_resnet_gn
@@ -161,10 +161,6 @@ def _saved_values(path):
     return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map() if "OBJECT_GRAPH" not in k}
 
 
-def _random_states(model):
-    return [v for v in model.variables if v.name.split("/")[-1].split(":")[0] in export_module.RANDOM_STATE_NAMES]
-
-
 def test_the_dp_models_export_holds_no_dp_state_and_a_savedmodel_of_the_dp_model_is_refused(tmp_path):
     """``dp.export`` writes the wrapped model only, its random layers' draw counters (one per micro-batch of
     every step: a count of the Poisson batches) at zero; ``tf.saved_model.save(dp)``, which would write the
@@ -177,16 +173,16 @@ def test_the_dp_models_export_holds_no_dp_state_and_a_savedmodel_of_the_dp_model
     dp = DPModel(model, noise_multiplier=1.0, sample_rate=0.25, physical_batch_size=2)  # secret seeds
     dp.compile(tf.keras.optimizers.SGD(0.1), loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     dp.fit(x, y, epochs=1, verbose=0)
-    counters = [v.numpy().copy() for v in _random_states(model)]
+    counters = [v.numpy().copy() for v in random_layer_state.random_states(model)]
     assert all(c[-1] > 1 for c in counters)  # Keras 3's Dropout counts its draws (Keras 2's keeps no state)
     dp.export(str(tmp_path / "export"))
     saved = _saved_values(str(tmp_path / "export"))
     integers = {int(i) for v in saved.values() if np.asarray(v).dtype.kind in "iu" for i in np.ravel(v)}
     assert not integers & {dp.seed, dp.public_seed}
     exported_states = [v for v in tf.saved_model.load(str(tmp_path / "export")).variables
-                       if any(name in v.name for name in export_module.RANDOM_STATE_NAMES)]
+                       if any(name in v.name for name in random_layer_state.RANDOM_STATE_NAMES)]
     assert len(exported_states) == len(counters) and not any(np.any(v.numpy()) for v in exported_states)
-    for counter, variable in zip(counters, _random_states(model)):  # put back after the export
+    for counter, variable in zip(counters, random_layer_state.random_states(model)):  # put back after the export
         np.testing.assert_array_equal(counter, variable.numpy())
     with pytest.raises(ValueError, match="would hold the run's secret noise seed"):
         tf.saved_model.save(dp, str(tmp_path / "whole"))

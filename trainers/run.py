@@ -414,8 +414,8 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
 
     privacy, training = config["privacy"], config["training"]
     seed = getattr(hooks, "run_seed", training["seed"])
-    dp = private_model(model, method, plan, run_dir=output_dir, seed=seed, public_seed=getattr(hooks, "public_seed", seed),
-                       clip_norm=privacy["clip_norm"],
+    dp = private_model(model, method, plan, run_dir=output_dir, seed=seed,
+                       public_seed=getattr(hooks, "public_seed", seed), clip_norm=privacy["clip_norm"],
                        physical_batch_size=training["physical_batch_size"], sampling=privacy["sampling"],
                        engine=training["engine"], max_memory=training["max_memory"],
                        jit_compile=training["jit_compile"],

@@ -246,11 +246,11 @@ def _run(config: dict, state: dict) -> dict:
         print(f"== candidate {index + 1} of {total}: {candidate.values}")
         tf.keras.backend.clear_session()  # every candidate's model gets the names the first would: none counts
         results = _candidate(config, state, draws, index, candidate_dir)
+        ledger_path = os.path.join(candidate_dir, checkpointing.LEDGER)
         if results is None:  # diverged: it ranks last, and what it ran is charged
-            ledger_path = os.path.join(candidate_dir, checkpointing.LEDGER)
             tally.add(None, PrivacyLedger.load(ledger_path) if os.path.exists(ledger_path) else None)
             continue
-        tally.add(results["tuning_score"], PrivacyLedger.load(os.path.join(candidate_dir, checkpointing.LEDGER)))
+        tally.add(results["tuning_score"], PrivacyLedger.load(ledger_path))
     tf.keras.backend.clear_session()
     return _release(config, state, draws, tally)
 

@@ -29,7 +29,7 @@ class WrappedModelSaving:
     def _trackable_children(self, save_type="checkpoint", **kwargs):
         """As Keras's, but a SavedModel of the DP model itself is refused: it would hold the DP state (the
         secret noise seed, the step counter, the loss trackers' example counts)."""
-        if str(getattr(save_type, "value", save_type)) == "savedmodel":
+        if save_type == "savedmodel":  # TensorFlow's SaveType is a str enum
             raise ValueError(f"a SavedModel of {type(self).__name__} would hold the run's secret noise seed and "
                              "counts of private examples; save or export the model you built (dp.model, dp.save, "
                              "dp.export) or use sparta_tf.export_for_serving")
