@@ -20,6 +20,8 @@ What this module holds (the rest is ``DPModel``'s ordinary step):
   killed run started, charged once the same on every worker's ledger);
 * :func:`check_same_checkpoint`, :func:`check_same_step`: every worker resumes
   from the same checkpoint and step, or none starts;
+* :func:`check_same_examples`: every worker holds the same training examples in
+  the same order (the Poisson samples and groups are drawn by position), or none starts;
 * :func:`replica_share`: the slice of a global Poisson batch a replica trains on;
 * :func:`is_chief`, :func:`worker_dir`: only the chief writes the run's files;
   other workers write to a scratch directory of their own.
@@ -270,6 +272,34 @@ def largest_over_workers(strategy: tf.distribute.Strategy, value: int) -> int:
     replicas = strategy.num_replicas_in_sync
     values = _sum_over_replicas(strategy, lambda replica: tf.cast(tf.one_hot(replica, replicas), tf.int64) * value)
     return int(values.max())
+
+
+def _equal_on_every_replica(strategy: tf.distribute.Strategy, values: list[int]) -> bool:
+    """Whether every replica holds ``values`` (ints in ``[0, 2**16)``, so that the int64 sum of ``R`` squares
+    cannot overflow below ``R = 2**31``; one collective): for each value, ``R sum_r v_r^2 = (sum_r v_r)^2``
+    iff every ``v_r`` is equal (Cauchy-Schwarz)."""
+    moments = tf.constant([m for value in values for m in (value, value * value)], tf.int64)
+    sums = _sum_over_replicas(strategy, lambda replica: moments)
+    replicas = strategy.num_replicas_in_sync
+    return all(replicas * int(sums[2 * i + 1]) == int(sums[2 * i]) ** 2 for i in range(len(values)))
+
+
+def check_same_examples(strategy: tf.distribute.Strategy, fingerprint: str) -> None:
+    """:class:`ClusterError` unless every worker's training examples have ``fingerprint`` (a hex digest of
+    the arrays in order, :func:`sparta_tf.privacy.array_inputs.examples_fingerprint`).
+
+    Each worker gathers its share of a step by position from its own arrays, so workers whose arrays
+    differ (other examples, another order, another split) would put one example in several workers'
+    shares of a step, or sample it at another rate than ``q``: not the mechanism the ledger charges.
+    """
+    if not is_multi_worker(strategy):
+        return
+    digest, bits = int(fingerprint, 16), 4 * len(fingerprint)  # the same count of chunks on every worker
+    chunks = [(digest >> (16 * i)) & 0xFFFF for i in range(-(-bits // 16))]
+    if not _equal_on_every_replica(strategy, chunks):
+        raise ClusterError("the workers hold different training examples (other examples, another order or another "
+                           "data split); give every worker the same arrays in the same order (sparta-train shares the "
+                           "chief's split key), then restart every worker")
 
 
 def _mean_unless_equal(strategy: tf.distribute.Strategy, value: int) -> float | None:

@@ -1,7 +1,8 @@
 """A tiny DPModel run, as one process of a multi-worker cluster or alone (tests/test_multi_worker.py).
 
-    python tests/multi_worker_job.py OUT_DIR SIGMA STRATEGY [SEED]   (STRATEGY: default | multi_worker;
-                                                                      SEED: an int or none, default 123)
+    python tests/multi_worker_job.py OUT_DIR SIGMA STRATEGY [SEED [DATA]]   (STRATEGY: default | multi_worker;
+                                      SEED: an int or none, default 123; DATA: same (default) | per-worker,
+                                      each worker's own arrays)
 
 Writes ``OUT_DIR/weights.npz`` and ``OUT_DIR/ledger.json`` from the chief (or
 the single process); other workers write to their scratch directory
@@ -17,14 +18,14 @@ import numpy as np
 from sparta_tf import distribute
 
 
-def main(out_dir: str, sigma: float, strategy_name: str, seed: int | None = 123) -> None:
+def main(out_dir: str, sigma: float, strategy_name: str, seed: int | None = 123, data: str = "same") -> None:
     strategy = distribute.make_strategy(strategy_name, peer_deadline_s=60)  # before any other TF op
     import tensorflow as tf
 
     from sparta_tf.dp_model import DPModel
 
     tf.keras.utils.set_random_seed(0)
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(0 if data == "same" or distribute.is_chief(strategy) else 1)
     x = rng.normal(size=(48, 6, 6, 2)).astype("float32")
     y = rng.integers(0, 3, 48).astype("int32")
     with strategy.scope():
@@ -48,4 +49,4 @@ def main(out_dir: str, sigma: float, strategy_name: str, seed: int | None = 123)
 
 if __name__ == "__main__":
     seed_arg = sys.argv[4] if len(sys.argv) > 4 else "123"
-    main(sys.argv[1], float(sys.argv[2]), sys.argv[3], None if seed_arg == "none" else int(seed_arg))
+    main(sys.argv[1], float(sys.argv[2]), sys.argv[3], None if seed_arg == "none" else int(seed_arg), *sys.argv[5:6])

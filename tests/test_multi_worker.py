@@ -173,21 +173,27 @@ def test_the_peer_deadline_variable_is_checked_by_the_plan(monkeypatch):
 # ------------------------------------------------------------ two processes
 
 
-def run_job(out_dir, sigma, workers, seed="123"):
-    """Runs the tiny job alone (workers=1) or as `workers` processes on 127.0.0.1; returns the chief's files."""
+def start_job(out_dir, sigma, workers, *args) -> list[tuple[int, str]]:
+    """Each process's (status, output) of the tiny job alone (workers=1) or as `workers` processes on
+    127.0.0.1 (``args``: the job's SEED and DATA)."""
     ports = free_ports(workers)
     procs = []
     try:
         for index in range(workers):
             env = worker_env(TF_CONFIG=tf_config(ports, index)) if workers > 1 else worker_env()
             strategy = "multi_worker" if workers > 1 else "default"
-            procs.append(subprocess.Popen([sys.executable, JOB, str(out_dir), str(sigma), strategy, seed], env=env,
+            procs.append(subprocess.Popen([sys.executable, JOB, str(out_dir), str(sigma), strategy, *args], env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True))
-        for proc in procs:
-            output, _ = proc.communicate(timeout=TIMEOUT_S)
-            assert proc.returncode == 0, output.decode()[-3000:]
+        outputs = [proc.communicate(timeout=TIMEOUT_S)[0].decode() for proc in procs]
     finally:
         kill_all(procs)
+    return [(proc.returncode, output) for proc, output in zip(procs, outputs)]
+
+
+def run_job(out_dir, sigma, workers, seed="123"):
+    """Runs the tiny job alone (workers=1) or as `workers` processes on 127.0.0.1; returns the chief's files."""
+    for status, output in start_job(out_dir, sigma, workers, seed):
+        assert status == 0, output[-3000:]
     weights = np.load(os.path.join(out_dir, "weights.npz"))
     with open(os.path.join(out_dir, "ledger.json")) as f:
         return [weights[k] for k in sorted(weights.files, key=lambda k: int(k.split("_")[1]))], json.load(f)
@@ -220,6 +226,15 @@ def test_without_a_seed_every_worker_uses_the_chiefs_secret_seed(tmp_path):
     other = np.load(other_dir / "weights.npz")
     for a, k in zip(chief_weights, sorted(other.files, key=lambda k: int(k.split("_")[1]))):
         np.testing.assert_array_equal(a, other[k])
+
+
+def test_workers_whose_arrays_differ_stop_with_one_line_before_a_step(tmp_path):
+    """Each worker gathers its share of a step by position from its own arrays: with other arrays an example
+    could be in two workers' shares of one step. Both workers must stop before the first step, alike."""
+    finished = start_job(tmp_path / "multi", 1.3, 2, "123", "per-worker")
+    for status, output in finished:
+        assert status != 0 and "the workers hold different training examples" in output, output[-3000:]
+    assert not (tmp_path / "multi" / "ledger.json").exists()
 
 
 # ------------------------------------------------- sparta-train, kill -9, --resume
@@ -299,11 +314,13 @@ def test_workers_whose_journals_disagree_all_charge_the_largest_count(tmp_path):
     """A kill leaves each worker's journal at its own step. If each charged its own count, their ledgers
     (and the step at which the budget stops training) would differ: one worker would leave the epoch
     while the other waits in its next step's all-reduce. Here only worker 1 journaled 3 started steps
-    (killed before any checkpoint): both must charge 3, start at step 3 and finish."""
+    (killed before any checkpoint): both must charge 3, start at step 3 and finish. Without a seed, each
+    worker draws a secret split key: the chief's must be every worker's."""
     out = tmp_path / "run"
     config = cli_config(out)
     config["method"] = {"name": "all"}  # one phase to trace: the journals, not the method, are under test
     config["training"]["epochs"] = 2
+    config["training"]["seed"] = None  # a secret split key, drawn by each worker and the chief's shared
     path = tmp_path / "c.json"
     path.write_text(json.dumps(config))
     journal = tmp_path / "run.worker-worker-1" / "checkpoints" / "journal.json"
@@ -311,6 +328,9 @@ def test_workers_whose_journals_disagree_all_charge_the_largest_count(tmp_path):
     journal.write_text(json.dumps({"started_through": 3}))
 
     outputs = resume_all_to_the_end(path)
+    keys = [json.loads((directory / "data_split.json").read_text())["key"]
+            for directory in (out, tmp_path / "run.worker-worker-1")]
+    assert keys[0] == keys[1]  # else each worker held out other examples (and the arrays check refuses)
     for directory in (out, tmp_path / "run.worker-worker-1"):
         entries = json.loads((directory / "ledger.json").read_text())["entries"]
         assert sum(e["count"] for e in entries if e.get("phase") == "interrupted") == 3

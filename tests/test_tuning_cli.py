@@ -83,6 +83,17 @@ def test_a_tuning_that_leaves_nothing_to_learn_is_refused_in_one_line(tmp_path, 
     assert "no candidate can learn" in lines[0] or "no per-run noise meets target_epsilon=0.02" in lines[0]
 
 
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_a_multi_worker_tuning_is_refused_in_one_line_before_anything_runs(tmp_path, write_config, capsys, dry_run):
+    """Each worker would draw its own candidates, seeds and data split."""
+    out = tmp_path / "t"
+    config = tuning_config(out, strategy="multi_worker")
+    status = tune_cli.main(["--config", str(write_config(config)), *(["--dry-run"] if dry_run else [])])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("config error")]
+    assert status == 2 and len(lines) == 1 and "multi_worker is not supported by sparta-tune" in lines[0]
+    assert not out.exists()
+
+
 def test_sigkill_mid_candidate_then_resume_keeps_the_draws_and_never_undercounts(tmp_path, write_config):
     out = tmp_path / "killed"
     path = write_config(tuning_config(out, epochs=3, mean=2, seed=0, batch_size=12))

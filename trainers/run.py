@@ -397,7 +397,8 @@ def _train(config: dict, run_dir: RunDirectory, hooks=None) -> dict:
     preflight(config)
     split_key = getattr(hooks, "split_key", None)
     if split_key is None:
-        split_key = split_keys.run_split_key(output_dir, config)
+        strategy = tf.distribute.get_strategy()
+        split_key = split_keys.run_split_key(output_dir, config, lambda key: distribute.shared_seed(strategy, key))
     dataset = load_private_data(config, split_key)
     if hooks is not None:
         dataset = hooks.private_data(dataset)

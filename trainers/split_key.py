@@ -51,16 +51,21 @@ def new_key(config: dict) -> int | None:
     return random_streams.new_seed() if needs_secret_key(config) else seed_key(config)
 
 
-def run_split_key(output_dir: str, config: dict) -> int | None:
+def run_split_key(output_dir: str, config: dict, share=None) -> int | None:
     """The run's split key: read from ``output_dir`` (a resumed run), else drawn and written there before
-    the data is loaded; :func:`seed_key` when the config's seed decides the splits."""
+    the data is loaded; :func:`seed_key` when the config's seed decides the splits. ``share(key)``: the
+    key every worker of a multi-worker run uses (the chief's, :func:`sparta_tf.distribute.shared_seed`),
+    which each worker then keeps in its own ``output_dir``: workers that drew their own keys would hold
+    out different examples and train on different arrays."""
     if not needs_secret_key(config):
         return seed_key(config)
     path = os.path.join(output_dir, SPLIT_KEY)
-    if os.path.exists(path):
-        return _read_key(path)
-    key = random_streams.new_seed()
-    write_atomic(path, json.dumps({"key": key}))  # private: beside the checkpoints, never released
+    stored = _read_key(path) if os.path.exists(path) else None
+    key = random_streams.new_seed() if stored is None else stored
+    if share is not None:
+        key = share(key)
+    if key != stored:
+        write_atomic(path, json.dumps({"key": key}))  # private: beside the checkpoints, never released
     return key
 
 

@@ -85,6 +85,7 @@ class Setup:
     the space checked to run its mechanisms) and the untuned run's."""
 
     def __init__(self, config: dict, data_split_key: int | None = None):
+        check_one_process(config)
         run.preflight(config)
         self.config = config
         self.dataset = run.load_private_data(config, data_split_key)
@@ -130,6 +131,14 @@ class Setup:
             procedure.check_one_mechanism(self.plan, self.plan_of, candidates, "tuning.space")
         except ValueError as error:
             raise ConfigError(str(error)) from None
+
+
+def check_one_process(config: dict) -> None:
+    """A tuning runs its candidates in one process: on several workers each would draw its own candidates,
+    seeds and data split, so ``training.strategy: multi_worker`` is refused (one line, before anything runs)."""
+    if config["training"]["strategy"] == "multi_worker":
+        raise ConfigError("training.strategy: multi_worker is not supported by sparta-tune (each worker would draw its "
+                          "own candidates, seeds and data split); set training.strategy to default or mirrored")
 
 
 def dry_run(config: dict, data_split_key: int | None = None) -> Setup:
@@ -185,6 +194,7 @@ class CandidateHooks:
 
 def tune(config: dict, resume: bool = False) -> dict:
     """Runs (or with ``resume`` continues) the configured tuning; returns the released ``results.json``."""
+    check_one_process(config)
     run.apply_process_settings(config)
     output_dir = config["output_dir"]
     with RunDirectory(output_dir, config, resume) as run_dir:

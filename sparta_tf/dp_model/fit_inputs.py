@@ -81,6 +81,15 @@ def check_fit_call(dp, first, fit_kwargs: dict, callbacks: list, users=None,
     keras_trainer.check_whole_calls(dp, steps_per_epoch or planned_steps_per_epoch(dp.sample_rate))
 
 
+def check_same_examples_on_workers(dp, x, y, users=None) -> None:
+    """On several workers, a :class:`~sparta_tf.distribute.ClusterError` (one line, before anything is
+    charged) unless every worker's arrays hold the same examples in the same order
+    (:func:`~sparta_tf.distribute.check_same_examples`); a dataset is each worker's own to build."""
+    if x is None or isinstance(x, tf.data.Dataset) or not distribute.is_multi_worker(dp.distribute_strategy):
+        return
+    distribute.check_same_examples(dp.distribute_strategy, examples_fingerprint(x, (y, users)))
+
+
 def check_ledger_unit(dp) -> None:
     """One line when the model's ledger protects another unit than its steps (a ledger restored from a run at
     the other unit): its epsilon would be claimed for one user while the steps sample examples, or the

@@ -550,6 +550,7 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
         callbacks = list(callbacks or [])
         first = fit_inputs.first_element(x)
         fit_inputs.check_fit_call(self, first, kwargs, callbacks, users, steps_per_epoch)  # before any charge
+        fit_inputs.check_same_examples_on_workers(self, x, y, users)
         if self.private_run is not None:
             epochs, initial_epoch, callbacks = self.private_run.before_fit(
                 self, x, y, epochs, initial_epoch, callbacks, users)
