@@ -2,7 +2,8 @@
 
 The top level holds the public surface the guides use: the entry point :func:`make_private`; the
 core types :class:`DPModel`, :class:`PrivacyPlan`, :class:`PrivacyLedger`, :class:`Method`,
-:class:`NonFiniteGuard` and :class:`NotPerExampleSafeError`; the registries: of methods,
+:class:`NonFiniteGuard` and :class:`NotPerExampleSafeError`; :func:`logging_only` for a callback that only
+logs ``fit``'s metrics; the registries: of methods,
 :data:`METHODS`, and of per-layer per-example rules, :func:`register_layer_rule`; and the helpers the guides
 call (:func:`cosine_with_warmup`, :func:`calibrate_noise_multiplier`, :func:`compute_epsilon`,
 :func:`export_for_serving`). Everything else, SPARTA's internals
@@ -29,6 +30,7 @@ if TYPE_CHECKING:  # for type checkers and the API reference (static); at run ti
     from sparta_tf.callbacks import NonFiniteGuard
     from sparta_tf.data.augmentation_check import check_augmentation
     from sparta_tf.dp_model import DPModel
+    from sparta_tf.dp_model.training_logs import logging_only
     from sparta_tf.export import export_for_serving
     from sparta_tf.tuning.release import export_in_fresh_process
     from sparta_tf.methods import METHODS, Method
@@ -46,6 +48,7 @@ _PUBLIC: dict[str, str] = {
     "make_private": "sparta_tf.private_training",
     "tune_privately": "sparta_tf.tuning.library",
     "DPModel": "sparta_tf.dp_model",
+    "logging_only": "sparta_tf.dp_model.training_logs",
     "PrivacyPlan": "sparta_tf.privacy.plan",
     "PrivacyLedger": "sparta_tf.privacy",
     "Method": "sparta_tf.methods",
@@ -76,6 +79,7 @@ __all__ = [
     "cosine_with_warmup",
     "export_for_serving",
     "export_in_fresh_process",
+    "logging_only",
     "make_private",
     "register_layer_rule",
     "tune_privately",

@@ -102,7 +102,7 @@ def test_keras_callbacks_run_under_dp_fit_and_what_they_save_loads_in_a_fresh_pr
         tf.keras.callbacks.CSVLogger(str(tmp_path / "log.csv")),
         tf.keras.callbacks.BackupAndRestore(str(tmp_path / "backup")),
     ]
-    history = dp.fit(x, y, validation_data=(x, y), callbacks=callbacks, verbose=0)
+    history = dp.fit(x, y, validation_data=_held_out(), callbacks=callbacks, verbose=0)
     assert len(history.history["loss"]) == EPOCHS
     assert dp.ledger.steps == dp.plan.steps and dp.ledger.epsilon() <= 8.0 * (1 + 1e-9)
     assert len(open(tmp_path / "log.csv").read().strip().splitlines()) == 1 + EPOCHS
@@ -166,14 +166,101 @@ def test_a_callback_acting_on_a_training_metric_marks_the_run_not_private(callba
     release the ledger cannot cover. A validation metric (Keras' default) is not flagged."""
     x, y = _data()
     dp = _private()
-    with pytest.warns(UserWarning, match=f"{type(callback).__name__}.*acts on a training metric"):
+    with pytest.warns(UserWarning, match=f"{type(callback).__name__}.*acts on the training metric"):
         dp.fit(x, y, callbacks=[callback], verbose=0)
     assert not dp.ledger.is_private and "noiseless statistic" in dp.ledger.nonprivate_reasons[0]
     watched = _private()
-    watched.fit(x, y, validation_data=(x, y), verbose=0, callbacks=[
-        tf.keras.callbacks.EarlyStopping(), tf.keras.callbacks.ModelCheckpoint(str(tmp_path / "m.weights.h5"),
-                                                                               save_weights_only=True)])
+    watched.fit(x, y, validation_data=_held_out(), verbose=0, callbacks=[
+        tf.keras.callbacks.EarlyStopping(), tf.keras.callbacks.ModelCheckpoint(
+            str(tmp_path / "m-{epoch}-{val_loss:.3f}.weights.h5"), save_weights_only=True)])
     assert watched.ledger.is_private
+
+
+def _held_out():
+    rng = np.random.default_rng(1)
+    return rng.normal(size=(16, 8)).astype(np.float32), rng.integers(0, 4, 16)
+
+
+class StopOnLoss(tf.keras.callbacks.Callback):
+    """A user's own callback that acts on the training loss."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        if dict(logs)["loss"] < 1e9:
+            self.model.stop_training = True
+
+
+class LogsAMetric(tf.keras.callbacks.Callback):
+    """A user's own callback that reads only what is not private, and adds a metric of its own."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs["epsilon_doubled"] = 2 * logs["epsilon"] + (logs.get("val_loss") or 0) * 0
+
+
+@pytest.mark.parametrize("make", [StopOnLoss, lambda: tf.keras.callbacks.LambdaCallback(
+    on_train_batch_end=lambda batch, logs: print(json.dumps(logs)))], ids=["own", "lambda"])
+def test_a_users_callback_that_reads_a_training_metric_marks_the_run_not_private(make):
+    """Any callback Keras does not define sees the noiseless training metrics: a read of one marks the run (it
+    may decide anything from it), unless the callback is declared logging-only, which is a caveat. Reading
+    epsilon and validation metrics, and writing metrics, are fine; the callback is unchanged after fit."""
+    x, y = _data()
+    callback = make()
+    hooks = lambda: (type(callback), {k: v for k, v in vars(callback).items() if k.startswith("on_")})  # noqa: E731
+    before = hooks()
+    dp = _private(method="all")
+    with pytest.warns(UserWarning, match=f"callback {type(callback).__name__} read the training metric"):
+        dp.fit(x, y, callbacks=[callback], verbose=0)
+    assert not dp.ledger.is_private and dp.ledger.epsilon() == float("inf")
+    assert hooks() == before
+    declared = _private(method="all")
+    declared.fit(x, y, callbacks=[sparta_tf.logging_only(make())], verbose=0)
+    assert declared.ledger.is_private and any("declared logging-only" in c for c in declared.ledger.caveats())
+    reader = _private(method="all")
+    history = reader.fit(x, y, validation_data=_held_out(), callbacks=[LogsAMetric()], verbose=0)
+    assert reader.ledger.is_private and not reader.ledger.caveats()
+    assert history.history["epsilon_doubled"] == [2 * e for e in history.history["epsilon"]]
+
+
+def test_validation_data_that_holds_training_examples_makes_its_metrics_private(tmp_path):
+    """val_loss on training examples is a noiseless statistic of them: acting on it (EarlyStopping, a best-only
+    checkpoint, a file name) marks the run, as a user's callback reading it does; one shared example suffices."""
+    x, y = _data()
+    x_val, y_val = _held_out()
+    x_val[3] = x[10]
+    for callback in (tf.keras.callbacks.EarlyStopping(restore_best_weights=True),
+                     tf.keras.callbacks.ModelCheckpoint(str(tmp_path / "{val_loss:.4f}.weights.h5"),
+                                                        save_weights_only=True)):
+        dp = _private(method="all")
+        with pytest.warns(UserWarning, match="validation data that holds training examples"):
+            dp.fit(x, y, validation_data=(x_val.astype(np.float64), y_val), callbacks=[callback], verbose=0)
+        assert not dp.ledger.is_private
+    dp = _private(method="all")
+    with pytest.warns(UserWarning, match="callback LogsAMetric read the validation metric 'val_loss'"):
+        dp.fit(x, y, validation_data=(x_val, y_val), callbacks=[LogsAMetric()], verbose=0)
+    dataset = tf.data.Dataset.from_tensor_slices((x_val, y_val)).batch(8)
+    unchecked = _private(method="all")
+    unchecked.fit(x, y, validation_data=dataset, callbacks=[tf.keras.callbacks.EarlyStopping()], verbose=0)
+    assert unchecked.ledger.is_private and any("not checked for training examples" in c
+                                               for c in unchecked.ledger.caveats())
+
+
+def test_a_checkpoint_named_by_a_training_metric_marks_the_run_not_private(tmp_path):
+    x, y = _data()
+    dp = _private(method="all")
+    with pytest.warns(UserWarning, match="ModelCheckpoint's file names format the training metric 'loss'"):
+        dp.fit(x, y, verbose=0, callbacks=[tf.keras.callbacks.ModelCheckpoint(
+            str(tmp_path / "w-{epoch:02d}-{loss:.5f}.weights.h5"), save_weights_only=True)])
+    assert not dp.ledger.is_private
+
+
+@pytest.mark.parametrize("metrics", [[tf.keras.metrics.SparseCategoricalAccuracy(name="val_acc")], ["accuracy"]])
+def test_a_metric_named_like_a_validation_metric_is_refused(metrics):
+    """Its training values would be logged as val_acc, which the callback checks take for validation."""
+    dp = _private(compile=False)
+    if metrics == ["accuracy"]:
+        dp.compile(tf.keras.optimizers.SGD(0.1), loss=LOSS, metrics=metrics)
+        return
+    with pytest.raises(ValueError, match="'val_acc' starts with 'val_'.*rename it"):
+        dp.compile(tf.keras.optimizers.SGD(0.1), loss=LOSS, metrics=metrics)
 
 
 def test_terminate_on_nan_marks_the_run_not_private():

@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from sparta_tf import distribute, keras_trainer
+from sparta_tf.dp_model import training_logs
 from sparta_tf.dp_step.usable_examples import DroppedExamplesReport
 from sparta_tf.model_checks import first_examples, probe_batch_mixing, probe_loss_mixing
 from sparta_tf.per_example import make_engine
@@ -55,7 +56,7 @@ def first_element(x):
 
 
 def check_fit_call(dp, first, fit_kwargs: dict, callbacks: list, users=None,
-                   steps_per_epoch: int | None = None) -> None:
+                   steps_per_epoch: int | None = None, keys: training_logs.LogKeys = training_logs.LogKeys()) -> None:
     """Refuses, with one line and before anything is charged, what ``DPModel.fit`` cannot honour: a model
     not compiled, ``sample_weight`` / ``class_weight`` (:data:`PADDING_MASK_ONLY`), a ``batch_size``
     (the batches are Poisson samples of ``q n``), a dataset whose ``first`` element (:func:`first_element`)
@@ -77,7 +78,7 @@ def check_fit_call(dp, first, fit_kwargs: dict, callbacks: list, users=None,
         check_first_padding_mask(first)
     check_users_argument(dp, first is not None, users)
     check_ledger_unit(dp)
-    check_keras_callbacks(dp, callbacks)
+    check_keras_callbacks(dp, callbacks, keys)
     keras_trainer.check_whole_calls(dp, steps_per_epoch or planned_steps_per_epoch(dp.sample_rate))
 
 
@@ -88,6 +89,24 @@ def check_same_examples_on_workers(dp, x, y, users=None) -> None:
     if x is None or isinstance(x, tf.data.Dataset) or not distribute.is_multi_worker(dp.distribute_strategy):
         return
     distribute.check_same_examples(dp.distribute_strategy, examples_fingerprint(x, (y, users)))
+
+
+UNCHECKED_VALIDATION = ("validation_data is a tf.data.Dataset (or the training data is), so it was not checked for "
+                        "training examples; what callbacks decide from val_ metrics assumes it holds none")
+
+
+def log_keys(dp, x, validation_data, callbacks: list) -> training_logs.LogKeys:
+    """Which of ``fit``'s logged keys are private (:class:`~sparta_tf.dp_model.training_logs.LogKeys`): the
+    validation metrics too when ``validation_data`` holds a training example. Validation data that cannot be
+    checked (a dataset) is recorded as a ledger caveat when a callback acts on a validation metric."""
+    holds = training_logs.validation_holds_training_examples(x, validation_data)
+    keys = training_logs.LogKeys(validation_holds_training_examples=bool(holds))
+    if holds is None and validation_data is not None and dp.ledger is not None:
+        every_metric = training_logs.LogKeys(validation_holds_training_examples=True)
+        if len(training_logs.acting_reasons(callbacks, every_metric)) > len(training_logs.acting_reasons(callbacks,
+                                                                                                      keys)):
+            dp.ledger.record_caveat(UNCHECKED_VALIDATION)
+    return keys
 
 
 def check_ledger_unit(dp) -> None:
@@ -128,7 +147,7 @@ def check_first_padding_mask(element) -> None:
                          "weights, or feed arrays to fit")
 
 
-def check_keras_callbacks(dp, callbacks: list) -> None:
+def check_keras_callbacks(dp, callbacks: list, keys: training_logs.LogKeys = training_logs.LogKeys()) -> None:
     """The Keras callbacks a DP ``fit`` cannot honour, refused before the first step:
 
     * ``BackupAndRestore`` whose directory holds the backup of an interrupted ``fit``: restoring it would
@@ -141,9 +160,10 @@ def check_keras_callbacks(dp, callbacks: list) -> None:
       after that epoch's epsilon was spent.
 
     A callback that acts on a training metric (``EarlyStopping``, ``ReduceLROnPlateau`` or a best-only
-    ``ModelCheckpoint`` monitoring ``loss`` or another metric without ``val_``) feeds a noiseless statistic of the
-    private batches into the released weights: the run is marked not private (:func:`training_metric_monitors`)."""
-    for reason in training_metric_monitors(callbacks):
+    ``ModelCheckpoint`` monitoring ``loss`` or another metric without ``val_``, or a validation metric when the
+    validation data holds training examples: ``keys``) feeds a noiseless statistic of the private batches into
+    the released weights: the run is marked not private (:func:`~sparta_tf.dp_model.training_logs.acting_reasons`)."""
+    for reason in training_logs.acting_reasons(callbacks, keys):
         if dp.ledger is not None and reason not in dp.ledger.nonprivate_reasons:
             dp.ledger.record_nonprivate(reason)
             warnings.warn(reason, stacklevel=4)
@@ -172,29 +192,6 @@ def mark_batch_outside_fit(dp) -> None:
     if dp.ledger is not None and BATCH_OUTSIDE_FIT not in dp.ledger.nonprivate_reasons:
         dp.ledger.record_nonprivate(BATCH_OUTSIDE_FIT)
         warnings.warn(BATCH_OUTSIDE_FIT, stacklevel=3)
-
-
-MONITORING = (tf.keras.callbacks.EarlyStopping, tf.keras.callbacks.ReduceLROnPlateau, tf.keras.callbacks.ModelCheckpoint)
-
-
-def training_metric_monitors(callbacks: list) -> list[str]:
-    """One reason per callback whose decisions read a training metric: a mean over the sampled examples
-    without noise (those the DP step dropped included), so what it does to the weights (stop, lower the rate,
-    keep another epoch's) is outside the guarantee. ``TerminateOnNaN`` reads the loss of every batch."""
-    reasons = []
-    for callback in callbacks:
-        monitor = getattr(callback, "monitor", None)
-        acts = not isinstance(callback, tf.keras.callbacks.ModelCheckpoint) or getattr(callback, "save_best_only",
-                                                                                       False)
-        if isinstance(callback, MONITORING) and acts and isinstance(monitor, str) and not monitor.startswith("val_"):
-            reasons.append(f"{type(callback).__name__}(monitor={monitor!r}) acts on a training metric, a noiseless "
-                           "statistic of the private batches; monitor a validation metric of data outside the "
-                           "private training set, or leave it out")
-        if isinstance(callback, tf.keras.callbacks.TerminateOnNaN):
-            reasons.append("TerminateOnNaN stops on the training loss, a noiseless mean over the sampled examples "
-                           "(one the DP step dropped as non-finite included), so one example can decide when the run "
-                           "stops; use sparta_tf.NonFiniteGuard, which stops on the weights")
-    return reasons
 
 
 def check_serializable(model: tf.keras.Model, saver: str) -> None:

@@ -36,13 +36,14 @@ Poisson-subsampled Gaussian mechanism (Abadi et al. 2016)::
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import tensorflow as tf
 
 from sparta_tf import distribute, keras_trainer, random_streams
 from sparta_tf.choices import ENGINES, SAMPLING_MODES, memory_bytes, one_of_problem
-from sparta_tf.dp_model import fit_inputs
+from sparta_tf.dp_model import fit_inputs, training_logs
 from sparta_tf.dp_model.wrapped_saving import WrappedModelSaving
 from sparta_tf.dp_step import KEEP_ALL, GradientFilter, GradientRelease, MicroBatches, Release, ScoreRelease, StepParts
 from sparta_tf.dp_step.correlated_noise import CorrelatedNoise
@@ -407,6 +408,7 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
         if jit_compile is not None:
             self._jit_compile_setting = jit_compile
         weighted = fit_inputs.all_weighted(metrics, kwargs.pop("weighted_metrics", None))
+        training_logs.check_metric_names(weighted, getattr(self.model, "output_names", None))
         super().compile(
             optimizer=optimizer, loss=loss, weighted_metrics=weighted,
             jit_compile=resolve_jit_compile(self._jit_compile_setting), **kwargs,
@@ -548,8 +550,10 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
         see :mod:`sparta_tf.private_training`).
         """
         callbacks = list(callbacks or [])
+        users_callbacks = list(callbacks)
         first = fit_inputs.first_element(x)
-        fit_inputs.check_fit_call(self, first, kwargs, callbacks, users, steps_per_epoch)  # before any charge
+        keys = fit_inputs.log_keys(self, x, kwargs.get("validation_data"), callbacks)
+        fit_inputs.check_fit_call(self, first, kwargs, callbacks, users, steps_per_epoch, keys)  # before any charge
         fit_inputs.check_same_examples_on_workers(self, x, y, users)
         if self.private_run is not None:
             epochs, initial_epoch, callbacks = self.private_run.before_fit(
@@ -566,11 +570,14 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
             callbacks.append(PlainStepsGuard(self))
         callbacks = fit_inputs.fit_callbacks(self.privacy_callback, callbacks, verbose, self._non_finite,
                                              "users" if self.unit == "user" else "examples")
+        watched = (training_logs.watched_callbacks(users_callbacks, keys, training_logs.private_read_marker(self.ledger))
+                   if self.ledger is not None else contextlib.nullcontext())
         try:
-            return super().fit(
-                x, y, epochs=epochs, verbose=verbose, callbacks=callbacks,
-                steps_per_epoch=steps_per_epoch, initial_epoch=initial_epoch, **kwargs,
-            )
+            with watched:
+                return super().fit(
+                    x, y, epochs=epochs, verbose=verbose, callbacks=callbacks,
+                    steps_per_epoch=steps_per_epoch, initial_epoch=initial_epoch, **kwargs,
+                )
         finally:  # a fit stopped by an exception (Ctrl-C, a callback) skips on_train_end: charge what ran
             if self.privacy_callback is not None:
                 self.privacy_callback.flush()
