@@ -95,6 +95,20 @@ def reject_batch_mixing_layers(model: tf.keras.Model) -> None:
         )
 
 
+def adapted_state_caveat(model: tf.keras.Model) -> str | None:
+    """A ledger caveat naming ``model``'s preprocessing layers whose state ``adapt`` computes from data
+    (Normalization's mean and variance, Discretization's bins, a lookup's vocabulary), None without any.
+    That state is part of the starting model, which the guarantee assumes public; on Keras 2 only the
+    layers adapted so far count (``is_adapted``), Keras 3 does not say, so every layer that can be does."""
+    found = [layer.name for layer in all_layers(model)
+             if callable(getattr(layer, "adapt", None)) and getattr(layer, "is_adapted", True)]
+    if not found:
+        return None
+    return (f"the model's preprocessing layers {found[:3]}{' and more' if len(found) > 3 else ''} hold state that "
+            "adapt() computes from data (statistics, bins, a vocabulary), which DP training does not protect; the "
+            "guarantee assumes it was computed from public data, not from the private examples")
+
+
 # Kept for callers of the earlier name.
 reject_batchnorm_in_training_mode = reject_batch_mixing_layers
 
@@ -149,7 +163,7 @@ def probe_batch_mixing(model: tf.keras.Model, x) -> bool:
     batch = int(tf.shape(tf.nest.flatten(x)[0])[0])
     if batch < 2:
         return False
-    snapshot = [(v, v.numpy()) for v in model.variables]
+    snapshot = [(v, v.numpy()) for v in model.variables if hasattr(v, "numpy")]  # not a lookup's vocabulary
     global_seed = context.global_seed()
     try:
         first = _outputs(model, x, snapshot)

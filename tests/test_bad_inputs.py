@@ -130,6 +130,8 @@ CASES = [
      "privacy.noise_multiplier=0.65 spends epsilon="),
     ("accountant", {"privacy.accountant": "gdp"}, 2, "privacy.accountant='gdp' must be one of pld, rdp"),
     ("sampling", {"privacy.sampling": "fixed"}, 2, "privacy.sampling='fixed' must be one of"),
+    ("bands-shuffle", {"privacy.sampling": "shuffle", "privacy.bands": 2}, 2,
+     "privacy.sampling: shuffle with privacy.bands=2: correlated noise needs cyclic Poisson sampling; set sampling"),
     ("privacy-unknown-key", {"privacy.epsilon": 2}, 2, "unknown key privacy.epsilon"),
     ("privacy-not-mapping", {"privacy": [1]}, 2, "privacy must be a mapping"),
     # training
@@ -249,6 +251,9 @@ CASES = [
     ("pretrain-on-private-data-by-other-names", {"pretrain": {"enabled": True, "data": {"source": "digits",
                                                                                     "classes": ["2", "3"]}}}, 2,
      "pretrain.data shares"),
+    ("pretrain-on-private-data-loaded-otherwise", {"pretrain": {"enabled": True, "data": {
+        "source": "digits", "classes": ["2", "3"], "normalize": "standard", "mean": [0.3], "std": [0.4],
+        "image_size": [10, 10]}}}, 2, "pretrain.data shares"),  # the same images, scaled and resized otherwise
     ("pretrain-epochs", {"pretrain.epochs": 0}, 2, "pretrain.epochs=0 must be >= 1"),
     ("pretrain-channels", {"pretrain": {"enabled": True, "data": {"source": "digits", "classes": [5, 6, 7],
                                                                   "channels": 3}}}, 2,

@@ -122,3 +122,25 @@ def test_sample_weights_other_than_zero_or_one_are_refused():
         dp.fit(dataset, epochs=1, steps_per_epoch=2, verbose=0)
     padding = tf.data.Dataset.from_tensor_slices((x, y, (np.arange(16) % 2).astype(np.float32))).batch(4)
     dp.fit(padding, epochs=1, steps_per_epoch=2, verbose=0)
+
+
+def test_a_model_with_a_layer_adapted_to_data_gets_a_ledger_caveat():
+    """``Normalization.adapt(x_train)`` writes the private data's mean and variance into the model that is
+    released: the guarantee assumes the starting model is public, so the ledger says so. On Keras 2 a layer
+    given its statistics is not adapted; Keras 3 does not tell the two apart, so both get the caveat."""
+    from sparta_tf.backend import KERAS3
+
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+
+    def dp_of(normalization):
+        model = tf.keras.Sequential([tf.keras.Input((4,)), normalization, tf.keras.layers.Dense(2)])
+        return DPModel(model, noise_multiplier=1.0, sample_rate=0.25, dataset_size=32, delta=1e-5, seed=0)
+
+    adapted = tf.keras.layers.Normalization(name="norm")
+    adapted.adapt(x)
+    caveats = dp_of(adapted).ledger.caveats()
+    assert any("preprocessing layers ['norm']" in c and "adapt()" in c for c in caveats), caveats
+    given = dp_of(tf.keras.layers.Normalization(mean=[0.0] * 4, variance=[1.0] * 4, name="given"))
+    assert any("['given']" in c for c in given.ledger.caveats()) == KERAS3
+    plain = dp_of(tf.keras.layers.Rescaling(0.5))
+    assert not plain.ledger.caveats()

@@ -90,11 +90,16 @@ def _image_digests(images) -> set[bytes]:
 
 
 def _check_disjoint(public, private) -> None:
-    """ConfigError when the public training images include a private training or validation image (compared
-    by their bytes as loaded): the non-private pre-training would train on it. The configs' check
-    (``may_share_examples``, before anything loads) compares what the sections say; this one, what they load
-    (another spelling of the classes, another path to the same files)."""
+    """ConfigError when the public training images include a private training or validation image, compared
+    by their bytes as stored (before scaling, channel conversion, resizing and normalisation, which each data
+    section sets on its own: :attr:`~sparta_tf.data.Dataset.stored_image_digests`) and as loaded: the
+    non-private pre-training would train on it. The configs' check (``may_share_examples``, before anything
+    loads) compares what the sections say; this one, what they load (another spelling of the classes,
+    another path to the same files, another normalisation of them)."""
     shared = len(_image_digests(public.x_train) & (_image_digests(private.x_train) | _image_digests(private.x_val)))
+    stored, private_stored = public.stored_image_digests, private.stored_image_digests
+    if stored is not None and private_stored is not None:
+        shared = max(shared, len(stored["train"] & (private_stored["train"] | private_stored["val"])))
     if shared:
         raise ConfigError(f"pretrain.data shares {shared} image(s) with the private training or validation data, "
                           "and pre-training is not private; pre-train on data disjoint from data (other classes "

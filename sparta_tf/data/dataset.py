@@ -54,6 +54,11 @@ class Dataset:
     """What the held-out splits assume (:func:`sparta_tf.data.load_dataset`): splits by position, a known
     split key, a limit that can displace an example."""
 
+    stored_image_digests: Optional[dict] = None
+    """``{"train": ..., "val": ..., "test": ...}``: a set of digests of each split's images as the source
+    stores them (decoded pixels, before scaling, channel conversion, resizing and normalisation), so that
+    two data sections that load the same images differently can still be compared; None when not known."""
+
     def privacy_caveats(self) -> list[str]:
         """What the DP guarantee assumes of this data set beyond the mechanism (empty: nothing)."""
         caveats = list(self.split_caveats)

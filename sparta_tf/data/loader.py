@@ -19,6 +19,7 @@ example's split; ``split: positions`` instead takes seeded, stratified positions
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import numbers
 from typing import Any, Mapping, Optional, Sequence
 
@@ -142,7 +143,8 @@ def build_dataset(raw: RawData, spec: DataSpec, seed: int, split_key: Optional[i
         raise key_error("val_fraction", f"leaves no training examples out of {len(train.y) + len(val.y)}",
                         "lower data.val_fraction or raise data.limit_train")
     parts = {"train": train, "val": val, "test": test}
-    arrays = _pixels(parts, spec, raw.name)
+    digests: dict = {}
+    arrays = _pixels(parts, spec, raw.name, digests)
     mean, std = _statistics(arrays["train"], spec)
     return Dataset(
         x_train=standardize(arrays["train"], mean, std),
@@ -162,6 +164,7 @@ def build_dataset(raw: RawData, spec: DataSpec, seed: int, split_key: Optional[i
         statistics_from_private_data=spec.normalize == "standard" and spec.mean is None,
         class_count_from_private_labels=raw.class_names_from_labels and spec.classes is None,
         channels_from_private_data=raw.channels_from_data and spec.channels is None,
+        stored_image_digests=digests,
         split_caveats=tuple(caveats + ([LIMIT_CAVEAT.format(limit=spec.limit_train)] if limited else [])
                             + ([CLASS_RANKS_CAVEAT] if raw.class_ids_are_folder_ranks and spec.classes is not None
                                and any(isinstance(c, int) for c in spec.classes) else [])),
@@ -265,15 +268,29 @@ def _test_split(
     return rest, test
 
 
-def _pixels(parts: dict[str, _Part], spec: DataSpec, name: str) -> dict[str, np.ndarray]:
-    """Reads, scales, converts and resizes the selected images of every part."""
+def stored_digests(images: np.ndarray) -> set[bytes]:
+    """A digest of each image as stored (its decoded pixels and their shape and dtype)."""
+    images = np.ascontiguousarray(images)
+    header = f"{images.dtype.str}|{images.shape[1:]}|".encode()
+    return {hashlib.blake2b(header + image.tobytes(), digest_size=16).digest() for image in images}
+
+
+def _pixels(parts: dict[str, _Part], spec: DataSpec, name: str,
+            digests: Optional[dict] = None) -> dict[str, np.ndarray]:
+    """Reads, scales, converts and resizes the selected images of every part; ``digests`` (a dict) gets each
+    part's :func:`stored_digests`."""
     arrays: dict[str, Optional[np.ndarray]] = {}
     for key, part in parts.items():
         if len(part.index) == 0:
             arrays[key] = None
+            if digests is not None:
+                digests[key] = set()
             continue
         what = f"{name} ({key} split)"
-        x = to_unit_float(part.split.images(part.index), what)
+        stored = part.split.images(part.index)
+        if digests is not None:
+            digests[key] = stored_digests(stored)
+        x = to_unit_float(stored, what)
         arrays[key] = resize_images(convert_channels(x, spec.channels, what), spec.image_size)
     shape = arrays["train"].shape[1:]
     for key, x in arrays.items():

@@ -52,7 +52,7 @@ from sparta_tf.dp_step.user_units import UserUnits, check_user_level
 from sparta_tf.dp_step.views import AugmentationMultiplicity, check_multiplicity
 from sparta_tf.privacy.user_sampling import DEFAULT_EXAMPLES_PER_USER
 from sparta_tf.losses import per_example_loss_fn
-from sparta_tf.model_checks import reject_batch_mixing_layers, reject_unscopable_name
+from sparta_tf.model_checks import adapted_state_caveat, reject_batch_mixing_layers, reject_unscopable_name
 from sparta_tf.optim.masked_optimizer import MaskedOptimizer
 from sparta_tf.optim.weight_average import AveragedWeights, WeightAverage, check_decay
 from sparta_tf.per_example import BookkeepingEngine, make_engine
@@ -215,6 +215,9 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
                           sampling=sampling, unit=self.unit)
             if self._mechanism.delta is not None else None
         )
+        adapted = adapted_state_caveat(model)
+        if adapted is not None and self.ledger is not None:
+            self.ledger.record_caveat(adapted)
         self._trainable_set: TrainableSet | None = None
         self._masked_optimizer: MaskedOptimizer | None = None
         self._release: Release | None = None  # None: DP-SGD's gradient release
