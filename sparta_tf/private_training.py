@@ -116,6 +116,7 @@ def make_private(
     bands: int = 1,
     unit: str = "example",
     examples_per_user: int | None = None,
+    data: Any = None,
     **method_options: Any,
 ):
     """A DP model for ``model`` whose ``fit`` runs ``method`` within ``(target_epsilon, delta)``.
@@ -161,6 +162,10 @@ def make_private(
         ``fit(x, y, users=ids)`` then samples users, and ``dataset_size`` and ``batch_size`` count users.
       examples_per_user: ``k``, the most examples of one user in a step (``unit="user"``; None: the
         constant 8, not read off the data).
+      data: the :class:`sparta_tf.data.Dataset` that ``fit`` trains on, when :func:`sparta_tf.data.load_dataset`
+        loaded it: what it computed from the private data without noise (``normalize: standard`` without
+        ``mean``/``std``) marks the plan and the ledger not private, and what it assumes (a known split key,
+        class names read off the labels, ...) becomes ledger caveats, as ``sparta-train`` records them.
       **method_options: the method's options (``warmup_epochs``, ``density``, ... for sparta), as
         :func:`sparta_tf.methods.make_method` takes them.
 
@@ -182,12 +187,15 @@ def make_private(
     method.check(model)
     plan = plan_method(method, dataset_size=dataset_size, batch_size=batch_size, epochs=epochs, delta=delta,
                        target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, accountant=accountant,
-                       bands=bands, unit=unit)
-    return private_model(model, method, plan, run_dir=run_dir, clip_norm=clip_norm,
-                         physical_batch_size=physical_batch_size, sampling=sampling, seed=seed,
-                         public_seed=public_seed, engine=engine, max_memory=max_memory, jit_compile=jit_compile,
-                         augmult=augmult, augmentation=augmentation, ema=ema, use_ema_weights=use_ema_weights,
-                         examples_per_user=examples_per_user)
+                       bands=bands, unit=unit, nonprivate_reasons=() if data is None else data.nonprivate_reasons())
+    dp = private_model(model, method, plan, run_dir=run_dir, clip_norm=clip_norm,
+                       physical_batch_size=physical_batch_size, sampling=sampling, seed=seed,
+                       public_seed=public_seed, engine=engine, max_memory=max_memory, jit_compile=jit_compile,
+                       augmult=augmult, augmentation=augmentation, ema=ema, use_ema_weights=use_ema_weights,
+                       examples_per_user=examples_per_user)
+    for caveat in () if data is None else data.privacy_caveats():
+        dp.ledger.record_caveat(caveat)
+    return dp
 
 
 def check_unit_of_method(method: Method, unit: str, dataset_size: int, batch_size: float) -> None:

@@ -57,6 +57,21 @@ def test_every_method_runs_its_plan(method, tmp_path):
     assert dp.method.name == method
 
 
+def test_a_data_set_that_load_dataset_marked_marks_the_plan_and_the_ledger():
+    """``normalize: standard`` without statistics computes them from the private split without noise: the CLI
+    reports such a run NOT private, and so must make_private(data=...); the data set's caveats (a split key
+    derived from a known seed) reach the ledger too."""
+    from sparta_tf.data import load_dataset
+
+    data = load_dataset({"source": "digits", "classes": [0, 1, 2], "normalize": "standard"}, seed=0)
+    model = tf.keras.Sequential([tf.keras.Input(data.input_shape), tf.keras.layers.Flatten(), tf.keras.layers.Dense(3)])
+    dp = sparta_tf.make_private(model, method="all", target_epsilon=8.0, delta=1e-5, epochs=2, batch_size=64,
+                                dataset_size=len(data.x_train), data=data)
+    assert not dp.plan.private and not dp.ledger.is_private
+    assert "data.normalize: standard" in dp.ledger.nonprivate_reasons[0]
+    assert set(data.privacy_caveats()) <= set(dp.ledger.caveats()) and data.privacy_caveats()
+
+
 def test_a_privacy_callback_with_other_values_is_refused():
     dp = _private("bitfit")
     x, y = small_data(N)

@@ -39,7 +39,8 @@ class Dataset:
     users_test: Optional[np.ndarray] = None
     statistics_from_private_data: bool = False
     """True when ``mean``/``std`` were computed from ``x_train`` without noise: a release of the
-    private data that no DP accounting covers (a run using them is reported NOT private)."""
+    private data that no DP accounting covers (a run using them is reported NOT private: ``sparta-train``,
+    and ``make_private(..., data=dataset)``)."""
 
     class_count_from_private_labels: bool = False
     """True when ``num_classes`` is one more than the largest label in the data (no ``data.classes``
