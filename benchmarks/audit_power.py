@@ -6,11 +6,13 @@ batch 16, 20 epochs, delta 1e-5; its honest cells give each claim's sigma, the r
 :func:`sparta_tf.audit.power.simulated_bound` audits the mechanism itself, with no training in the way,
 for ``m`` canaries from 500 to 50,000: honest at every claimed epsilon, and, claiming epsilon 1, the
 noise at half its sigma and the sampler at twice its rate. Each number is the mean (lowest-highest)
-bound of ``--trials`` simulated audits at the white-box audit's confidence per score (97.5%: it
-reports two scores at 95% together). It shows whether a measured bound is what an honest run gives,
-and how many canaries a factor-two error would need to push the bound over the claim.
+bound of ``--trials`` simulated audits (default 20, as in the committed results) at ``--confidence``
+per score (default: the level of each bound of a white-box audit at sparta-audit's 95%,
+:func:`sparta_tf.audit.white_box.verdict_levels`; the committed results are at ``--confidence 0.975``). It
+shows whether a measured bound is what an honest run gives, and how many canaries a factor-two error
+would need to push the bound over the claim.
 
-    python benchmarks/audit_power.py            # ~10 min on one core; benchmarks/results/audit-power.{json,md}
+    python benchmarks/audit_power.py            # ~17 min on one core; benchmarks/results/audit-power.{json,md}
     python benchmarks/audit_power.py --smoke --out /tmp/audit-power   # CI, seconds
 """
 
@@ -27,12 +29,13 @@ sys.path.insert(0, ROOT)
 
 from sparta_tf.atomic_files import write_atomic  # noqa: E402
 from sparta_tf.audit.power import simulated_bound  # noqa: E402
-from sparta_tf.audit.white_box import per_score_confidence  # noqa: E402
+from sparta_tf.audit.white_box import verdict_levels  # noqa: E402
 
 REGIME = os.path.join(ROOT, "benchmarks", "results", "audit-digits-white-box.json")
 OUT = os.path.join(ROOT, "benchmarks", "results", "audit-power")
 CANARIES = (500, 1000, 2000, 5000, 10000, 20000, 50000)
-CONFIDENCE = per_score_confidence(0.95)  # each of the white-box audit's two scores at sparta-audit's 95%
+CONFIDENCE = verdict_levels(0.95).bound  # each white-box bound's level in sparta-audit's 95% verdict
+TRIALS = 20  # the committed results' (benchmarks/results/audit-power.json)
 
 
 def mechanisms(regime_path: str) -> list[dict]:
@@ -51,7 +54,9 @@ def mechanisms(regime_path: str) -> list[dict]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--trials", type=int, default=TRIALS, help=f"simulated audits per cell (default {TRIALS})")
+    parser.add_argument("--confidence", type=float, default=CONFIDENCE,
+                        help=f"confidence per score (default {CONFIDENCE:.4g}: a white-box bound's in a 95%% verdict)")
     parser.add_argument("--out", default=OUT, help="stem of the .json / .md outputs")
     parser.add_argument("--smoke", action="store_true", help="m = 500 and 1000, one trial (CI)")
     args = parser.parse_args(argv)
@@ -60,18 +65,19 @@ def main(argv=None) -> int:
     start = time.time()
     for row in rows:
         row["bounds"] = {m: simulated_bound(row["sigma"], row["q"], row["steps"], m, 1e-5, trials=trials,
-                                            confidence=CONFIDENCE).__dict__ for m in counts}
+                                            confidence=args.confidence).__dict__ for m in counts}
         print(row["mechanism"], row["claimed"], {m: round(b["mean"], 2) for m, b in row["bounds"].items()}, flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    write_atomic(args.out + ".json", json.dumps({"trials": trials, "confidence": CONFIDENCE, "rows": rows}, indent=1))
+    write_atomic(args.out + ".json", json.dumps({"trials": trials, "confidence": args.confidence, "rows": rows},
+                                                indent=1))
     lines = ["| mechanism | ε claimed | σ | q | steps | " + " | ".join(f"m = {m:,}" for m in counts) + " |",
              "|" + "---|" * (5 + len(counts))]
     for row in rows:
         cells = [f"{b['mean']:.2f} ({b['low']:.2f}-{b['high']:.2f})" for b in row["bounds"].values()]
         lines.append(f"| {row['mechanism']} | {row['claimed']:.2f} | {row['sigma']:.3g} | {row['q']:.4g} "
                      f"| {row['steps']} | " + " | ".join(cells) + " |")
-    lines += ["", f"Mean (lowest-highest) of {trials} simulated audits per cell, at {CONFIDENCE:.1%} confidence per "
-              f"score; {time.time() - start:.0f} s."]
+    lines += ["", f"Mean (lowest-highest) of {trials} simulated audits per cell, at {args.confidence:.1%} confidence "
+              f"per score; {time.time() - start:.0f} s."]
     write_atomic(args.out + ".md", "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -106,7 +106,10 @@ STREAMS: dict[str, Stream] = {
     "limit_test": Stream(0x5EED0004, False, "the examples data.limit_test keeps", "pcg64"),
     "val_split": Stream(0x5EED0005, False, "the validation split", "pcg64"),
     "split_key": Stream(0x53504C4B, False, "the stable splits' key derived from a public data seed"),  # "SPLK"
-    "canaries": Stream(0x00CA4A21, False, "which audit canaries, their labels and coin flips", "pcg64"),
+    "canaries": Stream(0x00CA4A21, False, "which black-box (data) audit canaries, their labels and coin flips",
+                       "pcg64"),
+    "gradient_canaries": Stream(0x4743414E, False, "the white-box canaries' coordinates and coin flips"),  # "GCAN"
+    "canary_seed": Stream(0x43534544, False, "sparta-audit's canary seed drawn from a run's public seed"),  # "CSED"
     "audit_simulation": Stream(0x41534D4C, False, "the white-box audit's simulated exact mechanism (its yardstick)",
                                "pcg64"),  # "ASML"
 }

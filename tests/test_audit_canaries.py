@@ -5,7 +5,10 @@ import pytest
 import tensorflow as tf
 
 from sparta_tf.audit import CANARY_KINDS, SCORES, Canaries, LossRecorder, audit_report, canary_scores, plant_canaries
-from sparta_tf.audit import per_example_loss, summary_line
+from sparta_tf import random_streams
+from sparta_tf.audit import canaries as data_canaries
+from sparta_tf.audit import gradient_canaries, per_example_loss, summary_line
+from sparta_tf.audit.gradient_canaries import GradientCanaries
 from sparta_tf.data.dataset import Dataset
 from trainers import audit as audit_cli
 
@@ -62,6 +65,29 @@ def test_coin_flips_come_from_their_own_seeded_stream():
     assert not np.array_equal(first.included, other.included)
     flips = np.concatenate([plant_canaries(data, 100, seed=s)[1].included for s in range(20)])
     assert abs(flips.mean() - 0.5) < 0.03  # Bernoulli(1/2): 2,000 flips, ~4.5 std
+
+
+def _longest_agreement(first: np.ndarray, second: np.ndarray, overlap: int = 50) -> float:
+    """The largest share of equal pairs ``first[i] == second[i + shift]`` over the shifts with >= ``overlap`` pairs."""
+    best = 0.0
+    for shift in range(-(len(first) - overlap), len(second) - overlap + 1):
+        start, stop = max(0, -shift), min(len(first), len(second) - shift)
+        if stop - start >= overlap:
+            best = max(best, float(np.mean(first[start:stop] == second[start + shift:stop + shift])))
+    return best
+
+
+def test_data_and_gradient_canaries_flip_their_coins_from_streams_of_their_own():
+    """Regression: both kinds drew from the ``canaries`` stream of one seed, so with the defaults of a run with
+    both (324 data canaries of 648 examples, 320 gradient canaries on a 64 x 5 head) data canary i's coin was
+    gradient canary i + 167's for 153 pairs. The black-box bound needs each data canary's coin flip independent
+    of everything else in the run."""
+    head = tf.Variable(tf.zeros([64, 5]))
+    for seed in range(3):
+        data = plant_canaries(_dataset(n=648, classes=5), 324, seed=seed)[1].included
+        gradient = GradientCanaries(head, 320, seed, clip_norm=1.0).included
+        assert _longest_agreement(data, gradient) <= 0.9, seed  # independent coins: ~0.5 (0.9 is 5.7 std over 50)
+    assert random_streams.domain(gradient_canaries.STREAM) != random_streams.domain(data_canaries.CANARY_STREAM)
 
 
 @pytest.mark.parametrize("count, kind, message", [

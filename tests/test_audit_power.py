@@ -4,12 +4,16 @@ The claims it must respect come from elsewhere: the mechanism's epsilon from dp-
 calibration of sigma to the claim), the ceiling from the bound's closed form (:func:`ceiling`).
 """
 
+import importlib.util
+import json
+import os
+
 import numpy as np
 import pytest
 from scipy import optimize
 
 from sparta_tf.audit import ceiling
-from sparta_tf.audit.power import simulated_bound, simulated_scores
+from sparta_tf.audit.power import SimulatedBound, simulated_bound, simulated_scores
 from sparta_tf.privacy.accounting import compute_epsilon
 
 DELTA = 1e-5
@@ -48,3 +52,18 @@ def test_an_included_canary_is_sampled_at_the_rate_and_a_left_out_one_never():
 def test_impossible_settings_are_refused():
     with pytest.raises(ValueError, match="noise_multiplier > 0"):
         simulated_bound(0.0, 0.5, 10, 100, DELTA)
+
+
+def test_the_power_benchmark_runs_as_many_trials_as_its_committed_results(tmp_path, monkeypatch):
+    """``benchmarks/audit_power.py`` without options reproduces the committed table's trials per cell (it ran 5)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("audit_power", os.path.join(root, "benchmarks", "audit_power.py"))
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    trials = []
+    monkeypatch.setattr(benchmark, "simulated_bound",
+                        lambda *args, **kwargs: trials.append(kwargs["trials"]) or SimulatedBound(0, 0, 0, trials[-1]))
+    assert benchmark.main(["--out", str(tmp_path / "power")]) == 0
+    with open(os.path.join(root, "benchmarks", "results", "audit-power.json")) as f:
+        committed = json.load(f)
+    assert set(trials) == {committed["trials"]} == {20}

@@ -1,8 +1,11 @@
 """The white-box audit (issue 64): gradient canaries inside the DP step.
 
 * a canary is a participant of the run's own sampler (included ones at the sampler's rate, excluded
-  ones never), clipped by the step's code (a 2C gradient adds exactly C), added before the noise on
-  reserved coordinates where the data add nothing;
+  ones never), clipped by the step's ``clipped_sum`` called on the canary gradients (a 2C gradient adds
+  exactly C), added before the noise on reserved coordinates where the data add nothing;
+* the checks, scores and yardstick take sigma and q from what the ledger charged, and a verdict's bounds
+  and checks share its confidence;
+* a seeded run's seed is neither the default canary seed nor shown;
 * without canaries the step is unchanged (bit-identical weights);
 * honest runs never exceed their claim (DP-SGD at epsilon 1, 2, 4, 8; BandMF) and their measured
   noise and rate match the ledger;
@@ -28,7 +31,10 @@ from small_configs import ONE_METHOD_OF_EACH_KIND, tiny_config
 from small_models import LOSS, small_data
 from sparta_tf.audit import white_box
 from sparta_tf.audit.gradient_canaries import GradientCanaries
-from sparta_tf.audit.white_box_run import audit_white_box, whitening_factor
+from sparta_tf.audit.white_box_run import audit_white_box, charged_mechanism, whitening_factor
+from sparta_tf.masks import MASK_CHARGE_PREFIX
+from sparta_tf.privacy.ledger import INTERRUPTED, PrivacyLedger
+from sparta_tf.privacy.mechanism import DpSgdMechanism
 from sparta_tf.privacy.sampling import PoissonSampler
 from sparta_tf.trainable import TrainableSet
 from trainers import audit
@@ -78,6 +84,51 @@ def test_a_subtly_broken_mechanism_claiming_epsilon_1_is_caught(sabotage, bands,
     assert report.claimed_epsilon == pytest.approx(1.0, rel=1e-4)
     assert caught in report.mismatches
     assert report.to_json()["checks"][caught]["matches"] is False
+
+
+def test_the_checks_hold_the_mechanism_to_what_its_ledger_charged(monkeypatch):
+    """Regression: the claimed sigma C and q came from ``dp.mechanism``, the object the DP step reads its noise
+    from, so a mechanism drawing half the noise its ledger charges passed as long as it said so itself."""
+    monkeypatch.setattr(DpSgdMechanism, "noise_std",
+                        property(lambda self: 0.5 * self.noise_multiplier * self.clip_norm))  # the ledger: sigma
+    report = _audit(1.0)
+    assert report.claimed_epsilon == pytest.approx(1.0, rel=1e-4)
+    assert "noise_std" in report.mismatches
+    check = report.checks["noise_std"]
+    assert check.estimate == pytest.approx(0.5 * check.claimed, rel=0.05)  # claimed: the ledger's sigma times C
+
+
+def test_the_charged_mechanism_is_read_off_the_ledgers_step_charges():
+    ledger = PrivacyLedger(1e-5)
+    ledger.record(0.8, 1.0, 1, kind="dp_snip", phase="pre-pruning")  # not a DP step
+    ledger.record(1.0, 0.2, 6, phase=MASK_CHARGE_PREFIX + "runs/other")  # a loaded mask's cost: not a DP step
+    ledger.record(1.5, 0.1, 3, phase="warmup")  # steps 0-2
+    ledger.record(2.0, 0.1, 5, phase="sparse")  # steps 3-7
+    ledger.record(2.0, 0.1, 4, phase=INTERRUPTED)  # a killed run's steps charged again: no step of this model
+    assert charged_mechanism(ledger, [0, 2], 8).noise_multiplier == 1.5
+    charged = charged_mechanism(ledger, [3, 7], 8)
+    assert (charged.noise_multiplier, charged.sample_rate, charged.bands) == (2.0, 0.1, 1)
+    # dp_step 10 (steps 0-1 of an interrupted run, before its first checkpoint): the charges kept are steps 2-9
+    assert [charged_mechanism(ledger, [t], 10).noise_multiplier for t in (4, 5)] == [1.5, 2.0]
+    with pytest.raises(ValueError, match="the ledger charges DP steps 2 to 9, not step 1"):
+        charged_mechanism(ledger, [1, 4], 10)
+    with pytest.raises(ValueError, match="different"):
+        charged_mechanism(ledger, [2, 3], 8)
+    with pytest.raises(ValueError, match="the ledger charges DP steps 0 to 7, not step 8"):
+        charged_mechanism(ledger, [8], 8)
+    with pytest.raises(ValueError, match="no gradient step trained a canary's coordinate"):
+        charged_mechanism(ledger, [], 8)
+
+
+@pytest.mark.parametrize("confidence", [0.9, 0.95, 0.999])
+@pytest.mark.parametrize("bounds", [1, 2, 3])
+def test_the_verdict_splits_its_confidence_among_its_bounds_and_checks(confidence, bounds):
+    levels = white_box.verdict_levels(confidence, bounds)
+    assert len(levels.significances) == bounds + len(white_box.CHECKS)
+    assert sum(levels.significances) == pytest.approx(1 - confidence, rel=1e-9)
+    assert levels.check == pytest.approx(1 - (1 - confidence) * white_box.CHECK_SHARE)
+    assert 0 < 1 - levels.bound < 1 - confidence
+    assert white_box.verdict_levels(0.95).check == pytest.approx(0.999)  # 99.9% intervals at the default
 
 
 def test_canaries_take_part_through_the_runs_sampler_and_the_steps_clip():
@@ -132,9 +183,9 @@ def test_the_step_score_is_the_poisson_mixture_likelihood_ratio():
 def test_the_checks_measure_noise_and_rate_and_whitening_undoes_the_factorization():
     rng = np.random.default_rng(0)
     noise = rng.normal(0, 2.0, (50, 400))
-    assert white_box.noise_interval(noise, 2.0).matches and not white_box.noise_interval(noise, 2.4).matches
+    assert white_box.noise_interval(noise, 2.0, 0.999).matches and not white_box.noise_interval(noise, 2.4, 0.999).matches
     sampled = rng.random((400, 200)) < 0.1
-    rate = white_box.rate_interval(sampled * 1.0 + rng.normal(0, 0.5, (400, 200)), 1.0, 0.5, 0.1)
+    rate = white_box.rate_interval(sampled * 1.0 + rng.normal(0, 0.5, (400, 200)), 1.0, 0.5, 0.1, 0.999)
     assert rate.matches and abs(rate.estimate - 0.1) < 0.01
     coefficients = np.array([0.8, 0.6])
     steps = [0, 1, 2, 5, 6]  # a gap: steps 3-4 released no gradient
@@ -156,8 +207,29 @@ def test_sparta_audit_white_box_runs_sparta_and_writes_its_report_with_the_black
     black_box = report["black_box"]  # the data canaries of the same run: one training, two audits
     assert black_box["canaries"] == 40 and black_box["passed"] and black_box["test_accuracy"] == report["test_accuracy"]
     assert black_box["n"] == report["n"]  # the data canaries are private training examples of this run
+    # one verdict (exit 3) at 95%: the three bounds and the two checks share its 5% (Bonferroni)
+    significances = [1 - bound["confidence"] for bound in report["bounds"].values()] + [1 - black_box["confidence"]]
+    assert sum(significances) < 0.05  # room left for the checks
+    significances += [1 - check["confidence"] for check in report["checks"].values()]
+    assert report["confidence"] == 0.95 and sum(significances) == pytest.approx(0.05)
     output = capsys.readouterr().out
     assert "white-box audit of epsilon" in output and "black box (data canaries)" in output
+
+
+def test_an_audit_of_a_seeded_run_does_not_publish_its_seed(tmp_path, write_config, capsys):
+    """Regression: the canary seed defaulted to ``training.seed``, the audit run's DP noise and batch seed, and
+    ``audit.json`` and both audits' lines printed it. A drawn canary seed is neither the run's seed nor shown."""
+    secret = 918273645
+    config = tiny_config(tmp_path / "out", method="all", epochs=1, seed=secret)
+    assert audit.main(["--config", write_config(config), "--white-box", "--canaries", "100",
+                       "--data-canaries", "40"]) == 0
+    written = (tmp_path / "out" / "audit" / "audit.json").read_text()
+    output = capsys.readouterr().out
+    assert str(secret) not in written and str(secret) not in output
+    assert json.loads(written)["black_box"]["canary_seed"] is None and output.count("canary seed drawn, not shown") == 2
+    drawn = audit.default_canary_seed(config)
+    assert drawn == audit.default_canary_seed(config) != secret  # reproducible from the seeded run, not its seed
+    assert audit.seed_line(4321, given=True) == "canary seed 4321"  # --canary-seed: the user's own choice, shown
 
 
 def test_data_canaries_need_the_white_box_audit(tmp_path, write_config, capsys):

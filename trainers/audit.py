@@ -57,11 +57,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--canary-kind", default="mislabelled", choices=CANARY_KINDS,
                         help="mislabelled (default), clean or noise")
     parser.add_argument("--canary-seed", type=int, default=None,
-                        help="seed of the canary stream, overriding the run's (default: training.seed, 0 when "
-                             "it is null, as for the data splits)")
+                        help="seed of the canary streams, printed and written to audit.json (default: drawn from the "
+                             "run's public seed, never equal to training.seed, and not shown)")
     parser.add_argument("--score", default="loss", choices=SCORES,
                         help="canary score: loss (-loss of the trained model, default) or loss_drop (start - end)")
-    parser.add_argument("--confidence", type=float, default=0.95, help="confidence of the bound (default 0.95)")
+    parser.add_argument("--confidence", type=float, default=0.95,
+                        help="confidence of the verdict (default 0.95); with --white-box it is split among the bounds "
+                             "and the mechanism checks, so a correct mechanism exits 3 with probability at most "
+                             "1 - confidence")
     parser.add_argument("--white-box", action="store_true",
                         help="gradient canaries inside the DP step, scored from every step's release, and the "
                              "mechanism's noise and sampling rate checked against the ledger (default: data "
@@ -96,8 +99,10 @@ def default_canaries(n: int, kind: str) -> int:
 class _Hooks:
     """The ``trainers.run.train`` seam: plants the canaries, records their losses."""
 
-    def __init__(self, config: dict, count: int | None, kind: str, seed: int, confidence: float):
+    def __init__(self, config: dict, count: int | None, kind: str, seed: int, confidence: float,
+                 seed_given: bool = True):
         self.config, self.count, self.kind, self.seed, self.confidence = config, count, kind, seed, confidence
+        self.seed_given = seed_given
         self.canaries = None
         self.recorder = None
         self.dataset = None
@@ -113,9 +118,10 @@ class _Hooks:
             raise ConfigError(str(error)) from None
         check_against_data(self.config, len(planted.y_train))
         top = ceiling(count, self.config["privacy"]["delta"], self.confidence)
-        print(f"== audit: {count} {self.kind} canaries, {int(self.canaries.included.sum())} included (canary seed "
-              f"{self.seed}); {len(planted.y_train)} private training examples; the largest bound {count} "
-              f"canaries can show at delta {self.config['privacy']['delta']:g} is {top:.3g}")
+        print(f"== audit: {count} {self.kind} canaries, {int(self.canaries.included.sum())} included "
+              f"({seed_line(self.seed, self.seed_given)}); {len(planted.y_train)} private training examples; the "
+              f"largest bound {count} canaries can show at delta {self.config['privacy']['delta']:g} and "
+              f"{self.confidence:.1%} confidence is {top:.3g}")
         self.recorder = LossRecorder(self.canaries.x, self.canaries.y)
         self.dataset = planted
         return planted
@@ -137,27 +143,49 @@ def _train_test_auc(model, dataset, canaries) -> float:
     return roc_auc(-members, -non_members)
 
 
-def fresh_audit_run(config: dict, seed: int | None) -> tuple[dict, int, str]:
-    """``(audit_config(config), the canary seed, its output directory)``: the seed as given, else the run's
-    data seed (the seed run.py gives the data streams); a ConfigError when the directory already holds an
-    audit (an audit cannot be resumed)."""
+CANARY_SEED_STREAM = "canary_seed"
+
+
+def default_canary_seed(config: dict) -> int:
+    """The canary seed of an audit not given one: a draw of the ``canary_seed`` stream of the run's public seed
+    (``training.seed`` when it is set, as :func:`sparta_tf.random_streams.public_seed_of` makes a run's public
+    seed; a fresh one when it is null), so a seeded audit is reproducible, yet the canary seed is never the
+    run's seed, which also seeds the DP noise and batches. It is not shown (:func:`seed_line`)."""
+    from sparta_tf import random_streams
+
+    public = random_streams.public_seed_of(None, config["training"]["seed"])
+    public = random_streams.new_seed() if public is None else public
+    return int(random_streams.numpy_rng(public, CANARY_SEED_STREAM).integers(0, random_streams.MAX_SEED))
+
+
+def seed_line(seed: int, given: bool) -> str:
+    """How the output names the canary seed: the number when ``--canary-seed`` gave it, else only that it was
+    drawn (:func:`default_canary_seed`: with ``training.seed`` set, a function of the run's secret seed)."""
+    return f"canary seed {seed}" if given else "canary seed drawn, not shown; --canary-seed N sets one"
+
+
+def fresh_audit_run(config: dict, seed: int | None) -> tuple[dict, int, bool, str]:
+    """``(audit_config(config), the canary seed, whether it was given, its output directory)``: the seed as
+    given, else :func:`default_canary_seed`; a ConfigError when the directory already holds an audit (an audit
+    cannot be resumed)."""
     from trainers import run
 
     config = audit_config(config)
-    seed = run.data_seed(config) if seed is None else seed
+    given = seed is not None
+    seed = seed if given else default_canary_seed(config)
     output_dir = config["output_dir"]
     if os.path.exists(os.path.join(output_dir, AUDIT_JSON)) or os.path.exists(os.path.join(output_dir, run.RESULTS)):
         raise ConfigError(f"{output_dir} already holds an audit; pass --set output_dir=NEW_DIR "
                           "(the audit trains in NEW_DIR/audit)")
-    return config, seed, output_dir
+    return config, seed, given, output_dir
 
 
 def run_audit(config: dict, canaries: int | None = None, kind: str = "mislabelled", seed: int | None = None,
               confidence: float = 0.95, score: str = "loss") -> dict:
     """Trains ``audit_config(config)`` with canaries and returns (and writes) the ``audit.json`` report.
 
-    ``seed``: of the ``canaries`` stream (:mod:`sparta_tf.random_streams`); None: the run's data seed
-    (``training.seed``, 0 when it is null: the seed of the data splits), a number: an explicit override."""
+    ``seed``: of the ``canaries`` stream (:mod:`sparta_tf.random_streams`), shown in the output and the
+    report; None: :func:`default_canary_seed`, not shown (``canary_seed`` is null)."""
     check_arguments(canaries, kind, score, confidence)
     check_unit(config)
     import_tensorflow()
@@ -165,8 +193,8 @@ def run_audit(config: dict, canaries: int | None = None, kind: str = "mislabelle
     from sparta_tf.audit import summary_line
     from trainers import run
 
-    config, seed, output_dir = fresh_audit_run(config, seed)
-    hooks = _Hooks(config, canaries, kind, seed, confidence)
+    config, seed, given, output_dir = fresh_audit_run(config, seed)
+    hooks = _Hooks(config, canaries, kind, seed, confidence, given)
     results = run.train(config, hooks=hooks)
     report = _black_box_report(hooks, results, confidence, score, output_dir)
     path = os.path.join(output_dir, AUDIT_JSON)
@@ -183,7 +211,8 @@ def _black_box_report(hooks: _Hooks, results: dict, confidence: float, score: st
 
     recorder = hooks.recorder
     report = audit_report(hooks.canaries, recorder.start, recorder.end, delta=results["delta"],
-                          epsilon_claimed=results["epsilon"], confidence=confidence, score=score)
+                          epsilon_claimed=results["epsilon"], confidence=confidence, score=score,
+                          seed_given=hooks.seed_given)
     report["mia_train_test_auc"] = _train_test_auc(recorder.model.model, hooks.dataset, hooks.canaries)
     report |= {key: results[key] for key in RUN_KEYS}
     np.savez(os.path.join(output_dir, CANARY_LOSSES), included=hooks.canaries.included, labels=hooks.canaries.y,
@@ -194,8 +223,10 @@ def _black_box_report(hooks: _Hooks, results: dict, confidence: float, score: st
 class _WhiteBoxHooks:
     """The ``trainers.run.train`` seam of ``--white-box``: the data as they are, gradient canaries in the step."""
 
-    def __init__(self, count: int | None, seed: int, confidence: float, variable: str | None = None):
+    def __init__(self, count: int | None, seed: int, confidence: float, variable: str | None = None,
+                 seed_given: bool = True, other_bounds: int = 0):
         self.count, self.seed, self.confidence, self.variable = count, seed, confidence, variable
+        self.seed_given, self.other_bounds = seed_given, other_bounds
         self.planted = None
         self.report = None
 
@@ -215,7 +246,7 @@ class _WhiteBoxHooks:
             raise ConfigError(f"--canaries: {error}") from None
         canaries = self.planted.canaries
         print(f"== white-box audit: {canaries.count} gradient canaries on {canaries.variable.name}, "
-              f"{canaries.participants} included (canary seed {self.seed})")
+              f"{canaries.participants} included ({seed_line(self.seed, self.seed_given)})")
 
     def callbacks(self) -> list:
         return [self.planted.recorder]
@@ -223,7 +254,7 @@ class _WhiteBoxHooks:
     def after_fit(self, dp, dataset) -> dict:
         from sparta_tf.audit.white_box_run import white_box_report
 
-        self.report = white_box_report(dp, self.planted, self.confidence)
+        self.report = white_box_report(dp, self.planted, self.confidence, self.other_bounds)
         return {}
 
 
@@ -232,7 +263,8 @@ class _BothHooks:
     the gradient canaries of :class:`_WhiteBoxHooks` in the DP step, in one run. Each audit's canaries are
     participants the other's bound counts as data: the data canaries are examples (clipped, sampled, noised like
     any), and the gradient canaries' reserved coordinates take nothing from the data canaries but what they take
-    from every example."""
+    from every example. Their coin flips come from streams of their own (``canaries`` and
+    ``gradient_canaries``), so each data canary's inclusion is independent of the gradient canaries'."""
 
     def __init__(self, black_box: _Hooks, white_box: _WhiteBoxHooks):
         self.black_box, self.white_box = black_box, white_box
@@ -257,7 +289,9 @@ def run_white_box_audit(config: dict, canaries: int | None = None, seed: int | N
     ``audit.json`` report (:mod:`sparta_tf.audit.white_box`). With ``data_canaries`` (a count, or
     :data:`DEFAULT_COUNT` for the black-box default) the same run also carries that many data canaries of
     ``kind``, and the report holds the black-box audit of them under ``"black_box"`` (as :func:`run_audit`
-    reports it); ``passed`` is then both audits'."""
+    reports it); ``passed`` is then both audits', and the black-box bound takes its share of ``confidence`` beside
+    the white-box bounds and checks (:func:`~sparta_tf.audit.white_box.verdict_levels`), so that the verdict
+    holds at ``confidence``."""
     check_arguments(canaries, kind, score, confidence)
     data_count = None if data_canaries in (None, DEFAULT_COUNT) else data_canaries
     if data_canaries is not None:
@@ -266,19 +300,22 @@ def run_white_box_audit(config: dict, canaries: int | None = None, seed: int | N
     import_tensorflow()
     from sparta_tf.atomic_files import write_atomic
     from sparta_tf.audit import summary_line
-    from sparta_tf.audit.white_box import describe_audit
+    from sparta_tf.audit.white_box import BOUNDS, describe_audit, verdict_levels
     from trainers import run
 
-    config, seed, output_dir = fresh_audit_run(config, seed)
-    white_box = _WhiteBoxHooks(canaries, seed, confidence, variable)
-    black_box = None if data_canaries is None else _Hooks(config, data_count, kind, seed, confidence)
+    config, seed, given, output_dir = fresh_audit_run(config, seed)
+    other_bounds = 0 if data_canaries is None else 1  # the black-box bound shares the verdict's confidence
+    white_box = _WhiteBoxHooks(canaries, seed, confidence, variable, given, other_bounds)
+    black_box_level = verdict_levels(confidence, BOUNDS + other_bounds).bound
+    black_box = (None if data_canaries is None else
+                 _Hooks(config, data_count, kind, seed, black_box_level, given))
     results = run.train(config, hooks=white_box if black_box is None else _BothHooks(black_box, white_box))
     audit = white_box.report
     report = {"kind": "white_box", **audit.to_json(),
               "passed": not (audit.contradicts_claim or audit.mismatches)}
     report |= {key: results[key] for key in RUN_KEYS}
     if black_box is not None:
-        report["black_box"] = _black_box_report(black_box, results, confidence, score, output_dir)
+        report["black_box"] = _black_box_report(black_box, results, black_box_level, score, output_dir)
         report["passed"] = report["passed"] and report["black_box"]["passed"] is not False
     path = os.path.join(output_dir, AUDIT_JSON)
     write_atomic(path, json.dumps(report, indent=1))

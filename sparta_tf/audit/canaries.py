@@ -4,8 +4,10 @@
 and returns the data set to train on. The coin flips ``S_i ~ Bernoulli(1/2)``
 (i.i.d.), the choice of canaries and their labels all come from the
 ``canaries`` stream of ``seed`` (:mod:`sparta_tf.random_streams`): a stream of
-its own, separate from the noise, sampling and data-split streams, so the
-training mechanism never sees the coin flips except through the data set.
+its own, separate from the noise, sampling and data-split streams and from the
+white-box audit's ``gradient_canaries``, so nothing else in the run (the
+training mechanism, the gradient canaries of the same seed) depends on the
+coin flips except through the data set.
 
 Kinds (all keep the input shape and value range of ``x_train``):
 

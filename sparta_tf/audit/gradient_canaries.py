@@ -1,9 +1,12 @@
 """White-box gradient ("Dirac") canaries inside the DP step (Steinke, Nasr and Jagielski, NeurIPS 2023).
 
 ``m`` canaries on ``m`` distinct coordinates ``c_1 .. c_m`` of one trainable variable (by default
-the model's head kernel), chosen from the ``canaries`` stream. Canary ``j`` is put into the run
-with probability 1/2 (``S_j``). An included canary is a participant of the DP step like any
-example (or user):
+the model's head kernel). Canary ``j`` is put into the run with probability 1/2 (``S_j``). The
+coordinates and the coin flips come from the ``gradient_canaries`` stream
+(:mod:`sparta_tf.random_streams`), not the data canaries' ``canaries`` stream: in a run with both
+(``sparta-audit --white-box --data-canaries``) each data canary's coin flip must be independent of
+everything else in the run, the gradient canaries' coin flips included. An included canary is a
+participant of the DP step like any example (or user):
 
 * **sampled** by the run's own sampler: the :class:`~sparta_tf.privacy.sampling.PoissonSampler`
   draws ``n + m_in`` participants (``m_in`` included canaries without rows,
@@ -11,8 +14,12 @@ example (or user):
   cyclic groups with correlated noise; at user level the
   :class:`~sparta_tf.privacy.user_sampling.UserPoissonSampler` draws them as ``m_in`` extra users (a
   canary user's examples all carry its one gradient, whose mean is that gradient);
-* **clipped** by the step's clipping code (:func:`~sparta_tf.dp_step.clipping.clipped_sum`): its
-  gradient is ``a C e_{c_j}`` (``a = 2``), clipped to ``C e_{c_j}``;
+* **clipped** by calling the step's clipping function
+  (:func:`~sparta_tf.dp_step.clipping.clipped_sum`) on the canaries' gradients directly: a canary's
+  gradient is ``a C e_{c_j}`` (``a = 2``), clipped to ``C e_{c_j}``. Its norm is that of the tensor
+  built here, not one an engine computed from layer inputs and output gradients, so an engine's
+  per-example norm bug cannot show up in this audit (the black-box audit's data canaries go through
+  the engine);
 * **summed** into the step's clipped sum after the all-reduce and **before** the step's noise
   (independent or correlated), so it meets exactly the mechanism the ledger charges.
 
@@ -40,7 +47,7 @@ from sparta_tf import keras_trainer, random_streams
 from sparta_tf.backend import variable_key
 from sparta_tf.dp_step.clipping import clipped_sum
 
-STREAM = "canaries"
+STREAM = "gradient_canaries"
 GRADIENT_SCALE = 2.0
 """A canary's gradient before clipping, in units of ``C``: above 1, so the clip is exercised."""
 
@@ -54,7 +61,7 @@ def head_kernel(model: tf.keras.Model) -> tf.Variable:
 
 
 class GradientCanaries:
-    """``count`` Dirac canaries on ``variable`` (module doc), drawn from ``seed``'s ``canaries`` stream.
+    """``count`` Dirac canaries on ``variable`` (module doc), drawn from ``seed``'s ``gradient_canaries`` stream.
 
     Attributes:
       included: bool ``[m]``, each canary's coin flip ``S_j``.

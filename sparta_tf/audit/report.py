@@ -12,7 +12,10 @@ the end of training into the fields of ``audit.json``:
   included ones as members and left-out ones as non-members;
   ``canary_score_auc`` is the AUC of the audit's score;
 * ``passed``: ``epsilon_lower_bound <= epsilon_claimed`` (``None`` for a run
-  that claims no epsilon).
+  that claims no epsilon);
+* ``canary_seed``: the seed of the canary stream when the caller chose it
+  (``seed_given``), else ``None``: a seed drawn for the audit is not
+  published, since it may be derived from the run's own seed.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ def audit_report(
     epsilon_claimed: float | None,
     confidence: float = 0.95,
     score: str = "loss",
+    seed_given: bool = True,
 ) -> dict:
     """The ``audit.json`` fields (module docstring) for one run's canaries."""
     if not len(loss_start) == len(loss_end) == len(canaries):
@@ -61,7 +65,7 @@ def audit_report(
         "canaries": len(canaries),
         "canaries_included": bound.included,
         "canary_kind": canaries.kind,
-        "canary_seed": canaries.seed,
+        "canary_seed": canaries.seed if seed_given else None,
         "score": score,
         "guesses": bound.guesses,
         "correct_guesses": bound.correct,
