@@ -35,6 +35,7 @@ from sparta_tf.method_spec import Phase
 from sparta_tf.privacy.banded import BandedFactorization
 from sparta_tf.privacy.array_inputs import examples_fingerprint
 from sparta_tf.privacy.banded_error import compare_bands, describe_comparison
+from sparta_tf.privacy.layout import SamplingLayout
 from sparta_tf.privacy.ledger import LedgerEntry
 from sparta_tf.privacy.mechanism import DpSgdMechanism
 from sparta_tf.privacy.plan import banded_compositions, make_privacy_plan
@@ -156,6 +157,35 @@ def test_one_band_adds_exactly_the_independent_noise():
         step = tf.constant(t, tf.int64)
         expected = sums[0] + gaussian_noise([tf.TensorShape([7, 3])], mechanism.noise_std, seed, step)[0]
         assert np.array_equal(noise(sums, step)[0].numpy(), expected.numpy())
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_correlated_noise_refuses_a_plainly_sampled_step_whatever_calls_it(jit_compile):
+    """A step the layout samples plainly is refused before anything is added or kept; under XLA, which drops
+    assertions, it adds the stream's independent draw and keeps it under no step, so the band restarts after
+    the plain range (the plain DP-SGD step the ledger charges)."""
+    bands, coordinates = 3, 50
+    mechanism = DpSgdMechanism(1.0, 0.05, bands=bands)
+    seed = tf.constant(5, tf.int64)
+    noise = CorrelatedNoise(mechanism, seed, layout=lambda: SamplingLayout(bands, ((2, 5),)))
+    noise.build(_fake_set([coordinates]))
+    zeros = [tf.zeros([coordinates])]
+    compiled = (lambda f: tf.function(f, jit_compile=True)) if jit_compile else (lambda f: f)
+    correlated = compiled(lambda t: noise(zeros, t)[0])
+    if not jit_compile:
+        correlated(tf.constant(1, tf.int64))
+        kept = [v.numpy().copy() for v in (*noise.buffers.values(), *noise.steps.values())]
+        with pytest.raises(tf.errors.InvalidArgumentError, match=r"samples plainly \(steps \[\(2, 5\)\]\)"):
+            correlated(tf.constant(2, tf.int64))
+        assert all(np.array_equal(a, v.numpy()) for a, v in zip(kept, (*noise.buffers.values(), *noise.steps.values())))
+        return
+    independent = compiled(lambda t: gaussian_noise([tf.TensorShape([coordinates])], mechanism.noise_std, seed, t)[0])
+    w = np.stack([correlated(tf.constant(t, tf.int64)).numpy() for t in range(8)])
+    z = np.stack([independent(tf.constant(t, tf.int64)).numpy() for t in range(8)])
+    factorization = BandedFactorization(bands)
+    np.testing.assert_allclose(w[:2], factorization.correlate(z[:2]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(w[2:5], z[2:5])
+    np.testing.assert_allclose(w[5:], factorization.correlate(z[5:]), rtol=1e-5, atol=1e-5)
 
 
 def _data(n=96):
@@ -433,3 +463,22 @@ def test_a_run_stopped_mid_phase_and_resumed_adds_the_noise_of_an_uninterrupted_
     checkpoints = tmp_path / "stopped" / "checkpoints"
     state = json.loads((checkpoints / (checkpoints / "latest").read_text().strip() / "state.json").read_text())
     assert state["cyclic_examples"] == examples_fingerprint(*small_data(N))  # a resume checks its examples
+
+
+def test_each_process_killed_before_the_first_checkpoint_is_charged_its_own_ceiling(tmp_path):
+    """Killed at step 2 (3 steps journalled), then, restarted without a checkpoint, at step 5 (3 more): with the
+    default secret seed each process draws its own groups, so the third charges ceil(3 / 2) twice, not ceil(6 / 2)
+    once (both ways: the selection epoch's plain steps are in the layout)."""
+    for stop_at in (2, 5):
+        with pytest.raises(KeyboardInterrupt):
+            _sparta_with_bands(tmp_path, stop_at)
+    journal = json.loads((tmp_path / "checkpoints" / "journal.json").read_text())
+    assert (journal["started_through"], journal["process_starts"]) == (6, [0, 3])
+    dp = sparta_tf.make_private(_named_mlp(), method="sparta", target_epsilon=50.0, noise_multiplier=1.0, delta=1e-5,
+                                epochs=5, batch_size=BATCH, dataset_size=N, bands=2, run_dir=str(tmp_path),
+                                warmup_epochs=2, density=0.5)
+    dp.compile(tf.keras.optimizers.SGD(0.5), loss=LOSS)
+    with pytest.raises(KeyboardInterrupt):
+        dp.fit(*small_data(N), verbose=0, callbacks=[_StopAt(6)])  # the charge, then no step
+    interrupted = [(e.sample_rate, e.count, e.compositions) for e in dp.ledger.entries if e.phase == "interrupted"]
+    assert interrupted == [(0.5, 3, 2), (0.25, 3, 3)] * 2

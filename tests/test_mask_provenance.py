@@ -208,3 +208,20 @@ def test_a_mask_chosen_under_bands_is_charged_its_reduction():
     assert [(e.count, e.bands, e.compositions) for e in loader.entries] == [(40, 4, 10)]
     assert loader.epsilon() == pytest.approx(chooser.epsilon(), rel=1e-9)
     assert [(m.count, m.bands, m.compositions) for m in loaded] == [(40, 4, 10)]
+
+
+def test_a_mask_whose_choosing_run_was_killed_twice_is_charged_what_that_run_charged(tmp_path):
+    """Two kills before one checkpoint: the choosing ledger holds two banded interrupted entries, ceil(3 / 4) +
+    ceil(3 / 4) = 2 runs; loaded, as phase mask:interrupted, they stay two runs, not ceil(6 / 4) = 1."""
+    chooser = st.PrivacyLedger(1e-5)
+    for _ in range(2):
+        chooser.charge(st.privacy.ledger.LedgerEntry(1.0, 0.2, 3, "dp_sgd_step", "interrupted", bands=4))
+    chooser.charge(st.privacy.ledger.LedgerEntry(1.0, 0.2, 40, "dp_sgd_step", "warmup", bands=4))
+    model = _model()
+    save_mask(str(tmp_path), [st.trainable.rows(g, [0]) for g in row_groups(model)], model,
+              provenance=MaskProvenance.of_ledger(chooser), method="sparta")
+    loader = st.PrivacyLedger(1e-5)
+    read_provenance(str(tmp_path)).charge(loader, str(tmp_path))
+    assert [(e.phase, e.compositions) for e in loader.entries] == [("mask:interrupted", 1)] * 2 + [("mask:warmup", 10)]
+    assert loader.epsilon() == pytest.approx(chooser.epsilon(), rel=1e-9)
+    assert st.PrivacyLedger.from_json(loader.to_json()).epsilon() == loader.epsilon()  # a resumed run reads it again

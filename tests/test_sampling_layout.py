@@ -174,6 +174,43 @@ def test_a_gradient_step_in_plain_steps_is_refused_before_it_runs():
         dp.set_sampling_layout(SamplingLayout(3))
 
 
+class _Wrapping:
+    """A method's own release (``set_release``) that wraps DP-SGD's instead of subclassing it."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class _Opaque(_Wrapping):
+    """The same, showing only the release protocol (not the noise it adds)."""
+
+    def __getattr__(self, name):
+        if name == "noise":
+            raise AttributeError(name)
+        return super().__getattr__(name)
+
+
+@pytest.mark.parametrize("wrapper, error, message", [(_Wrapping, ValueError, "plainly sampled steps"),
+                                                     (_Opaque, tf.errors.InvalidArgumentError, "samples plainly")])
+def test_a_wrapped_gradient_release_in_plain_steps_is_refused_not_charged_as_plain_steps(wrapper, error, message):
+    """The reviewer's case: with plain steps [0, 8) a release wrapping DP-SGD's ran its correlated noise through
+    step 7 while the ledger charged 8 plain runs at q. The plain-steps guard sees the run's noise in it; where it
+    cannot, the noise itself refuses the step."""
+    dp = DPModel(small_mlp(), noise_multiplier=1.0, sample_rate=BATCH / N, dataset_size=N, delta=DELTA, seed=0, bands=2)
+    dp.set_sampling_layout(SamplingLayout(2, ((0, 8),)))
+    dp.compile(tf.keras.optimizers.SGD(0.5), loss=LOSS, jit_compile=False)
+    dp.set_release(wrapper(dp._gradient_release()))
+    before = [v.numpy().copy() for v in dp.model.trainable_variables]
+    with pytest.raises(error, match=message):
+        dp.fit(*small_data(N), epochs=2, verbose=0)
+    assert int(dp.dp_step.numpy()) == 0 and not dp.ledger.entries
+    assert all(np.array_equal(b, v.numpy()) for b, v in zip(before, dp.model.trainable_variables))
+    assert all((steps.numpy() == -2).all() for steps in dp.correlated_noise.steps.values())  # no noise kept
+
+
 def test_a_dataset_sampled_without_the_runs_plain_steps_is_a_caveat():
     dp = DPModel(small_mlp(), noise_multiplier=1.0, sample_rate=BATCH / N, dataset_size=N, delta=DELTA, seed=0, bands=2)
     dp.set_sampling_layout(SamplingLayout(2, ((4, 8),)))

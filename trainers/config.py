@@ -390,6 +390,9 @@ def _check_cross_field(config: dict) -> None:
         run_checks.check_method_run(run_checks.CONFIG, name, method, epochs)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    if privacy["bands"] > 1 and privacy["sampling"] != "poisson":
+        raise ConfigError(f"privacy.sampling: {privacy['sampling']} with privacy.bands={privacy['bands']}: correlated "
+                          "noise needs cyclic Poisson sampling; set sampling: poisson, or bands: 1")
     _check_unit(config)
     pretrain = config["pretrain"]
     if pretrain["enabled"] and pretrain["data"] is None and not pretrain["checkpoint"]:

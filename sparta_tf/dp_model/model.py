@@ -265,13 +265,18 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
         if layout.bands != self._mechanism.bands:
             raise ValueError(f"a sampling layout with bands={layout.bands} for a mechanism with "
                              f"bands={self._mechanism.bands}; build it from the run's plan")
-        self._sampling_layout = layout
+        if layout != self._sampling_layout:
+            self._sampling_layout = layout
+            self._retrace()  # the correlated noise reads the layout's plain steps when the step is traced
 
     @property
     def releases_gradient(self) -> bool:
         """Whether the following DP steps release the noisy gradient (DP-SGD's release, with the run's
-        correlated noise when it has bands) rather than another statistic (a selection epoch's scores)."""
-        return self._release is None or isinstance(self._release, GradientRelease)
+        correlated noise when it has bands, or a release that adds that noise, e.g. one wrapping DP-SGD's)
+        rather than another statistic (a selection epoch's scores)."""
+        noise = self.correlated_noise
+        return (self._release is None or isinstance(self._release, GradientRelease)
+                or (noise is not None and getattr(self._release, "noise", None) is noise))
 
     def bind_dataset_size(self, n: int) -> None:
         """Fixes ``n`` (from the arrays ``fit`` got) when it was not given; ValueError when it differs."""
@@ -421,7 +426,8 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
             self._masked_optimizer.build(self.trainable_set)
             if self._mechanism.bands > 1:
                 self.correlated_noise = CorrelatedNoise(self._mechanism, self._noise_seed,
-                                                        self._masked_optimizer.workload_momentum)
+                                                        self._masked_optimizer.workload_momentum,
+                                                        layout=lambda: self.sampling_layout)
                 self.correlated_noise.build(self.trainable_set)
             if self._ema is not None:
                 self.weight_average = WeightAverage(self._ema, self.model.trainable_variables)

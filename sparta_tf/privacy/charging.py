@@ -14,11 +14,16 @@ else, wherever they ran:
 * on resume: the steps a killed run started after its last checkpoint (the journal's count,
   the largest over workers in a multi-worker run) are charged as ``M.entry(lost, "interrupted")``
   (:func:`charge_interrupted_steps`); the mechanisms a killed run ran before its first step
-  likewise (:func:`charge_interrupted_before_training`).
+  likewise (:func:`charge_interrupted_before_training`). With bands, the steps of each process are
+  their own entry (:func:`steps_per_process`): a run killed twice before its first checkpoint ran
+  ``l_1`` and ``l_2`` steps in two processes, each with its own secret cyclic groups, so an example
+  may take part ``ceil(l_1 / b) + ceil(l_2 / b)`` times, not ``ceil((l_1 + l_2) / b)``.
 
 Files (under ``run_dir/checkpoints/``, beside :mod:`sparta_tf.checkpointing`'s checkpoints):
-``journal.json`` (``{"started_through": t}``) and ``before_training.json`` (runs started, and
-one run's entries), written, like everything in the run directory, by ``checkpointing.write_atomic``.
+``journal.json`` (``{"started_through": t, "mechanism": ..., "process_starts": [s, ...]}``: the steps
+started, and the step at which each process that journalled them began) and ``before_training.json``
+(runs started, and one run's entries), written, like everything in the run directory, by
+``checkpointing.write_atomic``.
 """
 
 from __future__ import annotations
@@ -111,12 +116,15 @@ def check_ledger_covers_dp_step(dp, callback: PrivacyCallback) -> None:
 class StepJournal(tf.keras.callbacks.Callback):
     """Before each training step: ``ledger.json`` charges it, then the journal says it started. With
     ``steps_per_execution = N`` Keras calls it once before a call of ``N`` steps, so it charges and
-    journals all ``N`` (the last call of an epoch may run fewer: an over-count, which is safe)."""
+    journals all ``N`` (the last call of an epoch may run fewer: an over-count, which is safe). The
+    journal keeps the step at which each process began (the earlier ones' before this one's first step)."""
 
     def __init__(self, output_dir: str):
         super().__init__()
+        self.output_dir = output_dir
         self.path = os.path.join(output_dir, CHECKPOINTS, JOURNAL)
         self.ledger_path = os.path.join(output_dir, LEDGER)
+        self.process_starts: list[int] | None = None  # read at this process's first step
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
 
     def on_train_batch_begin(self, batch, logs=None):
@@ -128,8 +136,12 @@ class StepJournal(tf.keras.callbacks.Callback):
             for entry in privacy.charges(extra_steps=steps):
                 charged.charge(entry)
             checkpointing.write_atomic(self.ledger_path, json.dumps(charged.to_json(), indent=1))
-        checkpointing.write_atomic(self.path, json.dumps({"started_through": int(dp.dp_step.numpy()) + steps,
-                                                          "mechanism": mechanism_record(dp.mechanism)}))
+        step = int(dp.dp_step.numpy())
+        if self.process_starts is None:
+            self.process_starts = [s for s in _read_journal(self.output_dir)[1] if s < step] + [step]
+        checkpointing.write_atomic(self.path, json.dumps({"started_through": step + steps,
+                                                          "mechanism": mechanism_record(dp.mechanism),
+                                                          "process_starts": self.process_starts}))
 
 
 def mechanism_record(mechanism: DpSgdMechanism) -> dict:
@@ -159,27 +171,47 @@ def check_journalled_mechanism(output_dir: str, mechanism: DpSgdMechanism) -> No
             "with (target epsilon, delta, batch size, epochs), or start a new output_dir")
 
 
-def steps_started_after(output_dir: str, checkpoint_step: int) -> int:
-    """How many steps this process's journal says a killed run started after ``checkpoint_step``."""
+def _read_journal(output_dir: str) -> tuple[int, list[int]]:
+    """The journal's steps started and the steps at which the processes that journalled them began
+    (``(0, [])`` without a journal; no starts in a journal written before they were recorded)."""
     path = os.path.join(output_dir, CHECKPOINTS, JOURNAL)
     if not os.path.exists(path):
-        return 0
+        return 0, []
     try:
         with open(path) as f:
-            started = int(json.load(f)["started_through"])
-    except (OSError, ValueError, KeyError, TypeError) as error:
+            journal = json.load(f)
+        return int(journal["started_through"]), [int(s) for s in journal.get("process_starts", [])]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise CheckpointError(f"the step journal {path} is damaged ({error}): the steps the killed run started "
                               "cannot be counted, so it cannot be resumed safely; start a new output_dir") from None
-    return max(0, started - checkpoint_step)
+
+
+def steps_started_after(output_dir: str, checkpoint_step: int) -> int:
+    """How many steps this process's journal says a killed run started after ``checkpoint_step``."""
+    return max(0, _read_journal(output_dir)[0] - checkpoint_step)
+
+
+def steps_per_process(output_dir: str, checkpoint_step: int, lost: int, strategy: tf.distribute.Strategy) -> list[int]:
+    """The ``lost`` steps after ``checkpoint_step`` split by the process that started them (the journal's
+    process starts in between; one part from a journal that records none). On several workers the starts
+    are agreed, index by index, as the largest (a worker killed before its newest process journalled
+    lacks only that start), so every ledger gets the same parts."""
+    own = [s for s in _read_journal(output_dir)[1] if checkpoint_step < s < checkpoint_step + lost]
+    parts = distribute.largest_over_workers(strategy, len(own))
+    starts = [distribute.largest_over_workers(strategy, own[i] if i < len(own) else 0) for i in range(parts)]
+    bounds = [checkpoint_step, *sorted(set(starts)), checkpoint_step + lost]
+    return [stop - start for start, stop in zip(bounds, bounds[1:]) if stop > start]
 
 
 def charge_interrupted_steps(output_dir: str, checkpoint_step: int, ledger: PrivacyLedger,
                              mechanism: DpSgdMechanism, strategy: tf.distribute.Strategy,
                              layout: SamplingLayout | None = None) -> int:
     """Charges ``mechanism.entry(lost, "interrupted")`` for the ``lost`` steps a killed run started
-    after the last checkpoint; returns ``lost``. With a ``layout`` that samples some steps plainly the
-    lost steps are charged both ways (:meth:`~sparta_tf.privacy.layout.SamplingLayout.charges` without a
-    first step): which kind each was is not recorded, and an over-count is safe.
+    after the last checkpoint; returns ``lost``. With bands, one entry per process that started them
+    (:func:`steps_per_process`; the ledger keeps banded interrupted entries apart). With a ``layout`` that
+    samples some steps plainly the lost steps are charged both ways
+    (:meth:`~sparta_tf.privacy.layout.SamplingLayout.charges` without a first step): which kind each was is
+    not recorded, and an over-count is safe.
 
     On several workers each keeps its own journal, and a kill leaves them a step or two apart;
     every worker charges the *largest* count (``max_w lost_w``), so the ledgers, and with them the
@@ -190,8 +222,10 @@ def charge_interrupted_steps(output_dir: str, checkpoint_step: int, ledger: Priv
     if lost:
         check_journalled_mechanism(output_dir, mechanism)
     layout = layout if layout is not None else SamplingLayout()
-    for entry in layout.charges(mechanism, None, lost, phase=INTERRUPTED) if lost else ():
-        ledger.charge(entry)
+    parts = steps_per_process(output_dir, checkpoint_step, lost, strategy) if lost and mechanism.bands > 1 else [lost]
+    for part in parts if lost else ():
+        for entry in layout.charges(mechanism, None, part, phase=INTERRUPTED):
+            ledger.charge(entry)
     return lost
 
 

@@ -24,7 +24,8 @@ The run is then the adaptive composition, in time order, of ``ceil(T_r / b)`` ru
 ``M_{q_b, sigma}`` per cyclic range of ``T_r`` steps (Choquette-Choo et al. 2023, Thm. 4, per range)
 and one run of ``M_{q, sigma}`` per plain step: exactly what :meth:`SamplingLayout.charges` records.
 A gradient step inside a plain range would break the first point, so it is refused before it runs
-(:meth:`SamplingLayout.check_gradient_steps`).
+(:meth:`SamplingLayout.check_gradient_steps`), and the correlated noise refuses to run in a plain step
+whatever release calls it (:mod:`sparta_tf.dp_step.correlated_noise`).
 """
 
 from __future__ import annotations

@@ -126,13 +126,19 @@ INTERRUPTED = "interrupted"
 """The phase of the charges for steps a killed run started and its resume runs again."""
 
 
+def is_interrupted(phase: str | None) -> bool:
+    """Whether ``phase`` charges interrupted steps: :data:`INTERRUPTED`, also under a prefix (a loaded mask's
+    ``mask:interrupted``: the last ``:``-separated part)."""
+    return (phase or "").rsplit(":", 1)[-1] == INTERRUPTED
+
+
 def _appended(entries: tuple[LedgerEntry, ...], new: LedgerEntry) -> tuple[LedgerEntry, ...]:
     """``entries + (new,)``, merged into the last entry when the keys match, except banded charges of
-    interrupted steps: two kills before one checkpoint replay the same steps, not consecutive ones, so
-    ``ceil((l1 + l2) / b)`` would under-count ``ceil(l1 / b) + ceil(l2 / b)``."""
+    interrupted steps (:func:`is_interrupted`): two kills before one checkpoint replay the same steps, not
+    consecutive ones, so ``ceil((l1 + l2) / b)`` would under-count ``ceil(l1 / b) + ceil(l2 / b)``."""
     if new.count == 0:
         return entries
-    replayed = new.phase == INTERRUPTED and new.bands > 1
+    replayed = is_interrupted(new.phase) and new.bands > 1
     if entries and entries[-1].key == new.key and not replayed:
         merged = dataclasses.replace(entries[-1], count=entries[-1].count + new.count)
         return entries[:-1] + (merged,)
