@@ -51,7 +51,7 @@ def assert_identical(a: str, b: str) -> None:
 
 
 DRIVER = textwrap.dedent('''
-    """Two sparta-tune tunings releasing the same winner (run seed {winner}) after 3 and after 1 candidates."""
+    """Two sparta-tune tunings releasing the same winner (run seed {winner}) after 2 and after 1 candidates."""
     import sys
     sys.path.insert(0, {tests!r})
     from sparta_tf.tuning import procedure
@@ -61,7 +61,7 @@ DRIVER = textwrap.dedent('''
 
     LOSER = {{"training.learning_rate": 0.03}}
     WINNER = procedure.Candidate({{"training.learning_rate": 0.1}}, {winner})
-    orders = {{"three": [procedure.Candidate(LOSER, 222), procedure.Candidate(LOSER, 333), WINNER], "one": [WINNER]}}
+    orders = {{"two": [procedure.Candidate(LOSER, 222), WINNER], "one": [WINNER]}}
     original = procedure.Draws.draw
     for name, candidates in orders.items():
         def draw(count, space, seed=None, candidates=candidates):
@@ -84,17 +84,17 @@ def test_sparta_tune_releases_the_same_bytes_whatever_number_of_candidates_ran_a
     result = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=1500,
                             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
     assert result.returncode == 0, result.stderr[-3000:]
-    three, one = tmp_path / "three", tmp_path / "one"
-    assert json.loads((three / "results.json").read_text())["not_released"]["candidates"] == 3  # the private side
+    two, one = tmp_path / "two", tmp_path / "one"
+    assert json.loads((two / "results.json").read_text())["not_released"]["candidates"] == 2  # the private side
     assert json.loads((one / "results.json").read_text())["not_released"]["winner"] == 0
-    assert_identical(three / "release", one / "release")
-    released = json.loads((three / "release" / "results.json").read_text())
+    assert_identical(two / "release", one / "release")
+    released = json.loads((two / "release" / "results.json").read_text())
     assert set(released) <= set(RELEASED_KEYS) and released["hyperparameters"] == {"training.learning_rate": 0.1}
     assert released["unit"] == "example"  # what the ledger protects
     for hidden in ("candidates", "winner", "score_noise", "validation_size", "test_accuracy", "release_dir"):
         assert hidden not in released
-    assert (three / "release" / "export" / "1" / "saved_model.pb").exists()
-    assert not (three / "model.keras").exists()  # nothing released beside the private state
+    assert (two / "release" / "export" / "1" / "saved_model.pb").exists()
+    assert not (two / "model.keras").exists()  # nothing released beside the private state
 
 
 # ----------------------------------------------------------------- the library
