@@ -211,15 +211,15 @@ def test_a_wrapped_gradient_release_in_plain_steps_is_refused_not_charged_as_pla
     assert all((steps.numpy() == -2).all() for steps in dp.correlated_noise.steps.values())  # no noise kept
 
 
-def test_a_dataset_sampled_without_the_runs_plain_steps_is_a_caveat():
+def test_a_dataset_sampled_without_the_runs_plain_steps_is_refused():
     dp = DPModel(small_mlp(), noise_multiplier=1.0, sample_rate=BATCH / N, dataset_size=N, delta=DELTA, seed=0, bands=2)
     dp.set_sampling_layout(SamplingLayout(2, ((4, 8),)))
     dp.compile(tf.keras.optimizers.SGD(0.5), loss=LOSS)
     x, y = small_data(N)
     cyclic_only = PoissonSampler(N, BATCH / N, 8, seed=0, bands=2).dataset(x, y)
-    with pytest.warns(NotPoissonSampledWarning, match=r"plain_steps=\[\(4, 8\)\]"):
+    with pytest.raises(ValueError, match=r"plain_steps=\[\(4, 8\)\].*other batches are refused"):
         dp.fit(cyclic_only, epochs=1, steps_per_epoch=4, verbose=0)
-    assert dp.ledger.caveats()
+    assert not dp.ledger.entries and int(dp.dp_step.numpy()) == 0
     same = DPModel(small_mlp(), noise_multiplier=1.0, sample_rate=BATCH / N, dataset_size=N, delta=DELTA, seed=0, bands=2)
     same.set_sampling_layout(SamplingLayout(2, ((4, 8),)))
     same.compile(tf.keras.optimizers.SGD(0.5), loss=LOSS)

@@ -319,6 +319,8 @@ def check_dataset_provenance(dp, dataset: tf.data.Dataset) -> None:
     """Records a ledger caveat unless ``dataset`` is, unchanged, what ``PoissonSampler(n, q)
     .dataset`` made for this model's ``n`` and ``q``: the ledger charges Poisson sampling at
     ``q``, which a hand-made or transformed dataset (fixed batches, another rate) need not be.
+    With correlated noise (``bands > 1``) such a dataset is refused (a ValueError before a step):
+    an example in two steps of one band breaks the band reduction, not only the amplification.
     A ValueError, before a step, for the sampler's dataset of other steps than the model's next
     (one given to a second ``fit``: it would sample the first one's steps again)."""
     if dp.ledger is None or not dp.ledger.covered_by_accountant:
@@ -348,6 +350,9 @@ def check_dataset_provenance(dp, dataset: tf.data.Dataset) -> None:
               f"q={expected[1]:g}{plain}; the guarantee holds only if its batches are exactly that; feed arrays to "
               f"fit, or PoissonSampler(n, q, ...{layout.sampler_arguments()}).dataset(x, y) "
               "unchanged")
+    if bands > 1:  # other batches break the band reduction itself (participations closer than b), not only amplification
+        raise ValueError(caveat.replace("the guarantee holds only if its batches are exactly that",
+                                        "with correlated noise other batches are refused"))
     dp.ledger.record_caveat(caveat)
     warnings.warn(caveat, NotPoissonSampledWarning, stacklevel=4)
 
