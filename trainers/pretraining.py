@@ -8,14 +8,13 @@ cached with its key. Nothing here touches the private data but its channel count
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 
-import numpy as np
 import tensorflow as tf
 
 from sparta_tf.atomic_files import replace_atomically, write_atomic
+from sparta_tf.data.loader import image_digests
 from trainers.config import ConfigError
 
 LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -85,10 +84,6 @@ def _public_data(config: dict, private):
     return public
 
 
-def _image_digests(images) -> set[bytes]:
-    return {hashlib.blake2b(np.ascontiguousarray(image).tobytes(), digest_size=16).digest() for image in images}
-
-
 def _check_disjoint(public, private) -> None:
     """ConfigError when the public training images include a private training or validation image, compared
     by their bytes as stored (before scaling, channel conversion, resizing and normalisation, which each data
@@ -96,7 +91,7 @@ def _check_disjoint(public, private) -> None:
     non-private pre-training would train on it. The configs' check (``may_share_examples``, before anything
     loads) compares what the sections say; this one, what they load (another spelling of the classes,
     another path to the same files, another normalisation of them)."""
-    shared = len(_image_digests(public.x_train) & (_image_digests(private.x_train) | _image_digests(private.x_val)))
+    shared = len(image_digests(public.x_train) & (image_digests(private.x_train) | image_digests(private.x_val)))
     stored, private_stored = public.stored_image_digests, private.stored_image_digests
     if stored is not None and private_stored is not None:
         shared = max(shared, len(stored["train"] & (private_stored["train"] | private_stored["val"])))

@@ -268,17 +268,15 @@ def _test_split(
     return rest, test
 
 
-def stored_digests(images: np.ndarray) -> set[bytes]:
-    """A digest of each image as stored (its decoded pixels and their shape and dtype)."""
-    images = np.ascontiguousarray(images)
-    header = f"{images.dtype.str}|{images.shape[1:]}|".encode()
-    return {hashlib.blake2b(header + image.tobytes(), digest_size=16).digest() for image in images}
+def image_digests(images) -> set[bytes]:
+    """A digest of each image's bytes (as stored, or as loaded): equal images, equal digests."""
+    return {hashlib.blake2b(np.ascontiguousarray(image).tobytes(), digest_size=16).digest() for image in images}
 
 
 def _pixels(parts: dict[str, _Part], spec: DataSpec, name: str,
             digests: Optional[dict] = None) -> dict[str, np.ndarray]:
     """Reads, scales, converts and resizes the selected images of every part; ``digests`` (a dict) gets each
-    part's :func:`stored_digests`."""
+    part's :func:`image_digests` of its images as stored."""
     arrays: dict[str, Optional[np.ndarray]] = {}
     for key, part in parts.items():
         if len(part.index) == 0:
@@ -289,7 +287,7 @@ def _pixels(parts: dict[str, _Part], spec: DataSpec, name: str,
         what = f"{name} ({key} split)"
         stored = part.split.images(part.index)
         if digests is not None:
-            digests[key] = stored_digests(stored)
+            digests[key] = image_digests(stored)
         x = to_unit_float(stored, what)
         arrays[key] = resize_images(convert_channels(x, spec.channels, what), spec.image_size)
     shape = arrays["train"].shape[1:]
