@@ -16,10 +16,15 @@ private examples, T = 20 epochs at expected batch 250, cosine schedule, momentum
    theirs was: the comparison is like for like).
 3. **Main cells**: sparta and all at epsilon 8 and 2, seeds 0-4, paired with the standard profile's runs
    of the same seed (independent noise at the rate it chose); 95% t-intervals over the seeds.
+4. **Controls, where the bracket moved the rate**: DP-SGD (one band) at BandMF's rate for every main cell, so
+   that BandMF − control is the mechanism alone, the rate held fixed (step 3's difference mixes the two).
+   A standard-profile run of that rate, epsilon and seed is reused. They run in a chain of their own, beside
+   the methods' chains.
 
 Resumable across machines: every finished run is recorded in ``--out-dir``'s JSON (committed) and not run
-again; the report is rewritten after each run, with what is missing. A run takes about 20 minutes on one
-core here; all of it about 24 runs, 8 CPU-hours.
+again; the report is rewritten after each run, with what is missing. A run takes 26-60 minutes on one
+core here; all of it about 25 runs and, where the bracket moved the rate, 10 controls (fewer where the
+standard profile ran that rate), 20 CPU-hours.
 
     python benchmarks/bands.py --data-dir ../shared/data --jobs 2   # both methods side by side
     python benchmarks/bands.py --data-dir ../shared/data --bands-only   # step 1 alone: the bands, seconds
@@ -29,6 +34,7 @@ core here; all of it about 24 runs, 8 CPU-hours.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import statistics
@@ -52,6 +58,8 @@ TUNE_EPSILON, TUNE_SEED = 2.0, 0
 LADDER = (0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
 TODAY = {"sparta": 0.1, "all": 0.03}
 """The standard profile's rates (chosen at epsilon 2 on its validation split): where the bracket starts."""
+CONTROLS = "controls"
+"""The name of the controls' chain (DP-SGD at BandMF's rate), run beside the methods' chains."""
 SMOKE = {"methods": ("sparta",), "epsilons": (8.0,), "seeds": (0,)}
 
 
@@ -85,10 +93,11 @@ def run_record(base: dict, method: str, epsilon: float, seed: int, rate: float, 
 
 
 def side_by_side(methods, jobs: int, chain, prepare: tuple = ()) -> None:
-    """``chain(method, call)`` for every method: one after another in this process (``jobs`` 1), else up
-    to ``jobs`` chains at once, each ``call(function, *args)`` run in one of ``min(jobs, len(methods))``
-    spawned workers (TensorFlow imported once per worker), after ``prepare`` (``(function, *args)``, e.g.
-    pre-training the public model once, before workers would race to build its cache) ran in one."""
+    """``chain(name, call)`` for every name of ``methods`` (the methods, then any other chain): one after
+    another in this process (``jobs`` 1), else up to ``jobs`` chains at once, in order, each
+    ``call(function, *args)`` run in one of ``min(jobs, len(methods))`` spawned workers (TensorFlow imported
+    once per worker), after ``prepare`` (``(function, *args)``, e.g. pre-training the public model once,
+    before workers would race to build its cache) ran in one."""
     if jobs == 1:
         for method in methods:
             chain(method, lambda function, *args: function(*args))
@@ -120,6 +129,53 @@ def next_rate(tried: dict[float, float]) -> float | None:
     return None
 
 
+def bracket_choice(state: dict, method: str) -> float | None:
+    """The rate ``method``'s finished bracket chose (best validation accuracy, ties to the smaller rate), or
+    None while it is unfinished."""
+    tried = {r["learning_rate"]: r["val_accuracy"] for r in state["runs"] if r["kind"] == "tune" and
+             r["method"] == method}
+    if not tried or next_rate(tried) is not None:
+        return None
+    return max(tried, key=lambda r: (tried[r], -r))
+
+
+STANDARD_RESULTS = os.path.join(ROOT, "benchmarks", "results", f"{TRACK}-{PROFILE}.json")
+
+
+def standard_run(method: str, epsilon: float, seed: int, rate: float, path: str = STANDARD_RESULTS) -> dict | None:
+    """The standard profile's DP-SGD run of ``method`` at ``epsilon``, ``seed`` and ``rate`` (a main cell or a
+    bracket's run: the same configuration), or None."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        runs = json.load(f)["runs"]
+    matching = [r for r in runs if (r["method"], r["target_epsilon"], r["seed"], r["learning_rate"]) ==
+                (method, epsilon, seed, rate) and r.get("density", utility.DEFAULT_DENSITY) == utility.DEFAULT_DENSITY]
+    return min(matching, key=lambda r: r["kind"] != "main", default=None)
+
+
+def control_table(state: dict, methods, epsilons, seeds) -> list[str]:
+    """Markdown lines: BandMF against DP-SGD at BandMF's rate (the controls), paired by seed; none without
+    controls."""
+    lines = []
+    for method in methods:
+        for epsilon in epsilons:
+            def accuracies(kind):
+                return {r["seed"]: r["test_accuracy"] for r in state["runs"] if r["kind"] == kind and
+                        r["method"] == method and r["target_epsilon"] == epsilon and r["seed"] in seeds}
+            banded, control = accuracies("main"), accuracies("control")
+            if not control:
+                continue
+            rate = next(r["learning_rate"] for r in state["runs"] if r["kind"] == "control" and r["method"] == method)
+            lines.append(f"| {method} | {epsilon:g} | {rate:g} | {tuning.interval(list(control.values()))} "
+                         f"| {tuning.paired(banded, control)} |")
+    if not lines:
+        return []
+    return ["", "The mechanism alone, the rate held fixed: DP-SGD (one band) at BandMF's rate, where the bracket "
+            "moved it.", "", "| method | ε | rate | DP-SGD at this rate | BandMF − DP-SGD, paired (points) |",
+            "|" + "---|" * 5] + lines
+
+
 def report(state: dict, methods, epsilons, seeds, tune_epsilon: float = TUNE_EPSILON) -> str:
     """Markdown: per method and epsilon, the bands and their predicted noise, BandMF against today's
     DP-SGD paired by seed, the rate, the cost; then the bracket and what is missing."""
@@ -147,6 +203,13 @@ def report(state: dict, methods, epsilons, seeds, tune_epsilon: float = TUNE_EPS
                          f"| {tuning.interval(list(previous.values())) if previous else '—'} "
                          f"| {tuning.paired(mine, previous)} "
                          f"| {statistics.median(r['minutes'] for r in runs.values()):.0f} |")
+    lines += control_table(state, methods, epsilons, seeds)
+    for method in methods:
+        rate = bracket_choice(state, method)
+        if rate is not None and rate != TODAY[method]:
+            missing += [f"control {method} eps {epsilon:g} seed {seed}" for seed in seeds for epsilon in epsilons
+                        if not any((r["kind"], r["method"], r["target_epsilon"], r["seed"]) ==
+                                   ("control", method, epsilon, seed) for r in state["runs"])]
     bracket = [r for r in state["runs"] if r["kind"] == "tune"]
     if bracket:
         lines += ["", f"Rates tried at epsilon {tune_epsilon:g}, seed {TUNE_SEED} (validation accuracy): " + "; ".join(
@@ -209,22 +272,27 @@ def main(argv=None) -> int:
         print(json.dumps(state["bands"], indent=1))
         return 0
 
-    def chain(method: str, call) -> None:
+    chosen_rates = {method: concurrent.futures.Future() for method in methods}
+
+    def run(call, kind, method, epsilon, seed, rate, bands):
+        print(f"== {kind} {method} eps {epsilon:g} seed {seed} rate {rate:g} bands {bands}", flush=True)
+        return record(call(run_record, base, method, epsilon, seed, rate, bands, args.work_dir, kind))
+
+    def method_chain(method: str, call) -> None:
         """One method's runs in order: its rate bracket at epsilon 2, seed 0, then its main cells, seed by
         seed; ``call(run_record, ...)`` runs one training (here or in a worker)."""
-        def run(kind, epsilon, seed, rate):
-            bands = state["bands"][f"{method}-eps{epsilon:g}"]["bands"]
-            print(f"== {kind} {method} eps {epsilon:g} seed {seed} rate {rate:g} bands {bands}", flush=True)
-            return record(call(run_record, base, method, epsilon, seed, rate, bands, args.work_dir, kind))
+        def banded(kind, epsilon, seed, rate):
+            return run(call, kind, method, epsilon, seed, rate, state["bands"][f"{method}-eps{epsilon:g}"]["bands"])
 
         with lock:
             tried = {r["learning_rate"]: r["val_accuracy"] for r in state["runs"]
                      if r["kind"] == "tune" and r["method"] == method}
         rate = TODAY[method] if not tried else None if args.smoke else next_rate(tried)
         while rate is not None:  # the smoke runs today's rate only
-            tried[rate] = run("tune", tune_epsilon, TUNE_SEED, rate)["val_accuracy"]
+            tried[rate] = banded("tune", tune_epsilon, TUNE_SEED, rate)["val_accuracy"]
             rate = None if args.smoke else next_rate(tried)
         chosen = max(tried, key=lambda r: (tried[r], -r))
+        chosen_rates[method].set_result(chosen)
         for seed in seeds:
             for epsilon in epsilons:
                 if recorded("main", method, epsilon, seed) is not None:
@@ -233,9 +301,38 @@ def main(argv=None) -> int:
                 if tuned is not None:  # the bracket's run at the chosen rate is this cell
                     record(dict(tuned, kind="main", reused=True))
                     continue
-                run("main", epsilon, seed, chosen)
+                banded("main", epsilon, seed, chosen)
 
-    side_by_side(methods, args.jobs, chain, prepare=(utility.ensure_pretrained, base))
+    def control_chain(call) -> None:
+        """DP-SGD (one band) at BandMF's rate, for each method whose bracket moved the rate, once its bracket
+        has chosen; a standard-profile run of the same configuration is reused."""
+        for method in methods:
+            rate = chosen_rates[method].result()  # raises the method chain's error, if its bracket failed
+            if rate == TODAY[method]:
+                continue
+            for seed in seeds:
+                for epsilon in epsilons:
+                    if recorded("control", method, epsilon, seed) is not None:
+                        continue
+                    standard = standard_run(method, epsilon, seed, rate)
+                    if standard is not None:
+                        record({"kind": "control", "method": method, "target_epsilon": epsilon, "seed": seed,
+                                "learning_rate": rate, "bands": 1, "epsilon": standard.get("epsilon"),
+                                "test_accuracy": standard["test_accuracy"],
+                                "val_accuracy": standard.get("val_accuracy"), "minutes": 0.0, "reused": True,
+                                "from": f"{TRACK}-{PROFILE}"})
+                        continue
+                    run(call, "control", method, epsilon, seed, rate, 1)
+
+    def chain(name: str, call) -> None:
+        try:
+            control_chain(call) if name == CONTROLS else method_chain(name, call)
+        except BaseException as error:  # a bracket that failed must not leave the controls waiting
+            if name in chosen_rates and not chosen_rates[name].done():
+                chosen_rates[name].set_exception(error)
+            raise
+
+    side_by_side(tuple(methods) + (CONTROLS,), args.jobs, chain, prepare=(utility.ensure_pretrained, base))
     save()
     print(report(state, methods, epsilons, seeds, tune_epsilon))
     return 0
