@@ -23,6 +23,7 @@ What this module holds (the rest is ``DPModel``'s ordinary step):
 * :func:`check_same_examples`: every worker holds the same training examples in
   the same order (the Poisson samples and groups are drawn by position), or none starts;
 * :func:`replica_share`: the slice of a global Poisson batch a replica trains on;
+* :func:`at_least_one_row`: an evaluation batch a replica got no example of, as one row of weight 0;
 * :func:`is_chief`, :func:`worker_dir`: only the chief writes the run's files;
   other workers write to a scratch directory of their own.
 """
@@ -247,6 +248,27 @@ def local_batch(batch: Any) -> Any:
         return value.values[0] if isinstance(value, tf.distribute.DistributedValues) else value
 
     return tf.nest.map_structure(first, batch)
+
+
+def at_least_one_row(x: Any, y: Any, weights: Any) -> tuple[Any, Any, Any]:
+    """An evaluation batch, with one zero row of weight 0 added when it has no row; ``weights`` ones when None.
+
+    Splitting a last batch of ``m`` examples over ``R > m`` replicas leaves some replica none, and Keras'
+    ``GroupNormalization`` fails on an empty batch (its reshape infers a group size of 0). The added row
+    counts in no metric or loss (compiled metrics are weighted, see ``DPModel.compile``); a batch with rows
+    is unchanged but for the explicit weights, whose weighted means equal the unweighted ones.
+    """
+    rows = tf.shape(tf.nest.flatten(x)[0])[0]
+    missing = tf.maximum(1 - rows, 0)  # 1 for an empty batch, else 0
+
+    def padded(structure):
+        def pad(tensor):
+            tensor = tf.convert_to_tensor(tensor)
+            return tf.concat([tensor, tf.zeros(tf.concat([[missing], tf.shape(tensor)[1:]], 0), tensor.dtype)], 0)
+        return None if structure is None else tf.nest.map_structure(pad, structure)
+
+    weights = tf.ones([rows], tf.float32) if weights is None else weights
+    return padded(x), padded(y), padded(weights)
 
 
 def reducible_logs(logs: Any, strategy: tf.distribute.Strategy) -> Any:

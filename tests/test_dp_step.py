@@ -304,6 +304,20 @@ def test_mirrored_strategy_matches_single_device():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_an_evaluation_whose_last_batch_leaves_a_replica_no_example_matches_single_device():
+    """5 examples at batch 4: the last batch's one example goes to one replica, the other gets none, on which
+    Keras' GroupNormalization fails (found as a multi-worker run whose secret split left such a batch)."""
+    two_replicas = two_cpu_replicas()
+    x, y = data(5)
+    results = []
+    for strategy in (tf.distribute.get_strategy(), two_replicas):
+        with strategy.scope():
+            dp = DPModel(conv_gn_model(), noise_multiplier=0.8, sample_rate=0.5, dataset_size=32, seed=4)
+            dp.compile(tf.keras.optimizers.SGD(0.2), loss=LOSS, metrics=["accuracy"])
+        results.append(dp.evaluate(x, y, batch_size=4, verbose=0))
+    np.testing.assert_allclose(results[0], results[1], rtol=1e-5)
+
+
 def test_step_is_traced_once_with_compiled_metrics():
     """Metric variables are built before the first call, so tf.function traces the DP step once
     (a first trace that creates variables makes it trace a second time)."""

@@ -391,7 +391,7 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
         keras_trainer.update_compiled_metrics(self, y, predictions, weights)
 
     def test_step(self, data):
-        x, y, weights = tf.keras.utils.unpack_x_y_sample_weight(data)
+        x, y, weights = distribute.at_least_one_row(*tf.keras.utils.unpack_x_y_sample_weight(data))
         predictions = self(x, training=False)
         self._update_metrics(y, predictions, self._per_example_loss(y, predictions), weights)
         logs = {k: v for k, v in self.get_metrics_result().items() if k != NON_FINITE}  # DP steps' only
