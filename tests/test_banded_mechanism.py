@@ -389,7 +389,7 @@ def test_each_kind_of_method_trains_with_bands_and_its_ledger_is_its_plan(method
 
 
 def test_sparta_train_runs_with_bands_and_charges_them(tmp_path, capsys):
-    config = validate(tiny_config(tmp_path / "out", method="all", epochs=2) | {"training": {
+    config = validate(tiny_config(tmp_path / "out", method="all", epochs=2, export=True) | {"training": {
         "epochs": 2, "batch_size": 32, "learning_rate": 0.05, "seed": 0, "max_memory": "1GiB"}})
     config["privacy"]["bands"] = 2
     run.dry_run(config)

@@ -18,7 +18,7 @@ from trainers.config import validate
 
 @pytest.mark.parametrize("method", ONE_METHOD_OF_EACH_KIND)
 def test_each_kind_of_method_runs_end_to_end(tmp_path, method):
-    config = validate(tiny_config(tmp_path / method, method))
+    config = validate(tiny_config(tmp_path / method, method, export=True))  # as users run it: with the export
     results = run.train(config)
     on_disk = json.loads((tmp_path / method / "results.json").read_text())
     assert on_disk["method"] == method

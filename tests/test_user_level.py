@@ -444,14 +444,14 @@ def test_one_user_moves_a_dp_frost_round_as_one_example_does(monkeypatch):
 # ----------------------------------------------------------------- sparta-train
 
 
-def _user_config(tmp_path, **privacy):
+def _user_config(tmp_path, export=False, **privacy):
     """The tiny config on an npz of 160 images owned by 40 users of 1-7 examples each."""
     rng = np.random.default_rng(0)
     x = rng.random((160, 8, 8, 3)).astype(np.float32)
     y = np.arange(160) % 3
     users = np.repeat(np.arange(40), [4] * 20 + [1] * 10 + [7] * 10)[:160]
     np.savez(tmp_path / "patients.npz", x_train=x, y_train=y, patient_train=users)
-    config = tiny_config(tmp_path / "out", method="sparta", epochs=3, batch_size=8)
+    config = tiny_config(tmp_path / "out", method="sparta", epochs=3, export=export, batch_size=8)
     config["data"] = {"source": "npz", "path": str(tmp_path / "patients.npz"), "user_key": "patient",
                       "class_names": ["a", "b", "c"], "val_fraction": 0.1, "test_fraction": 0.2}
     config["method"]["warmup_epochs"] = 1
@@ -469,7 +469,7 @@ def test_the_dry_run_counts_users_and_says_what_example_level_would_claim_for_a_
 
 
 def test_sparta_train_trains_at_user_level_and_records_the_unit(tmp_path):
-    results = run.train(validate(_user_config(tmp_path, examples_per_user=4)))
+    results = run.train(validate(_user_config(tmp_path, export=True, examples_per_user=4)))
     assert results["private"] and results["epsilon"] <= 8.0 + 1e-6
     assert results["unit"] == "user" and results["examples_per_user"] == 4 and results["plan"]["unit"] == "user"
     ledger = json.loads((tmp_path / "out" / "ledger.json").read_text())
