@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from sparta_tf.backend import KERAS3
 from sparta_tf.dp_step.clipping import clipped_sum
 from sparta_tf.dp_model import DPModel
 from sparta_tf.losses import per_example_loss_fn
@@ -304,6 +305,8 @@ def test_mirrored_strategy_matches_single_device():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.xfail(KERAS3, strict=True, reason="Keras 3 averages the replicas' metric results, so a batch split "
+                   "unevenly over replicas weighs their examples unequally (an empty share included)")
 def test_an_evaluation_whose_last_batch_leaves_a_replica_no_example_matches_single_device():
     """5 examples at batch 4: the last batch's one example goes to one replica, the other gets none, on which
     Keras' GroupNormalization fails (found as a multi-worker run whose secret split left such a batch)."""
