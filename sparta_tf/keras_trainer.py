@@ -50,6 +50,26 @@ def update_compiled_metrics(model: tf.keras.Model, y, predictions, sample_weight
         container.update_state(y, predictions, sample_weight)
 
 
+def metrics_result(model: tf.keras.Model) -> dict:
+    """``model.get_metrics_result()``, on several replicas from the metric states summed over them.
+
+    Keras 3 reduces a step's per-replica results by their mean, so a batch split unevenly over the
+    replicas (``m`` examples on ``R`` replicas, ``R`` not dividing ``m``) weighs the replicas' examples
+    unequally: 2 of 5 correct read as 0.4167 on two replicas. Metric states are sums (totals, counts,
+    confusion counts), so ``result(sum_r state_r)`` is the result over every example, the same on every
+    replica. Keras 2 already aggregates the states (``SyncOnRead`` sums); so does one replica.
+    """
+    context = tf.distribute.get_replica_context()
+    if not KERAS3 or context is None or context.num_replicas_in_sync == 1:
+        return model.get_metrics_result()
+    results = {}
+    for metric in model.metrics:
+        summed = [context.all_reduce(tf.distribute.ReduceOp.SUM, tf.convert_to_tensor(v)) for v in metric.variables]
+        result = metric.stateless_result(summed)
+        results.update(result if isinstance(result, dict) else {metric.name: result})
+    return results
+
+
 def build_compiled_metrics(model: tf.keras.Model, predict: Callable[[], object], y) -> None:
     """Creates the compiled metrics' variables now (no state updated) from ``predict()`` (the model's
     output on a few examples) and their labels ``y``, unless already built."""

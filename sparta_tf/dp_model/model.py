@@ -394,7 +394,7 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
         x, y, weights = distribute.at_least_one_row(*tf.keras.utils.unpack_x_y_sample_weight(data))
         predictions = self(x, training=False)
         self._update_metrics(y, predictions, self._per_example_loss(y, predictions), weights)
-        logs = {k: v for k, v in self.get_metrics_result().items() if k != NON_FINITE}  # DP steps' only
+        logs = {k: v for k, v in keras_trainer.metrics_result(self).items() if k != NON_FINITE}  # DP steps' only
         return distribute.reducible_logs(logs, self.distribute_strategy)
 
     @property
