@@ -320,6 +320,18 @@ def test_an_evaluation_split_unevenly_over_replicas_matches_single_device(n):
     np.testing.assert_allclose(results[0], results[1], rtol=1e-5)
 
 
+def test_a_prediction_whose_last_batch_leaves_a_replica_no_example_matches_single_device():
+    two_replicas = two_cpu_replicas()
+    x, _ = data(5)
+    predictions = []
+    for strategy in (tf.distribute.get_strategy(), two_replicas):
+        with strategy.scope():
+            dp = DPModel(conv_gn_model(), noise_multiplier=0.8, sample_rate=0.5, dataset_size=32, seed=4)
+        predictions.append(dp.predict(x, batch_size=4, verbose=0))
+    assert predictions[1].shape == (5, 3)
+    np.testing.assert_allclose(predictions[0], predictions[1], rtol=1e-5, atol=1e-6)
+
+
 def test_step_is_traced_once_with_compiled_metrics():
     """Metric variables are built before the first call, so tf.function traces the DP step once
     (a first trace that creates variables makes it trace a second time)."""

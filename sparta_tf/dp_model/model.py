@@ -397,6 +397,14 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
         logs = {k: v for k, v in keras_trainer.metrics_result(self).items() if k != NON_FINITE}  # DP steps' only
         return distribute.reducible_logs(logs, self.distribute_strategy)
 
+    def predict_step(self, data):
+        """``self(x)``; a replica's empty share of a batch runs as one zero row, dropped from the output
+        (:func:`~sparta_tf.distribute.at_least_one_row`)."""
+        x, _, _ = tf.keras.utils.unpack_x_y_sample_weight(data)
+        rows = tf.shape(tf.nest.flatten(x)[0])[0]
+        padded, _, _ = distribute.at_least_one_row(x, None, None)
+        return tf.nest.map_structure(lambda output: output[:rows], self(padded, training=False))
+
     @property
     def noise_drawn_by_xla(self) -> bool:
         """Whether the DP step (and so its noise draw) is compiled with XLA: XLA draws other Gaussians
