@@ -118,11 +118,21 @@ def side_by_side(methods, jobs: int, chain, prepare: tuple = ()) -> None:
                 finished.result()  # a failed run stops the benchmark with its error
 
 
+def best_rate(tried: dict[float, float]) -> float:
+    """The rate of the best validation accuracy in ``tried`` (rate -> accuracy); ties go to the smaller rate."""
+    return max(tried, key=lambda r: (tried[r], -r))
+
+
+def tried_rates(state: dict, method: str) -> dict[float, float]:
+    """``method``'s bracket so far: rate -> validation accuracy."""
+    return {r["learning_rate"]: r["val_accuracy"] for r in state["runs"] if r["kind"] == "tune" and
+            r["method"] == method}
+
+
 def next_rate(tried: dict[float, float]) -> float | None:
     """The next rate of the bracket search: a neighbour on the ladder of the best rate so far that has not
     run; None once the best has run neighbours on both sides (or the ladder's end)."""
-    best = max(tried, key=lambda r: (tried[r], -r))
-    index = LADDER.index(best)
+    index = LADDER.index(best_rate(tried))
     for neighbour in (index - 1, index + 1):
         if 0 <= neighbour < len(LADDER) and LADDER[neighbour] not in tried:
             return LADDER[neighbour]
@@ -132,11 +142,10 @@ def next_rate(tried: dict[float, float]) -> float | None:
 def bracket_choice(state: dict, method: str) -> float | None:
     """The rate ``method``'s finished bracket chose (best validation accuracy, ties to the smaller rate), or
     None while it is unfinished."""
-    tried = {r["learning_rate"]: r["val_accuracy"] for r in state["runs"] if r["kind"] == "tune" and
-             r["method"] == method}
+    tried = tried_rates(state, method)
     if not tried or next_rate(tried) is not None:
         return None
-    return max(tried, key=lambda r: (tried[r], -r))
+    return best_rate(tried)
 
 
 STANDARD_RESULTS = os.path.join(ROOT, "benchmarks", "results", f"{TRACK}-{PROFILE}.json")
@@ -285,13 +294,12 @@ def main(argv=None) -> int:
             return run(call, kind, method, epsilon, seed, rate, state["bands"][f"{method}-eps{epsilon:g}"]["bands"])
 
         with lock:
-            tried = {r["learning_rate"]: r["val_accuracy"] for r in state["runs"]
-                     if r["kind"] == "tune" and r["method"] == method}
+            tried = tried_rates(state, method)
         rate = TODAY[method] if not tried else None if args.smoke else next_rate(tried)
         while rate is not None:  # the smoke runs today's rate only
             tried[rate] = banded("tune", tune_epsilon, TUNE_SEED, rate)["val_accuracy"]
             rate = None if args.smoke else next_rate(tried)
-        chosen = max(tried, key=lambda r: (tried[r], -r))
+        chosen = best_rate(tried)
         chosen_rates[method].set_result(chosen)
         for seed in seeds:
             for epsilon in epsilons:
