@@ -141,6 +141,20 @@ def test_psel_picks_the_largest_partitions_without_noise():
     assert sorted(chosen.tolist()) == [7, 8, 9]
 
 
+def test_psel_that_ranks_a_too_large_partition_first_selects_none_and_says_why():
+    sizes = np.array([60, 10, 10, 10, 10])  # the largest magnitude is on a partition above the budget
+    v = np.array([5.0, 1.0, 2.0, 3.0, 4.0])
+    chosen, _ = frost.psel(lambda t, r: (0.02 * v[r], 1.0), sizes, 100, 1e-6, 0.3, iterations=3, nu=5.0)
+    assert chosen.size == 0  # PSEL stops at the first partition that does not fit, as the paper's loop does
+    message = frost.no_partition_message(sizes, 100, 0.3)
+    assert "PSEL stops there" in message and "smaller than" not in message
+
+
+def test_no_partition_message_names_the_gamma_every_partition_needs():
+    message = frost.no_partition_message([60, 25, 40], 200, 0.1)
+    assert "fewer than the smallest partition (25)" in message and "at least 0.125" in message
+
+
 # ----------------------------------------------------------------- accounting
 
 

@@ -84,6 +84,20 @@ Observer = Callable[[int, np.ndarray], "tuple[np.ndarray, float]"]
 """``observe(t, remaining) -> (noisy mu for partitions `remaining`, Delta_t)`` (one mechanism run)."""
 
 
+def no_partition_message(sizes: Sequence[int], total_params: int, gamma: float) -> str:
+    """The one-line error for a PSEL run that selected nothing: either no partition fits into the budget
+    ``gamma |Theta|`` at all, or (PSEL stops at the first partition, by noisy magnitude, that does not fit)
+    every round ranked a partition too large for its budget first, which the noise can do."""
+    budget, smallest = gamma * int(total_params), int(min(sizes))
+    if smallest > budget:
+        return (f"DP-FROST selected no partition: gamma={gamma} allows {budget:,.0f} parameters, fewer than the "
+                f"smallest partition ({smallest:,}); raise gamma to at least {smallest / int(total_params):.3g}")
+    return (f"DP-FROST selected no partition: every round ranked first, by its noisy magnitude, a partition "
+            f"larger than gamma={gamma} allows ({budget:,.0f} of {int(total_params):,} parameters), and PSEL stops "
+            "there; raise gamma so that more partitions fit, or lower the selection noise "
+            "(a smaller r_eps or a larger epsilon)")
+
+
 def psel(
     observe: Observer,
     sizes: Sequence[int],
@@ -316,7 +330,7 @@ def frost_select(
         record_selection(ledger, sigma_sel, q_ps, iterations)
     selected = [parts[i] for i in chosen]
     if not selected:
-        raise ValueError(f"DP-FROST selected no partition: gamma={gamma} is smaller than every partition")
+        raise ValueError(no_partition_message(sizes, total, gamma))
     trainable = trainable_lib.TrainableSet([trainable_lib.dense(v) for p in selected for v in p.variables])
     info.update(
         sigma_selection=sigma_sel,
