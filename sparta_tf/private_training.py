@@ -357,8 +357,9 @@ def check_same_noise_draws(path: str, state: dict, dp) -> None:
 
 
 def trained_mask(method) -> str | None:
-    """:func:`~sparta_tf.masks.selections_digest` of the mask ``method`` trains with now (None: none yet)."""
-    return masks.selections_digest(getattr(method, "mask_selections", None))
+    """:func:`~sparta_tf.masks.selections_digest` of the coordinates ``method`` trains with now
+    (:attr:`~sparta_tf.methods.base.Method.trained_selections`; None: none chosen yet)."""
+    return masks.selections_digest(getattr(method, "trained_selections", None))
 
 
 def check_same_mask(path: str, state: dict, mask: str | None) -> None:

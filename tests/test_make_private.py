@@ -236,6 +236,32 @@ def test_a_resumed_run_keeps_what_its_fit_marked_before_the_checkpoints_ledger_w
 
 
 @pytest.mark.parametrize("method, options", [("dp_frost", {}), ("dp_ssgd", {"prune": "dp_snip"})])
+def test_a_run_resumed_with_its_saved_choice_replaced_is_refused(tmp_path, method, options):
+    """DP-FROST's partitions and DP-SNIP's kept entries are reloaded from mask_dir on resume; a file replaced
+    since (another run's choice) would train coordinates the restored ledger never charged: refused before a
+    step (the checkpoint records the choice's digest); the file as saved resumes."""
+    from sparta_tf import masks
+    from sparta_tf.checkpointing import CheckpointError
+
+    resume = _stopped_run(tmp_path, method, **options)
+    saved = tmp_path / "mask" / masks.MASK_FILE
+    original = saved.read_bytes()
+    model = small_mlp()
+    selections, _ = masks.load_mask(str(tmp_path / "mask"), model)
+    masks.save_mask(str(tmp_path / "mask"), selections[1:], model, provenance=masks.MaskProvenance.public(),
+                    method=method)
+    dp = resume()
+    dp.compile(tf.keras.optimizers.SGD(0.5), loss=LOSS)
+    with pytest.raises(CheckpointError, match=r"trained with another mask[^\n]*; resume with the mask the run"):
+        dp.fit(*small_data(N), verbose=0)
+    saved.write_bytes(original)
+    dp = resume()
+    dp.compile(tf.keras.optimizers.SGD(0.5), loss=LOSS)
+    dp.fit(*small_data(N), verbose=0)
+    assert int(dp.dp_step.numpy()) == dp.plan.steps
+
+
+@pytest.mark.parametrize("method, options", [("dp_frost", {}), ("dp_ssgd", {"prune": "dp_snip"})])
 def test_a_run_resumed_after_a_private_choice_it_did_not_save_is_refused(tmp_path, method, options):
     """DP-FROST's selection and DP-SNIP's pruning are released once; a resumed run without the saved choice
     would draw it again with the same noise (two releases whose difference has none): refused."""

@@ -136,6 +136,14 @@ class Method(abc.ABC):
         ``r_eps``); 1: calibrated together with the fixed mechanisms before training."""
         return 1.0
 
+    @property
+    def trained_selections(self) -> list | None:
+        """The coordinates chosen from data that the method trains with now (a mask, selected partitions, kept
+        entries: :class:`~sparta_tf.trainable.VariableSelection` s), None when it has chosen none (yet). A
+        checkpoint records their digest, so that a resumed run cannot train others that its ledger never
+        charged (:func:`~sparta_tf.private_training.check_same_mask`)."""
+        return None
+
     def nonprivate_reasons(self) -> list[str]:
         """Why a run of this method is not differentially private (empty: it is)."""
         return []

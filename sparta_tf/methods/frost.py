@@ -30,6 +30,10 @@ class DpFrost(PreparedMethod, SetMethod, spec=SPECS["dp_frost"]):
     """The partitions PSEL selected (None before :meth:`prepare`)."""
     users_before_training = True  # its rounds sample users at user level
 
+    @property
+    def trained_selections(self) -> list | None:
+        return None if self.selected is None else list(self.selected)
+
     def mechanisms_before_training(self, n: int, sample_rate: float) -> list[Mechanism]:
         return [Mechanism(frost.SELECTION_PHASE, self.q_ps, self.frost_iterations, None, frost.SELECTION_KIND)]
 

@@ -30,6 +30,8 @@ class DpSsgd(PreparedMethod, spec=SPECS["dp_ssgd"]):
     ``prune_rate`` is 0)."""
 
     users_before_training = True  # DP-SNIP counts users at user level
+    kept: list | None = None
+    """The entries pre-pruning kept, as selections (None before :meth:`prepare`, or without pre-pruning)."""
     dp_model_class = ssgd.SSGDModel  # gradient dropping happens in SSGDModel's train step
 
     def __init__(self, **options):
@@ -43,6 +45,10 @@ class DpSsgd(PreparedMethod, spec=SPECS["dp_ssgd"]):
             return None
         return (f"pre-prunes a {self.prune_rate:g} fraction of the prunable kernels' weights ({self.prune}) "
                 "before training")
+
+    @property
+    def trained_selections(self) -> list | None:
+        return self.kept
 
     def mechanisms_before_training(self, n: int, sample_rate: float) -> list[Mechanism]:
         if self.prune != "dp_snip":
@@ -73,20 +79,24 @@ class DpSsgd(PreparedMethod, spec=SPECS["dp_ssgd"]):
         if first_epoch and masks.has_mask(self.mask_dir):  # resumed: pruned (and charged) already
             selections, _ = masks.load_mask(self.mask_dir, dp.model)
             kept = {id(s.variable): s.dense_mask() for s in selections}
-            dp.set_keep_masks([(v, kept.get(id(v), np.zeros(v.shape.as_list(), bool)))
-                               for v in ssgd.prunable_variables(dp.model)])
+            self._keep(dp, [(v, kept.get(id(v), np.zeros(v.shape.as_list(), bool)))
+                            for v in ssgd.prunable_variables(dp.model)])
             self.mark_prepared(dp)
             return {"prune": self.prune, "kept_fraction_of_pruned_kernels": "reloaded"}
         keep = self._prune(dp, x, y, loss, users)
-        dp.set_keep_masks(keep)
+        self._keep(dp, keep)
         if self.mask_dir is not None:
             provenance = (masks.MaskProvenance.of_ledger(dp.ledger) if self.prune == "dp_snip"
                           else masks.MaskProvenance.public())
-            kept = [s for s in (entries(v, m) for v, m in keep) if s is not None]
-            masks.save_mask(self.mask_dir, kept, dp.model, provenance=provenance,
+            masks.save_mask(self.mask_dir, self.kept, dp.model, provenance=provenance,
                             method=self.name, prune=self.prune, prune_rate=self.prune_rate)
         self.mark_prepared(dp)
         return {"prune": self.prune, "kept_fraction_of_pruned_kernels": float(ssgd.keep_fraction(keep))}
+
+    def _keep(self, dp, keep: ssgd.KeepMasks) -> None:
+        """Trains the entries ``keep`` keeps, which :attr:`trained_selections` then names."""
+        dp.set_keep_masks(keep)
+        self.kept = [s for s in (entries(v, m) for v, m in keep) if s is not None]
 
     def _prune(self, dp, x, y, loss, users=None) -> ssgd.KeepMasks:
         if self.prune == "random":
