@@ -259,16 +259,26 @@ def at_least_one_row(x: Any, y: Any, weights: Any) -> tuple[Any, Any, Any]:
     is unchanged but for the explicit weights, whose weighted means equal the unweighted ones.
     """
     rows = tf.shape(tf.nest.flatten(x)[0])[0]
+    weights = tf.ones([rows], tf.float32) if weights is None else weights
+    return _with_missing_row(x, rows), _with_missing_row(y, rows), _with_missing_row(weights, rows)
+
+
+def inputs_with_one_row(x: Any) -> tuple[Any, tf.Tensor]:
+    """``(x with one zero row added when it has no row, x's row count)``: a prediction batch as
+    :func:`at_least_one_row` pads an evaluation batch; the caller keeps the first ``rows`` outputs."""
+    rows = tf.shape(tf.nest.flatten(x)[0])[0]
+    return _with_missing_row(x, rows), rows
+
+
+def _with_missing_row(structure: Any, rows: tf.Tensor) -> Any:
+    """Every tensor of ``structure`` with one zero row appended when ``rows`` is 0 (unchanged otherwise)."""
     missing = tf.maximum(1 - rows, 0)  # 1 for an empty batch, else 0
 
-    def padded(structure):
-        def pad(tensor):
-            tensor = tf.convert_to_tensor(tensor)
-            return tf.concat([tensor, tf.zeros(tf.concat([[missing], tf.shape(tensor)[1:]], 0), tensor.dtype)], 0)
-        return None if structure is None else tf.nest.map_structure(pad, structure)
+    def pad(tensor):
+        tensor = tf.convert_to_tensor(tensor)
+        return tf.concat([tensor, tf.zeros(tf.concat([[missing], tf.shape(tensor)[1:]], 0), tensor.dtype)], 0)
 
-    weights = tf.ones([rows], tf.float32) if weights is None else weights
-    return padded(x), padded(y), padded(weights)
+    return None if structure is None else tf.nest.map_structure(pad, structure)
 
 
 def reducible_logs(logs: Any, strategy: tf.distribute.Strategy) -> Any:

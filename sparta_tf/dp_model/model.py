@@ -399,10 +399,9 @@ class DPModel(WrappedModelSaving, tf.keras.Model):
 
     def predict_step(self, data):
         """``self(x)``; a replica's empty share of a batch runs as one zero row, dropped from the output
-        (:func:`~sparta_tf.distribute.at_least_one_row`)."""
+        (:func:`~sparta_tf.distribute.inputs_with_one_row`)."""
         x, _, _ = tf.keras.utils.unpack_x_y_sample_weight(data)
-        rows = tf.shape(tf.nest.flatten(x)[0])[0]
-        padded, _, _ = distribute.at_least_one_row(x, None, None)
+        padded, rows = distribute.inputs_with_one_row(x)
         return tf.nest.map_structure(lambda output: output[:rows], self(padded, training=False))
 
     @property
