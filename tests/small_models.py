@@ -25,15 +25,17 @@ def gaussian_data(n: int, shape: tuple, classes: int, seed: int = 0):
     return rng.normal(size=(n, *shape)).astype(np.float32), rng.integers(0, classes, n)
 
 
-def small_mlp() -> tf.keras.Model:
-    """Dense(32, relu) x2 and a 4-way head named "head", seeded weights."""
+def small_mlp(name: str | None = None) -> tf.keras.Model:
+    """Dense(32, relu) x2 and a 4-way head named "head", seeded weights; ``name``: the model's (Keras
+    auto-names it otherwise, and Keras 3 puts that name in its variables' paths, so a mask saved from one
+    auto-named model does not load into the next one built in the same process)."""
     tf.keras.utils.set_random_seed(0)
     return tf.keras.Sequential([
         tf.keras.Input((8,)),
         tf.keras.layers.Dense(32, activation="relu", name="d1"),
         tf.keras.layers.Dense(32, activation="relu", name="d2"),
         tf.keras.layers.Dense(4, name="head"),
-    ])
+    ], name=name)
 
 
 def small_data(n: int):
