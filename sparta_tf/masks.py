@@ -44,7 +44,7 @@ import numpy as np
 import tensorflow as tf
 
 from sparta_tf import trainable
-from sparta_tf.backend import variable_key
+from sparta_tf.backend import KERAS3, variable_key
 from sparta_tf.atomic_files import replace_atomically, write_atomic
 from sparta_tf.groups import parameter_table, row_groups
 from sparta_tf.privacy.ledger import LedgerEntry, check_unit
@@ -286,11 +286,32 @@ def _selection(info, kind: str, values: np.ndarray, path: str):
     raise ValueError(f"mask {path}: unknown selection kind {kind!r} for {variable_key(info.variable)}")
 
 
+def _renamed_model(recorded: dict[str, Any], ours: dict[str, Any]) -> tuple[str, str] | None:
+    """``(recorded name, our name)`` when two fingerprints differ only in their variables' first path
+    component, the same one in each (the model's name), else None."""
+    def split(fingerprint):
+        prefixes = {key.partition("/")[0] for key in fingerprint}
+        rest = {key.partition("/")[2]: shape for key, shape in fingerprint.items()}
+        return prefixes, rest
+
+    (theirs, recorded_rest), (mine, our_rest) = split(recorded), split(ours)
+    if not KERAS3 or len(theirs) != 1 or len(mine) != 1 or theirs == mine or recorded_rest != our_rest:
+        return None
+    return next(iter(theirs)), next(iter(mine))
+
+
 def _check_model(meta: dict[str, Any], model: tf.keras.Model, path: str) -> None:
     recorded = meta.get("model")
     if recorded is None:
         return  # an older mask: the variable names are still checked one by one
     ours = model_fingerprint(model)
+    renamed = _renamed_model(recorded, ours)
+    if renamed is not None:
+        raise ValueError(
+            f"mask {path} was selected for this architecture under another model name ({renamed[0]!r}, this "
+            f"model is {renamed[1]!r}): Keras 3 puts a Sequential model's name in its variables' paths and "
+            "names an unnamed model anew each time one is built in a process; give the model a fixed name "
+            f"(name={renamed[0]!r})")
     if recorded != ours:
         first = (sorted(set(recorded) ^ set(ours)) or sorted(k for k in ours if recorded.get(k) != ours[k]))[0]
         raise ValueError(

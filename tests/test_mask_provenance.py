@@ -13,7 +13,7 @@ from sparta_tf import methods
 from sparta_tf.groups import row_groups
 from sparta_tf.masks import MaskProvenance, load_mask, read_provenance, save_mask
 from small_models import LOSS as XENT
-from small_models import gaussian_data
+from small_models import gaussian_data, small_mlp
 
 
 def _model(seed=0, width=6):
@@ -122,6 +122,25 @@ def test_a_public_mask_costs_nothing_and_a_mask_without_provenance_is_not_privat
     np.savez(npz, **arrays)
     provenance = read_provenance(str(tmp_path / "bare"))
     assert not provenance.private and "no privacy provenance" in provenance.reasons[0]
+
+
+def test_a_mask_of_an_auto_named_model_says_to_name_the_model(tmp_path):
+    """Keras 3 puts a Sequential model's name in its variables' paths and names each unnamed one anew, so a
+    mask saved from one does not load into the next built in the process (a notebook re-running its cell):
+    the error says to name the model; named, it loads. Keras 2's variable names hold no model name."""
+    def saved_and_loaded(name):
+        first = small_mlp(name)
+        save_mask(str(tmp_path / str(name)), [st.trainable.rows(g, [0]) for g in row_groups(first)], first,
+                  provenance=MaskProvenance.public())
+        return load_mask(str(tmp_path / str(name)), small_mlp(name))
+
+    assert len(saved_and_loaded("mlp")[0]) == 2  # d1, d2 (the head is not maskable)
+    if not st.backend.KERAS3:
+        assert len(saved_and_loaded(None)[0]) == 2
+        return
+    with pytest.raises(ValueError, match=r"under another model name \('sequential[_0-9]*', this model is "
+                                         r"'sequential_[0-9]+'\).*give the model a fixed name"):
+        saved_and_loaded(None)
 
 
 def test_a_mask_of_another_model_is_refused_even_when_layer_names_match(tmp_path):
