@@ -43,7 +43,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from sparta_tf import checkpointing, distribute, masks, run_checks
+from sparta_tf import checkpointing, distribute, masks, resume_inputs, run_checks
 from sparta_tf.methods import Method, make_method
 from sparta_tf.privacy import charging
 from sparta_tf.privacy.ledger import PrivacyLedger, check_unit
@@ -288,8 +288,9 @@ class PrivateRun:
             self._start(dp, x, y, first_epoch, fresh=previous is None, users=users)
         method_callback = MethodCallback(self.method)
         method_callback.begin(dp, self.plan.epochs, first_epoch)
+        inputs = None if self.run_dir is None else resume_inputs.resume_inputs(dp, self.plan, x, y, users)
         if previous is not None:
-            restore_run(previous, dp, method_callback, self.plan, self.run_dir)
+            restore_run(previous, dp, method_callback, self.plan, self.run_dir, inputs)
         distribute.check_same_step(dp.distribute_strategy, int(dp.dp_step.numpy()))
         # the run's first step: dp_step less the finished epochs (a run restarted before its first checkpoint
         # starts at the steps the killed one ran, for fresh keys)
@@ -299,7 +300,7 @@ class PrivateRun:
         if self.run_dir is None:
             return self.plan.epochs, first_epoch, [method_callback] + list(callbacks)
         # The checkpoint last: a callback that stops the epoch (a non-finite guard) runs before it is saved.
-        self.checkpoint = EpochCheckpoint(self.run_dir, dp, lambda: trained_mask(self.method))
+        self.checkpoint = EpochCheckpoint(self.run_dir, dp, lambda: trained_mask(self.method), inputs)
         journal = charging.StepJournal(self.run_dir)
         return self.plan.epochs, first_epoch, [method_callback, journal] + list(callbacks) + [self.checkpoint]
 
@@ -315,10 +316,14 @@ class PrivateRun:
                                                 **by_user)
 
 
-def restore_run(previous: tuple[str, dict], dp, method_callback, plan: PrivacyPlan, run_dir: str) -> None:
+def restore_run(previous: tuple[str, dict], dp, method_callback, plan: PrivacyPlan, run_dir: str,
+                inputs: dict | None = None) -> None:
     """Restores the last checkpoint into ``dp`` and charges the steps the killed run started after it
-    (as ``dp.mechanism``, what they ran)."""
+    (as ``dp.mechanism``, what they ran); ``inputs``: this run's :func:`~sparta_tf.resume_inputs.resume_inputs`,
+    which must be the checkpoint's."""
     path, state = previous
+    if inputs is not None:
+        resume_inputs.check_same_inputs(path, state, inputs)
     check_same_noise_draws(path, state, dp)
     check_same_mask(path, state, trained_mask(method_callback.method))
     dp.cyclic_examples = state.get("cyclic_examples")  # the resumed fit must sample the same examples' groups
@@ -376,11 +381,12 @@ def check_same_mask(path: str, state: dict, mask: str | None) -> None:
 
 class EpochCheckpoint(tf.keras.callbacks.Callback):
     """After every epoch: a resumable checkpoint and ``ledger.json`` in ``run_dir``; times the phases.
-    ``mask``: the digest of the mask trained with now (:func:`trained_mask`), kept in the checkpoint."""
+    ``mask``: the digest of the mask trained with now (:func:`trained_mask`), kept in the checkpoint, as are
+    ``inputs`` (:func:`~sparta_tf.resume_inputs.resume_inputs`), when given."""
 
-    def __init__(self, run_dir: str, dp, mask=lambda: None):
+    def __init__(self, run_dir: str, dp, mask=lambda: None, inputs: dict | None = None):
         super().__init__()
-        self.run_dir, self.dp, self.mask = run_dir, dp, mask
+        self.run_dir, self.dp, self.mask, self.inputs = run_dir, dp, mask, inputs
         self.phase_seconds: dict[str, float] = {}
         self._start = 0.0
 
@@ -397,5 +403,7 @@ class EpochCheckpoint(tf.keras.callbacks.Callback):
                  "noise_drawn_by_xla": self.dp.noise_drawn_by_xla, "mask": self.mask()}
         if self.dp.cyclic_examples is not None:
             state["cyclic_examples"] = self.dp.cyclic_examples
+        if self.inputs is not None:
+            state[resume_inputs.STATE_KEY] = self.inputs
         checkpointing.save(self.run_dir, epoch + 1, self.dp, state)
         self.dp.ledger.save(os.path.join(self.run_dir, checkpointing.LEDGER))

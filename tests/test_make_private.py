@@ -22,6 +22,7 @@ import pytest
 import tensorflow as tf
 
 import sparta_tf
+from sparta_tf.checkpointing import CheckpointError
 from sparta_tf.methods import METHODS
 from sparta_tf.privacy.callbacks import PrivacyCallback
 from sparta_tf.privacy.mechanism import DpSgdMechanism
@@ -233,6 +234,44 @@ def test_a_resumed_run_keeps_what_its_fit_marked_before_the_checkpoints_ledger_w
         dp.fit(*small_data(N), verbose=0, callbacks=[tf.keras.callbacks.ReduceLROnPlateau(monitor="loss")])
     assert dp.private_run.previous is not None and dp.ledger.steps >= dp.plan.steps
     assert not dp.ledger.is_private and any("loss" in reason for reason in dp.ledger.nonprivate_reasons)
+
+
+class _KillMidEpoch(tf.keras.callbacks.Callback):
+    """Raises before the third step of the second epoch: a run killed with two steps after its checkpoint."""
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if int(self.model.dp_step.numpy()) == N // BATCH + 2:
+            raise RuntimeError("killed")
+
+
+@pytest.mark.parametrize("kill", ["at the epoch's end", "mid-epoch"])
+@pytest.mark.parametrize("change", ["examples reordered", "clip norm", "momentum under bands"])
+def test_a_run_resumed_on_other_inputs_is_refused(tmp_path, kill, change):
+    """The steps a killed run started after its checkpoint run again with the same noise and batch keys, so a
+    resume on other inputs would release a noiseless difference (and another momentum would mix two banded
+    factorizations in one noise buffer): refused before a step, whether or not steps were lost; the same inputs
+    resume."""
+    x, y = small_data(N)
+    options = {"bands": 2} if change == "momentum under bands" else {}
+
+    def run(x, y, clip_norm=1.0, momentum=0.0, callbacks=()):
+        dp = sparta_tf.make_private(small_mlp("mlp"), method="all", target_epsilon=8.0, delta=1e-5, epochs=EPOCHS,
+                                    batch_size=BATCH, dataset_size=N, run_dir=str(tmp_path), seed=0,
+                                    clip_norm=clip_norm, **options)
+        dp.compile(tf.keras.optimizers.SGD(0.5, momentum=momentum), loss=LOSS)
+        dp.fit(x, y, verbose=0, callbacks=list(callbacks))
+        return dp
+
+    with pytest.raises(RuntimeError, match="killed"):
+        run(x, y, callbacks=[_StopAfterFirstEpoch() if kill == "at the epoch's end" else _KillMidEpoch()])
+    order = np.random.default_rng(0).permutation(N)
+    changed = {"examples reordered": dict(x=x[order], y=y[order]), "clip norm": dict(x=x, y=y, clip_norm=0.5),
+               "momentum under bands": dict(x=x, y=y, momentum=0.9)}[change]
+    with pytest.raises(CheckpointError, match=r"written by a run on (other training examples|another clip norm|"
+                                              r"other banded noise coefficients)[^\n]*resume with"):
+        run(**changed)
+    resumed = run(x, y)  # trains to the plan's end, or, charged the lost steps, while the budget lasts
+    assert int(resumed.dp_step.numpy()) > N // BATCH and resumed.ledger.epsilon() <= 8.0 * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("method, options", [("dp_frost", {}), ("dp_ssgd", {"prune": "dp_snip"})])
