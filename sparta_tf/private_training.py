@@ -284,11 +284,11 @@ class PrivateRun:
         previous = self.previous
         first_epoch = previous[1]["epoch"] if previous else 0
         distribute.check_same_checkpoint(dp.distribute_strategy, first_epoch if previous else None)
+        inputs = None if self.run_dir is None else resume_inputs.resume_inputs(dp, self.plan, x, y, users)
         if not self._started:
-            self._start(dp, x, y, first_epoch, fresh=previous is None, users=users)
+            self._start(dp, x, y, first_epoch, fresh=previous is None, users=users, inputs=inputs)
         method_callback = MethodCallback(self.method)
         method_callback.begin(dp, self.plan.epochs, first_epoch)
-        inputs = None if self.run_dir is None else resume_inputs.resume_inputs(dp, self.plan, x, y, users)
         if previous is not None:
             restore_run(previous, dp, method_callback, self.plan, self.run_dir, inputs)
         distribute.check_same_step(dp.distribute_strategy, int(dp.dp_step.numpy()))
@@ -304,13 +304,17 @@ class PrivateRun:
         journal = charging.StepJournal(self.run_dir)
         return self.plan.epochs, first_epoch, [method_callback, journal] + list(callbacks) + [self.checkpoint]
 
-    def _start(self, dp, x, y, first_epoch: int, fresh: bool, users=None) -> None:
-        """Once per process: charge what a killed run left in the journal, then the method's preparation."""
+    def _start(self, dp, x, y, first_epoch: int, fresh: bool, users=None, inputs: dict | None = None) -> None:
+        """Once per process: charge what a killed run left in the journal, then the method's preparation;
+        ``inputs`` (:func:`~sparta_tf.resume_inputs.resume_inputs`) must be those of the mechanisms a killed
+        run ran before training, which this one runs again."""
         self._started = True
         if self.run_dir is not None and fresh:
+            path, recorded = charging.inputs_before_training(self.run_dir)
+            resume_inputs.check_same_inputs(path, recorded, inputs)
             releases = self.plan.before_training_entries(releases_only=True)
             charging.charge_steps_before_first_checkpoint(dp, releases, self.run_dir)
-            charging.journal_before_training(self.run_dir, dp.ledger, releases)
+            charging.journal_before_training(self.run_dir, dp.ledger, releases, inputs)
         by_user = {} if users is None else {"users": users}  # a method of its own may not take users
         self.prepare_info = self.method.prepare(dp, x, y, tf.keras.losses.get(dp.loss), self.plan, first_epoch,
                                                 **by_user)
@@ -323,7 +327,7 @@ def restore_run(previous: tuple[str, dict], dp, method_callback, plan: PrivacyPl
     which must be the checkpoint's."""
     path, state = previous
     if inputs is not None:
-        resume_inputs.check_same_inputs(path, state, inputs)
+        resume_inputs.check_same_inputs(f"checkpoint {path}", state.get(resume_inputs.STATE_KEY), inputs)
     check_same_noise_draws(path, state, dp)
     check_same_mask(path, state, trained_mask(method_callback.method))
     dp.cyclic_examples = state.get("cyclic_examples")  # the resumed fit must sample the same examples' groups

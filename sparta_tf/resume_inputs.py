@@ -10,7 +10,9 @@ resumed run change its mechanism (``sigma``, ``q``, the bands, the sampling, the
 coefficients, which follow the optimizer's momentum) under the ledger its checkpoint restores.
 
 So every checkpoint records :func:`resume_inputs` and a resumed run whose own differs is refused in one
-line, before a step (:func:`check_same_inputs`). The examples are a digest of the arrays (with the user
+line, before a step (:func:`check_same_inputs`). So does the record of the mechanisms a killed run ran before
+training (``before_training.json``): a run restarted before its first checkpoint runs them again, with the same
+noise when the seed is fixed. The examples are a digest of the arrays (with the user
 ids), a secret of the run kept with its checkpoints (:func:`~sparta_tf.privacy.array_inputs.examples_fingerprint`);
 a ``tf.data.Dataset`` input cannot be digested and is recorded as None. A checkpoint that does not record
 them (written before they were recorded) is not checked.
@@ -60,17 +62,17 @@ def resume_inputs(dp, plan, x: Any, y: Any, users: Any = None) -> dict[str, Any]
     }
 
 
-def check_same_inputs(path: str, state: dict, inputs: dict[str, Any]) -> None:
-    """CheckpointError (one line) unless ``inputs`` are those checkpoint ``path`` (``state``) recorded."""
-    recorded = state.get(STATE_KEY)
+def check_same_inputs(source: str, recorded: dict[str, Any] | None, inputs: dict[str, Any]) -> None:
+    """CheckpointError (one line) unless ``inputs`` are the ``recorded`` ones (None: nothing recorded, not
+    checked) of ``source`` (e.g. ``"checkpoint <path>"``)."""
     if recorded is None:
         return
     for key, (other, fix) in _WHAT.items():
         if key in recorded and not _same(recorded[key], inputs.get(key)):
             raise CheckpointError(
-                f"checkpoint {path} was written by a run on {other} than this one: the steps a killed run started "
-                f"after its checkpoint run again with the same noise, which releases nothing new only on the "
-                f"same inputs; resume with {fix}, or start a new output_dir")
+                f"{source} was written by a run on {other} than this one: a resumed run runs what the killed run "
+                f"released last again with the same noise, which releases nothing new only on the same inputs; "
+                f"resume with {fix}, or start a new output_dir")
 
 
 def _same(a: Any, b: Any) -> bool:

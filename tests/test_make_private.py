@@ -274,6 +274,39 @@ def test_a_run_resumed_on_other_inputs_is_refused(tmp_path, kill, change):
     assert int(resumed.dp_step.numpy()) > N // BATCH and resumed.ledger.epsilon() <= 8.0 * (1 + 1e-9)
 
 
+class _KillAtStep(tf.keras.callbacks.Callback):
+    def __init__(self, step):
+        super().__init__()
+        self.step = step
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if int(self.model.dp_step.numpy()) == self.step:
+            raise RuntimeError("killed")
+
+
+def test_a_run_restarted_before_its_first_checkpoint_on_other_examples_is_refused(tmp_path):
+    """A run killed before its first checkpoint runs DP-FROST's selection again, with a fixed seed under the same
+    noise: on other examples the two selections' difference would have none, so the restart is refused; on the
+    same examples it runs (and charges both selections)."""
+    x, y = small_data(N)
+
+    def run(x, y, callbacks=()):
+        dp = sparta_tf.make_private(small_mlp(), method="dp_frost", target_epsilon=8.0, delta=1e-5, epochs=EPOCHS,
+                                    batch_size=BATCH, dataset_size=N, run_dir=str(tmp_path), seed=0)
+        dp.compile(tf.keras.optimizers.SGD(0.5), loss=LOSS)
+        dp.fit(x, y, verbose=0, callbacks=list(callbacks))
+        return dp
+
+    with pytest.raises(RuntimeError, match="killed"):
+        run(x, y, [_KillAtStep(2)])
+    order = np.random.default_rng(0).permutation(N)
+    with pytest.raises(CheckpointError, match=r"before_training.json \(the mechanisms a killed run ran before "
+                                              r"training\) was written by a run on other training examples"):
+        run(x[order], y[order])
+    restarted = run(x, y)
+    assert [e.phase for e in restarted.ledger.entries].count("interrupted") >= 1
+
+
 @pytest.mark.parametrize("method, options", [("dp_frost", {}), ("dp_ssgd", {"prune": "dp_snip"})])
 def test_a_run_resumed_with_its_saved_choice_replaced_is_refused(tmp_path, method, options):
     """DP-FROST's partitions and DP-SNIP's kept entries are reloaded from mask_dir on resume; a file replaced

@@ -200,6 +200,12 @@ def test_a_run_keeps_its_secret_split_key_and_a_run_started_before_stable_splits
     assert not (tmp_path / "none").exists()  # a seeded config's key is its seed's: nothing to keep
     with pytest.raises(ConfigError, match="data_split.json is missing"):
         split_key.stored_split_key(str(tmp_path / "elsewhere"), secret)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "journal.json").write_text("{}")  # a killed run's state ...
+    (tmp_path / split_key.SPLIT_KEY).unlink()  # ... whose key is lost: a new one would move examples
+    with pytest.raises(ConfigError, match=r"data_split.json is missing, but .* holds a step journal.*put the file back"):
+        split_key.run_split_key(str(tmp_path), secret)
+    assert not (tmp_path / split_key.SPLIT_KEY).exists()
 
     old = tmp_path / "old"  # a killed run recorded by a version before stable splits (no data.split)
     (old / "checkpoints").mkdir(parents=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 
-from sparta_tf import random_streams
+from sparta_tf import checkpointing, random_streams
 from sparta_tf.atomic_files import write_atomic
 from sparta_tf.data.spec import DEFAULT_SPLIT, POSITIONS_SPLIT
 from trainers.config import ConfigError
@@ -61,6 +61,11 @@ def run_split_key(output_dir: str, config: dict, share=None) -> int | None:
         return seed_key(config)
     path = os.path.join(output_dir, SPLIT_KEY)
     stored = _read_key(path) if os.path.exists(path) else None
+    left = checkpointing.has_state(output_dir)
+    if stored is None and left is not None:
+        raise ConfigError(f"{path} is missing, but {output_dir} holds {left} of a run whose data splits were drawn "
+                          "with the secret key kept there: a new key would move examples between the training and "
+                          "held-out splits; put the file back, or start a new output_dir")
     key = random_streams.new_seed() if stored is None else stored
     if share is not None:
         key = share(key)

@@ -241,10 +241,13 @@ def update_checkpoint_ledger(path: str, ledger: PrivacyLedger) -> None:
 # ------------------------------------------------------------------ before the first step
 
 
-def journal_before_training(output_dir: str, ledger: PrivacyLedger, entries: Sequence[LedgerEntry]) -> None:
+def journal_before_training(output_dir: str, ledger: PrivacyLedger, entries: Sequence[LedgerEntry],
+                            inputs: dict | None = None) -> None:
     """Before mechanisms that draw noise ahead of the first DP step (``entries``: one run's charge):
     writes ``ledger.json`` with them already charged, then counts one more started run, so that no
-    kill, during or after them, once or repeatedly, can drop a run from the ledger."""
+    kill, during or after them, once or repeatedly, can drop a run from the ledger; ``inputs``: what they
+    ran on (:func:`~sparta_tf.resume_inputs.resume_inputs`), which a restart must share
+    (:func:`inputs_before_training`)."""
     if not entries:
         return
     charged = PrivacyLedger.from_json(ledger.to_json())
@@ -255,7 +258,17 @@ def journal_before_training(output_dir: str, ledger: PrivacyLedger, entries: Seq
     os.makedirs(os.path.dirname(path), exist_ok=True)
     started = _runs_started_before_training(output_dir) + 1
     record = {"runs_started": started, "entries": [e.to_dict() for e in entries]}
+    if inputs is not None:
+        record["inputs"] = inputs
     checkpointing.write_atomic(path, json.dumps(record, indent=1))
+
+
+def inputs_before_training(output_dir: str) -> tuple[str, dict | None]:
+    """``(the record's description, the inputs it holds)`` of the mechanisms a killed run ran before training
+    (None without a record, or one that holds none)."""
+    path = os.path.join(output_dir, CHECKPOINTS, BEFORE_TRAINING)
+    record = _read_before_training(path)
+    return f"{path} (the mechanisms a killed run ran before training)", None if record is None else record.get("inputs")
 
 
 def _runs_started_before_training(output_dir: str) -> int:
@@ -267,15 +280,32 @@ def _before_training_record(output_dir: str) -> tuple[int, list[LedgerEntry]]:
     they charged (one run's, as they recorded them); ``(0, [])`` when there is none; CheckpointError when it
     is damaged."""
     path = os.path.join(output_dir, CHECKPOINTS, BEFORE_TRAINING)
-    if not os.path.exists(path):
+    record = _read_before_training(path)
+    if record is None:
         return 0, []
+    try:
+        return int(record["runs_started"]), [LedgerEntry.from_dict(e) for e in record.get("entries", [])]
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise _damaged(path, error) from None
+
+
+def _read_before_training(path: str) -> dict | None:
+    """``before_training.json`` as a dict (None when there is none); CheckpointError when it is damaged."""
+    if not os.path.exists(path):
+        return None
     try:
         with open(path) as f:
             record = json.load(f)
-        return int(record["runs_started"]), [LedgerEntry.from_dict(e) for e in record.get("entries", [])]
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise CheckpointError(f"{path} is damaged ({error}): the mechanisms the killed runs started cannot be "
-                              "counted, so it cannot be resumed safely; start a new output_dir") from None
+    except (OSError, ValueError) as error:
+        raise _damaged(path, error) from None
+    if not isinstance(record, dict):
+        raise _damaged(path, f"not an object: {type(record).__name__}")
+    return record
+
+
+def _damaged(path: str, error) -> CheckpointError:
+    return CheckpointError(f"{path} is damaged ({error}): the mechanisms the killed runs started cannot be "
+                           "counted, so it cannot be resumed safely; start a new output_dir")
 
 
 def charge_interrupted_before_training(output_dir: str, ledger: PrivacyLedger, planned: Sequence[LedgerEntry],
