@@ -148,7 +148,7 @@ def test_the_method_interface_is_the_plan_and_phase_hooks():
     hooks = {name for name, _ in inspect.getmembers(Method) if not name.startswith("_")}
     assert hooks == {"phases", "mechanisms_before_training", "users_before_training", "training_share",
                      "unit_of_recorded_mechanisms", "nonprivate_reasons", "make_dp_model", "check", "planned_trainable",
-                     "prepare", "start", "enter", "leave"}
+                     "prepare", "start", "enter", "leave", "trained_selections"}
 
 
 def test_the_per_kind_integration_tests_keep_one_method_of_every_class():

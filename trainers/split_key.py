@@ -61,14 +61,15 @@ def run_split_key(output_dir: str, config: dict, share=None) -> int | None:
         return seed_key(config)
     path = os.path.join(output_dir, SPLIT_KEY)
     stored = _read_key(path) if os.path.exists(path) else None
+    drawn = random_streams.new_seed() if stored is None else None
+    key = drawn if stored is None else stored
+    if share is not None:
+        key = share(key)
     left = checkpointing.has_state(output_dir)
-    if stored is None and left is not None:
+    if key == drawn and left is not None:  # the run's key would be new (another worker's is the chief's)
         raise ConfigError(f"{path} is missing, but {output_dir} holds {left} of a run whose data splits were drawn "
                           "with the secret key kept there: a new key would move examples between the training and "
                           "held-out splits; put the file back, or start a new output_dir")
-    key = random_streams.new_seed() if stored is None else stored
-    if share is not None:
-        key = share(key)
     if key != stored:
         write_atomic(path, json.dumps({"key": key}))  # private: beside the checkpoints, never released
     return key

@@ -39,6 +39,10 @@ The hooks, all with defaults but :meth:`Method.enter`:
     method.start(dp, epochs, first_epoch)                      # on_train_begin: masks, provenance
     method.enter(phase, dp)                                    # first epoch of each phase
     method.leave(phase, dp)                                    # after its last epoch
+
+* checkpoints: :attr:`~Method.trained_selections`, the coordinates chosen from data that the method trains
+  with now (a mask, DP-FROST's partitions, DP-SSGD's kept entries), whose digest a checkpoint records so
+  that a resumed run cannot train others.
 """
 
 from __future__ import annotations
