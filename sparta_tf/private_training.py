@@ -236,7 +236,7 @@ def private_model(model: tf.keras.Model, method: Method, plan: PrivacyPlan, *, r
     for reason in plan.nonprivate_reasons:
         dp.ledger.record_nonprivate(reason)
     dp.set_sampling_layout(plan.sampling_layout())  # anchored at the first step by fit (PrivateRun.before_fit)
-    dp.attach_run(PrivateRun(plan, method, run_dir, previous))
+    dp.attach_run(PrivateRun(plan, method, run_dir, previous, seed_given=seed is not None))
     return dp
 
 
@@ -251,6 +251,9 @@ class PrivateRun:
     previous: tuple[str, dict] | None = None
     """``(checkpoint dir, state)``: the newest readable checkpoint in ``run_dir`` when the run was built
     (the run resumes from it), or None for a fresh run."""
+    seed_given: bool = False
+    """Whether the caller fixed the run seed: a run restarted before its first checkpoint then runs the
+    mechanisms before training again under the same noise (else under a new secret seed)."""
     prepare_info: dict = dataclasses.field(default_factory=dict)
     checkpoint: "EpochCheckpoint | None" = None
     _started: bool = False
@@ -284,7 +287,8 @@ class PrivateRun:
         previous = self.previous
         first_epoch = previous[1]["epoch"] if previous else 0
         distribute.check_same_checkpoint(dp.distribute_strategy, first_epoch if previous else None)
-        inputs = None if self.run_dir is None else resume_inputs.resume_inputs(dp, self.plan, x, y, users)
+        inputs = (None if self.run_dir is None
+                  else resume_inputs.resume_inputs(dp, self.plan, x, y, users, method=self.method))
         if not self._started:
             self._start(dp, x, y, first_epoch, fresh=previous is None, users=users, inputs=inputs)
         method_callback = MethodCallback(self.method)
@@ -306,12 +310,13 @@ class PrivateRun:
 
     def _start(self, dp, x, y, first_epoch: int, fresh: bool, users=None, inputs: dict | None = None) -> None:
         """Once per process: charge what a killed run left in the journal, then the method's preparation;
-        ``inputs`` (:func:`~sparta_tf.resume_inputs.resume_inputs`) must be those of the mechanisms a killed
-        run ran before training, which this one runs again."""
-        self._started = True
-        if self.run_dir is not None and fresh:
+        with a fixed seed, ``inputs`` (:func:`~sparta_tf.resume_inputs.resume_inputs`) must be those of the
+        mechanisms a killed run ran before training, which this one runs again under the same noise."""
+        if self.run_dir is not None and fresh and self.seed_given:  # a secret seed draws them anew
             path, recorded = charging.inputs_before_training(self.run_dir)
             resume_inputs.check_same_inputs(path, recorded, inputs)
+        self._started = True
+        if self.run_dir is not None and fresh:
             releases = self.plan.before_training_entries(releases_only=True)
             charging.charge_steps_before_first_checkpoint(dp, releases, self.run_dir)
             charging.journal_before_training(self.run_dir, dp.ledger, releases, inputs)
@@ -365,30 +370,35 @@ def check_same_noise_draws(path: str, state: dict, dp) -> None:
             "same kind of device (jit_compile 'auto' is XLA on GPU/TPU only), or start a new output_dir")
 
 
-def trained_mask(method) -> str | None:
-    """:func:`~sparta_tf.masks.selections_digest` of the coordinates ``method`` trains with now
-    (:attr:`~sparta_tf.methods.base.Method.trained_selections`; None: none chosen yet)."""
-    return masks.selections_digest(getattr(method, "trained_selections", None))
+def trained_mask(method) -> dict[str, str | None]:
+    """The digests (:func:`~sparta_tf.masks.selections_digest`) a checkpoint records of what ``method``
+    trains with now: ``trained``, of its :attr:`~sparta_tf.methods.base.Method.trained_selections`, and
+    ``mask``, of its ``mask_selections`` alone (what checkpoints recorded before ``trained``, so that they
+    resume). None: none chosen yet."""
+    return {"trained": masks.selections_digest(getattr(method, "trained_selections", None)),
+            "mask": masks.selections_digest(getattr(method, "mask_selections", None))}
 
 
-def check_same_mask(path: str, state: dict, mask: str | None) -> None:
-    """CheckpointError unless the resumed run trains with the mask (digest ``mask``) that the run which wrote
-    checkpoint ``path`` had at that point: a mask loaded from another file, or a file replaced since, would
-    train coordinates chosen by a mechanism its ledger (restored from the checkpoint) never charged. A
-    checkpoint that does not record it (written before it was recorded) is not checked."""
-    if "mask" in state and state["mask"] != mask:
+def check_same_mask(path: str, state: dict, digests: dict[str, str | None]) -> None:
+    """CheckpointError unless the resumed run trains with the coordinates (``digests``: :func:`trained_mask`)
+    that the run which wrote checkpoint ``path`` had at that point: a mask loaded from another file, or a
+    file replaced since, would train coordinates chosen by a mechanism its ledger (restored from the
+    checkpoint) never charged. The checkpoint's ``trained`` digest is compared, or for a checkpoint written
+    before it was recorded its ``mask`` digest; one that records neither is not checked."""
+    key = "trained" if "trained" in state else "mask"
+    if key in state and state[key] != digests[key]:
         raise checkpointing.CheckpointError(
-            f"checkpoint {path} was written by a run that trained with {'no mask' if state['mask'] is None else 'another mask'} "
-            f"at that point than this run {'loads' if mask is not None else 'has'}; resume with the mask the run "
-            "started with (method.mask / mask=, and its mask_dir unchanged), or start a new output_dir")
+            f"checkpoint {path} was written by a run that trained with {'no mask' if state[key] is None else 'another mask'} "
+            f"at that point than this run {'loads' if digests[key] is not None else 'has'}; resume with the mask the "
+            "run started with (method.mask / mask=, and its mask_dir unchanged), or start a new output_dir")
 
 
 class EpochCheckpoint(tf.keras.callbacks.Callback):
     """After every epoch: a resumable checkpoint and ``ledger.json`` in ``run_dir``; times the phases.
-    ``mask``: the digest of the mask trained with now (:func:`trained_mask`), kept in the checkpoint, as are
+    ``mask``: the digests of what the method trains with now (:func:`trained_mask`), kept in the checkpoint, as are
     ``inputs`` (:func:`~sparta_tf.resume_inputs.resume_inputs`), when given."""
 
-    def __init__(self, run_dir: str, dp, mask=lambda: None, inputs: dict | None = None):
+    def __init__(self, run_dir: str, dp, mask=lambda: {}, inputs: dict | None = None):
         super().__init__()
         self.run_dir, self.dp, self.mask, self.inputs = run_dir, dp, mask, inputs
         self.phase_seconds: dict[str, float] = {}
@@ -404,7 +414,7 @@ class EpochCheckpoint(tf.keras.callbacks.Callback):
         if privacy is not None:
             privacy.flush()
         state = {"seed": self.dp.seed, "public_seed": self.dp.public_seed, "ledger": self.dp.ledger.to_json(),
-                 "noise_drawn_by_xla": self.dp.noise_drawn_by_xla, "mask": self.mask()}
+                 "noise_drawn_by_xla": self.dp.noise_drawn_by_xla, **self.mask()}
         if self.dp.cyclic_examples is not None:
             state["cyclic_examples"] = self.dp.cyclic_examples
         if self.inputs is not None:

@@ -20,6 +20,7 @@ them (written before they were recorded) is not checked.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -32,7 +33,9 @@ STATE_KEY = "inputs"
 """The key of :func:`resume_inputs` in a checkpoint's ``state.json``."""
 
 _WHAT = {
-    "examples": ("other training examples (or the same in another order)", "the same arrays in the same order"),
+    "examples": ("other training examples (or the same in another order, or preprocessed otherwise: another "
+                 "TensorFlow version or device)", "the same arrays in the same order"),
+    "method": ("other method options", "the same method and options"),
     "noise_multiplier": ("another noise multiplier", "the same privacy settings (target epsilon, delta, batch "
                                                      "size, epochs)"),
     "sample_rate": ("another sample rate", "the same batch size and data"),
@@ -45,11 +48,12 @@ _WHAT = {
 }
 
 
-def resume_inputs(dp, plan, x: Any, y: Any, users: Any = None) -> dict[str, Any]:
-    """The inputs of ``dp``'s run (``plan``'s mechanism, ``fit``'s arrays) that a resumed run must share
-    (module doc), as JSON values."""
+def resume_inputs(dp, plan, x: Any, y: Any, users: Any = None, method=None) -> dict[str, Any]:
+    """The inputs of ``dp``'s run (``plan``'s mechanism, ``fit``'s arrays, ``method``'s name and options,
+    which steer the mechanisms before training) that a resumed run must share (module doc), as JSON values."""
     noise = getattr(dp, "correlated_noise", None)
     return {
+        "method": None if method is None else _json_value([method.name, _options(method)]),
         "examples": None if x is None or isinstance(x, tf.data.Dataset) else examples_fingerprint(x, (y, users)),
         "noise_multiplier": None if plan.noise_multiplier is None else float(plan.noise_multiplier),
         "sample_rate": float(plan.sample_rate),
@@ -67,12 +71,27 @@ def check_same_inputs(source: str, recorded: dict[str, Any] | None, inputs: dict
     checked) of ``source`` (e.g. ``"checkpoint <path>"``)."""
     if recorded is None:
         return
+    if not isinstance(recorded, dict):
+        raise CheckpointError(f"{source} is damaged (its inputs are not an object): what the killed run trained on "
+                              "cannot be checked, so it cannot be resumed safely; start a new output_dir")
     for key, (other, fix) in _WHAT.items():
         if key in recorded and not _same(recorded[key], inputs.get(key)):
             raise CheckpointError(
-                f"{source} was written by a run on {other} than this one: a resumed run runs what the killed run "
+                f"{source} was written by a run with {other} than this one: a resumed run runs what the killed run "
                 f"released last again with the same noise, which releases nothing new only on the same inputs; "
                 f"resume with {fix}, or start a new output_dir")
+
+
+def _options(method) -> dict[str, Any]:
+    """``method``'s options but a loaded mask's path: the mask itself is checked by its digest
+    (:func:`~sparta_tf.private_training.check_same_mask`), so a mask file moved elsewhere resumes."""
+    return {name: value for name, value in getattr(method, "option_values", {}).items() if name != "mask"}
+
+
+def _json_value(value: Any) -> Any:
+    """``value`` as it reads back from JSON (a value JSON cannot hold by its type's name: its ``repr`` may name
+    a memory address), so that a run's own record compares equal to the one its checkpoint holds."""
+    return json.loads(json.dumps(value, sort_keys=True, default=lambda other: type(other).__name__))
 
 
 def _same(a: Any, b: Any) -> bool:

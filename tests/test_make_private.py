@@ -267,7 +267,7 @@ def test_a_run_resumed_on_other_inputs_is_refused(tmp_path, kill, change):
     order = np.random.default_rng(0).permutation(N)
     changed = {"examples reordered": dict(x=x[order], y=y[order]), "clip norm": dict(x=x, y=y, clip_norm=0.5),
                "momentum under bands": dict(x=x, y=y, momentum=0.9)}[change]
-    with pytest.raises(CheckpointError, match=r"written by a run on (other training examples|another clip norm|"
+    with pytest.raises(CheckpointError, match=r"written by a run with (other training examples|another clip norm|"
                                               r"other banded noise coefficients)[^\n]*resume with"):
         run(**changed)
     resumed = run(x, y)  # trains to the plan's end, or, charged the lost steps, while the budget lasts
@@ -282,6 +282,22 @@ class _KillAtStep(tf.keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         if int(self.model.dp_step.numpy()) == self.step:
             raise RuntimeError("killed")
+
+
+def test_a_dp_frost_checkpoint_written_before_the_trained_digest_and_inputs_resumes(tmp_path):
+    """Checkpoints of earlier versions recorded only ``mask`` (the digest of mask_selections: None for DP-FROST)
+    and no inputs: they still resume."""
+    resume = _stopped_run(tmp_path, "dp_frost", model_name="mlp")
+    checkpoints = tmp_path / "checkpoints"
+    state_file = checkpoints / (checkpoints / "latest").read_text().strip() / "state.json"
+    state = json.loads(state_file.read_text())
+    assert state["trained"] is not None and state["mask"] is None and "inputs" in state
+    del state["trained"], state["inputs"]
+    state_file.write_text(json.dumps(state))
+    dp = resume()
+    dp.compile(tf.keras.optimizers.SGD(0.5), loss=LOSS)
+    dp.fit(*small_data(N), verbose=0)
+    assert int(dp.dp_step.numpy()) > N // BATCH
 
 
 def test_a_run_restarted_before_its_first_checkpoint_on_other_examples_is_refused(tmp_path):
@@ -301,7 +317,7 @@ def test_a_run_restarted_before_its_first_checkpoint_on_other_examples_is_refuse
         run(x, y, [_KillAtStep(2)])
     order = np.random.default_rng(0).permutation(N)
     with pytest.raises(CheckpointError, match=r"before_training.json \(the mechanisms a killed run ran before "
-                                              r"training\) was written by a run on other training examples"):
+                                              r"training\) was written by a run with other training examples"):
         run(x[order], y[order])
     restarted = run(x, y)
     assert [e.phase for e in restarted.ledger.entries].count("interrupted") >= 1

@@ -203,7 +203,7 @@ def test_a_run_keeps_its_secret_split_key_and_a_run_started_before_stable_splits
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "journal.json").write_text("{}")  # a killed run's state ...
     (tmp_path / split_key.SPLIT_KEY).unlink()  # ... whose key is lost: a new one would move examples
-    with pytest.raises(ConfigError, match=r"data_split.json is missing, but .* holds a step journal.*put the file back"):
+    with pytest.raises(ConfigError, match=r"data_split.json is missing, but a killed run's state is there.*put the file back"):
         split_key.run_split_key(str(tmp_path), secret)
     assert not (tmp_path / split_key.SPLIT_KEY).exists()
 

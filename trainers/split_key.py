@@ -51,25 +51,30 @@ def new_key(config: dict) -> int | None:
     return random_streams.new_seed() if needs_secret_key(config) else seed_key(config)
 
 
+LOST_KEY = 0
+"""What a run whose state is there but whose key file is gone proposes as its key (a drawn key is 0 with
+probability 2^-63): the chief's proposal decides for every worker, so all refuse together."""
+
+
 def run_split_key(output_dir: str, config: dict, share=None) -> int | None:
     """The run's split key: read from ``output_dir`` (a resumed run), else drawn and written there before
     the data is loaded; :func:`seed_key` when the config's seed decides the splits. ``share(key)``: the
     key every worker of a multi-worker run uses (the chief's, :func:`sparta_tf.distribute.shared_seed`),
     which each worker then keeps in its own ``output_dir``: workers that drew their own keys would hold
-    out different examples and train on different arrays."""
+    out different examples and train on different arrays. A ConfigError when the run's key file is gone but a
+    killed run's state is there (on several workers: the chief's)."""
     if not needs_secret_key(config):
         return seed_key(config)
     path = os.path.join(output_dir, SPLIT_KEY)
     stored = _read_key(path) if os.path.exists(path) else None
-    drawn = random_streams.new_seed() if stored is None else None
-    key = drawn if stored is None else stored
-    if share is not None:
+    lost = stored is None and checkpointing.has_state(output_dir) is not None
+    key = LOST_KEY if lost else random_streams.new_seed() if stored is None else stored
+    if share is not None:  # the chief's decides: every worker refuses when the chief lost its key
         key = share(key)
-    left = checkpointing.has_state(output_dir)
-    if key == drawn and left is not None:  # the run's key would be new (another worker's is the chief's)
-        raise ConfigError(f"{path} is missing, but {output_dir} holds {left} of a run whose data splits were drawn "
-                          "with the secret key kept there: a new key would move examples between the training and "
-                          "held-out splits; put the file back, or start a new output_dir")
+    if key == LOST_KEY:
+        raise ConfigError(f"{path} is missing, but a killed run's state is there, and its data splits were drawn "
+                          "with the secret key kept in that file: a new key would move examples between the training "
+                          "and held-out splits; put the file back, or start a new output_dir")
     if key != stored:
         write_atomic(path, json.dumps({"key": key}))  # private: beside the checkpoints, never released
     return key

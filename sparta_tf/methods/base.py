@@ -142,11 +142,11 @@ class Method(abc.ABC):
 
     @property
     def trained_selections(self) -> list | None:
-        """The coordinates chosen from data that the method trains with now (a mask, selected partitions, kept
+        """The coordinates chosen (from data, or at random) that the method trains with now (a mask, selected partitions, kept
         entries: :class:`~sparta_tf.trainable.VariableSelection` s), None when it has chosen none (yet). A
         checkpoint records their digest, so that a resumed run cannot train others that its ledger never
-        charged (:func:`~sparta_tf.private_training.check_same_mask`)."""
-        return None
+        charged (:func:`~sparta_tf.private_training.check_same_mask`). Default: a ``mask_selections`` attribute."""
+        return getattr(self, "mask_selections", None)
 
     def nonprivate_reasons(self) -> list[str]:
         """Why a run of this method is not differentially private (empty: it is)."""

@@ -30,10 +30,6 @@ class MaskedMethod(SetMethod):
     mask_selections: list[VariableSelection] | None = None
     """The mask once chosen (or reloaded), else None."""
 
-    @property
-    def trained_selections(self) -> list[VariableSelection] | None:
-        return self.mask_selections
-
     def check(self, model: tf.keras.Model) -> None:
         """Refuses a ``density_overrides`` pattern that matches no maskable layer of ``model`` (it would
         change nothing, silently): one line naming the pattern and the layers there are."""

@@ -87,13 +87,14 @@ Observer = Callable[[int, np.ndarray], "tuple[np.ndarray, float]"]
 def no_partition_message(sizes: Sequence[int], total_params: int, gamma: float) -> str:
     """The one-line error for a PSEL run that selected nothing: either no partition fits into the budget
     ``gamma |Theta|`` at all, or (PSEL stops at the first partition, by noisy magnitude, that does not fit)
-    every round ranked a partition too large for its budget first, which the noise can do."""
+    the last round, whose limit is the whole budget, ranked a partition too large for it first (earlier rounds
+    have smaller limits, or chose none above their thresholds), which the noise can do."""
     budget, smallest = gamma * int(total_params), int(min(sizes))
     if smallest > budget:
         return (f"DP-FROST selected no partition: gamma={gamma} allows {budget:,.0f} parameters, fewer than the "
                 f"smallest partition ({smallest:,}); raise gamma to at least {smallest / int(total_params):.3g}")
-    return (f"DP-FROST selected no partition: every round ranked first, by its noisy magnitude, a partition "
-            f"larger than gamma={gamma} allows ({budget:,.0f} of {int(total_params):,} parameters), and PSEL stops "
+    return (f"DP-FROST selected no partition: its last round, which takes whatever fits, ranked first by its noisy "
+            f"magnitude a partition larger than gamma={gamma} allows ({budget:,.0f} of {int(total_params):,} parameters), and PSEL stops "
             "there; raise gamma so that more partitions fit, or lower the selection noise "
             "(a smaller r_eps or a larger epsilon)")
 
